@@ -1,0 +1,81 @@
+"""``tierckpt-daemon``: run the node-local checkpoint daemon.
+
+Every flag has an environment twin ``TIERCKPT_<NAME>``; a flag wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from pydantic import ValidationError
+
+from tierckpt_daemon import __version__
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _configure_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierckpt-daemon", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"tierckpt-daemon {__version__}")
+    p.add_argument("--shm-dir", help="tmpfs directory of the memory tier [TIERCKPT_SHM_DIR]")
+    p.add_argument("--socket", help="Unix socket for local clients [TIERCKPT_SOCKET]")
+    p.add_argument("--capacity", help="budget: '40%%' of node memory or bytes like '16G'")
+    p.add_argument("--keep-last", type=int, help="committed steps kept per namespace")
+    p.add_argument("--host", help="bind address of the TCP port [TIERCKPT_HOST]")
+    p.add_argument("--port", type=int, help="TCP port for probes, 0 = off [TIERCKPT_PORT]")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ... [TIERCKPT_LOG_LEVEL]")
+    p.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    from tierckpt_daemon.config import DaemonSettings
+    from tierckpt_daemon.server import DaemonStartError, serve
+
+    try:
+        settings = DaemonSettings(**overrides)
+    except ValidationError as e:
+        for err in e.errors():
+            field = ".".join(str(x) for x in err["loc"]) or "settings"
+            print(f"tierckpt-daemon: invalid setting {field}: {err['msg']}", file=sys.stderr)
+        return 2
+    _configure_logging(settings.log_level, settings.log_json)
+    try:
+        serve(settings)
+    except DaemonStartError as e:
+        logging.getLogger("tierckpt_daemon").error("%s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Application factory: routers, error mapping, the local-only guard and the sweeper task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tierckpt_client.errors import ForbiddenError, ProtocolError, TierCkptError
+from tierckpt_client.protocol import API_VERSION
+from tierckpt_daemon import __version__
+from tierckpt_daemon.api import health, namespaces, writes
+from tierckpt_daemon.config import DaemonSettings
+from tierckpt_daemon.service import TierService
+
+logger = logging.getLogger(__name__)
+
+SWEEP_INTERVAL_S = 10.0
+
+# Routes that the TCP port serves to anyone (probes, docs). Everything else is for local clients on
+# the Unix socket; peers get their own token-guarded routes when replication lands.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+
+
+class LocalOnlyGuard:
+    """Reject non-public routes that arrive over TCP: on the Unix socket uvicorn's ``server`` is
+    ``(path, None)``, on TCP ``(host, port)``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server")
+        over_tcp = server is not None and server[1] is not None
+        if scope["type"] == "http" and over_tcp and scope["path"] not in PUBLIC_PATHS:
+            err = ForbiddenError(
+                f"{scope['path']} is only served on the daemon's Unix socket, not over TCP"
+            )
+            response = JSONResponse({"code": err.code, "detail": str(err)}, status_code=403)
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_sweeper(service))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(
+        title="tierckpt daemon",
+        version=__version__,
+        description=f"Node-local tiered checkpoint store, API {API_VERSION}.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.settings = settings
+
+    @app.exception_handler(TierCkptError)
+    async def _tierckpt_error(request: Request, exc: TierCkptError) -> JSONResponse:
+        if exc.http_status >= 500:
+            logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
+        return JSONResponse({"code": exc.code, "detail": str(exc)}, status_code=exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e.get("loc", ()))
+            parts.append(f"{loc}: {e.get('msg')}")
+        detail = f"invalid request to {request.url.path}: " + "; ".join(parts)
+        return JSONResponse({"code": ProtocolError.code, "detail": detail}, status_code=422)
+
+    app.include_router(health.router)
+    app.include_router(namespaces.router)
+    app.include_router(writes.router)
+    app.add_middleware(LocalOnlyGuard)
+    return app
+
+
+async def _sweeper(service: TierService) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        try:
+            await asyncio.to_thread(service.sweep)
+        except OSError:
+            logger.exception("housekeeping sweep failed; retrying in %.0fs", SWEEP_INTERVAL_S)

@@ -1,0 +1,31 @@
+"""Probes and daemon status."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from tierckpt_client.protocol import StatusResponse
+from tierckpt_daemon.api.deps import get_service
+from tierckpt_daemon.service import TierService
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(service: Annotated[TierService, Depends(get_service)]) -> dict[str, str]:
+    service.arena.root.stat()  # the tier directory is still there
+    return {"status": "ready"}
+
+
+@router.get("/v1/status")
+def status(
+    request: Request, service: Annotated[TierService, Depends(get_service)]
+) -> StatusResponse:
+    return service.status(str(request.app.state.settings.shm_dir))

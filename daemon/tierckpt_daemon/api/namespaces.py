@@ -1,0 +1,56 @@
+"""Namespaces and committed steps: list, inspect, metadata, pins for readers, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Response
+
+from tierckpt_client.protocol import NamespaceInfo, PinResponse, StepInfo
+from tierckpt_daemon.api.deps import get_service
+from tierckpt_daemon.service import TierService
+
+router = APIRouter(prefix="/v1/namespaces")
+Service = Annotated[TierService, Depends(get_service)]
+
+
+@router.get("")
+def list_namespaces(service: Service) -> list[NamespaceInfo]:
+    return service.list_namespaces()
+
+
+@router.get("/{namespace}/steps")
+def list_steps(namespace: str, service: Service) -> list[StepInfo]:
+    return service.list_steps(namespace)
+
+
+@router.get("/{namespace}/latest")
+def latest(namespace: str, service: Service) -> StepInfo:
+    return service.latest(namespace)
+
+
+@router.get("/{namespace}/steps/{step}")
+def get_step(namespace: str, step: int, service: Service) -> StepInfo:
+    return service.get_step(namespace, step)
+
+
+@router.get("/{namespace}/steps/{step}/metadata")
+def get_metadata(namespace: str, step: int, service: Service) -> dict[str, Any]:
+    return service.metadata(namespace, step)
+
+
+@router.delete("/{namespace}/steps/{step}", status_code=204)
+def delete_step(namespace: str, step: int, service: Service) -> Response:
+    service.delete_step(namespace, step)
+    return Response(status_code=204)
+
+
+@router.post("/{namespace}/steps/{step}/pins")
+def pin(namespace: str, step: int, service: Service) -> PinResponse:
+    return service.pin(namespace, step)
+
+
+@router.delete("/{namespace}/steps/{step}/pins/{pin_id}", status_code=204)
+def unpin(namespace: str, step: int, pin_id: str, service: Service) -> Response:
+    service.unpin(namespace, step, pin_id)
+    return Response(status_code=204)

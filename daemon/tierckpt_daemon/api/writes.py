@@ -1,0 +1,37 @@
+"""The write path: leases of shard files, sealing a rank's files into a step, committing a step."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Response
+
+from tierckpt_client.protocol import CommitRequest, LeaseRequest, LeaseResponse, SealRequest, StepInfo
+from tierckpt_daemon.api.deps import get_service
+from tierckpt_daemon.service import TierService
+
+router = APIRouter(prefix="/v1/namespaces/{namespace}")
+Service = Annotated[TierService, Depends(get_service)]
+
+
+@router.post("/leases")
+def lease(namespace: str, req: LeaseRequest, service: Service) -> LeaseResponse:
+    return service.lease(namespace, req.rank, req.size)
+
+
+@router.delete("/leases/{lease_id}", status_code=204)
+def release(namespace: str, lease_id: str, service: Service) -> Response:
+    service.release_lease(namespace, lease_id)
+    return Response(status_code=204)
+
+
+@router.post("/steps/{step}/attempts/{attempt}/seal")
+def seal(namespace: str, step: int, attempt: str, req: SealRequest, service: Service) -> StepInfo:
+    return service.seal(namespace, step, attempt, req)
+
+
+@router.post("/steps/{step}/attempts/{attempt}/commit")
+def commit(
+    namespace: str, step: int, attempt: str, req: CommitRequest, service: Service
+) -> StepInfo:
+    return service.commit(namespace, step, attempt, req)

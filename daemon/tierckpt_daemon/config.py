@@ -1,0 +1,103 @@
+"""Daemon settings: environment variables ``TIERCKPT_*`` (names match the Helm values) or flags.
+
+Settings are read once in ``__main__`` and passed down; nothing reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"1073741824"``, ``"512M"``, ``"8G"``, ``"1.5GiB"`` into bytes (binary units)."""
+    m = _SIZE_RE.fullmatch(text)
+    if not m:
+        raise ValueError(
+            f"cannot parse size {text!r}: use bytes with an optional K/M/G/T suffix, e.g. '8G'"
+        )
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I") or ""
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def node_memory_bytes() -> int:
+    """Memory this daemon can use: the node's MemTotal, or the cgroup limit if that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw))
+        break
+    return total
+
+
+def parse_capacity(text: str, node_bytes: int | None = None) -> int:
+    """``"40%"`` of node memory (cgroup-aware) or an absolute size such as ``"16G"``."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"cannot parse capacity {text!r}: use e.g. '40%' or '16G'") from None
+        if not 0 < pct <= 100:
+            raise ValueError(f"capacity percent must be in (0, 100], got {text!r}")
+        return int((node_bytes if node_bytes is not None else node_memory_bytes()) * pct / 100)
+    return parse_size(text)
+
+
+class DaemonSettings(BaseSettings):
+    """All daemon settings. Environment: ``TIERCKPT_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="TIERCKPT_", extra="ignore")
+
+    shm_dir: Path = Field(
+        default=Path("/dev/shm/tierckpt"),
+        description="tmpfs directory that holds the memory tier (shared with the trainers)",
+    )
+    socket: Path | None = Field(
+        default=None, description="Unix socket for local clients (default <shm_dir>/daemon.sock)"
+    )
+    capacity: str = Field(
+        default="40%", description="memory tier budget: bytes with K/M/G/T suffix or % of node memory"
+    )
+    keep_last: int = Field(default=2, ge=1, description="committed steps kept per namespace")
+    host: str = Field(default="127.0.0.1", description="bind address of the TCP port")
+    port: int = Field(default=8474, ge=0, le=65535, description="TCP port (probes); 0 = off")
+    lease_ttl_s: float = Field(
+        default=900.0, gt=0, description="an unsealed lease or unfinished step expires after this"
+    )
+    prefault: bool = Field(default=True, description="allocate tmpfs pages when a file is created")
+    log_level: str = Field(default="INFO")
+    log_json: bool = Field(default=False)
+
+    capacity_bytes: int = Field(default=0, exclude=True)
+
+    @field_validator("capacity")
+    @classmethod
+    def _check_capacity(cls, v: str) -> str:
+        parse_capacity(v, node_bytes=1 << 30)  # syntax check only
+        return v
+
+    @model_validator(mode="after")
+    def _derive(self) -> DaemonSettings:
+        if self.socket is None:
+            self.socket = self.shm_dir / "daemon.sock"
+        self.capacity_bytes = parse_capacity(self.capacity)
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"capacity {self.capacity!r} resolves to {self.capacity_bytes} bytes")
+        return self
+
+    @property
+    def socket_path(self) -> Path:
+        assert self.socket is not None
+        return self.socket

@@ -1,0 +1,46 @@
+"""Which committed steps leave the memory tier, and when.
+
+A policy answers two questions about one namespace's committed steps: which to drop right after a
+commit (retention), and in which order steps may be dropped when a lease does not fit (pressure).
+The service never evicts a pinned step (a reader is copying out of it) and never the newest committed
+step of a namespace; later tiers add "not before it is durable" through :meth:`safe_to_evict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from tierckpt_daemon.index import StepRecord
+
+
+class EvictionPolicy(Protocol):
+    def after_commit(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
+        """Steps of one namespace to evict now that a new step is committed."""
+        ...
+
+    def under_pressure(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
+        """Steps of one namespace that may go to make room, the first to go first."""
+        ...
+
+
+class KeepLatestN:
+    """Keep the newest ``n`` committed steps of each namespace (``TIERCKPT_KEEP_LAST``)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"keep_last must be >= 1, got {n}")
+        self.n = n
+
+    def after_commit(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
+        newest_first = sorted(committed, key=lambda r: r.step, reverse=True)
+        return [r for r in newest_first[self.n :] if safe_to_evict(r)]
+
+    def under_pressure(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
+        oldest_first = sorted(committed, key=lambda r: r.step)
+        return [r for r in oldest_first[:-1] if safe_to_evict(r)]
+
+
+def safe_to_evict(record: StepRecord) -> bool:
+    """A step may leave memory only if no reader holds it (and, with a persistent tier, once durable)."""
+    return not record.pins

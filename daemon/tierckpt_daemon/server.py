@@ -1,0 +1,103 @@
+"""Run the daemon: one uvicorn server on the Unix socket (local clients) and the TCP port (probes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from tierckpt_daemon.api import create_app
+from tierckpt_daemon.config import DaemonSettings
+from tierckpt_daemon.service import TierService
+from tierckpt_daemon.store import Arena
+
+logger = logging.getLogger(__name__)
+
+
+class DaemonStartError(RuntimeError):
+    """The daemon cannot start (another one runs on the same tier, a port is taken, ...)."""
+
+
+def _lock_tier(shm_dir: Path) -> int:
+    fd = os.open(shm_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise DaemonStartError(
+                f"another tierckpt daemon already serves {shm_dir}; stop it or use another "
+                "TIERCKPT_SHM_DIR"
+            ) from None
+        raise
+    return fd
+
+
+def _bind_unix(path: Path) -> socket.socket:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # stale socket of a dead daemon: the tier lock says nobody else serves it
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, 0o660)
+    sock.listen(128)
+    return sock
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise DaemonStartError(f"cannot listen on {host}:{port}: {e.strerror} (TIERCKPT_PORT)") from e
+    sock.listen(128)
+    return sock
+
+
+def build_service(settings: DaemonSettings) -> TierService:
+    arena = Arena(settings.shm_dir, settings.capacity_bytes, prefault=settings.prefault)
+    service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
+    service.rebuild()
+    return service
+
+
+def serve(settings: DaemonSettings) -> None:
+    settings.shm_dir.mkdir(parents=True, exist_ok=True)
+    lock_fd = _lock_tier(settings.shm_dir)
+    try:
+        service = build_service(settings)
+        app = create_app(service, settings)
+        sockets = [_bind_unix(settings.socket_path)]
+        if settings.port:
+            sockets.append(_bind_tcp(settings.host, settings.port))
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=30,
+            lifespan="on",
+        )
+        server = uvicorn.Server(config)
+        logger.info(
+            "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d)",
+            settings.shm_dir,
+            settings.socket_path,
+            f" and {settings.host}:{settings.port}" if settings.port else "",
+            settings.capacity_bytes,
+            settings.keep_last,
+        )
+        asyncio.run(server.serve(sockets=sockets))
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            settings.socket_path.unlink()
+        os.close(lock_fd)

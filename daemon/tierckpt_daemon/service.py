@@ -1,0 +1,502 @@
+"""The memory tier's operations: lease, seal, commit, pin, delete, evict, sweep, rebuild.
+
+One :class:`TierService` per daemon. Every public method is safe to call from several threads: the
+state is guarded by one lock, and the only slow operation (allocating fresh tmpfs pages for a new
+file) runs outside it against a reservation.
+
+Write path of one save attempt (one per ``dcp.save``/``async_save`` call)::
+
+    lease(rank, size)          -> a pre-faulted file under leases/ (recycled from the pool if possible)
+    seal(step, attempt, rank)  -> the rank's leased files move into the attempt's step directory
+    commit(step, attempt)      -> every listed file is sealed: write MANIFEST.json, state COMMITTED,
+                                  older attempts of the step and steps beyond retention are evicted
+
+Evicted files go to the pool; the next lease of the same size takes them back (see store.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tierckpt_client.errors import (
+    CapacityExceededError,
+    CheckpointFormatError,
+    LeaseNotFoundError,
+    NamespaceNotFoundError,
+    StepNotFoundError,
+    StepStateError,
+)
+from tierckpt_client.protocol import (
+    API_VERSION,
+    CommitRequest,
+    LeaseResponse,
+    NamespaceInfo,
+    PinResponse,
+    SealRequest,
+    StatusResponse,
+    StepInfo,
+    StepState,
+    validate_file_name,
+    validate_namespace,
+    validate_step,
+)
+from tierckpt_daemon import __version__
+from tierckpt_daemon.eviction import EvictionPolicy, KeepLatestN, safe_to_evict
+from tierckpt_daemon.index import (
+    FileRecord,
+    StepRecord,
+    parse_step_dir_name,
+    read_manifest,
+    record_from_manifest,
+    step_dir_name,
+    write_manifest,
+)
+from tierckpt_daemon.store import Arena, round_up
+
+logger = logging.getLogger(__name__)
+
+PIN_TTL_S = 600.0
+POOL_IDLE_S = 900.0
+
+
+class _Lease:
+    __slots__ = ("expires", "lease_id", "namespace", "path", "rank", "size")
+
+    def __init__(self, lease_id: str, namespace: str, rank: int, path: Path, size: int, ttl: float):
+        self.lease_id = lease_id
+        self.namespace = namespace
+        self.rank = rank
+        self.path = path
+        self.size = size
+        self.expires = time.monotonic() + ttl
+
+
+class TierService:
+    def __init__(
+        self,
+        arena: Arena,
+        *,
+        keep_last: int = 2,
+        lease_ttl_s: float = 900.0,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
+        self.arena = arena
+        self.keep_last = keep_last
+        self.lease_ttl_s = lease_ttl_s
+        self.policy: EvictionPolicy = policy or KeepLatestN(keep_last)
+        self._lock = threading.RLock()
+        self._leases: dict[str, _Lease] = {}
+        self._committed: dict[str, dict[int, StepRecord]] = {}
+        self._writing: dict[tuple[str, int, str], StepRecord] = {}
+        self._evicting: list[StepRecord] = []  # superseded or retired, waiting for readers to unpin
+
+    # -- start-up ---------------------------------------------------------------------------
+    def rebuild(self) -> None:
+        """Rebuild the index from the tier directory after a (re)start."""
+        with self._lock:
+            self.arena.scan_pool()
+            reclaimed = 0
+            for p in sorted(self.arena.lease_dir.iterdir()):
+                self.arena.adopt_into_pool(p)
+                reclaimed += 1
+            for ns_dir in sorted(self.arena.ns_dir.iterdir()):
+                for step_dir in sorted(ns_dir.iterdir()) if ns_dir.is_dir() else []:
+                    reclaimed += self._rebuild_step(ns_dir.name, step_dir)
+                if ns_dir.is_dir() and not any(ns_dir.iterdir()):
+                    ns_dir.rmdir()
+            for ns, steps in self._committed.items():
+                # Two committed attempts of one step can survive a crash mid-supersede: newest wins.
+                logger.info("namespace %s: committed steps %s", ns, sorted(steps))
+            logger.info(
+                "index rebuilt from %s: %d committed steps, %d partial files reclaimed, %d pool files",
+                self.arena.root,
+                sum(len(s) for s in self._committed.values()),
+                reclaimed,
+                self.arena.pool_files,
+            )
+
+    def _rebuild_step(self, namespace: str, step_dir: Path) -> int:
+        manifest = step_dir / "MANIFEST.json"
+        if step_dir.is_dir() and manifest.exists() and parse_step_dir_name(step_dir.name):
+            try:
+                rec = record_from_manifest(namespace, step_dir, read_manifest(manifest))
+            except CheckpointFormatError as e:
+                logger.warning("discarding step directory %s: %s", step_dir, e)
+            else:
+                for f in rec.files.values():
+                    self.arena.track(step_dir / f.name, f.size)
+                steps = self._committed.setdefault(namespace, {})
+                old = steps.get(rec.step)
+                if old is None or (old.committed_at or 0) < (rec.committed_at or 0):
+                    steps[rec.step] = rec
+                    if old is not None:
+                        self._drop(old)
+                else:
+                    self._drop(rec)
+                return 0
+        n = self._reclaim_dir(step_dir)
+        logger.info("reclaimed %d files of unfinished save %s/%s", n, namespace, step_dir.name)
+        return n
+
+    def _reclaim_dir(self, step_dir: Path) -> int:
+        n = 0
+        if step_dir.is_dir():
+            for p in list(step_dir.iterdir()):
+                if p.name.startswith("MANIFEST"):
+                    p.unlink()
+                else:
+                    self.arena.adopt_into_pool(p)
+                    n += 1
+            step_dir.rmdir()
+        else:
+            step_dir.unlink(missing_ok=True)
+        return n
+
+    # -- leases -----------------------------------------------------------------------------
+    def lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
+        validate_namespace(namespace)
+        size = round_up(size)
+        lease_id = uuid.uuid4().hex
+        path = self.arena.lease_dir / f"{lease_id}.bin"
+        with self._lock:
+            if self.arena.take_from_pool(size, path):
+                return self._grant(lease_id, namespace, rank, path, size, recycled=True)
+            self._make_room(size, namespace)
+            self.arena.reserve(size)
+        try:
+            self.arena.allocate(path, size)
+        finally:
+            with self._lock:
+                self.arena.unreserve(size)
+        with self._lock:
+            self.arena.track(path, size)
+            return self._grant(lease_id, namespace, rank, path, size, recycled=False)
+
+    def _grant(
+        self, lease_id: str, namespace: str, rank: int, path: Path, size: int, *, recycled: bool
+    ) -> LeaseResponse:
+        self._leases[lease_id] = _Lease(lease_id, namespace, rank, path, size, self.lease_ttl_s)
+        logger.debug("lease %s: %s rank %d, %d bytes, recycled=%s", lease_id, namespace, rank, size, recycled)
+        return LeaseResponse(
+            lease_id=lease_id,
+            path=str(path),
+            size=size,
+            recycled=recycled,
+            expires_in_s=self.lease_ttl_s,
+        )
+
+    def _make_room(self, size: int, namespace: str) -> None:
+        """Free pool files, then evict safe committed steps, until ``size`` more bytes fit."""
+        arena = self.arena
+        if arena.capacity_bytes - arena.used_bytes >= size:
+            return
+        arena.trim_pool(size)
+        while arena.capacity_bytes - arena.used_bytes < size:
+            victim = self._pressure_victim()
+            if victim is None:
+                break
+            logger.warning(
+                "memory tier full: evicting committed step %s/%d to make room for %d bytes",
+                victim.namespace,
+                victim.step,
+                size,
+            )
+            self._evict(victim, to_pool=False)
+        if arena.capacity_bytes - arena.used_bytes < size:
+            writing = sum(r.bytes for r in self._writing.values()) + sum(
+                le.size for le in self._leases.values()
+            )
+            committed = sum(r.bytes for s in self._committed.values() for r in s.values())
+            raise CapacityExceededError(
+                f"namespace {namespace}: a lease of {size} bytes does not fit in the memory tier "
+                f"(capacity {arena.capacity_bytes} bytes; in use: {committed} committed and kept, "
+                f"{writing} being written, {arena.pool_bytes} pooled). Nothing more can be evicted "
+                "safely: the newest committed step of each namespace and steps being read are kept. "
+                "Raise TIERCKPT_CAPACITY, lower TIERCKPT_KEEP_LAST, or delete steps."
+            )
+
+    def _pressure_victim(self) -> StepRecord | None:
+        candidates: list[StepRecord] = []
+        for steps in self._committed.values():
+            candidates.extend(self.policy.under_pressure(list(steps.values())))
+        candidates.sort(key=lambda r: r.committed_at or 0)
+        return candidates[0] if candidates else None
+
+    def release_lease(self, namespace: str, lease_id: str) -> None:
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.namespace != namespace:
+                raise LeaseNotFoundError(f"namespace {namespace}: no lease {lease_id}")
+            del self._leases[lease_id]
+            self.arena.adopt_into_pool(lease.path)
+
+    # -- seal and commit --------------------------------------------------------------------
+    def seal(self, namespace: str, step: int, attempt: str, req: SealRequest) -> StepInfo:
+        validate_namespace(namespace)
+        validate_step(step)
+        validate_file_name(attempt)
+        with self._lock:
+            key = (namespace, step, attempt)
+            rec = self._writing.get(key)
+            if rec is None:
+                self._discard_stale_attempts(namespace, step)
+                step_dir = self.arena.ns_dir / namespace / step_dir_name(step, attempt)
+                step_dir.mkdir(parents=True, exist_ok=False)
+                rec = StepRecord(namespace=namespace, step=step, attempt=attempt, dir=step_dir)
+                self._writing[key] = rec
+            for f in req.files:
+                validate_file_name(f.name)
+                if f.name.startswith("MANIFEST"):
+                    raise StepStateError(f"file name {f.name!r} is reserved")
+                lease = self._leases.get(f.lease_id)
+                if lease is None or lease.namespace != namespace:
+                    raise LeaseNotFoundError(
+                        f"{namespace}/step {step} rank {req.rank}: lease {f.lease_id} for file "
+                        f"{f.name} is unknown or expired (was the daemon restarted during the save?)"
+                    )
+                if f.name in rec.files:
+                    raise StepStateError(
+                        f"{namespace}/step {step}: file {f.name} was already sealed by rank "
+                        f"{rec.files[f.name].rank}"
+                    )
+                if f.length > lease.size:
+                    raise StepStateError(
+                        f"{namespace}/step {step}: file {f.name} claims {f.length} bytes but its "
+                        f"lease holds {lease.size}"
+                    )
+                del self._leases[f.lease_id]
+                self.arena.move(lease.path, rec.dir / f.name)
+                rec.files[f.name] = FileRecord(f.name, req.rank, lease.size, f.length)
+            rec.last_activity = time.monotonic()
+            return rec.info()
+
+    def _discard_stale_attempts(self, namespace: str, step: int) -> None:
+        for key in [k for k in self._writing if k[0] == namespace and k[1] == step]:
+            old = self._writing.pop(key)
+            logger.warning(
+                "%s/step %d: discarding unfinished save attempt %s, a new attempt started",
+                namespace,
+                step,
+                old.attempt,
+            )
+            self._reclaim_dir(old.dir)
+
+    def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
+        validate_namespace(namespace)
+        validate_step(step)
+        with self._lock:
+            rec = self._writing.get((namespace, step, attempt))
+            if rec is None:
+                raise StepNotFoundError(
+                    f"{namespace}/step {step}: no save in progress with attempt {attempt} (it "
+                    "expired, was superseded, or the daemon restarted during the save)"
+                )
+            missing = sorted(set(req.files) - set(rec.files))
+            if missing:
+                raise StepStateError(
+                    f"{namespace}/step {step}: cannot commit, {len(missing)} files were never "
+                    f"sealed: {', '.join(missing[:8])}"
+                )
+            for name in sorted(set(rec.files) - set(req.files)):
+                self.arena.adopt_into_pool(rec.dir / name)
+                del rec.files[name]
+            rec.world_size = req.world_size
+            rec.persist = req.persist
+            rec.committed_at = time.time()
+            write_manifest(rec, req.metadata)
+            rec.state = StepState.COMMITTED
+            del self._writing[(namespace, step, attempt)]
+            steps = self._committed.setdefault(namespace, {})
+            old = steps.get(step)
+            steps[step] = rec
+            if old is not None:
+                logger.info("%s/step %d: new commit supersedes attempt %s", namespace, step, old.attempt)
+                self._retire(old)
+            for victim in self.policy.after_commit(list(steps.values())):
+                self._retire(victim)
+            logger.info(
+                "%s/step %d committed: %d files, %d bytes", namespace, step, len(rec.files), rec.bytes
+            )
+            return rec.info()
+
+    # -- eviction ---------------------------------------------------------------------------
+    def _retire(self, rec: StepRecord) -> None:
+        """Take ``rec`` out of the index; its files go to the pool once no reader holds it."""
+        steps = self._committed.get(rec.namespace, {})
+        if steps.get(rec.step) is rec:
+            del steps[rec.step]
+        if safe_to_evict(rec):
+            self._drop(rec)
+        else:
+            rec.evict_pending = True
+            self._evicting.append(rec)
+
+    def _evict(self, rec: StepRecord, *, to_pool: bool) -> None:
+        steps = self._committed.get(rec.namespace, {})
+        if steps.get(rec.step) is rec:
+            del steps[rec.step]
+        self._drop(rec, to_pool=to_pool)
+
+    def _drop(self, rec: StepRecord, *, to_pool: bool = True) -> None:
+        manifest = rec.manifest_path()
+        manifest.unlink(missing_ok=True)  # first: a crash from here on leaves an uncommitted dir
+        for f in rec.files.values():
+            if to_pool:
+                self.arena.adopt_into_pool(rec.dir / f.name)
+            else:
+                self.arena.delete(rec.dir / f.name)
+        self._reclaim_dir(rec.dir)
+        ns_dir = rec.dir.parent
+        if ns_dir.exists() and not any(ns_dir.iterdir()):
+            ns_dir.rmdir()
+        if rec in self._evicting:
+            self._evicting.remove(rec)
+
+    def delete_step(self, namespace: str, step: int) -> None:
+        with self._lock:
+            rec = self._get_committed(namespace, step)
+            self._retire(rec)
+
+    # -- reads ------------------------------------------------------------------------------
+    def _get_committed(self, namespace: str, step: int) -> StepRecord:
+        validate_namespace(namespace)
+        validate_step(step)
+        steps = self._committed.get(namespace)
+        if not steps:
+            raise NamespaceNotFoundError(f"namespace {namespace} has no committed steps in memory")
+        rec = steps.get(step)
+        if rec is None:
+            raise StepNotFoundError(
+                f"{namespace}/step {step} is not committed in memory (committed: "
+                f"{sorted(steps)[-8:]})"
+            )
+        return rec
+
+    def list_namespaces(self) -> list[NamespaceInfo]:
+        with self._lock:
+            names = set(self._committed) | {k[0] for k in self._writing}
+            return [self._ns_info(ns) for ns in sorted(names)]
+
+    def _ns_info(self, ns: str) -> NamespaceInfo:
+        committed = self._committed.get(ns, {})
+        writing = [r for k, r in self._writing.items() if k[0] == ns]
+        return NamespaceInfo(
+            namespace=ns,
+            steps=len(committed) + len(writing),
+            committed_steps=len(committed),
+            bytes=sum(r.bytes for r in committed.values()) + sum(r.bytes for r in writing),
+            latest_committed=max(committed) if committed else None,
+        )
+
+    def list_steps(self, namespace: str) -> list[StepInfo]:
+        validate_namespace(namespace)
+        with self._lock:
+            recs = list(self._committed.get(namespace, {}).values())
+            recs += [r for k, r in self._writing.items() if k[0] == namespace]
+            if not recs:
+                raise NamespaceNotFoundError(f"namespace {namespace} is unknown to this daemon")
+            return [r.info() for r in sorted(recs, key=lambda r: (r.step, r.state.value))]
+
+    def get_step(self, namespace: str, step: int) -> StepInfo:
+        with self._lock:
+            return self._get_committed(namespace, step).info()
+
+    def latest(self, namespace: str) -> StepInfo:
+        validate_namespace(namespace)
+        with self._lock:
+            steps = self._committed.get(namespace)
+            if not steps:
+                raise NamespaceNotFoundError(
+                    f"namespace {namespace} has no committed step in memory"
+                )
+            return steps[max(steps)].info()
+
+    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
+        with self._lock:
+            path = self._get_committed(namespace, step).manifest_path()
+        doc = read_manifest(path)
+        md = doc.get("metadata")
+        if not isinstance(md, dict):
+            raise CheckpointFormatError(f"{namespace}/step {step}: commit record has no metadata")
+        return md
+
+    def pin(self, namespace: str, step: int) -> PinResponse:
+        with self._lock:
+            rec = self._get_committed(namespace, step)
+            pin_id = uuid.uuid4().hex
+            rec.pins[pin_id] = time.monotonic() + PIN_TTL_S
+            return PinResponse(
+                pin_id=pin_id,
+                step=rec.info(),
+                paths={name: str(rec.dir / name) for name in rec.files},
+                expires_in_s=PIN_TTL_S,
+            )
+
+    def unpin(self, namespace: str, step: int, pin_id: str) -> None:
+        with self._lock:
+            for rec in self._records_of(namespace, step):
+                if rec.pins.pop(pin_id, None) is not None:
+                    if rec.evict_pending and not rec.pins:
+                        self._drop(rec)
+                    return
+            raise LeaseNotFoundError(f"{namespace}/step {step}: no pin {pin_id}")
+
+    def _records_of(self, namespace: str, step: int) -> Iterator[StepRecord]:
+        rec = self._committed.get(namespace, {}).get(step)
+        if rec is not None:
+            yield rec
+        yield from (r for r in self._evicting if r.namespace == namespace and r.step == step)
+
+    # -- housekeeping -----------------------------------------------------------------------
+    def sweep(self) -> None:
+        """Expire leases, stalled saves and pins; trim long-idle pool files."""
+        now = time.monotonic()
+        with self._lock:
+            for lease in [le for le in self._leases.values() if le.expires < now]:
+                logger.warning(
+                    "lease %s of %s rank %d expired unsealed; reclaiming %d bytes",
+                    lease.lease_id,
+                    lease.namespace,
+                    lease.rank,
+                    lease.size,
+                )
+                del self._leases[lease.lease_id]
+                self.arena.adopt_into_pool(lease.path)
+            for key, rec in list(self._writing.items()):
+                if now - rec.last_activity > self.lease_ttl_s:
+                    logger.warning(
+                        "%s/step %d: save attempt %s stalled for %.0fs; reclaiming its files",
+                        rec.namespace,
+                        rec.step,
+                        rec.attempt,
+                        now - rec.last_activity,
+                    )
+                    del self._writing[key]
+                    self._reclaim_dir(rec.dir)
+            for rec in [r for s in self._committed.values() for r in s.values()] + self._evicting:
+                for pin_id in [p for p, exp in rec.pins.items() if exp < now]:
+                    del rec.pins[pin_id]
+                if rec.evict_pending and not rec.pins:
+                    self._drop(rec)
+            self.arena.trim_pool(0, idle_s=POOL_IDLE_S)
+
+    def status(self, shm_dir: str) -> StatusResponse:
+        with self._lock:
+            return StatusResponse(
+                version=__version__,
+                api_version=API_VERSION,
+                shm_dir=shm_dir,
+                capacity_bytes=self.arena.capacity_bytes,
+                used_bytes=self.arena.used_bytes,
+                pool_bytes=self.arena.pool_bytes,
+                pool_files=self.arena.pool_files,
+                leased_bytes=sum(le.size for le in self._leases.values()),
+                keep_last=self.keep_last,
+                namespaces=[self._ns_info(ns) for ns in sorted(set(self._committed) | {k[0] for k in self._writing})],
+            )

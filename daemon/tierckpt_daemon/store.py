@@ -1,0 +1,184 @@
+"""The shared-memory arena: shard files in a tmpfs directory, a pool of recycled files, the budget.
+
+Copying into tmpfs pages that already exist and are mapped runs at memcpy speed; allocating and
+faulting in fresh pages is several times slower (see docs/design.md). So files are never freed on
+eviction: they go to ``pool/`` and the next lease of the same size takes one back. New files are
+pre-faulted with ``posix_fallocate`` so that the trainer's first copy does not pay for page allocation.
+
+Layout under the tier directory::
+
+    pool/<uuid>.bin                       free, allocated files ready for reuse
+    leases/<lease id>.bin                 leased to a trainer, not yet sealed into a step
+    ns/<namespace>/<step:012d>-<attempt>/ shard files of one save attempt, MANIFEST.json once committed
+
+:class:`Arena` is not thread-safe on its own: the service holds one lock around every call except
+:meth:`Arena.allocate`, which may take seconds and only touches a path nobody else knows yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierckpt_client.errors import CapacityExceededError
+
+logger = logging.getLogger(__name__)
+
+PAGE = 4096
+
+
+def round_up(size: int, align: int = PAGE) -> int:
+    return (size + align - 1) // align * align
+
+
+@dataclass
+class PoolFile:
+    path: Path
+    size: int
+    since: float
+
+
+class Arena:
+    def __init__(self, root: Path, capacity_bytes: int, *, prefault: bool = True) -> None:
+        self.root = root
+        self.capacity_bytes = capacity_bytes
+        self.prefault = prefault
+        self.pool_dir = root / "pool"
+        self.lease_dir = root / "leases"
+        self.ns_dir = root / "ns"
+        for d in (self.root, self.pool_dir, self.lease_dir, self.ns_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self._pool: dict[Path, PoolFile] = {}
+        self._sizes: dict[Path, int] = {}  # every file the arena accounts for, pool included
+        self._reserved = 0
+
+    # -- accounting -------------------------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._sizes.values()) + self._reserved
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(f.size for f in self._pool.values())
+
+    @property
+    def pool_files(self) -> int:
+        return len(self._pool)
+
+    def track(self, path: Path, size: int) -> None:
+        self._sizes[path] = size
+
+    def size_of(self, path: Path) -> int:
+        return self._sizes[path]
+
+    # -- pool -------------------------------------------------------------------------------
+    def adopt_into_pool(self, path: Path) -> None:
+        """Move a file (known or found on disk) into the pool for reuse."""
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            self._sizes.pop(path, None)
+            return
+        dst = self.pool_dir / f"{uuid.uuid4().hex}.bin"
+        os.rename(path, dst)
+        self._sizes.pop(path, None)
+        self._sizes[dst] = size
+        self._pool[dst] = PoolFile(dst, size, time.monotonic())
+
+    def scan_pool(self) -> None:
+        for p in self.pool_dir.iterdir():
+            if p.suffix == ".bin" and p.is_file():
+                size = p.stat().st_size
+                self._sizes[p] = size
+                self._pool[p] = PoolFile(p, size, time.monotonic())
+            else:
+                _remove(p)
+
+    def take_from_pool(self, size: int, dst: Path) -> bool:
+        """Move a pooled file of ``size`` bytes (exact, else the best larger fit) to ``dst``."""
+        best: PoolFile | None = None
+        for f in self._pool.values():
+            if f.size == size:
+                best = f
+                break
+            # A larger file is shrunk: truncation frees the tail pages, the head stays faulted in.
+            if f.size > size and f.size <= size + max(size // 4, 1 << 20):
+                if best is None or f.size < best.size:
+                    best = f
+        if best is None:
+            return False
+        del self._pool[best.path]
+        del self._sizes[best.path]
+        os.rename(best.path, dst)
+        if best.size != size:
+            os.truncate(dst, size)
+        self._sizes[dst] = size
+        return True
+
+    def trim_pool(self, need_free: int, *, idle_s: float | None = None) -> int:
+        """Delete pool files until ``need_free`` bytes fit (or those idle > ``idle_s``)."""
+        freed = 0
+        now = time.monotonic()
+        for f in sorted(self._pool.values(), key=lambda f: f.since):
+            if idle_s is not None:
+                if now - f.since < idle_s:
+                    continue
+            elif self.capacity_bytes - self.used_bytes >= need_free:
+                break
+            self.delete(f.path)
+            freed += f.size
+        return freed
+
+    # -- files ------------------------------------------------------------------------------
+    def reserve(self, size: int) -> None:
+        if self.used_bytes + size > self.capacity_bytes:
+            raise CapacityExceededError(
+                f"the memory tier cannot fit {size} more bytes: capacity {self.capacity_bytes}, "
+                f"in use {self.used_bytes}"
+            )
+        self._reserved += size
+
+    def unreserve(self, size: int) -> None:
+        self._reserved -= size
+
+    def allocate(self, path: Path, size: int) -> None:
+        """Create ``path`` with ``size`` bytes, pre-faulted if configured. Call without the lock."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            if size and self.prefault:
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+        except OSError as e:
+            os.close(fd)
+            _remove(path)
+            raise CapacityExceededError(
+                f"could not allocate {size} bytes in {self.root}: {e.strerror}; the tmpfs is "
+                "smaller than TIERCKPT_CAPACITY (size /dev/shm or the hostPath accordingly)"
+            ) from e
+        os.close(fd)
+
+    def move(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+        self._sizes[dst] = self._sizes.pop(src)
+
+    def delete(self, path: Path) -> None:
+        _remove(path)
+        self._sizes.pop(path, None)
+        self._pool.pop(path, None)
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir():
+            for child in path.iterdir():
+                _remove(child)
+            path.rmdir()
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
