@@ -1,0 +1,33 @@
+"""tierckpt client: talk to the node-local daemon. Torch-free; the DCP classes live in
+:mod:`tierckpt_client.dcp`."""
+
+from tierckpt_client.config import ClientConfig
+from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_client.errors import (
+    CapacityExceededError,
+    CheckpointFormatError,
+    DaemonUnavailableError,
+    InvalidNameError,
+    NamespaceNotFoundError,
+    NotFoundError,
+    StepNotFoundError,
+    StepStateError,
+    TierCkptError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityExceededError",
+    "CheckpointFormatError",
+    "ClientConfig",
+    "DaemonClient",
+    "DaemonUnavailableError",
+    "InvalidNameError",
+    "NamespaceNotFoundError",
+    "NotFoundError",
+    "StepNotFoundError",
+    "StepStateError",
+    "TierCkptError",
+    "__version__",
+]

@@ -1,0 +1,49 @@
+"""Client configuration: explicit arguments win over ``TIERCKPT_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SHM_DIR = Path("/dev/shm/tierckpt")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a trainer process reaches its node's daemon.
+
+    Attributes:
+        socket: the daemon's Unix socket (``TIERCKPT_SOCKET``; default ``<TIERCKPT_SHM_DIR>/daemon.sock``).
+        timeout_s: bound on every daemon call (``TIERCKPT_TIMEOUT``). A lease of fresh memory
+            allocates pages, which takes about a second per few GB, so keep this generous.
+        connect_timeout_s: bound on connecting to the socket (``TIERCKPT_CONNECT_TIMEOUT``).
+    """
+
+    socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
+    timeout_s: float = 120.0
+    connect_timeout_s: float = 5.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        if "TIERCKPT_SOCKET" in env:
+            values["socket"] = Path(env["TIERCKPT_SOCKET"])
+        elif "TIERCKPT_SHM_DIR" in env:
+            values["socket"] = Path(env["TIERCKPT_SHM_DIR"]) / "daemon.sock"
+        for name, var in (("timeout_s", "TIERCKPT_TIMEOUT"), ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT")):
+            if var in env:
+                try:
+                    values[name] = float(env[var])
+                except ValueError:
+                    raise ValueError(f"{var}={env[var]!r} is not a number of seconds") from None
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown ClientConfig fields: {sorted(unknown)}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "socket" in values:
+            values["socket"] = Path(values["socket"])
+        return replace(cls(), **values)

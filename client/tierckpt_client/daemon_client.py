@@ -1,0 +1,133 @@
+"""HTTP client for the node-local daemon over its Unix socket.
+
+Torch-free. Every call has a timeout; transport failures become :class:`DaemonUnavailableError` and
+daemon errors are mapped back to their exception classes by ``code``. The underlying connection is
+created lazily and dropped on pickling, so objects holding a :class:`DaemonClient` can travel into
+DCP's async checkpoint process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+
+from tierckpt_client.config import ClientConfig
+from tierckpt_client.errors import DaemonUnavailableError, ProtocolError, error_from_code
+from tierckpt_client.protocol import (
+    CommitRequest,
+    LeaseRequest,
+    LeaseResponse,
+    NamespaceInfo,
+    PinResponse,
+    SealFile,
+    SealRequest,
+    StatusResponse,
+    StepInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class DaemonClient:
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig.from_env()
+        self._http: httpx.Client | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "_http": None}
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    def _client(self) -> httpx.Client:
+        if self._http is None:
+            cfg = self.config
+            self._http = httpx.Client(
+                transport=httpx.HTTPTransport(uds=str(cfg.socket)),
+                base_url="http://tierckpt",
+                timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
+            )
+        return self._http
+
+    def _request(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            resp = self._client().request(method, path, json=body)
+        except httpx.TimeoutException as e:
+            raise DaemonUnavailableError(
+                f"the tierckpt daemon at {self.config.socket} did not answer {method} {path} "
+                f"within {self.config.timeout_s:.0f}s ({type(e).__name__})"
+            ) from e
+        except httpx.TransportError as e:
+            raise DaemonUnavailableError(
+                f"cannot reach the tierckpt daemon at {self.config.socket} ({e}); is it running, "
+                "and does TIERCKPT_SOCKET point at its socket?"
+            ) from e
+        if resp.status_code == 204:
+            return None
+        try:
+            doc = resp.json()
+        except ValueError:
+            raise ProtocolError(
+                f"daemon answered {method} {path} with HTTP {resp.status_code} and a non-JSON body"
+            ) from None
+        if resp.status_code >= 400:
+            if isinstance(doc, dict) and "code" in doc and "detail" in doc:
+                raise error_from_code(str(doc["code"]), str(doc["detail"]))
+            raise ProtocolError(f"daemon answered {method} {path} with HTTP {resp.status_code}: {doc}")
+        return doc
+
+    # -- API --------------------------------------------------------------------------------
+    def status(self) -> StatusResponse:
+        return StatusResponse.model_validate(self._request("GET", "/v1/status"))
+
+    def namespaces(self) -> list[NamespaceInfo]:
+        return [NamespaceInfo.model_validate(x) for x in self._request("GET", "/v1/namespaces")]
+
+    def steps(self, namespace: str) -> list[StepInfo]:
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/steps")
+        return [StepInfo.model_validate(x) for x in doc]
+
+    def step(self, namespace: str, step: int) -> StepInfo:
+        return StepInfo.model_validate(self._request("GET", f"/v1/namespaces/{namespace}/steps/{step}"))
+
+    def latest(self, namespace: str) -> StepInfo:
+        return StepInfo.model_validate(self._request("GET", f"/v1/namespaces/{namespace}/latest"))
+
+    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/steps/{step}/metadata")
+        if not isinstance(doc, dict):
+            raise ProtocolError(f"{namespace}/step {step}: metadata is not a JSON object")
+        return doc
+
+    def lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
+        body = LeaseRequest(rank=rank, size=size).model_dump()
+        return LeaseResponse.model_validate(self._request("POST", f"/v1/namespaces/{namespace}/leases", body))
+
+    def release(self, namespace: str, lease_id: str) -> None:
+        self._request("DELETE", f"/v1/namespaces/{namespace}/leases/{lease_id}")
+
+    def seal(
+        self, namespace: str, step: int, attempt: str, rank: int, files: list[SealFile]
+    ) -> StepInfo:
+        body = SealRequest(rank=rank, files=files).model_dump()
+        path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}/seal"
+        return StepInfo.model_validate(self._request("POST", path, body))
+
+    def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
+        path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit"
+        return StepInfo.model_validate(self._request("POST", path, req.model_dump()))
+
+    def delete(self, namespace: str, step: int) -> None:
+        self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")
+
+    def pin(self, namespace: str, step: int) -> PinResponse:
+        return PinResponse.model_validate(
+            self._request("POST", f"/v1/namespaces/{namespace}/steps/{step}/pins")
+        )
+
+    def unpin(self, namespace: str, step: int, pin_id: str) -> None:
+        self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}")

@@ -1,0 +1,183 @@
+"""Per-process mappings of the daemon's shared-memory files, and how staged tensors cross processes.
+
+**Mapping cache.** Copying into tmpfs pages through a mapping that is already open and touched runs
+at memcpy speed; a new mapping of the same pages pays a page fault per 4 KiB. The daemon recycles
+files (same inode) for the next step of the same size, so this module keeps one mapping per file
+identity ``(st_dev, st_ino)`` for the life of the process and hands it out again. A mapping is
+dropped from the cache once its file is deleted (``st_nlink == 0``); its memory goes away when the
+last tensor that aliases it does.
+
+**Pickling.** DCP's PROCESS mode pickles the staged state dict into a helper process with torch's
+``ForkingPickler``, which would move each storage into a new shared-memory segment (a full copy) or
+fail for storages that alias a file mapping. :func:`install_pickle_reducer` registers a reducer for
+``torch.UntypedStorage`` that sends storages inside a cached mapping as a reference
+``(pid, fd, dev, ino, offset, nbytes)``; the helper re-opens the same file through
+``/proc/<pid>/fd/<fd>`` (stable across the daemon's renames) and maps it, again through its own
+cache. Every other storage is handed to torch's reducer unchanged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from tierckpt_client.errors import CheckpointFormatError
+
+_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+@dataclass(eq=False)
+class FileMapping:
+    """One shared mapping of a whole tier file; ``buffer`` is a uint8 tensor over all of it."""
+
+    dev: int
+    ino: int
+    fd: int
+    size: int
+    buffer: torch.Tensor
+
+    @property
+    def base(self) -> int:
+        return int(self.buffer.data_ptr())
+
+    def view(self, offset: int, length: int) -> torch.Tensor:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise CheckpointFormatError(
+                f"byte range [{offset}, {offset + length}) is outside a {self.size}-byte tier file"
+            )
+        return self.buffer[offset : offset + length]
+
+
+_lock = threading.Lock()
+_by_identity: dict[tuple[int, int], FileMapping] = {}
+_bases: list[int] = []  # sorted base addresses, parallel to _by_base
+_by_base: list[FileMapping] = []
+
+
+def map_file(path: str) -> FileMapping:
+    """Map ``path`` (read-write, shared), reusing this process's mapping of the same file if any."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        with _lock:
+            hit = _by_identity.get(key)
+            if hit is not None and hit.size == st.st_size:
+                return hit
+            if hit is not None:
+                _forget(hit)
+            mapping = _new_mapping(fd, st.st_dev, st.st_ino, st.st_size)
+            fd = -1  # owned by the mapping now
+            _by_identity[key] = mapping
+            i = bisect.bisect(_bases, mapping.base)
+            _bases.insert(i, mapping.base)
+            _by_base.insert(i, mapping)
+            _prune_deleted()
+            return mapping
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _new_mapping(fd: int, dev: int, ino: int, size: int) -> FileMapping:
+    if size == 0:
+        buf = torch.empty(0, dtype=torch.uint8)
+    else:
+        mm = mmap.mmap(fd, size, flags=_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)  # holds mm alive as long as views exist
+    return FileMapping(dev=dev, ino=ino, fd=fd, size=size, buffer=buf)
+
+
+def _forget(m: FileMapping) -> None:
+    _by_identity.pop((m.dev, m.ino), None)
+    for i, other in enumerate(_by_base):
+        if other is m:
+            del _by_base[i]
+            del _bases[i]
+            break
+    os.close(m.fd)
+
+
+def _prune_deleted() -> None:
+    for m in list(_by_base):
+        try:
+            alive = os.fstat(m.fd).st_nlink > 0
+        except OSError:
+            alive = False
+        if not alive:
+            _forget(m)
+
+
+def find(ptr: int, nbytes: int = 0) -> tuple[FileMapping, int] | None:
+    """The cached mapping that holds ``[ptr, ptr + nbytes)``, and the offset of ``ptr`` in its file."""
+    with _lock:
+        i = bisect.bisect_right(_bases, ptr) - 1
+        if i < 0:
+            return None
+        m = _by_base[i]
+        off = ptr - m.base
+        if off + nbytes <= m.size and (off < m.size or nbytes == 0):
+            return m, off
+        return None
+
+
+def clear_cache() -> None:
+    """Forget every mapping (tests; a trainer never needs this)."""
+    with _lock:
+        for m in list(_by_base):
+            _forget(m)
+
+
+# -- pickling -----------------------------------------------------------------------------------
+
+
+def _rebuild_storage(pid: int, fd: int, dev: int, ino: int, offset: int, nbytes: int) -> torch.UntypedStorage:
+    path = f"/proc/{pid}/fd/{fd}"
+    mapping = map_file(path)
+    if (mapping.dev, mapping.ino) != (dev, ino):
+        raise CheckpointFormatError(
+            f"staged tensors of process {pid} are no longer reachable: {path} is another file"
+        )
+    return mapping.view(offset, nbytes).untyped_storage()
+
+
+def _reduce_storage(storage: torch.UntypedStorage):  # type: ignore[no-untyped-def]
+    if storage.device.type == "cpu" and storage.nbytes() > 0:
+        hit = find(storage.data_ptr(), storage.nbytes())
+        if hit is not None:
+            m, off = hit
+            return (_rebuild_storage, (os.getpid(), m.fd, m.dev, m.ino, off, storage.nbytes()))
+    return _torch_reduce_storage(storage)
+
+
+_installed = False
+
+
+def install_pickle_reducer() -> None:
+    """Route arena storages through :func:`_reduce_storage` in torch's ForkingPickler (idempotent)."""
+    global _installed, _torch_reduce_storage
+    if _installed:
+        return
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers first)
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing.reductions import reduce_storage
+
+    _torch_reduce_storage = reduce_storage
+    ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+    _installed = True
+
+
+_torch_reduce_storage = None  # type: ignore[assignment]
+
+
+def frombuffer_quiet(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype)

@@ -1,0 +1,247 @@
+"""DCP ``Metadata`` <-> JSON, so that no checkpoint ever needs unpickling to be understood.
+
+The JSON form is documented in docs/format.md. Decoding treats its input as untrusted: every field is
+type-checked and dtypes come from a fixed table, and any problem raises
+:class:`~tierckpt_client.errors.CheckpointFormatError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from tierckpt_client.errors import CheckpointFormatError
+
+FORMAT = "tierckpt-dcp-metadata/1"
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.uint16, torch.uint32, torch.uint64,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    )
+}  # fmt: skip
+_MEMORY_FORMATS = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "preserve_format": torch.preserve_format,
+}
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Where one write item lives: a byte range of a tier file, raw (tensor bytes or a bytes item).
+
+    ``dtype``/``shape`` are set for tensors: the bytes are the chunk, C-contiguous.
+    """
+
+    file: str
+    offset: int
+    length: int
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise CheckpointFormatError(f"dtype {dtype} is not supported by tierckpt")
+    return name
+
+
+def dtype_from_name(name: object, where: str) -> torch.dtype:
+    if not isinstance(name, str) or name not in DTYPES:
+        raise CheckpointFormatError(f"{where}: unknown dtype {name!r}")
+    return DTYPES[name]
+
+
+def encode_metadata(md: Metadata) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            p = item.properties
+            mf = next((k for k, v in _MEMORY_FORMATS.items() if v == p.memory_format), None)
+            sd[fqn] = {
+                "kind": "tensor",
+                "dtype": dtype_name(p.dtype),
+                "requires_grad": bool(p.requires_grad),
+                "memory_format": mf or "contiguous_format",
+                "size": list(item.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
+            }
+        elif isinstance(item, BytesStorageMetadata):
+            sd[fqn] = {"kind": "bytes"}
+        else:
+            raise CheckpointFormatError(f"{fqn}: cannot store metadata of type {type(item).__name__}")
+    storage: list[dict[str, Any]] = []
+    for index, ref in (md.storage_data or {}).items():
+        if not isinstance(ref, ShardRef):
+            raise CheckpointFormatError(f"{index.fqn}: storage data is not a tierckpt ShardRef")
+        storage.append(
+            {
+                "fqn": index.fqn,
+                "offset": list(index.offset) if index.offset is not None else None,
+                "index": index.index,
+                "file": ref.file,
+                "file_offset": ref.offset,
+                "length": ref.length,
+                "dtype": ref.dtype,
+                "shape": list(ref.shape) if ref.shape is not None else None,
+            }
+        )
+    sm = md.storage_meta
+    return {
+        "format": FORMAT,
+        "version": md.version,
+        "state_dict_metadata": sd,
+        "storage_data": storage,
+        "planner_data": _encode_planner_data(md.planner_data),
+        "storage_meta": None
+        if sm is None
+        else {
+            "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+            "save_id": sm.save_id,
+            "load_id": sm.load_id,
+            "modules": list(sm.modules),
+        },
+    }
+
+
+def _encode_planner_data(pd: Any) -> Any:
+    # DefaultSavePlanner stores {flattened fqn: path tuple of str/int keys}; keep what is JSON-safe.
+    if not isinstance(pd, dict):
+        return None
+    out = {}
+    for k, v in pd.items():
+        if isinstance(k, str) and isinstance(v, tuple | list) and all(
+            isinstance(x, str | int) for x in v
+        ):
+            out[k] = list(v)
+    return out
+
+
+def _ints(value: object, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    ):
+        raise CheckpointFormatError(f"{where}: expected a list of non-negative integers")
+    return value
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise CheckpointFormatError(f"{where}: expected a string")
+    return value
+
+
+def decode_metadata(doc: object) -> Metadata:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointFormatError(f"checkpoint metadata is not in the {FORMAT} format")
+    raw_sd = doc.get("state_dict_metadata")
+    if not isinstance(raw_sd, dict):
+        raise CheckpointFormatError("metadata.state_dict_metadata must be an object")
+    sd: dict[str, Any] = {}
+    for fqn, item in raw_sd.items():
+        where = f"metadata of {fqn!r}"
+        if not isinstance(item, dict):
+            raise CheckpointFormatError(f"{where}: expected an object")
+        if item.get("kind") == "bytes":
+            sd[fqn] = BytesStorageMetadata()
+            continue
+        if item.get("kind") != "tensor":
+            raise CheckpointFormatError(f"{where}: unknown kind {item.get('kind')!r}")
+        mf = _MEMORY_FORMATS.get(str(item.get("memory_format")))
+        if mf is None:
+            raise CheckpointFormatError(f"{where}: unknown memory_format")
+        chunks_raw = item.get("chunks")
+        if not isinstance(chunks_raw, list):
+            raise CheckpointFormatError(f"{where}: chunks must be a list")
+        chunks = []
+        for c in chunks_raw:
+            if not isinstance(c, dict):
+                raise CheckpointFormatError(f"{where}: chunk must be an object")
+            chunks.append(
+                ChunkStorageMetadata(
+                    offsets=torch.Size(_ints(c.get("offsets"), where)),
+                    sizes=torch.Size(_ints(c.get("sizes"), where)),
+                )
+            )
+        sd[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(
+                dtype=dtype_from_name(item.get("dtype"), where),
+                requires_grad=bool(item.get("requires_grad", False)),
+                memory_format=mf,
+            ),
+            size=torch.Size(_ints(item.get("size"), where)),
+            chunks=chunks,
+        )
+    storage: dict[MetadataIndex, ShardRef] = {}
+    raw_storage = doc.get("storage_data")
+    if not isinstance(raw_storage, list):
+        raise CheckpointFormatError("metadata.storage_data must be a list")
+    for e in raw_storage:
+        if not isinstance(e, dict):
+            raise CheckpointFormatError("metadata.storage_data entries must be objects")
+        fqn = _str(e.get("fqn"), "storage_data.fqn")
+        where = f"storage of {fqn!r}"
+        off = e.get("offset")
+        idx = e.get("index")
+        if idx is not None and not isinstance(idx, int):
+            raise CheckpointFormatError(f"{where}: index must be an integer")
+        index = MetadataIndex(fqn, None if off is None else _ints(off, where), idx)
+        flen = e.get("file_offset")
+        length = e.get("length")
+        if not (isinstance(flen, int) and isinstance(length, int) and flen >= 0 and length >= 0):
+            raise CheckpointFormatError(f"{where}: file_offset and length must be integers >= 0")
+        dtype = e.get("dtype")
+        shape = e.get("shape")
+        if dtype is not None:
+            dtype_from_name(dtype, where)
+            shape_t = tuple(_ints(shape, where))
+            numel = 1
+            for s in shape_t:
+                numel *= s
+            if numel * DTYPES[dtype].itemsize != length:
+                raise CheckpointFormatError(
+                    f"{where}: {length} bytes do not hold a {dtype} tensor of shape {list(shape_t)}"
+                )
+        else:
+            shape_t = None
+        storage[index] = ShardRef(_str(e.get("file"), where), flen, length, dtype, shape_t)
+    pd_raw = doc.get("planner_data")
+    planner_data = None
+    if isinstance(pd_raw, dict):
+        planner_data = {
+            k: tuple(v) for k, v in pd_raw.items() if isinstance(k, str) and isinstance(v, list)
+        }
+    sm_raw = doc.get("storage_meta")
+    storage_meta = None
+    if isinstance(sm_raw, dict):
+        storage_meta = StorageMeta(
+            checkpoint_id=sm_raw.get("checkpoint_id"),
+            save_id=sm_raw.get("save_id"),
+            load_id=sm_raw.get("load_id"),
+            modules=[m for m in sm_raw.get("modules") or [] if isinstance(m, str)],
+        )
+    version = doc.get("version")
+    return Metadata(
+        state_dict_metadata=sd,
+        planner_data=planner_data,
+        storage_data=storage,
+        storage_meta=storage_meta,
+        version=version if isinstance(version, str) else None,
+    )

@@ -1,0 +1,108 @@
+"""Staging: copy a state dict's tensors straight into one leased tier file (one copy, no second one).
+
+:func:`stage_into` walks the state dict like DCP does (mappings and lists; other values are leaves),
+lays every tensor's bytes out back to back (64-byte aligned) and copies each one into its place. It
+returns a state dict of the same shape whose tensors alias the file; DTensors keep their spec with the
+local tensor replaced. Non-tensor leaves are deep-copied so that training may change the originals.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_client.dcp._arena import FileMapping
+
+ALIGN = 64
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, DTensor):
+        local = on_tensor(obj._local_tensor.detach())
+        return DTensor(local, obj._spec, requires_grad=False)
+    if isinstance(obj, torch.Tensor):
+        return on_tensor(obj.detach())
+    if isinstance(obj, dict):
+        return {k: _walk(v, on_tensor) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_walk(v, on_tensor) for v in obj]
+    return copy.deepcopy(obj)
+
+
+def _check(t: torch.Tensor) -> None:
+    if t.layout != torch.strided:
+        raise CheckpointFormatError(f"cannot stage a tensor with layout {t.layout}; only strided")
+
+
+def staging_size(state_dict: dict[str, Any]) -> int:
+    """Bytes of the file that :func:`stage_into` needs for ``state_dict``."""
+    total = 0
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        _check(t)
+        total += align(_nbytes(t))
+        return t
+
+    _walk_tensors_only(state_dict, count)
+    return total
+
+
+def _walk_tensors_only(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    if isinstance(obj, DTensor):
+        fn(obj._local_tensor)
+    elif isinstance(obj, torch.Tensor):
+        fn(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _walk_tensors_only(v, fn)
+    elif isinstance(obj, list):
+        for v in obj:
+            _walk_tensors_only(v, fn)
+
+
+@dataclass
+class StageResult:
+    state_dict: dict[str, Any]
+    used_bytes: int
+    device_copies: int
+
+
+def stage_into(state_dict: dict[str, Any], mapping: FileMapping | None) -> StageResult:
+    """Copy every tensor of ``state_dict`` into ``mapping``; return the aliasing state dict."""
+    offset = 0
+    device_copies = 0
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        nonlocal offset, device_copies
+        n = _nbytes(t)
+        if n == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        assert mapping is not None
+        dst = mapping.view(offset, n).view(t.dtype).view(t.shape)
+        offset += align(n)
+        if t.device.type == "cpu":
+            dst.copy_(t)
+        else:
+            dst.copy_(t, non_blocking=True)
+            device_copies += 1
+        return dst
+
+    staged = _walk(state_dict, place)
+    if device_copies and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return StageResult(staged, offset, device_copies)

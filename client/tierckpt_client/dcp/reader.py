@@ -1,0 +1,210 @@
+"""``TieredStorageReader``: DCP storage reader that loads from the node-local daemon's memory tier."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from tierckpt_client.config import ClientConfig
+from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, decode_metadata
+from tierckpt_client.errors import CheckpointFormatError, StepStateError, TierCkptError, error_from_code
+from tierckpt_client.protocol import validate_namespace, validate_step
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStorageReader(StorageReader):
+    """Load DCP checkpoints from the node's shared-memory tier.
+
+    Args:
+        namespace: the job's namespace; may come from ``checkpoint_id="tierckpt://<namespace>[/<step>]"``.
+        step: the step to load; ``None`` loads the newest committed step. Rank 0 of
+            ``process_group`` decides and broadcasts it, so all ranks load the same step.
+        config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
+        process_group: the group ``dcp.load`` runs on (default: the default group); only used to
+            agree on the step when ``step`` is ``None``.
+
+    Call order, as DCP drives it::
+
+        reset(checkpoint_id)        all ranks (only when a checkpoint_id is passed)
+        read_metadata()             all ranks: resolve the step (agreed across ranks), fetch metadata
+        set_up_storage_reader()     all ranks
+        prepare_local_plan()        all ranks: tag the plan with the step this rank resolved
+        prepare_global_plan()       coordinator: check every rank resolved the same step
+        read_data()                 all ranks: pin the step, map its files, copy each requested
+                                    region into the destination tensor, unpin
+
+    Tensors are stored raw (dtype, shape and offset in the metadata), so reading a tensor is a view
+    of the mapped file and one copy into the destination; resharding narrows the stored chunk to
+    the requested region first. Only bytes items (non-tensor state) go through ``torch.load``.
+    """
+
+    def __init__(
+        self,
+        namespace: str | None = None,
+        step: int | None = None,
+        *,
+        config: ClientConfig | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.namespace = validate_namespace(namespace) if namespace is not None else None
+        self.step = validate_step(step) if step is not None else None
+        self.config = config or ClientConfig.from_env()
+        self.process_group = process_group
+        self._daemon = DaemonClient(self.config)
+        self._resolved: int | None = None
+        self._storage: dict[Any, ShardRef] = {}
+        self.load_id = uuid.uuid4().hex
+
+    # -- identity ---------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._resolved = None
+        self.load_id = uuid.uuid4().hex
+        if checkpoint_id is not None:
+            self.namespace, self.step = parse_checkpoint_id(checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return is_checkpoint_id(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return format_checkpoint_id(self.namespace or "?", self._resolved or self.step)
+
+    @property
+    def resolved_step(self) -> int | None:
+        """The step this reader loaded (or is loading), once ``read_metadata`` ran."""
+        return self._resolved
+
+    def _require_namespace(self) -> str:
+        if self.namespace is None:
+            raise TierCkptError(
+                "TieredStorageReader needs a namespace: pass it to the constructor or "
+                "checkpoint_id='tierckpt://<namespace>[/<step>]'"
+            )
+        return self.namespace
+
+    # -- choosing the step ------------------------------------------------------------------
+    def _resolve_step(self) -> int:
+        namespace = self._require_namespace()
+        if self.step is not None:
+            return self.step
+        if not (dist.is_available() and dist.is_initialized()):
+            return self._daemon.latest(namespace).step
+        group = self.process_group
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        box: list[Any] = [None]
+        if dist.get_rank(group) == 0:
+            try:
+                box[0] = ("step", self._daemon.latest(namespace).step)
+            except TierCkptError as e:
+                box[0] = ("error", e.code, str(e))
+        dist.broadcast_object_list(box, src=src, group=group)
+        decision = box[0]
+        if decision[0] == "error":
+            raise error_from_code(decision[1], f"rank 0 could not resolve the latest step: {decision[2]}")
+        return int(decision[1])
+
+    # -- StorageReader ----------------------------------------------------------------------
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointFormatError("tierckpt checkpoints have no rank-local metadata")
+        namespace = self._require_namespace()
+        step = self._resolve_step()
+        self._resolved = step
+        metadata = decode_metadata(self._daemon.metadata(namespace, step))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._storage = dict(metadata.storage_data or {})
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return replace(plan, storage_data=self._resolved)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        steps = {p.storage_data for p in plans}
+        if len(steps) > 1:
+            raise StepStateError(
+                f"{self.namespace}: ranks resolved different steps {sorted(map(str, steps))}; pass "
+                "process_group= to TieredStorageReader (the group dcp.load runs on) or an explicit step"
+            )
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        namespace = self._require_namespace()
+        step = self._resolved
+        if step is None:
+            raise StepStateError("read_data() called before read_metadata()")
+        pin = self._daemon.pin(namespace, step)
+        try:
+            mappings: dict[str, _arena.FileMapping] = {}
+            for item in plan.items:
+                ref = self._storage.get(item.storage_index)
+                if ref is None:
+                    raise CheckpointFormatError(
+                        f"{namespace}/step {step}: no stored data for {item.storage_index.fqn}"
+                    )
+                mapping = mappings.get(ref.file)
+                if mapping is None:
+                    path = pin.paths.get(ref.file)
+                    if path is None:
+                        raise CheckpointFormatError(
+                            f"{namespace}/step {step}: metadata names file {ref.file}, which the "
+                            "step does not have"
+                        )
+                    mapping = mappings[ref.file] = _arena.map_file(path)
+                raw = mapping.view(ref.offset, ref.length)
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(raw.numpy().tobytes()))
+                    continue
+                if ref.dtype is None or ref.shape is None:
+                    raise CheckpointFormatError(
+                        f"{namespace}/step {step}: {item.storage_index.fqn} is stored as bytes, not a tensor"
+                    )
+                src = raw.view(DTYPES[ref.dtype]).view(ref.shape) if ref.length else torch.empty(
+                    ref.shape, dtype=DTYPES[ref.dtype]
+                )
+                src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != src.size():
+                    raise CheckpointFormatError(
+                        f"{namespace}/step {step}: {item.storage_index.fqn} region has shape "
+                        f"{list(src.size())}, the destination {list(target.size())}"
+                    )
+                target.copy_(src)
+                planner.commit_tensor(item, target)
+        finally:
+            try:
+                self._daemon.unpin(namespace, step, pin.pin_id)
+            except TierCkptError as e:
+                logger.warning("%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_daemon"] = DaemonClient(self.config)
+        state["process_group"] = None
+        return state
