@@ -9,6 +9,8 @@ DCP's async checkpoint process.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from typing import Any
 
 import httpx
@@ -35,8 +37,18 @@ class DaemonClient:
         self.config = config or ClientConfig.from_env()
         self._http: httpx.Client | None = None
 
+    @classmethod
+    def from_socket(cls, socket: str | os.PathLike[str], **config: Any) -> DaemonClient:
+        return cls(ClientConfig.from_env(socket=socket, **config))
+
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "_http": None}
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._http is not None:
@@ -53,7 +65,23 @@ class DaemonClient:
             )
         return self._http
 
+    def _preflight(self) -> None:
+        # httpcore leaks the socket (a ResourceWarning in the trainer) when a Unix-socket connect
+        # fails, so find out with a socket of our own first; on a Unix socket this costs microseconds.
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(self.config.connect_timeout_s)
+            probe.connect(str(self.config.socket))
+        except OSError as e:
+            raise DaemonUnavailableError(
+                f"cannot reach the tierckpt daemon at {self.config.socket} ({e.strerror or e}); is "
+                "it running, and does TIERCKPT_SOCKET point at its socket?"
+            ) from None
+        finally:
+            probe.close()
+
     def _request(self, method: str, path: str, body: Any = None) -> Any:
+        self._preflight()
         try:
             resp = self._client().request(method, path, json=body)
         except httpx.TimeoutException as e:

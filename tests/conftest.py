@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import DaemonProcess, new_shm_dir  # noqa: E402
+
+
+@pytest.fixture
+def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    """A real daemon on a real Unix socket; settings from ``@pytest.mark.daemon_settings(...)``."""
+    marker = request.node.get_closest_marker("daemon_settings")
+    settings = dict(marker.kwargs) if marker else {}
+    d = DaemonProcess(new_shm_dir(), **settings)
+    try:
+        d.start()
+        yield d
+    finally:
+        d.cleanup()
+
+
+@pytest.fixture
+def client_env(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> DaemonProcess:
+    """Point this process's clients (ClientConfig.from_env) at ``daemon``."""
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(daemon.socket))
+    return daemon
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "daemon_settings(**kw): TIERCKPT_* settings of the daemon fixture")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
