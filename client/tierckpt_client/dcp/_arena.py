@@ -10,7 +10,8 @@ last tensor that aliases it does.
 **Pickling.** DCP's PROCESS mode pickles the staged state dict into a helper process with torch's
 ``ForkingPickler``, which would move each storage into a new shared-memory segment (a full copy) or
 fail for storages that alias a file mapping. :func:`install_pickle_reducer` registers a reducer for
-``torch.UntypedStorage`` that sends storages inside a cached mapping as a reference
+``torch.UntypedStorage`` (and one for ``DTensor`` that pickles its local tensor and spec rather than
+the wrapper) that sends storages inside a cached mapping as a reference
 ``(pid, fd, dev, ino, offset, nbytes)``; the helper re-opens the same file through
 ``/proc/<pid>/fd/<fd>`` (stable across the daemon's renames) and maps it, again through its own
 cache. Every other storage is handed to torch's reducer unchanged.
@@ -149,11 +150,30 @@ def _rebuild_storage(pid: int, fd: int, dev: int, ino: int, offset: int, nbytes:
 
 def _reduce_storage(storage: torch.UntypedStorage):  # type: ignore[no-untyped-def]
     if storage.device.type == "cpu" and storage.nbytes() > 0:
-        hit = find(storage.data_ptr(), storage.nbytes())
+        try:
+            ptr = storage.data_ptr()
+        except RuntimeError:  # e.g. the data-less storage of a wrapper subclass
+            return _torch_reduce_storage(storage)
+        hit = find(ptr, storage.nbytes())
         if hit is not None:
             m, off = hit
             return (_rebuild_storage, (os.getpid(), m.fd, m.dev, m.ino, off, storage.nbytes()))
     return _torch_reduce_storage(storage)
+
+
+def _rebuild_dtensor(local: torch.Tensor, spec: object, requires_grad: bool) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[arg-type]
+
+
+def _reduce_dtensor(dt):  # type: ignore[no-untyped-def]
+    # DTensor's own pickling goes through the wrapper's storage, which segfaults torch's storage
+    # reducer when the local tensor aliases a file mapping; send the local tensor and spec instead.
+    local = dt._local_tensor
+    if local.device.type == "cpu" and local.numel() and find(local.data_ptr()) is not None:
+        return (_rebuild_dtensor, (local, dt._spec, dt.requires_grad))
+    return dt.__reduce_ex__(2)
 
 
 _installed = False
@@ -170,7 +190,10 @@ def install_pickle_reducer() -> None:
     from torch.multiprocessing.reductions import reduce_storage
 
     _torch_reduce_storage = reduce_storage
+    from torch.distributed.tensor import DTensor
+
     ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+    ForkingPickler.register(DTensor, _reduce_dtensor)
     _installed = True
 
 
