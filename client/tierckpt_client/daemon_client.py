@@ -50,6 +50,11 @@ class DaemonClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        # Writers and readers are dropped by DCP without a close(); close the pooled connection
+        # rather than leave it to the garbage collector's ResourceWarning.
+        self.close()
+
     def close(self) -> None:
         if self._http is not None:
             self._http.close()
