@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import DaemonProcess, new_shm_dir  # noqa: E402
+from helpers import DaemonProcess, new_shm_dir
 
 
 @pytest.fixture
@@ -33,5 +33,7 @@ def client_env(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> Daemon
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "daemon_settings(**kw): TIERCKPT_* settings of the daemon fixture")
+    config.addinivalue_line(
+        "markers", "daemon_settings(**kw): TIERCKPT_* settings of the daemon fixture"
+    )
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -90,7 +90,9 @@ def new_shm_dir() -> Path:
     return Path("/dev/shm") / f"tierckpt-test-{uuid.uuid4().hex[:10]}"
 
 
-def _rank_entry(rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple[Any, ...]) -> None:
+def _rank_entry(
+    rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple[Any, ...]
+) -> None:
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"

@@ -33,7 +33,10 @@ class ClientConfig:
             values["socket"] = Path(env["TIERCKPT_SOCKET"])
         elif "TIERCKPT_SHM_DIR" in env:
             values["socket"] = Path(env["TIERCKPT_SHM_DIR"]) / "daemon.sock"
-        for name, var in (("timeout_s", "TIERCKPT_TIMEOUT"), ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT")):
+        for name, var in (
+            ("timeout_s", "TIERCKPT_TIMEOUT"),
+            ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT"),
+        ):
             if var in env:
                 try:
                     values[name] = float(env[var])

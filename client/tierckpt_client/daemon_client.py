@@ -110,7 +110,9 @@ class DaemonClient:
         if resp.status_code >= 400:
             if isinstance(doc, dict) and "code" in doc and "detail" in doc:
                 raise error_from_code(str(doc["code"]), str(doc["detail"]))
-            raise ProtocolError(f"daemon answered {method} {path} with HTTP {resp.status_code}: {doc}")
+            raise ProtocolError(
+                f"daemon answered {method} {path} with HTTP {resp.status_code}: {doc}"
+            )
         return doc
 
     # -- API --------------------------------------------------------------------------------
@@ -125,7 +127,9 @@ class DaemonClient:
         return [StepInfo.model_validate(x) for x in doc]
 
     def step(self, namespace: str, step: int) -> StepInfo:
-        return StepInfo.model_validate(self._request("GET", f"/v1/namespaces/{namespace}/steps/{step}"))
+        return StepInfo.model_validate(
+            self._request("GET", f"/v1/namespaces/{namespace}/steps/{step}")
+        )
 
     def latest(self, namespace: str) -> StepInfo:
         return StepInfo.model_validate(self._request("GET", f"/v1/namespaces/{namespace}/latest"))
@@ -138,7 +142,9 @@ class DaemonClient:
 
     def lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
         body = LeaseRequest(rank=rank, size=size).model_dump()
-        return LeaseResponse.model_validate(self._request("POST", f"/v1/namespaces/{namespace}/leases", body))
+        return LeaseResponse.model_validate(
+            self._request("POST", f"/v1/namespaces/{namespace}/leases", body)
+        )
 
     def release(self, namespace: str, lease_id: str) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/leases/{lease_id}")

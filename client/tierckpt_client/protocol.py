@@ -32,9 +32,7 @@ def _validate_name(kind: str, value: object) -> str:
     if not isinstance(value, str):
         raise InvalidNameError(f"{kind} must be a string, got {type(value).__name__}")
     if not value or len(value) > MAX_NAME_LEN:
-        raise InvalidNameError(
-            f"{kind} {value!r} must be 1 to {MAX_NAME_LEN} characters long"
-        )
+        raise InvalidNameError(f"{kind} {value!r} must be 1 to {MAX_NAME_LEN} characters long")
     if not _NAME_RE.fullmatch(value) or ".." in value:
         raise InvalidNameError(
             f"{kind} {value!r} may only contain letters, digits, '.', '_' and '-', must start "

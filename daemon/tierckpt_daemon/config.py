@@ -68,7 +68,8 @@ class DaemonSettings(BaseSettings):
         default=None, description="Unix socket for local clients (default <shm_dir>/daemon.sock)"
     )
     capacity: str = Field(
-        default="40%", description="memory tier budget: bytes with K/M/G/T suffix or % of node memory"
+        default="40%",
+        description="memory tier budget: bytes with K/M/G/T suffix or % of node memory",
     )
     keep_last: int = Field(default=2, ge=1, description="committed steps kept per namespace")
     host: str = Field(default="127.0.0.1", description="bind address of the TCP port")

@@ -59,7 +59,9 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise DaemonStartError(f"cannot listen on {host}:{port}: {e.strerror} (TIERCKPT_PORT)") from e
+        raise DaemonStartError(
+            f"cannot listen on {host}:{port}: {e.strerror} (TIERCKPT_PORT)"
+        ) from e
     sock.listen(128)
     return sock
 

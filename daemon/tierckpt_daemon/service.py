@@ -182,7 +182,9 @@ class TierService:
         self, lease_id: str, namespace: str, rank: int, path: Path, size: int, *, recycled: bool
     ) -> LeaseResponse:
         self._leases[lease_id] = _Lease(lease_id, namespace, rank, path, size, self.lease_ttl_s)
-        logger.debug("lease %s: %s rank %d, %d bytes, recycled=%s", lease_id, namespace, rank, size, recycled)
+        logger.debug(
+            "lease %s: %s rank %d, %d bytes, recycled=%s", lease_id, namespace, rank, size, recycled
+        )
         return LeaseResponse(
             lease_id=lease_id,
             path=str(path),
@@ -316,12 +318,18 @@ class TierService:
             old = steps.get(step)
             steps[step] = rec
             if old is not None:
-                logger.info("%s/step %d: new commit supersedes attempt %s", namespace, step, old.attempt)
+                logger.info(
+                    "%s/step %d: new commit supersedes attempt %s", namespace, step, old.attempt
+                )
                 self._retire(old)
             for victim in self.policy.after_commit(list(steps.values())):
                 self._retire(victim)
             logger.info(
-                "%s/step %d committed: %d files, %d bytes", namespace, step, len(rec.files), rec.bytes
+                "%s/step %d committed: %d files, %d bytes",
+                namespace,
+                step,
+                len(rec.files),
+                rec.bytes,
             )
             return rec.info()
 
@@ -498,5 +506,8 @@ class TierService:
                 pool_files=self.arena.pool_files,
                 leased_bytes=sum(le.size for le in self._leases.values()),
                 keep_last=self.keep_last,
-                namespaces=[self._ns_info(ns) for ns in sorted(set(self._committed) | {k[0] for k in self._writing})],
+                namespaces=[
+                    self._ns_info(ns)
+                    for ns in sorted(set(self._committed) | {k[0] for k in self._writing})
+                ],
             )

@@ -106,9 +106,9 @@ class Arena:
                 best = f
                 break
             # A larger file is shrunk: truncation frees the tail pages, the head stays faulted in.
-            if f.size > size and f.size <= size + max(size // 4, 1 << 20):
-                if best is None or f.size < best.size:
-                    best = f
+            fits = size < f.size <= size + max(size // 4, 1 << 20)
+            if fits and (best is None or f.size < best.size):
+                best = f
         if best is None:
             return False
         del self._pool[best.path]
@@ -124,10 +124,9 @@ class Arena:
         freed = 0
         now = time.monotonic()
         for f in sorted(self._pool.values(), key=lambda f: f.since):
-            if idle_s is not None:
-                if now - f.since < idle_s:
-                    continue
-            elif self.capacity_bytes - self.used_bytes >= need_free:
+            if idle_s is not None and now - f.since < idle_s:
+                continue
+            if idle_s is None and self.capacity_bytes - self.used_bytes >= need_free:
                 break
             self.delete(f.path)
             freed += f.size

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from helpers import DaemonProcess, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -16,6 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+
+from helpers import DaemonProcess, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,9 @@ def _fsdp2_worker(rank: int, world: int, socket: str, ns: str) -> None:
     psd, posd = get_state_dict(plain, plain_opt)
     state = {"model": psd, "optim": posd}
     dcp.load(state, storage_reader=TieredStorageReader(ns), process_group=ckpt_group)
-    set_state_dict(plain, plain_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        plain, plain_opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     for k, v in plain.state_dict().items():
         assert torch.equal(v, expected[k]), k
     with torch.no_grad():

@@ -23,8 +23,9 @@ import bisect
 import mmap
 import os
 import threading
-import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -138,7 +139,9 @@ def clear_cache() -> None:
 # -- pickling -----------------------------------------------------------------------------------
 
 
-def _rebuild_storage(pid: int, fd: int, dev: int, ino: int, offset: int, nbytes: int) -> torch.UntypedStorage:
+def _rebuild_storage(
+    pid: int, fd: int, dev: int, ino: int, offset: int, nbytes: int
+) -> torch.UntypedStorage:
     path = f"/proc/{pid}/fd/{fd}"
     mapping = map_file(path)
     if (mapping.dev, mapping.ino) != (dev, ino):
@@ -148,7 +151,7 @@ def _rebuild_storage(pid: int, fd: int, dev: int, ino: int, offset: int, nbytes:
     return mapping.view(offset, nbytes).untyped_storage()
 
 
-def _reduce_storage(storage: torch.UntypedStorage):  # type: ignore[no-untyped-def]
+def _reduce_storage(storage: torch.UntypedStorage) -> Any:
     if storage.device.type == "cpu" and storage.nbytes() > 0:
         try:
             ptr = storage.data_ptr()
@@ -161,13 +164,13 @@ def _reduce_storage(storage: torch.UntypedStorage):  # type: ignore[no-untyped-d
     return _torch_reduce_storage(storage)
 
 
-def _rebuild_dtensor(local: torch.Tensor, spec: object, requires_grad: bool) -> torch.Tensor:
+def _rebuild_dtensor(local: torch.Tensor, spec: Any, requires_grad: bool) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[arg-type]
+    return DTensor(local, spec, requires_grad=requires_grad)
 
 
-def _reduce_dtensor(dt):  # type: ignore[no-untyped-def]
+def _reduce_dtensor(dt: Any) -> Any:
     # DTensor's own pickling goes through the wrapper's storage, which segfaults torch's storage
     # reducer when the local tensor aliases a file mapping; send the local tensor and spec instead.
     local = dt._local_tensor
@@ -177,6 +180,7 @@ def _reduce_dtensor(dt):  # type: ignore[no-untyped-def]
 
 
 _installed = False
+_torch_reduce_storage: Callable[[torch.UntypedStorage], Any]
 
 
 def install_pickle_reducer() -> None:
@@ -184,9 +188,9 @@ def install_pickle_reducer() -> None:
     global _installed, _torch_reduce_storage
     if _installed:
         return
-    import torch.multiprocessing  # noqa: F401  (registers torch's reducers first)
     from multiprocessing.reduction import ForkingPickler
 
+    import torch.multiprocessing
     from torch.multiprocessing.reductions import reduce_storage
 
     _torch_reduce_storage = reduce_storage
@@ -195,12 +199,3 @@ def install_pickle_reducer() -> None:
     ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
     ForkingPickler.register(DTensor, _reduce_dtensor)
     _installed = True
-
-
-_torch_reduce_storage = None  # type: ignore[assignment]
-
-
-def frombuffer_quiet(buf: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype)

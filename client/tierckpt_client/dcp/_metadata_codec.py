@@ -81,12 +81,16 @@ def encode_metadata(md: Metadata) -> dict[str, Any]:
                 "requires_grad": bool(p.requires_grad),
                 "memory_format": mf or "contiguous_format",
                 "size": list(item.size),
-                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks],
+                "chunks": [
+                    {"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in item.chunks
+                ],
             }
         elif isinstance(item, BytesStorageMetadata):
             sd[fqn] = {"kind": "bytes"}
         else:
-            raise CheckpointFormatError(f"{fqn}: cannot store metadata of type {type(item).__name__}")
+            raise CheckpointFormatError(
+                f"{fqn}: cannot store metadata of type {type(item).__name__}"
+            )
     storage: list[dict[str, Any]] = []
     for index, ref in (md.storage_data or {}).items():
         if not isinstance(ref, ShardRef):
@@ -127,8 +131,10 @@ def _encode_planner_data(pd: Any) -> Any:
         return None
     out = {}
     for k, v in pd.items():
-        if isinstance(k, str) and isinstance(v, tuple | list) and all(
-            isinstance(x, str | int) for x in v
+        if (
+            isinstance(k, str)
+            and isinstance(v, tuple | list)
+            and all(isinstance(x, str | int) for x in v)
         ):
             out[k] = list(v)
     return out

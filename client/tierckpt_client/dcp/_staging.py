@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from tierckpt_client.errors import CheckpointFormatError
 from tierckpt_client.dcp._arena import FileMapping
+from tierckpt_client.errors import CheckpointFormatError
 
 ALIGN = 64
 

@@ -22,7 +22,12 @@ from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, decode_metadata
-from tierckpt_client.errors import CheckpointFormatError, StepStateError, TierCkptError, error_from_code
+from tierckpt_client.errors import (
+    CheckpointFormatError,
+    StepStateError,
+    TierCkptError,
+    error_from_code,
+)
 from tierckpt_client.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
@@ -118,7 +123,9 @@ class TieredStorageReader(StorageReader):
         dist.broadcast_object_list(box, src=src, group=group)
         decision = box[0]
         if decision[0] == "error":
-            raise error_from_code(decision[1], f"rank 0 could not resolve the latest step: {decision[2]}")
+            raise error_from_code(
+                decision[1], f"rank 0 could not resolve the latest step: {decision[2]}"
+            )
         return int(decision[1])
 
     # -- StorageReader ----------------------------------------------------------------------
@@ -182,8 +189,10 @@ class TieredStorageReader(StorageReader):
                     raise CheckpointFormatError(
                         f"{namespace}/step {step}: {item.storage_index.fqn} is stored as bytes, not a tensor"
                     )
-                src = raw.view(DTYPES[ref.dtype]).view(ref.shape) if ref.length else torch.empty(
-                    ref.shape, dtype=DTYPES[ref.dtype]
+                src = (
+                    raw.view(DTYPES[ref.dtype]).view(ref.shape)
+                    if ref.length
+                    else torch.empty(ref.shape, dtype=DTYPES[ref.dtype])
                 )
                 src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
                 target = planner.resolve_tensor(item).detach()
@@ -198,7 +207,9 @@ class TieredStorageReader(StorageReader):
             try:
                 self._daemon.unpin(namespace, step, pin.pin_id)
             except TierCkptError as e:
-                logger.warning("%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e)
+                logger.warning(
+                    "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
+                )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -23,7 +23,12 @@ from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import ShardRef, dtype_name, encode_metadata
 from tierckpt_client.dcp._staging import align, stage_into, staging_size
-from tierckpt_client.errors import InvalidNameError, StepStateError, TierCkptError
+from tierckpt_client.errors import (
+    CheckpointFormatError,
+    InvalidNameError,
+    StepStateError,
+    TierCkptError,
+)
 from tierckpt_client.protocol import CommitRequest, SealFile, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
@@ -227,21 +232,36 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             for item in plan.items:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
-                    pending.append((item.index, data.getvalue() if isinstance(data, io.BytesIO) else data))
+                    if not isinstance(data, io.BytesIO):
+                        raise CheckpointFormatError(
+                            f"{item.index.fqn}: the planner resolved a bytes item to "
+                            f"{type(data).__name__}, not io.BytesIO"
+                        )
+                    pending.append((item.index, data.getvalue()))
                     continue
+                if not isinstance(data, torch.Tensor):
+                    raise CheckpointFormatError(
+                        f"{item.index.fqn}: the planner resolved a tensor item to {type(data).__name__}"
+                    )
                 t = data.detach()
                 nbytes = t.numel() * t.element_size()
                 ref = None
                 if staged_mapping is not None and t.device.type == "cpu" and t.is_contiguous():
                     hit = _arena.find(t.data_ptr(), nbytes) if nbytes else None
                     if hit is not None and hit[0] is staged_mapping:
-                        ref = ShardRef(data_name, hit[1], nbytes, dtype_name(t.dtype), tuple(t.shape))
+                        ref = ShardRef(
+                            data_name, hit[1], nbytes, dtype_name(t.dtype), tuple(t.shape)
+                        )
                         staged_used = True
                 if ref is None:
                     pending.append((item.index, t))
                 else:
-                    results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=ref))
-            extra_results, extra_file, copied = self._write_extra(namespace, extra_name, pending, leases)
+                    results.append(
+                        WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=ref)
+                    )
+            extra_results, extra_file, copied = self._write_extra(
+                namespace, extra_name, pending, leases
+            )
             results.extend(extra_results)
             files = []
             if staged is not None and staged_used:
@@ -264,7 +284,13 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             bytes_items=sum(1 for _, v in pending if not isinstance(v, torch.Tensor)),
         )
         if copied:
-            logger.debug("%s/step %d rank %d: copied %d unstaged tensor bytes", namespace, step, self.rank, copied)
+            logger.debug(
+                "%s/step %d rank %d: copied %d unstaged tensor bytes",
+                namespace,
+                step,
+                self.rank,
+                copied,
+            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -280,7 +306,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if not pending:
             return [], None, 0
         sizes = [
-            v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v) for _, v in pending
+            v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v)
+            for _, v in pending
         ]
         total = sum(align(n) for n in sizes)
         lease = self._daemon.lease(namespace, self.rank, max(total, 1))

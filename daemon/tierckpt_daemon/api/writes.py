@@ -6,7 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
-from tierckpt_client.protocol import CommitRequest, LeaseRequest, LeaseResponse, SealRequest, StepInfo
+from tierckpt_client.protocol import (
+    CommitRequest,
+    LeaseRequest,
+    LeaseResponse,
+    SealRequest,
+    StepInfo,
+)
 from tierckpt_daemon.api.deps import get_service
 from tierckpt_daemon.service import TierService
 
