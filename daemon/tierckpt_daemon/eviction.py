@@ -20,7 +20,7 @@ class EvictionPolicy(Protocol):
         ...
 
     def under_pressure(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
-        """Steps of one namespace that may go to make room, the first to go first."""
+        """Steps of one namespace that may go to make room now, the first to go first."""
         ...
 
 
@@ -33,8 +33,9 @@ class KeepLatestN:
         self.n = n
 
     def after_commit(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
+        # Pinned steps are included: the service defers their files until the reader unpins.
         newest_first = sorted(committed, key=lambda r: r.step, reverse=True)
-        return [r for r in newest_first[self.n :] if safe_to_evict(r)]
+        return list(newest_first[self.n :])
 
     def under_pressure(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
         oldest_first = sorted(committed, key=lambda r: r.step)

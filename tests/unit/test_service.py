@@ -1,0 +1,168 @@
+"""TierService on a real directory, without HTTP: the state machine, retention, pins, rebuild."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tierckpt_client.errors import (
+    CapacityExceededError,
+    LeaseNotFoundError,
+    StepNotFoundError,
+    StepStateError,
+)
+from tierckpt_client.protocol import CommitRequest, SealFile, SealRequest
+from tierckpt_daemon.service import TierService
+from tierckpt_daemon.store import Arena
+
+MiB = 1 << 20
+
+
+def make(root: Path, capacity: int = 64 * MiB, keep_last: int = 2) -> TierService:
+    svc = TierService(Arena(root, capacity), keep_last=keep_last, lease_ttl_s=60)
+    svc.rebuild()
+    return svc
+
+
+def save(svc: TierService, ns: str, step: int, size: int = MiB, attempt: str = "a1") -> list[str]:
+    lease = svc.lease(ns, 0, size)
+    with open(lease.path, "r+b") as f:
+        f.write(step.to_bytes(8, "little"))
+    svc.seal(
+        ns,
+        step,
+        attempt,
+        SealRequest(rank=0, files=[SealFile(lease_id=lease.lease_id, name="r0", length=size)]),
+    )
+    svc.commit(
+        ns, step, attempt, CommitRequest(files=["r0"], metadata={"step": step}, world_size=1)
+    )
+    return [lease.path]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "tier"
+
+
+def test_commit_makes_step_visible_with_metadata(root: Path) -> None:
+    svc = make(root)
+    save(svc, "job", 3)
+    assert svc.latest("job").step == 3
+    assert svc.metadata("job", 3) == {"step": 3}
+    pin = svc.pin("job", 3)
+    with open(pin.paths["r0"], "rb") as f:
+        assert int.from_bytes(f.read(8), "little") == 3
+
+
+def test_commit_with_unsealed_file_is_refused(root: Path) -> None:
+    svc = make(root)
+    lease = svc.lease("job", 0, 100)
+    svc.seal(
+        "job",
+        1,
+        "a",
+        SealRequest(rank=0, files=[SealFile(lease_id=lease.lease_id, name="r0", length=100)]),
+    )
+    with pytest.raises(StepStateError, match="1 files were never sealed: r1"):
+        svc.commit("job", 1, "a", CommitRequest(files=["r0", "r1"], metadata={}, world_size=2))
+    with pytest.raises(LeaseNotFoundError, match="unknown or expired"):
+        svc.seal(
+            "job",
+            1,
+            "a",
+            SealRequest(rank=1, files=[SealFile(lease_id="nope", name="r1", length=1)]),
+        )
+
+
+def test_keep_last_recycles_into_pool(root: Path) -> None:
+    svc = make(root, keep_last=2)
+    for step in (1, 2, 3):
+        save(svc, "job", step)
+    assert [s.step for s in svc.list_steps("job")] == [2, 3]
+    assert svc.arena.pool_files == 1
+    lease = svc.lease("job", 0, MiB)
+    assert lease.recycled
+
+
+def test_a_pinned_step_outlives_eviction_until_unpinned(root: Path) -> None:
+    svc = make(root, keep_last=1)
+    save(svc, "job", 1)
+    pin = svc.pin("job", 1)
+    save(svc, "job", 2)  # retires step 1, but a reader holds it
+    assert os.path.exists(pin.paths["r0"])
+    with pytest.raises(StepNotFoundError):
+        svc.get_step("job", 1)
+    svc.unpin("job", 1, pin.pin_id)
+    assert not os.path.exists(pin.paths["r0"])
+
+
+def test_pressure_evicts_older_committed_steps_never_the_newest(root: Path) -> None:
+    svc = make(root, capacity=3 * MiB, keep_last=5)
+    save(svc, "job", 1)
+    save(svc, "job", 2)
+    save(svc, "job", 3)  # pool empty, 3 MiB used
+    lease = svc.lease("job", 0, MiB)  # evicts step 1
+    assert [s.step for s in svc.list_steps("job")] == [2, 3]
+    svc.release_lease("job", lease.lease_id)
+    with pytest.raises(CapacityExceededError, match=r"Raise TIERCKPT_CAPACITY"):
+        svc.lease("job", 0, 3 * MiB)  # would need step 3, the newest
+    assert svc.latest("job").step == 3
+
+
+def test_a_new_attempt_replaces_a_stale_partial_and_a_recommit_supersedes(root: Path) -> None:
+    svc = make(root)
+    lease = svc.lease("job", 0, 100)
+    svc.seal(
+        "job",
+        5,
+        "old",
+        SealRequest(rank=0, files=[SealFile(lease_id=lease.lease_id, name="r0", length=1)]),
+    )
+    save(svc, "job", 5, attempt="new")
+    save(svc, "job", 5, attempt="newer")
+    steps = svc.list_steps("job")
+    assert [(s.step, s.state.value) for s in steps] == [(5, "committed")]
+    assert len(list((root / "ns" / "job").iterdir())) == 1
+
+
+def test_rebuild_keeps_committed_and_reclaims_partial(root: Path) -> None:
+    svc = make(root)
+    save(svc, "job", 1)
+    lease = svc.lease("job", 0, MiB)
+    svc.seal(
+        "job",
+        2,
+        "x",
+        SealRequest(rank=0, files=[SealFile(lease_id=lease.lease_id, name="r0", length=1)]),
+    )
+    svc.lease("job", 0, MiB)  # leased, never sealed
+    # A new process over the same directory, as after SIGKILL.
+    svc2 = make(root)
+    assert [(s.step, s.state.value) for s in svc2.list_steps("job")] == [(1, "committed")]
+    assert svc2.arena.pool_files == 2
+    assert svc2.metadata("job", 1) == {"step": 1}
+    assert svc2.arena.used_bytes == 3 * MiB
+
+
+def test_rebuild_discards_a_step_with_a_missing_file(root: Path) -> None:
+    svc = make(root)
+    save(svc, "job", 1)
+    (next((root / "ns" / "job").iterdir()) / "r0").unlink()
+    svc2 = make(root)
+    with pytest.raises(Exception, match="no committed steps|unknown"):
+        svc2.list_steps("job")
+
+
+def test_sweep_expires_unsealed_leases(root: Path) -> None:
+    svc = TierService(Arena(root, 64 * MiB), keep_last=2, lease_ttl_s=0.01)
+    svc.rebuild()
+    svc.lease("job", 0, MiB)
+    import time
+
+    time.sleep(0.05)
+    svc.sweep()
+    assert svc.status("x").leased_bytes == 0
+    assert svc.arena.pool_files == 1
