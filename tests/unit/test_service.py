@@ -10,6 +10,7 @@ import pytest
 from tierckpt_client.errors import (
     CapacityExceededError,
     LeaseNotFoundError,
+    NamespaceNotFoundError,
     StepNotFoundError,
     StepStateError,
 )
@@ -152,7 +153,7 @@ def test_rebuild_discards_a_step_with_a_missing_file(root: Path) -> None:
     save(svc, "job", 1)
     (next((root / "ns" / "job").iterdir()) / "r0").unlink()
     svc2 = make(root)
-    with pytest.raises(Exception, match="no committed steps|unknown"):
+    with pytest.raises(NamespaceNotFoundError, match="namespace job is unknown to this daemon"):
         svc2.list_steps("job")
 
 
