@@ -12,6 +12,8 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     ├── CapacityExceededError       the memory tier cannot fit the request even after safe eviction
     ├── StepStateError              the step is in the wrong state (commit with missing files, ...)
     ├── CheckpointFormatError       stored metadata or layout is malformed or does not match the load
+    │   └── IntegrityError          stored bytes do not match their recorded checksum
+    ├── PersistentTierError         the persistent tier (S3, file system) failed or is misconfigured
     ├── ProtocolError               a request or answer that does not follow the wire protocol
     └── ForbiddenError              a local-only route was called over the TCP port
 
@@ -85,6 +87,15 @@ class ProtocolError(TierCkptError):
     http_status = 400
 
 
+class IntegrityError(CheckpointFormatError):
+    code = "integrity"
+
+
+class PersistentTierError(TierCkptError):
+    code = "persistent_tier"
+    http_status = 502
+
+
 class ForbiddenError(TierCkptError):
     code = "forbidden"
     http_status = 403
@@ -105,6 +116,8 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         CheckpointFormatError,
         ProtocolError,
         ForbiddenError,
+        IntegrityError,
+        PersistentTierError,
     )
 }
 
