@@ -148,6 +148,7 @@ class Arena:
         """Create ``path`` with ``size`` bytes, pre-faulted if configured. Call without the lock."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
+            os.fchmod(fd, 0o660)  # not cut by the umask: trainers of the daemon's group write it
             if size and self.prefault:
                 os.posix_fallocate(fd, 0, size)
             else:
