@@ -19,11 +19,14 @@ class ClientConfig:
         timeout_s: bound on every daemon call (``TIERCKPT_TIMEOUT``). A lease of fresh memory
             allocates pages, which takes about a second per few GB, so keep this generous.
         connect_timeout_s: bound on connecting to the socket (``TIERCKPT_CONNECT_TIMEOUT``).
+        hydrate_timeout_s: bound on bringing a step from the persistent tier into memory
+            (``TIERCKPT_HYDRATE_TIMEOUT``): a download of the whole step.
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
     timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
+    hydrate_timeout_s: float = 3600.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -36,6 +39,7 @@ class ClientConfig:
         for name, var in (
             ("timeout_s", "TIERCKPT_TIMEOUT"),
             ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT"),
+            ("hydrate_timeout_s", "TIERCKPT_HYDRATE_TIMEOUT"),
         ):
             if var in env:
                 try:

@@ -26,6 +26,7 @@ from tierckpt_client.protocol import (
     SealFile,
     SealRequest,
     StatusResponse,
+    StepCandidate,
     StepInfo,
 )
 
@@ -87,10 +88,15 @@ class DaemonClient:
         finally:
             probe.close()
 
-    def _request(self, method: str, path: str, body: Any = None) -> Any:
+    def _request(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
+    ) -> Any:
         self._preflight()
+        kwargs: dict[str, Any] = {}
+        if timeout is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=self.config.connect_timeout_s)
         try:
-            resp = self._client().request(method, path, json=body)
+            resp = self._client().request(method, path, json=body, **kwargs)
         except httpx.TimeoutException as e:
             raise DaemonUnavailableError(
                 f"the tierckpt daemon at {self.config.socket} did not answer {method} {path} "
@@ -161,6 +167,15 @@ class DaemonClient:
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
         path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit"
         return StepInfo.model_validate(self._request("POST", path, req.model_dump()))
+
+    def candidates(self, namespace: str) -> list[StepCandidate]:
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates")
+        return [StepCandidate.model_validate(x) for x in doc]
+
+    def hydrate(self, namespace: str, step: int) -> StepInfo:
+        """Bring a durable step from the persistent tier into memory (a long call)."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/hydrate"
+        return StepInfo.model_validate(self._request("POST", path, timeout=self.config.hydrate_timeout_s))
 
     def delete(self, namespace: str, step: int) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")

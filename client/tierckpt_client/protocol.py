@@ -71,6 +71,7 @@ class StepState(str, enum.Enum):
 
     WRITING = "writing"
     COMMITTED = "committed"
+    DURABLE = "durable"  # committed, and complete in the persistent tier
 
 
 class ErrorBody(BaseModel):
@@ -126,6 +127,25 @@ class StepInfo(BaseModel):
     committed_at: float | None = None
     world_size: int | None = None
     persist: bool | None = None
+    in_memory: bool = True
+
+
+class StepCandidate(BaseModel):
+    """A step that ``latest`` could return, newest first, and the tiers that hold it."""
+
+    step: int
+    in_memory: bool
+    durable: bool
+
+
+class PersistentStatus(BaseModel):
+    url: str
+    healthy: bool | None
+    last_error: str | None
+    queued_steps: int
+    uploaded_bytes: int
+    uploaded_steps: int
+    failed_uploads: int
 
 
 class NamespaceInfo(BaseModel):
@@ -154,3 +174,4 @@ class StatusResponse(BaseModel):
     leased_bytes: int
     keep_last: int
     namespaces: list[NamespaceInfo]
+    persistent: PersistentStatus | None = None

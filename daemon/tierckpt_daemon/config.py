@@ -78,6 +78,20 @@ class DaemonSettings(BaseSettings):
         default=900.0, gt=0, description="an unsealed lease or unfinished step expires after this"
     )
     prefault: bool = Field(default=True, description="allocate tmpfs pages when a file is created")
+    persist_url: str | None = Field(
+        default=None,
+        description="persistent tier: s3://bucket/prefix or file:///path (unset: memory only)",
+    )
+    persist_every: int = Field(
+        default=1, ge=1, description="persist every k-th committed step unless the save says"
+    )
+    persist_keep_last: int = Field(
+        default=0, ge=0, description="durable steps kept per namespace in the persistent tier (0: all)"
+    )
+    upload_concurrency: int = Field(default=4, ge=1, le=64, description="files uploaded at once")
+    drain_timeout_s: float = Field(
+        default=90.0, ge=0, description="on SIGTERM, wait this long for queued uploads"
+    )
     log_level: str = Field(default="INFO")
     log_json: bool = Field(default=False)
 

@@ -1,7 +1,7 @@
 """Step records, their state machine, and the commit record (manifest) that makes a step durable in memory.
 
 State per save attempt of a step: WRITING (ranks seal their files) -> COMMITTED (the coordinator
-wrote the manifest). The tier directory is the journal: a step directory with a ``MANIFEST.json``
+wrote the manifest) -> DURABLE (the uploader finished it in the persistent tier). The tier directory is the journal: a step directory with a ``MANIFEST.json``
 (written to a temporary name and renamed, so it is all or nothing) is committed, anything else found
 after a daemon restart is a save that never finished and its files are reclaimed.
 """
@@ -48,7 +48,9 @@ class StepRecord:
     last_activity: float = field(default_factory=time.monotonic)
     committed_at: float | None = None
     world_size: int | None = None
-    persist: bool | None = None
+    persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
+    persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
+    checksums: dict[str, str] = field(default_factory=dict)  # file name -> checksum, once durable
     pins: dict[str, float] = field(default_factory=dict)  # pin id -> monotonic expiry
     evict_pending: bool = False
 
@@ -85,7 +87,18 @@ def parse_step_dir_name(name: str) -> tuple[int, str] | None:
 
 
 def write_manifest(record: StepRecord, metadata: dict[str, Any]) -> None:
-    doc = {
+    _write_doc(record, {**_record_fields(record), "metadata": metadata})
+
+
+def update_manifest(record: StepRecord) -> None:
+    """Rewrite the commit record's state fields (durable, checksums), keeping its metadata."""
+    doc = read_manifest(record.manifest_path())
+    doc.update(_record_fields(record))
+    _write_doc(record, doc)
+
+
+def _record_fields(record: StepRecord) -> dict[str, Any]:
+    return {
         "format": MANIFEST_FORMAT,
         "namespace": record.namespace,
         "step": record.step,
@@ -94,12 +107,22 @@ def write_manifest(record: StepRecord, metadata: dict[str, Any]) -> None:
         "persist": record.persist,
         "created_at": record.created_at,
         "committed_at": record.committed_at,
+        "persist_pending": record.persist_pending,
+        "durable": record.state == StepState.DURABLE,
         "files": [
-            {"name": f.name, "rank": f.rank, "size": f.size, "length": f.length}
+            {
+                "name": f.name,
+                "rank": f.rank,
+                "size": f.size,
+                "length": f.length,
+                "checksum": record.checksums.get(f.name),
+            }
             for f in sorted(record.files.values(), key=lambda f: f.name)
         ],
-        "metadata": metadata,
     }
+
+
+def _write_doc(record: StepRecord, doc: dict[str, Any]) -> None:
     tmp = record.dir / (MANIFEST + ".tmp")
     with open(tmp, "w") as fh:
         json.dump(doc, fh, separators=(",", ":"))
@@ -132,7 +155,10 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: dict[str, Any]) ->
         committed_at=float(doc.get("committed_at") or 0.0),
         world_size=doc.get("world_size"),
         persist=doc.get("persist"),
+        persist_pending=bool(doc.get("persist_pending")),
     )
+    if doc.get("durable"):
+        rec.state = StepState.DURABLE
     for f in doc.get("files", []):
         path = step_dir / f["name"]
         try:
@@ -144,4 +170,6 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: dict[str, Any]) ->
                 f"{step_dir}: file {f['name']} has {size} bytes, the record says {f['size']}"
             )
         rec.files[f["name"]] = FileRecord(f["name"], int(f["rank"]), size, int(f["length"]))
+        if isinstance(f.get("checksum"), str):
+            rec.checksums[f["name"]] = f["checksum"]
     return rec

@@ -70,6 +70,18 @@ def build_service(settings: DaemonSettings) -> TierService:
     arena = Arena(settings.shm_dir, settings.capacity_bytes, prefault=settings.prefault)
     service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
     service.rebuild()
+    if settings.persist_url:
+        from tierckpt_client.objectstore import StoreSettings, open_store
+        from tierckpt_daemon.persist import Persister
+
+        store = open_store(settings.persist_url, StoreSettings.from_env())
+        service.persister = Persister(
+            service,
+            store,
+            concurrency=settings.upload_concurrency,
+            keep_last=settings.persist_keep_last,
+        )
+        service.persist_every = settings.persist_every
     return service
 
 
@@ -91,12 +103,14 @@ def serve(settings: DaemonSettings) -> None:
         )
         server = uvicorn.Server(config)
         logger.info(
-            "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d)",
+            "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d, persistent "
+            "tier %s)",
             settings.shm_dir,
             settings.socket_path,
             f" and {settings.host}:{settings.port}" if settings.port else "",
             settings.capacity_bytes,
             settings.keep_last,
+            settings.persist_url or "none",
         )
         asyncio.run(server.serve(sockets=sockets))
     finally:

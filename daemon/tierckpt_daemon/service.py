@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierckpt_client.errors import (
     CapacityExceededError,
@@ -40,6 +40,7 @@ from tierckpt_client.protocol import (
     PinResponse,
     SealRequest,
     StatusResponse,
+    StepCandidate,
     StepInfo,
     StepState,
     validate_file_name,
@@ -55,9 +56,13 @@ from tierckpt_daemon.index import (
     read_manifest,
     record_from_manifest,
     step_dir_name,
+    update_manifest,
     write_manifest,
 )
 from tierckpt_daemon.store import Arena, round_up
+
+if TYPE_CHECKING:
+    from tierckpt_daemon.persist import Persister
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +100,9 @@ class TierService:
         self._committed: dict[str, dict[int, StepRecord]] = {}
         self._writing: dict[tuple[str, int, str], StepRecord] = {}
         self._evicting: list[StepRecord] = []  # superseded or retired, waiting for readers to unpin
+        self.persister: Persister | None = None  # set when a persistent tier is configured
+        self.persist_every = 1
+        self._commits_since_persist: dict[str, int] = {}
 
     # -- start-up ---------------------------------------------------------------------------
     def rebuild(self) -> None:
@@ -310,6 +318,7 @@ class TierService:
                 del rec.files[name]
             rec.world_size = req.world_size
             rec.persist = req.persist
+            rec.persist_pending = self._wants_persist(namespace, step, req.persist)
             rec.committed_at = time.time()
             write_manifest(rec, req.metadata)
             rec.state = StepState.COMMITTED
@@ -325,13 +334,93 @@ class TierService:
             for victim in self.policy.after_commit(list(steps.values())):
                 self._retire(victim)
             logger.info(
-                "%s/step %d committed: %d files, %d bytes",
+                "%s/step %d committed: %d files, %d bytes%s",
                 namespace,
                 step,
                 len(rec.files),
                 rec.bytes,
+                ", queued for the persistent tier" if rec.persist_pending else "",
             )
-            return rec.info()
+            info = rec.info()
+        if rec.persist_pending and self.persister is not None:
+            self.persister.enqueue(rec)
+        return info
+
+    def _wants_persist(self, namespace: str, step: int, asked: bool | None) -> bool:
+        if self.persister is None:
+            if asked:
+                logger.warning(
+                    "%s/step %d asked to be persisted, but no persistent tier is configured "
+                    "(TIERCKPT_PERSIST_URL); it stays in memory only",
+                    namespace,
+                    step,
+                )
+            return False
+        if asked is not None:
+            if asked:
+                self._commits_since_persist[namespace] = 0
+            return asked
+        n = self._commits_since_persist.get(namespace, self.persist_every - 1) + 1
+        if n >= self.persist_every:
+            self._commits_since_persist[namespace] = 0
+            return True
+        self._commits_since_persist[namespace] = n
+        return False
+
+    def record(self, namespace: str, step: int) -> StepRecord:
+        with self._lock:
+            return self._get_committed(namespace, step)
+
+    def candidates(self, namespace: str) -> list[StepCandidate]:
+        """Steps ``latest`` may pick, newest first: committed in memory or durable."""
+        validate_namespace(namespace)
+        with self._lock:
+            in_memory = {s: r for s, r in self._committed.get(namespace, {}).items()}
+        durable = set(self.persister.durable_steps(namespace)) if self.persister else set()
+        durable |= {s for s, r in in_memory.items() if r.state == StepState.DURABLE}
+        steps = sorted(set(in_memory) | durable, reverse=True)
+        if not steps:
+            where = " or the persistent tier" if self.persister else ""
+            raise NamespaceNotFoundError(
+                f"namespace {namespace} has no committed step in memory{where}"
+            )
+        return [StepCandidate(step=s, in_memory=s in in_memory, durable=s in durable) for s in steps]
+
+    def hydrate(self, namespace: str, step: int) -> StepInfo:
+        if self.persister is None:
+            return self.get_step(namespace, step)
+        return self.persister.hydrate(namespace, step)
+
+    # -- persistence hooks (called by the Persister) ---------------------------------------
+    def is_current(self, rec: StepRecord) -> bool:
+        with self._lock:
+            return self._committed.get(rec.namespace, {}).get(rec.step) is rec
+
+    def mark_durable(self, rec: StepRecord, checksums: dict[str, str]) -> None:
+        with self._lock:
+            rec.checksums = dict(checksums)
+            rec.persist_pending = False
+            rec.state = StepState.DURABLE
+            if rec.manifest_path().exists():
+                update_manifest(rec)
+            self._drop_if_retired(rec)
+
+    def cancel_persist(self, rec: StepRecord) -> None:
+        """The step was superseded or deleted before its upload: stop holding it for one."""
+        with self._lock:
+            rec.persist_pending = False
+            if rec.manifest_path().exists():
+                update_manifest(rec)
+            self._drop_if_retired(rec)
+
+    def _drop_if_retired(self, rec: StepRecord) -> None:
+        if rec.evict_pending and safe_to_evict(rec):
+            self._drop(rec)
+
+    def pending_uploads(self) -> list[StepRecord]:
+        with self._lock:
+            recs = [r for steps in self._committed.values() for r in steps.values()]
+            return sorted((r for r in recs if r.persist_pending), key=lambda r: r.committed_at or 0)
 
     # -- eviction ---------------------------------------------------------------------------
     def _retire(self, rec: StepRecord) -> None:
@@ -450,8 +539,7 @@ class TierService:
         with self._lock:
             for rec in self._records_of(namespace, step):
                 if rec.pins.pop(pin_id, None) is not None:
-                    if rec.evict_pending and not rec.pins:
-                        self._drop(rec)
+                    self._drop_if_retired(rec)
                     return
             raise LeaseNotFoundError(f"{namespace}/step {step}: no pin {pin_id}")
 
@@ -490,8 +578,7 @@ class TierService:
             for rec in [r for s in self._committed.values() for r in s.values()] + self._evicting:
                 for pin_id in [p for p, exp in rec.pins.items() if exp < now]:
                     del rec.pins[pin_id]
-                if rec.evict_pending and not rec.pins:
-                    self._drop(rec)
+                self._drop_if_retired(rec)
             self.arena.trim_pool(0, idle_s=POOL_IDLE_S)
 
     def status(self, shm_dir: str) -> StatusResponse:
@@ -510,4 +597,5 @@ class TierService:
                     self._ns_info(ns)
                     for ns in sorted(set(self._committed) | {k[0] for k in self._writing})
                 ],
+                persistent=self.persister.status() if self.persister is not None else None,
             )

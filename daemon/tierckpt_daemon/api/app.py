@@ -52,12 +52,25 @@ def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(_sweeper(service))
+        persister = service.persister
+        if persister is not None:
+            persister.start()
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if persister is not None:
+                # SIGTERM: give queued uploads the grace period, then stop; what is left resumes
+                # after the next start (the steps are still committed in the tier directory).
+                done = await asyncio.to_thread(persister.drain, settings.drain_timeout_s)
+                if not done:
+                    logger.warning(
+                        "uploads not finished after %.0fs; they resume when the daemon restarts",
+                        settings.drain_timeout_s,
+                    )
+                persister.stop()
 
     app = FastAPI(
         title="tierckpt daemon",

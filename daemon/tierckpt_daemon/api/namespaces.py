@@ -1,4 +1,4 @@
-"""Namespaces and committed steps: list, inspect, metadata, pins for readers, delete."""
+"""Namespaces and committed steps: list, inspect, metadata, pins for readers, hydration, delete."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
 
-from tierckpt_client.protocol import NamespaceInfo, PinResponse, StepInfo
+from tierckpt_client.protocol import NamespaceInfo, PinResponse, StepCandidate, StepInfo
 from tierckpt_daemon.api.deps import get_service
 from tierckpt_daemon.service import TierService
 
@@ -27,6 +27,16 @@ def list_steps(namespace: str, service: Service) -> list[StepInfo]:
 @router.get("/{namespace}/latest")
 def latest(namespace: str, service: Service) -> StepInfo:
     return service.latest(namespace)
+
+
+@router.get("/{namespace}/candidates")
+def candidates(namespace: str, service: Service) -> list[StepCandidate]:
+    return service.candidates(namespace)
+
+
+@router.post("/{namespace}/steps/{step}/hydrate")
+def hydrate(namespace: str, step: int, service: Service) -> StepInfo:
+    return service.hydrate(namespace, step)
 
 
 @router.get("/{namespace}/steps/{step}")
