@@ -24,6 +24,8 @@ from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, par
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, decode_metadata
 from tierckpt_client.errors import (
     CheckpointFormatError,
+    NotFoundError,
+    StepNotFoundError,
     StepStateError,
     TierCkptError,
     error_from_code,
@@ -111,13 +113,13 @@ class TieredStorageReader(StorageReader):
         if self.step is not None:
             return self.step
         if not (dist.is_available() and dist.is_initialized()):
-            return self._daemon.latest(namespace).step
+            return self._newest_good_step(namespace)
         group = self.process_group
         src = dist.get_global_rank(group, 0) if group is not None else 0
         box: list[Any] = [None]
         if dist.get_rank(group) == 0:
             try:
-                box[0] = ("step", self._daemon.latest(namespace).step)
+                box[0] = ("step", self._newest_good_step(namespace))
             except TierCkptError as e:
                 box[0] = ("error", e.code, str(e))
         dist.broadcast_object_list(box, src=src, group=group)
@@ -128,6 +130,30 @@ class TieredStorageReader(StorageReader):
             )
         return int(decision[1])
 
+    def _newest_good_step(self, namespace: str) -> int:
+        """The newest step in memory or durable that is complete and verifies; older ones are
+        tried when a newer one is corrupt or incomplete, with a warning naming the step."""
+        skipped: list[str] = []
+        for cand in self._daemon.candidates(namespace):
+            if cand.in_memory:
+                return cand.step
+            try:
+                self._daemon.hydrate(namespace, cand.step)
+            except (CheckpointFormatError, NotFoundError) as e:
+                logger.warning("%s: skipping step %d for an older one: %s", namespace, cand.step, e)
+                skipped.append(f"step {cand.step}: {e}")
+                continue
+            return cand.step
+        raise StepNotFoundError(
+            f"namespace {namespace}: no step could be restored ({'; '.join(skipped)})"
+        )
+
+    def _ensure_in_memory(self, namespace: str, step: int) -> None:
+        try:
+            self._daemon.step(namespace, step)
+        except NotFoundError:
+            self._daemon.hydrate(namespace, step)
+
     # -- StorageReader ----------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -135,6 +161,7 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         step = self._resolve_step()
         self._resolved = step
+        self._ensure_in_memory(namespace, step)
         metadata = decode_metadata(self._daemon.metadata(namespace, step))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -163,7 +190,11 @@ class TieredStorageReader(StorageReader):
         step = self._resolved
         if step is None:
             raise StepStateError("read_data() called before read_metadata()")
-        pin = self._daemon.pin(namespace, step)
+        try:
+            pin = self._daemon.pin(namespace, step)
+        except NotFoundError:  # evicted since read_metadata, or another node: bring it back
+            self._daemon.hydrate(namespace, step)
+            pin = self._daemon.pin(namespace, step)
         try:
             mappings: dict[str, _arena.FileMapping] = {}
             for item in plan.items:
