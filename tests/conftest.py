@@ -37,3 +37,32 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "daemon_settings(**kw): TIERCKPT_* settings of the daemon fixture"
     )
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+from seaweed import SeaweedS3  # noqa: E402 (the S3 fixtures below)
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[SeaweedS3]:
+    """One real S3 server (SeaweedFS ``weed mini`` on loopback) for the whole test session.
+
+    Fails (never skips) when ``weed`` is missing or does not start: S3 is part of what we test.
+    """
+    server = SeaweedS3()
+    try:
+        server.start()
+    except Exception as e:
+        server.stop()
+        pytest.fail(f"cannot start SeaweedFS for the S3 tests: {e}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> SeaweedS3:
+    """Point this process's S3 clients (CRT, boto3, ``StoreSettings.from_env``) at ``seaweed``."""
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    return seaweed

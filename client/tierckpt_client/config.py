@@ -21,12 +21,16 @@ class ClientConfig:
         connect_timeout_s: bound on connecting to the socket (``TIERCKPT_CONNECT_TIMEOUT``).
         hydrate_timeout_s: bound on bringing a step from the persistent tier into memory
             (``TIERCKPT_HYDRATE_TIMEOUT``): a download of the whole step.
+        persist_url: the persistent tier (``TIERCKPT_PERSIST_URL``, the daemon's setting), used
+            to restore, and to save in degraded mode, when the daemon cannot be reached. S3
+            options come from ``TIERCKPT_S3_*`` and the AWS credential chain.
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
     timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
     hydrate_timeout_s: float = 3600.0
+    persist_url: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -36,6 +40,8 @@ class ClientConfig:
             values["socket"] = Path(env["TIERCKPT_SOCKET"])
         elif "TIERCKPT_SHM_DIR" in env:
             values["socket"] = Path(env["TIERCKPT_SHM_DIR"]) / "daemon.sock"
+        if env.get("TIERCKPT_PERSIST_URL"):
+            values["persist_url"] = env["TIERCKPT_PERSIST_URL"]
         for name, var in (
             ("timeout_s", "TIERCKPT_TIMEOUT"),
             ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT"),

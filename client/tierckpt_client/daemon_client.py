@@ -175,7 +175,9 @@ class DaemonClient:
     def hydrate(self, namespace: str, step: int) -> StepInfo:
         """Bring a durable step from the persistent tier into memory (a long call)."""
         path = f"/v1/namespaces/{namespace}/steps/{step}/hydrate"
-        return StepInfo.model_validate(self._request("POST", path, timeout=self.config.hydrate_timeout_s))
+        return StepInfo.model_validate(
+            self._request("POST", path, timeout=self.config.hydrate_timeout_s)
+        )
 
     def delete(self, namespace: str, step: int) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")

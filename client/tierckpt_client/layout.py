@@ -15,11 +15,19 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tierckpt_client.errors import CheckpointFormatError, IntegrityError
+from tierckpt_client.errors import (
+    CheckpointFormatError,
+    IntegrityError,
+    NotFoundError,
+    StepNotFoundError,
+)
 from tierckpt_client.integrity import checksum
 from tierckpt_client.protocol import validate_file_name
+
+if TYPE_CHECKING:
+    from tierckpt_client.objectstore import ObjectStore
 
 STEP_FORMAT = "tierckpt-step/1"
 MARKER_FORMAT = "tierckpt-commit/1"
@@ -100,7 +108,12 @@ class StepManifest:
         for f in doc.get("files") or []:
             if not isinstance(f, dict):
                 raise CheckpointFormatError(f"{where}: manifest file entry is not an object")
-            name, rank, length, digest = f.get("name"), f.get("rank"), f.get("length"), f.get("checksum")
+            name, rank, length, digest = (
+                f.get("name"),
+                f.get("rank"),
+                f.get("length"),
+                f.get("checksum"),
+            )
             if not (
                 isinstance(name, str)
                 and isinstance(rank, int)
@@ -136,3 +149,48 @@ def check_marker(marker: bytes, manifest_bytes: bytes, *, where: str) -> None:
         raise IntegrityError(f"{where}: not a {MARKER_FORMAT} commit marker")
     if doc.get("manifest") != checksum(manifest_bytes):
         raise IntegrityError(f"{where}: manifest.json does not match the checksum in COMMITTED")
+
+
+# -- operations on a store (shared by the daemon's uploader and the daemon-less client) ----------
+
+
+def durable_steps(store: ObjectStore, namespace: str) -> list[int]:
+    """Steps of ``namespace`` with a commit marker, oldest first."""
+    steps = set()
+    for obj in store.list(f"{namespace}/"):
+        parsed = parse_step_key(namespace, obj.key)
+        if parsed is not None and parsed[1] == MARKER:
+            steps.add(parsed[0])
+    return sorted(steps)
+
+
+def read_step_manifest(store: ObjectStore, namespace: str, step: int) -> StepManifest:
+    """The verified manifest of a durable step; StepNotFoundError if it has no commit marker."""
+    where = f"{store.url}/{step_prefix(namespace, step)}"
+    try:
+        marker = store.get_bytes(marker_key(namespace, step))
+    except NotFoundError:
+        raise StepNotFoundError(
+            f"{namespace}/step {step} is not durable in {store.url} (no commit marker)"
+        ) from None
+    manifest_bytes = store.get_bytes(manifest_key(namespace, step))
+    check_marker(marker, manifest_bytes, where=where)
+    manifest = StepManifest.decode(manifest_bytes, where=where)
+    if manifest.namespace != namespace or manifest.step != step:
+        raise IntegrityError(f"{where}: manifest is for {manifest.namespace}/step {manifest.step}")
+    return manifest
+
+
+def write_step_commit(store: ObjectStore, manifest: StepManifest) -> None:
+    """Write the manifest, then the marker: the step is durable once this returns."""
+    data = manifest.encode()
+    store.put_bytes(manifest_key(manifest.namespace, manifest.step), data)
+    store.put_bytes(marker_key(manifest.namespace, manifest.step), encode_marker(data))
+
+
+def verify_file(got: str, f: StoredFile, namespace: str, step: int, where: str) -> None:
+    if got != f.checksum:
+        raise IntegrityError(
+            f"{namespace}/step {step}: file {f.name} in {where} is corrupt (checksum {got}, "
+            f"the manifest says {f.checksum})"
+        )

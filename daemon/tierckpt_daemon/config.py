@@ -86,7 +86,9 @@ class DaemonSettings(BaseSettings):
         default=1, ge=1, description="persist every k-th committed step unless the save says"
     )
     persist_keep_last: int = Field(
-        default=0, ge=0, description="durable steps kept per namespace in the persistent tier (0: all)"
+        default=0,
+        ge=0,
+        description="durable steps kept per namespace in the persistent tier (0: all)",
     )
     upload_concurrency: int = Field(default=4, ge=1, le=64, description="files uploaded at once")
     drain_timeout_s: float = Field(

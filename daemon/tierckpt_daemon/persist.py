@@ -13,6 +13,7 @@ the step as committed and durable, so readers use it like any step in memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -23,26 +24,30 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from tierckpt_client.errors import (
-    IntegrityError,
     NotFoundError,
-    PersistentTierError,
-    StepNotFoundError,
     TierCkptError,
 )
 from tierckpt_client.layout import (
     MARKER,
     StepManifest,
     StoredFile,
-    check_marker,
-    encode_marker,
+    durable_steps,
     file_key,
-    manifest_key,
     marker_key,
     parse_step_key,
+    read_step_manifest,
     step_prefix,
+    verify_file,
+    write_step_commit,
 )
 from tierckpt_client.objectstore import ObjectStore
-from tierckpt_client.protocol import CommitRequest, PersistentStatus, SealFile, SealRequest, StepInfo
+from tierckpt_client.protocol import (
+    CommitRequest,
+    PersistentStatus,
+    SealFile,
+    SealRequest,
+    StepInfo,
+)
 from tierckpt_daemon.index import StepRecord, read_manifest
 from tierckpt_daemon.service import TierService
 
@@ -190,9 +195,8 @@ class Persister:
             committed_at=rec.committed_at,
             files=tuple(StoredFile(f.name, f.rank, f.length, checksums[f.name]) for f in files),
             metadata=doc["metadata"],
-        ).encode()
-        self.store.put_bytes(manifest_key(ns, step), manifest)
-        self.store.put_bytes(marker_key(ns, step), encode_marker(manifest))
+        )
+        write_step_commit(self.store, manifest)
         self.service.mark_durable(rec, checksums)
         nbytes = sum(f.length for f in files)
         with self._cv:
@@ -223,7 +227,13 @@ class Persister:
             # The marker goes first: from then on the step is simply incomplete.
             self.store.delete([marker_key(namespace, step)])
             self.store.delete([k for k in keys if not k.endswith("/" + MARKER)])
-            logger.info("%s/step %d removed from %s (keep last %d)", namespace, step, self.store.url, self.keep_last)
+            logger.info(
+                "%s/step %d removed from %s (keep last %d)",
+                namespace,
+                step,
+                self.store.url,
+                self.keep_last,
+            )
         if steps:
             self._collect_incomplete(namespace, below=steps[-1])
 
@@ -237,32 +247,17 @@ class Persister:
         for step, keys in by_step.items():
             if step < below and not any(k.endswith("/" + MARKER) for k in keys):
                 self.store.delete(keys)
-                logger.info("%s/step %d: removed an incomplete upload from %s", namespace, step, self.store.url)
+                logger.info(
+                    "%s/step %d: removed an incomplete upload from %s",
+                    namespace,
+                    step,
+                    self.store.url,
+                )
 
     # -- reads ------------------------------------------------------------------------------
     def durable_steps(self, namespace: str) -> list[int]:
         """Steps with a commit marker in the persistent tier, oldest first."""
-        steps = set()
-        for obj in self.store.list(f"{namespace}/"):
-            parsed = parse_step_key(namespace, obj.key)
-            if parsed is not None and parsed[1] == MARKER:
-                steps.add(parsed[0])
-        return sorted(steps)
-
-    def read_manifest(self, namespace: str, step: int) -> StepManifest:
-        where = f"{self.store.url}/{step_prefix(namespace, step)}"
-        try:
-            marker = self.store.get_bytes(marker_key(namespace, step))
-        except NotFoundError:
-            raise StepNotFoundError(
-                f"{namespace}/step {step} is not durable in {self.store.url} (no commit marker)"
-            ) from None
-        manifest_bytes = self.store.get_bytes(manifest_key(namespace, step))
-        check_marker(marker, manifest_bytes, where=where)
-        manifest = StepManifest.decode(manifest_bytes, where=where)
-        if manifest.namespace != namespace or manifest.step != step:
-            raise IntegrityError(f"{where}: manifest is for {manifest.namespace}/step {manifest.step}")
-        return manifest
+        return durable_steps(self.store, namespace)
 
     def hydrate(self, namespace: str, step: int) -> StepInfo:
         """Bring a durable step into memory (verified), unless it is there already."""
@@ -277,7 +272,7 @@ class Persister:
 
     def _hydrate(self, namespace: str, step: int) -> StepInfo:
         t0 = time.monotonic()
-        manifest = self.read_manifest(namespace, step)
+        manifest = read_step_manifest(self.store, namespace, step)
         attempt = f"h{uuid.uuid4().hex[:15]}"
         leases: list[tuple[StoredFile, str]] = []
         try:
@@ -287,15 +282,18 @@ class Persister:
                 self._download(namespace, step, f, lease.path)
             by_rank: dict[int, list[SealFile]] = {}
             for f, lease_id in leases:
-                by_rank.setdefault(f.rank, []).append(SealFile(lease_id=lease_id, name=f.name, length=f.length))
+                by_rank.setdefault(f.rank, []).append(
+                    SealFile(lease_id=lease_id, name=f.name, length=f.length)
+                )
             for rank, seal_files in sorted(by_rank.items()):
-                self.service.seal(namespace, step, attempt, SealRequest(rank=rank, files=seal_files))
+                self.service.seal(
+                    namespace, step, attempt, SealRequest(rank=rank, files=seal_files)
+                )
         except BaseException:
             for _, lease_id in leases:
-                try:
+                # A lease already sealed into the attempt is reclaimed by the sweeper.
+                with contextlib.suppress(NotFoundError):
                     self.service.release_lease(namespace, lease_id)
-                except NotFoundError:
-                    pass  # already sealed into the attempt, which the sweeper reclaims
             raise
         if not leases:
             self.service.seal(namespace, step, attempt, SealRequest(rank=0, files=[]))
@@ -343,12 +341,4 @@ class Persister:
                     view.release()
             finally:
                 mm.close()
-        if got != f.checksum:
-            raise IntegrityError(
-                f"{namespace}/step {step}: file {f.name} in {self.store.url} is corrupt (checksum "
-                f"{got}, the manifest says {f.checksum})"
-            )
-
-
-def describe_store_error(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}" if not isinstance(e, PersistentTierError) else str(e)
+        verify_file(got, f, namespace, step, self.store.url)

@@ -384,7 +384,9 @@ class TierService:
             raise NamespaceNotFoundError(
                 f"namespace {namespace} has no committed step in memory{where}"
             )
-        return [StepCandidate(step=s, in_memory=s in in_memory, durable=s in durable) for s in steps]
+        return [
+            StepCandidate(step=s, in_memory=s in in_memory, durable=s in durable) for s in steps
+        ]
 
     def hydrate(self, namespace: str, step: int) -> StepInfo:
         if self.persister is None:

@@ -6,6 +6,7 @@ import io
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,10 +21,12 @@ from torch.futures import Future
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._direct import DirectTier
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, decode_metadata
 from tierckpt_client.errors import (
     CheckpointFormatError,
+    DaemonUnavailableError,
     NotFoundError,
     StepNotFoundError,
     StepStateError,
@@ -77,11 +80,13 @@ class TieredStorageReader(StorageReader):
         self._daemon = DaemonClient(self.config)
         self._resolved: int | None = None
         self._storage: dict[Any, ShardRef] = {}
+        self._direct: DirectTier | None = None
         self.load_id = uuid.uuid4().hex
 
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._resolved = None
+        self._direct = None
         self.load_id = uuid.uuid4().hex
         if checkpoint_id is not None:
             self.namespace, self.step = parse_checkpoint_id(checkpoint_id)
@@ -133,8 +138,14 @@ class TieredStorageReader(StorageReader):
     def _newest_good_step(self, namespace: str) -> int:
         """The newest step in memory or durable that is complete and verifies; older ones are
         tried when a newer one is corrupt or incomplete, with a warning naming the step."""
+        if self._direct is not None:
+            return self._direct.newest_good_step(namespace)
+        try:
+            candidates = self._daemon.candidates(namespace)
+        except DaemonUnavailableError as e:
+            return self._go_direct(e).newest_good_step(namespace)
         skipped: list[str] = []
-        for cand in self._daemon.candidates(namespace):
+        for cand in candidates:
             if cand.in_memory:
                 return cand.step
             try:
@@ -154,6 +165,20 @@ class TieredStorageReader(StorageReader):
         except NotFoundError:
             self._daemon.hydrate(namespace, step)
 
+    def _go_direct(self, cause: DaemonUnavailableError) -> DirectTier:
+        """No daemon: read the persistent tier ourselves, if this process knows where it is."""
+        url = self.config.persist_url
+        if not url:
+            raise cause
+        if self._direct is None:
+            logger.warning(
+                "%s; restoring straight from the persistent tier %s (TIERCKPT_PERSIST_URL)",
+                cause,
+                url,
+            )
+            self._direct = DirectTier(url)
+        return self._direct
+
     # -- StorageReader ----------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -161,8 +186,15 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         step = self._resolve_step()
         self._resolved = step
-        self._ensure_in_memory(namespace, step)
-        metadata = decode_metadata(self._daemon.metadata(namespace, step))
+        if self._direct is None:
+            try:
+                self._ensure_in_memory(namespace, step)
+            except DaemonUnavailableError as e:
+                self._go_direct(e)
+        if self._direct is not None:
+            metadata = decode_metadata(self._direct.manifest(namespace, step).metadata)
+        else:
+            metadata = decode_metadata(self._daemon.metadata(namespace, step))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -190,50 +222,35 @@ class TieredStorageReader(StorageReader):
         step = self._resolved
         if step is None:
             raise StepStateError("read_data() called before read_metadata()")
+        if self._direct is not None:
+            direct = self._direct
+            self._copy_items(plan, planner, lambda name: direct.fetch(namespace, step, name))
+        else:
+            self._read_from_daemon(namespace, step, plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_from_daemon(
+        self, namespace: str, step: int, plan: LoadPlan, planner: LoadPlanner
+    ) -> None:
         try:
             pin = self._daemon.pin(namespace, step)
         except NotFoundError:  # evicted since read_metadata, or another node: bring it back
             self._daemon.hydrate(namespace, step)
             pin = self._daemon.pin(namespace, step)
-        try:
-            mappings: dict[str, _arena.FileMapping] = {}
-            for item in plan.items:
-                ref = self._storage.get(item.storage_index)
-                if ref is None:
-                    raise CheckpointFormatError(
-                        f"{namespace}/step {step}: no stored data for {item.storage_index.fqn}"
-                    )
-                mapping = mappings.get(ref.file)
-                if mapping is None:
-                    path = pin.paths.get(ref.file)
-                    if path is None:
-                        raise CheckpointFormatError(
-                            f"{namespace}/step {step}: metadata names file {ref.file}, which the "
-                            "step does not have"
-                        )
-                    mapping = mappings[ref.file] = _arena.map_file(path)
-                raw = mapping.view(ref.offset, ref.length)
-                if item.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(item, io.BytesIO(raw.numpy().tobytes()))
-                    continue
-                if ref.dtype is None or ref.shape is None:
-                    raise CheckpointFormatError(
-                        f"{namespace}/step {step}: {item.storage_index.fqn} is stored as bytes, not a tensor"
-                    )
-                src = (
-                    raw.view(DTYPES[ref.dtype]).view(ref.shape)
-                    if ref.length
-                    else torch.empty(ref.shape, dtype=DTYPES[ref.dtype])
+
+        def file_bytes(name: str) -> torch.Tensor:
+            path = pin.paths.get(name)
+            if path is None:
+                raise CheckpointFormatError(
+                    f"{namespace}/step {step}: metadata names file {name}, which the step does "
+                    "not have"
                 )
-                src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != src.size():
-                    raise CheckpointFormatError(
-                        f"{namespace}/step {step}: {item.storage_index.fqn} region has shape "
-                        f"{list(src.size())}, the destination {list(target.size())}"
-                    )
-                target.copy_(src)
-                planner.commit_tensor(item, target)
+            return _arena.map_file(path).buffer
+
+        try:
+            self._copy_items(plan, planner, file_bytes)
         finally:
             try:
                 self._daemon.unpin(namespace, step, pin.pin_id)
@@ -241,12 +258,51 @@ class TieredStorageReader(StorageReader):
                 logger.warning(
                     "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
                 )
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+
+    def _copy_items(
+        self, plan: LoadPlan, planner: LoadPlanner, file_bytes: Callable[[str], torch.Tensor]
+    ) -> None:
+        """Copy every item of ``plan`` out of the stored files (``file_bytes(name)``: uint8)."""
+        where = f"{self.namespace}/step {self._resolved}"
+        files: dict[str, torch.Tensor] = {}
+        for item in plan.items:
+            ref = self._storage.get(item.storage_index)
+            if ref is None:
+                raise CheckpointFormatError(f"{where}: no stored data for {item.storage_index.fqn}")
+            buf = files.get(ref.file)
+            if buf is None:
+                buf = files[ref.file] = file_bytes(ref.file)
+            if ref.offset + ref.length > buf.numel():
+                raise CheckpointFormatError(
+                    f"{where}: {item.storage_index.fqn} lies beyond the end of {ref.file}"
+                )
+            raw = buf[ref.offset : ref.offset + ref.length]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(raw.numpy().tobytes()))
+                continue
+            if ref.dtype is None or ref.shape is None:
+                raise CheckpointFormatError(
+                    f"{where}: {item.storage_index.fqn} is stored as bytes, not a tensor"
+                )
+            dtype = DTYPES[ref.dtype]
+            src = (
+                raw.view(dtype).view(ref.shape)
+                if ref.length
+                else torch.empty(ref.shape, dtype=dtype)
+            )
+            src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != src.size():
+                raise CheckpointFormatError(
+                    f"{where}: {item.storage_index.fqn} region has shape {list(src.size())}, the "
+                    f"destination {list(target.size())}"
+                )
+            target.copy_(src)
+            planner.commit_tensor(item, target)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_daemon"] = DaemonClient(self.config)
         state["process_group"] = None
+        state["_direct"] = None
         return state

@@ -1,0 +1,176 @@
+"""The persistent tier: uploads in the daemon, restore after a node loss, integrity, resume."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from seaweed import SeaweedS3
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tierckpt_client import DaemonClient
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.objectstore import StoreSettings, open_store
+
+from helpers import DaemonProcess, new_shm_dir
+
+N = 1 << 16
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(N, generator=g),
+        "b": torch.randn(33, generator=g),
+        "meta": {"step": step},
+    }
+
+
+def _empty() -> dict[str, object]:
+    return {"w": torch.zeros(N), "b": torch.zeros(33), "meta": {"step": -1}}
+
+
+def _save(ns: str, step: int, *, staged: bool = True) -> None:
+    writer = TieredStorageWriter(ns, step)
+    if staged:
+        dcp.async_save(_state(step), storage_writer=writer, no_dist=True).result()
+    else:
+        dcp.save(_state(step), storage_writer=writer, no_dist=True)
+
+
+def _load(ns: str, step: int | None = None) -> tuple[int | None, dict[str, object]]:
+    out = _empty()
+    reader = TieredStorageReader(ns, step)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return reader.resolved_step, out
+
+
+def _assert_state(out: dict[str, object], step: int) -> None:
+    ref = _state(step)
+    assert torch.equal(out["w"], ref["w"]) and torch.equal(out["b"], ref["b"])
+    assert out["meta"] == {"step": step}
+
+
+def _wait_durable(ns: str, steps: set[int], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with DaemonClient() as c:
+        while True:
+            states = {s.step: s.state.value for s in c.steps(ns)}
+            if all(states.get(s) == "durable" for s in steps):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"steps {steps} not durable: {states}; {c.status().persistent}"
+                )
+            time.sleep(0.05)
+
+
+@pytest.fixture(params=["file", "s3"])
+def tier_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "file":
+        yield f"file://{tmp_path / 'store'}"
+    else:
+        server: SeaweedS3 = request.getfixturevalue("s3_env")
+        yield f"s3://{server.bucket}/{request.node.name.replace('[', '-').replace(']', '')}"
+
+
+@pytest.fixture
+def node(tier_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(new_shm_dir(), persist_url=tier_url, keep_last=2)
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
+
+
+def _reboot(node: DaemonProcess) -> None:
+    """A node that lost its memory: kill the daemon, wipe the tmpfs tier, start again."""
+    node.kill()
+    shutil.rmtree(node.shm_dir)
+    node.start()
+
+
+def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
+    _save("job", 10)
+    _save("job", 20, staged=False)
+    _wait_durable("job", {10, 20})
+    _reboot(node)
+    with DaemonClient() as c:
+        assert [(x.step, x.in_memory, x.durable) for x in c.candidates("job")] == [
+            (20, False, True),
+            (10, False, True),
+        ]
+    step, out = _load("job")
+    assert step == 20
+    _assert_state(out, 20)
+    step, out = _load("job", 10)
+    _assert_state(out, 10)
+    with DaemonClient() as c:
+        assert {s.step: s.state.value for s in c.steps("job")} == {10: "durable", 20: "durable"}
+
+
+def test_corrupt_object_falls_back_to_older_step(
+    node: DaemonProcess, tier_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _save("job", 10)
+    _save("job", 20)
+    _wait_durable("job", {10, 20})
+    store = open_store(tier_url, StoreSettings.from_env())
+    key = next(o.key for o in store.list("job/step_000000000020/") if o.key.endswith(".data"))
+    data = bytearray(store.get_bytes(key))
+    data[100] ^= 0xFF
+    store.put_bytes(key, bytes(data))
+    _reboot(node)
+    with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
+        step, out = _load("job")
+    assert step == 10
+    _assert_state(out, 10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "skipping step 20" in warnings[0] and "corrupt" in warnings[0]
+    with pytest.raises(CheckpointException, match=r"file r00000\.data .* is corrupt"):
+        _load("job", 20)
+
+
+def test_upload_failure_is_reported_and_resumes_after_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "store"
+    root.mkdir()
+    (root / "job").write_text("a file where the namespace directory must go")
+    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{root}")
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    try:
+        d.start()
+        _save("job", 5)
+        with DaemonClient() as c:
+            deadline = time.monotonic() + 30
+            while (st := c.status().persistent) is None or st.failed_uploads == 0:
+                assert time.monotonic() < deadline, st
+                time.sleep(0.05)
+            assert st.healthy is False and "job/step 5: upload to file://" in (st.last_error or "")
+            assert [s.state.value for s in c.steps("job")] == ["committed"]
+        # The memory tier keeps working while the persistent tier is broken.
+        _step, out = _load("job")
+        _assert_state(out, 5)
+
+        d.kill()  # SIGKILL with the upload still pending
+        (root / "job").unlink()
+        d.start()
+        _wait_durable("job", {5})
+        store = open_store(f"file://{root}")
+        names = {o.key for o in store.list("job/")}
+        assert names == {
+            "job/step_000000000005/r00000.data",
+            "job/step_000000000005/r00000.extra",
+            "job/step_000000000005/manifest.json",
+            "job/step_000000000005/COMMITTED",
+        }
+    finally:
+        d.cleanup()
