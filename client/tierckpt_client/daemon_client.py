@@ -88,6 +88,14 @@ class DaemonClient:
         finally:
             probe.close()
 
+    def ping(self) -> bool:
+        """Whether the daemon's socket accepts a connection (microseconds; no HTTP)."""
+        try:
+            self._preflight()
+        except DaemonUnavailableError:
+            return False
+        return True
+
     def _request(
         self, method: str, path: str, body: Any = None, *, timeout: float | None = None
     ) -> Any:

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from seaweed import SeaweedS3
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierckpt_client import DaemonClient
+from tierckpt_client import DaemonClient, DaemonUnavailableError
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.objectstore import StoreSettings, open_store
 
@@ -174,3 +174,44 @@ def test_upload_failure_is_reported_and_resumes_after_restart(
         }
     finally:
         d.cleanup()
+
+
+def test_without_a_daemon_restore_and_save_use_the_tier_directly(
+    node: DaemonProcess,
+    tier_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _save("job", 10)
+    _wait_durable("job", {10})
+    node.kill()
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
+
+    with caplog.at_level(logging.WARNING):
+        step, out = _load("job")
+        _save("job", 20)  # async_save: stages privately, uploads in write_data
+        _save("job", 30, staged=False)
+    assert step == 10
+    _assert_state(out, 10)
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("restoring straight from the persistent tier" in m for m in msgs)
+    assert sum("saving straight to the persistent tier" in m for m in msgs) == 1  # said once
+    step, out = _load("job", 20)
+    _assert_state(out, 20)
+
+    # The daemon comes back (empty memory): the degraded saves are ordinary durable steps to it.
+    shutil.rmtree(node.shm_dir)
+    node.start()
+    step, out = _load("job")
+    assert step == 30
+    _assert_state(out, 30)
+
+
+def test_degraded_save_can_be_refused(node: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    node.kill()
+    with pytest.raises(DaemonUnavailableError, match="set TIERCKPT_PERSIST_URL in the trainer"):
+        dcp.async_save(_state(1), storage_writer=TieredStorageWriter("job", 1), no_dist=True)
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", "file:///nonexistent-but-unused")
+    writer = TieredStorageWriter("job", 1, on_unavailable="raise")
+    with pytest.raises(DaemonUnavailableError, match="cannot reach the tierckpt daemon"):
+        dcp.async_save(_state(1), storage_writer=writer, no_dist=True)

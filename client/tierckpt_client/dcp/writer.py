@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,11 +21,14 @@ from torch.futures import Future
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._direct import DirectTier
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import ShardRef, dtype_name, encode_metadata
 from tierckpt_client.dcp._staging import align, stage_into, staging_size
 from tierckpt_client.errors import (
+    CapacityExceededError,
     CheckpointFormatError,
+    DaemonUnavailableError,
     InvalidNameError,
     StepStateError,
     TierCkptError,
@@ -36,13 +40,36 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Staged:
-    """The file that ``stage()`` filled: leased from the daemon, sealed by ``write_data``."""
+    """What ``stage()`` filled: a file leased from the daemon (sealed by ``write_data``), or, in
+    degraded mode, private memory (``lease_id``/``path`` None) that ``write_data`` uploads."""
 
-    lease_id: str
-    path: str
-    dev: int
-    ino: int
+    lease_id: str | None
+    path: str | None
     size: int
+    private: _arena.FileMapping | None = None
+
+    def mapping(self) -> _arena.FileMapping:
+        if self.path is not None:
+            return _arena.map_file(self.path)
+        assert self.private is not None
+        return self.private
+
+
+@dataclass(frozen=True)
+class _PlanData:
+    """What the coordinator hands every rank in its plan."""
+
+    attempt: str
+    direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
+
+
+def _private_buffer(size: int) -> _arena.FileMapping:
+    return _arena.FileMapping(
+        dev=-1, ino=-1, fd=-1, size=size, buffer=torch.empty(size, dtype=torch.uint8)
+    )
+
+
+_warned: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -68,6 +95,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         step: the training step this checkpoint belongs to.
         persist: ask the daemon to persist this step (``None``: the daemon's policy decides).
         config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
+        on_unavailable: when the daemon cannot be reached or has no room: ``"persist"`` (default)
+            writes the step straight to the persistent tier (``config.persist_url``) and logs one
+            WARNING; ``"raise"`` fails the save. Training never hangs on the daemon: every call
+            has a timeout.
 
     Call order, as DCP drives it (``async_save`` adds ``stage`` in the trainer first)::
 
@@ -99,15 +130,20 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         *,
         persist: bool | None = None,
         config: ClientConfig | None = None,
+        on_unavailable: str = "persist",
     ) -> None:
         super().__init__()
+        if on_unavailable not in ("persist", "raise"):
+            raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
+        self.on_unavailable = on_unavailable
+        self._direct: DirectTier | None = None
         self.namespace = validate_namespace(namespace) if namespace is not None else None
         self.step = validate_step(step) if step is not None else None
         self.persist = persist
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient(self.config)
         self._staged: _Staged | None = None
-        self._attempt: str | None = None
+        self._plan_data: _PlanData | None = None
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: SaveStats | None = None
@@ -155,6 +191,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_daemon"] = DaemonClient(self.config)  # a fresh connection in the other process
+        state["_direct"] = None
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
         # helper process: the staged file belongs to that copy from now on, so this one can stage
         # the next save.
@@ -173,15 +210,41 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if size == 0:
             return stage_into(state_dict, None).state_dict
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        lease = self._daemon.lease(namespace, rank, size)
+        try:
+            lease = self._daemon.lease(namespace, rank, size)
+        except (DaemonUnavailableError, CapacityExceededError) as e:
+            self._degrade(e)
+            private = _private_buffer(size)
+            result = stage_into(state_dict, private)
+            self._staged = _Staged(None, None, size, private)
+            return result.state_dict
         try:
             mapping = _arena.map_file(lease.path)
             result = stage_into(state_dict, mapping)
         except BaseException:
             self._release_quietly(namespace, lease.lease_id)
             raise
-        self._staged = _Staged(lease.lease_id, lease.path, mapping.dev, mapping.ino, lease.size)
+        self._staged = _Staged(lease.lease_id, lease.path, lease.size)
         return result.state_dict
+
+    def _degrade(self, cause: TierCkptError) -> DirectTier:
+        """Switch this save to the persistent tier, or re-raise ``cause`` if the policy says no."""
+        url = self.config.persist_url
+        if self.on_unavailable != "persist" or not url:
+            if self.on_unavailable == "persist":
+                cause.message += (
+                    " (set TIERCKPT_PERSIST_URL in the trainer to save straight to the persistent "
+                    "tier instead)"
+                )
+                cause.args = (cause.message,)
+            raise cause
+        key = f"{type(cause).__name__}:{url}"
+        if key not in _warned:
+            _warned.add(key)
+            logger.warning("%s; saving straight to the persistent tier %s", cause, url)
+        if self._direct is None:
+            self._direct = DirectTier(url)
+        return self._direct
 
     def synchronize_staging(self) -> None:
         """Staging is synchronous: nothing to wait for."""
@@ -189,7 +252,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Give back a staged file that was never written (a save that failed before write_data)."""
         if self._staged is not None and self.namespace is not None:
-            self._release_quietly(self.namespace, self._staged.lease_id)
+            if self._staged.lease_id is not None:
+                self._release_quietly(self.namespace, self._staged.lease_id)
             self._staged = None
         self._daemon.close()
 
@@ -207,73 +271,91 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._require_target()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        direct = self._staged is not None and self._staged.lease_id is None
+        if not direct and not self._daemon.ping():
+            self._degrade(
+                DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
+            )
+            direct = True
+        return replace(plan, storage_data=direct)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        attempt = uuid.uuid4().hex[:16]
-        return [replace(p, storage_data=attempt) for p in plans]
+        namespace, step = self._require_target()
+        data = _PlanData(attempt=uuid.uuid4().hex[:16], direct=any(p.storage_data for p in plans))
+        if data.direct:
+            self._direct_tier(namespace, step).begin(namespace, step)
+        return [replace(p, storage_data=data) for p in plans]
+
+    def _direct_tier(self, namespace: str, step: int) -> DirectTier:
+        if self._direct is None:
+            self._degrade(
+                DaemonUnavailableError(
+                    f"{namespace}/step {step}: another rank cannot use its daemon, so this save "
+                    "goes to the persistent tier"
+                )
+            )
+        assert self._direct is not None
+        return self._direct
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         namespace, step = self._require_target()
-        attempt = plan.storage_data
-        if not isinstance(attempt, str):
+        data = plan.storage_data
+        if not isinstance(data, _PlanData):
             raise StepStateError(f"{namespace}/step {step}: the save plan carries no attempt id")
         staged, self._staged = self._staged, None
-        staged_mapping: _arena.FileMapping | None = None
-        if staged is not None:
-            staged_mapping = _arena.map_file(staged.path)
+        staged_mapping = staged.mapping() if staged is not None else None
         results: list[WriteResult] = []
         pending: list[tuple[MetadataIndex, Any]] = []  # items to copy into the extra file
-        staged_used = False
         data_name = f"r{self.rank:05d}.data"
         extra_name = f"r{self.rank:05d}.extra"
-        leases: list[str] = [staged.lease_id] if staged is not None else []
+        leases: list[str] = [staged.lease_id] if staged is not None and staged.lease_id else []
         try:
             for item in plan.items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    if not isinstance(data, io.BytesIO):
-                        raise CheckpointFormatError(
-                            f"{item.index.fqn}: the planner resolved a bytes item to "
-                            f"{type(data).__name__}, not io.BytesIO"
-                        )
-                    pending.append((item.index, data.getvalue()))
-                    continue
-                if not isinstance(data, torch.Tensor):
-                    raise CheckpointFormatError(
-                        f"{item.index.fqn}: the planner resolved a tensor item to {type(data).__name__}"
-                    )
-                t = data.detach()
-                nbytes = t.numel() * t.element_size()
+                value = self._resolve(item, planner)
                 ref = None
-                if staged_mapping is not None and t.device.type == "cpu" and t.is_contiguous():
-                    hit = _arena.find(t.data_ptr(), nbytes) if nbytes else None
-                    if hit is not None and hit[0] is staged_mapping:
-                        ref = ShardRef(
-                            data_name, hit[1], nbytes, dtype_name(t.dtype), tuple(t.shape)
-                        )
-                        staged_used = True
+                if isinstance(value, torch.Tensor) and staged_mapping is not None:
+                    ref = self._staged_ref(value, staged_mapping, data_name)
                 if ref is None:
-                    pending.append((item.index, t))
+                    pending.append((item.index, value))
                 else:
                     results.append(
-                        WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=ref)
+                        WriteResult(index=item.index, size_in_bytes=ref.length, storage_data=ref)
                     )
-            extra_results, extra_file, copied = self._write_extra(
-                namespace, extra_name, pending, leases
+            staged_used = bool(results)
+            extra, extra_lease, extra_results, copied = self._pack_extra(
+                namespace, extra_name, pending, direct=data.direct
             )
+            if extra_lease is not None:
+                leases.append(extra_lease)
             results.extend(extra_results)
-            files = []
-            if staged is not None and staged_used:
-                files.append(SealFile(lease_id=staged.lease_id, name=data_name, length=staged.size))
-            elif staged is not None:
-                self._release_quietly(namespace, staged.lease_id)
-                leases.remove(staged.lease_id)
-            if extra_file is not None:
-                files.append(extra_file)
-            # Sealed even when empty: the attempt must exist on the daemon for the commit.
-            self._daemon.seal(namespace, step, attempt, self.rank, files)
-            self._attempt = attempt
+            if data.direct:
+                direct = self._direct_tier(namespace, step)
+                if staged is not None and staged_mapping is not None and staged_used:
+                    direct.put_rank_file(
+                        namespace, step, self.rank, data_name, staged_mapping.buffer[: staged.size]
+                    )
+                if extra is not None:
+                    direct.put_rank_file(namespace, step, self.rank, extra_name, extra)
+                for lease_id in leases:
+                    self._release_quietly(namespace, lease_id)
+                leases.clear()
+            else:
+                files = []
+                if staged is not None and staged.lease_id is not None:
+                    if staged_used:
+                        files.append(
+                            SealFile(lease_id=staged.lease_id, name=data_name, length=staged.size)
+                        )
+                    else:
+                        self._release_quietly(namespace, staged.lease_id)
+                        leases.remove(staged.lease_id)
+                if extra is not None and extra_lease is not None:
+                    files.append(
+                        SealFile(lease_id=extra_lease, name=extra_name, length=extra.numel())
+                    )
+                # Sealed even when empty: the attempt must exist on the daemon for the commit.
+                self._daemon.seal(namespace, step, data.attempt, self.rank, files)
+            self._plan_data = data
         except BaseException:
             for lease_id in leases:
                 self._release_quietly(namespace, lease_id)
@@ -283,36 +365,57 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             copied_bytes=copied,
             bytes_items=sum(1 for _, v in pending if not isinstance(v, torch.Tensor)),
         )
-        if copied:
-            logger.debug(
-                "%s/step %d rank %d: copied %d unstaged tensor bytes",
-                namespace,
-                step,
-                self.rank,
-                copied,
-            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def _write_extra(
-        self,
-        namespace: str,
-        name: str,
-        pending: list[tuple[MetadataIndex, Any]],
-        leases: list[str],
-    ) -> tuple[list[WriteResult], SealFile | None, int]:
-        """Copy bytes items and unstaged tensors into one more leased file."""
+    @staticmethod
+    def _resolve(item: Any, planner: SavePlanner) -> torch.Tensor | bytes:
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            if not isinstance(data, io.BytesIO):
+                raise CheckpointFormatError(
+                    f"{item.index.fqn}: the planner resolved a bytes item to "
+                    f"{type(data).__name__}, not io.BytesIO"
+                )
+            return data.getvalue()
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointFormatError(
+                f"{item.index.fqn}: the planner resolved a tensor item to {type(data).__name__}"
+            )
+        return data.detach()
+
+    @staticmethod
+    def _staged_ref(t: torch.Tensor, mapping: _arena.FileMapping, name: str) -> ShardRef | None:
+        """Where ``t`` lives in the staged file, if stage() put it there (no copy needed)."""
+        nbytes = t.numel() * t.element_size()
+        if not nbytes or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        offset = t.data_ptr() - mapping.base
+        if not 0 <= offset <= mapping.size - nbytes:
+            return None
+        return ShardRef(name, offset, nbytes, dtype_name(t.dtype), tuple(t.shape))
+
+    def _pack_extra(
+        self, namespace: str, name: str, pending: list[tuple[MetadataIndex, Any]], *, direct: bool
+    ) -> tuple[torch.Tensor | None, str | None, list[WriteResult], int]:
+        """Copy bytes items and unstaged tensors into one more file: leased from the daemon, or
+        private memory when the save goes straight to the persistent tier. Returns the file's used
+        bytes, its lease id, the write results and the tensor bytes copied."""
         if not pending:
-            return [], None, 0
+            return None, None, [], 0
         sizes = [
             v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v)
             for _, v in pending
         ]
-        total = sum(align(n) for n in sizes)
-        lease = self._daemon.lease(namespace, self.rank, max(total, 1))
-        leases.append(lease.lease_id)
-        mapping = _arena.map_file(lease.path)
+        total = max(sum(align(n) for n in sizes), 1)
+        lease_id = None
+        if direct:
+            mapping = _private_buffer(total)
+        else:
+            lease = self._daemon.lease(namespace, self.rank, total)
+            lease_id = lease.lease_id
+            mapping = _arena.map_file(lease.path)
         results = []
         offset = 0
         copied = 0
@@ -329,7 +432,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 ref = ShardRef(name, offset, n)
             results.append(WriteResult(index=index, size_in_bytes=n, storage_data=ref))
             offset += align(n)
-        return results, SealFile(lease_id=lease.lease_id, name=name, length=offset), copied
+        return mapping.buffer[:offset], lease_id, results, copied
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         namespace, step = self._require_target()
@@ -340,10 +443,20 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 storage[r.index] = r.storage_data
                 files.add(r.storage_data.file)
         metadata.storage_data = storage
-        # Every rank sealed under the attempt id that prepare_global_plan handed out.
-        attempt = self._attempt
-        if attempt is None:
+        data = self._plan_data
+        if data is None:
             raise StepStateError(f"{namespace}/step {step}: finish() without write_data()")
+        if data.direct:
+            self._direct_tier(namespace, step).commit(
+                namespace,
+                step,
+                sorted(files),
+                encode_metadata(metadata),
+                world_size=len(results),
+                committed_at=time.time(),
+            )
+            return
+        attempt = data.attempt
         req = CommitRequest(
             files=sorted(files),
             metadata=encode_metadata(metadata),
