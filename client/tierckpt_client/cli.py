@@ -148,6 +148,23 @@ def cmd_rm(client: DaemonClient, args: argparse.Namespace) -> None:
     _emit(args, doc, f"removed {ns} step {step}")
 
 
+def cmd_export(client: DaemonClient, args: argparse.Namespace) -> None:
+    from tierckpt_client.dcp.export import export_step  # needs torch, unlike the other commands
+
+    ns = validate_namespace(args.namespace)
+    step = None if args.step == "latest" else validate_step(_int(args.step))
+    written = export_step(ns, step, args.dest, config=client.config)
+    doc = {"namespace": ns, "step": written, "path": str(args.dest)}
+    _emit(args, doc, f"exported {ns} step {written} to {args.dest} (torch FileSystemReader format)")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidNameError(f"step must be a number or 'latest', got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     # The common options work before and after the subcommand; SUPPRESS keeps a subcommand's
     # default from overwriting a value given before it (no set_defaults: the parsers share these
@@ -178,6 +195,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("namespace", metavar="NAMESPACE")
     s.add_argument("step", type=int, metavar="STEP")
     s.set_defaults(func=cmd_rm)
+    s = sub.add_parser(
+        "export", parents=[common], help="write a step as a plain torch DCP checkpoint directory"
+    )
+    s.add_argument("namespace", metavar="NAMESPACE")
+    s.add_argument("step", metavar="STEP", help="a step number or 'latest'")
+    s.add_argument("dest", metavar="DIR", help="an empty or new directory")
+    s.set_defaults(func=cmd_export)
     return p
 
 
@@ -197,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(EXIT_NOT_FOUND, e)
     except DaemonUnavailableError as e:
         return _fail(EXIT_UNAVAILABLE, e)
-    except TierCkptError as e:
+    except (TierCkptError, OSError) as e:
         return _fail(EXIT_ERROR, e)
     return EXIT_OK
 

@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PIN_TTL_S = 600.0
+SPARE_MIN_BYTES = 1 << 20
+SPARE_WAIT_S = 60.0
 POOL_IDLE_S = 900.0
 
 
@@ -90,6 +92,7 @@ class TierService:
         keep_last: int = 2,
         lease_ttl_s: float = 900.0,
         policy: EvictionPolicy | None = None,
+        spares: bool = True,
     ) -> None:
         self.arena = arena
         self.keep_last = keep_last
@@ -103,6 +106,9 @@ class TierService:
         self.persister: Persister | None = None  # set when a persistent tier is configured
         self.persist_every = 1
         self._commits_since_persist: dict[str, int] = {}
+        self._spares_in_flight: set[int] = set()
+        self._spare_done = threading.Condition(self._lock)
+        self.spares = spares
 
     # -- start-up ---------------------------------------------------------------------------
     def rebuild(self) -> None:
@@ -173,7 +179,15 @@ class TierService:
         lease_id = uuid.uuid4().hex
         path = self.arena.lease_dir / f"{lease_id}.bin"
         with self._lock:
+            # A spare of this size being faulted in is further along than a new file would be.
+            deadline = time.monotonic() + SPARE_WAIT_S
+            while size in self._spares_in_flight and not self.arena.has_pooled(size):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._spare_done.wait(left)
             if self.arena.take_from_pool(size, path):
+                self._maybe_spare(namespace, size)
                 return self._grant(lease_id, namespace, rank, path, size, recycled=True)
             self._make_room(size, namespace)
             self.arena.reserve(size)
@@ -184,7 +198,42 @@ class TierService:
                 self.arena.unreserve(size)
         with self._lock:
             self.arena.track(path, size)
+            self._maybe_spare(namespace, size)
             return self._grant(lease_id, namespace, rank, path, size, recycled=False)
+
+    def _maybe_spare(self, namespace: str, size: int) -> None:
+        """While a namespace ramps up to ``keep_last`` committed steps, nothing is evicted into the
+        pool yet, so the next save of this size would get fresh pages. Allocate and fault in a
+        spare file of this size in the background now, within the budget and without evicting."""
+        if (
+            not self.spares
+            or size < SPARE_MIN_BYTES
+            or size in self._spares_in_flight
+            or self.arena.has_pooled(size)
+            or len(self._committed.get(namespace, {})) >= self.keep_last
+            or self.arena.capacity_bytes - self.arena.used_bytes < size
+        ):
+            return
+        self.arena.reserve(size)
+        self._spares_in_flight.add(size)
+        threading.Thread(
+            target=self._make_spare, args=(size,), name="tierckpt-prefault", daemon=True
+        ).start()
+
+    def _make_spare(self, size: int) -> None:
+        path = self.arena.pool_dir / f"{uuid.uuid4().hex}.bin"
+        try:
+            self.arena.allocate(path, size)
+        except CapacityExceededError as e:
+            logger.warning("could not pre-fault a spare file of %d bytes: %s", size, e)
+            path = None  # type: ignore[assignment]
+        finally:
+            with self._lock:
+                self.arena.unreserve(size)
+                self._spares_in_flight.discard(size)
+                if path is not None:
+                    self.arena.add_to_pool(path, size)
+                self._spare_done.notify_all()
 
     def _grant(
         self, lease_id: str, namespace: str, rank: int, path: Path, size: int, *, recycled: bool

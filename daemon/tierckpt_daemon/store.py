@@ -89,6 +89,13 @@ class Arena:
         self._sizes[dst] = size
         self._pool[dst] = PoolFile(dst, size, time.monotonic())
 
+    def add_to_pool(self, path: Path, size: int) -> None:
+        self._sizes[path] = size
+        self._pool[path] = PoolFile(path, size, time.monotonic())
+
+    def has_pooled(self, size: int) -> bool:
+        return any(f.size == size for f in self._pool.values())
+
     def scan_pool(self) -> None:
         for p in self.pool_dir.iterdir():
             if p.suffix == ".bin" and p.is_file():
@@ -150,7 +157,11 @@ class Arena:
         try:
             os.fchmod(fd, 0o660)  # not cut by the umask: trainers of the daemon's group write it
             if size and self.prefault:
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, size)  # fails fast (ENOSPC) if the tmpfs is too small
+                # fallocate only reserves tmpfs pages; they are zeroed on first touch, which would
+                # cost the trainer's first copy ~1-3 s/GiB. Touch them here by writing zeros
+                # (pwrite releases the GIL, so the daemon keeps answering meanwhile).
+                _write_zeros(fd, size)
             else:
                 os.ftruncate(fd, size)
         except OSError as e:
@@ -170,6 +181,16 @@ class Arena:
         _remove(path)
         self._sizes.pop(path, None)
         self._pool.pop(path, None)
+
+
+_ZEROS = bytes(16 << 20)
+
+
+def _write_zeros(fd: int, size: int) -> None:
+    view = memoryview(_ZEROS)
+    off = 0
+    while off < size:
+        off += os.pwrite(fd, view[: min(len(view), size - off)], off)
 
 
 def _remove(path: Path) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from seaweed import SeaweedS3
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient, DaemonUnavailableError
@@ -215,3 +218,28 @@ def test_degraded_save_can_be_refused(node: DaemonProcess, monkeypatch: pytest.M
     writer = TieredStorageWriter("job", 1, on_unavailable="raise")
     with pytest.raises(DaemonUnavailableError, match="cannot reach the tierckpt daemon"):
         dcp.async_save(_state(1), storage_writer=writer, no_dist=True)
+
+
+def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path: Path) -> None:
+    _save("job", 10, staged=False)
+    _wait_durable("job", {10})
+    _reboot(node)  # export from the persistent tier, through the daemon's hydration
+    dest = tmp_path / "exported"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierckpt_client.cli", "export", "job", "latest", str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "exported job step 10" in proc.stdout
+    out = _empty()
+    dcp.load(out, storage_reader=FileSystemReader(dest), no_dist=True)
+    _assert_state(out, 10)
+    again = subprocess.run(
+        [sys.executable, "-m", "tierckpt_client.cli", "export", "job", "10", str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 1 and "already holds a DCP checkpoint" in again.stderr

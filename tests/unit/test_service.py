@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ MiB = 1 << 20
 
 
 def make(root: Path, capacity: int = 64 * MiB, keep_last: int = 2) -> TierService:
-    svc = TierService(Arena(root, capacity), keep_last=keep_last, lease_ttl_s=60)
+    svc = TierService(Arena(root, capacity), keep_last=keep_last, lease_ttl_s=60, spares=False)
     svc.rebuild()
     return svc
 
@@ -158,12 +159,21 @@ def test_rebuild_discards_a_step_with_a_missing_file(root: Path) -> None:
 
 
 def test_sweep_expires_unsealed_leases(root: Path) -> None:
-    svc = TierService(Arena(root, 64 * MiB), keep_last=2, lease_ttl_s=0.01)
+    svc = TierService(Arena(root, 64 * MiB), keep_last=2, lease_ttl_s=0.01, spares=False)
     svc.rebuild()
     svc.lease("job", 0, MiB)
-    import time
-
     time.sleep(0.05)
     svc.sweep()
     assert svc.status("x").leased_bytes == 0
     assert svc.arena.pool_files == 1
+
+
+def test_spares_are_prefaulted_while_a_namespace_ramps_up(root: Path) -> None:
+    svc = TierService(Arena(root, 64 * MiB), keep_last=2, lease_ttl_s=60, spares=True)
+    svc.rebuild()
+    save(svc, "job", 1, size=2 * MiB)  # fresh; a spare of the same size follows in the background
+    deadline = time.monotonic() + 10
+    while not svc.arena.has_pooled(2 * MiB):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert svc.lease("job", 0, 2 * MiB).recycled  # the second save finds faulted-in pages

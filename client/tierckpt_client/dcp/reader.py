@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -218,22 +219,25 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        namespace = self._require_namespace()
-        step = self._resolved
-        if step is None:
-            raise StepStateError("read_data() called before read_metadata()")
-        if self._direct is not None:
-            direct = self._direct
-            self._copy_items(plan, planner, lambda name: direct.fetch(namespace, step, name))
-        else:
-            self._read_from_daemon(namespace, step, plan, planner)
+        with self.open_files() as file_bytes:
+            self._copy_items(plan, planner, file_bytes)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_from_daemon(
-        self, namespace: str, step: int, plan: LoadPlan, planner: LoadPlanner
-    ) -> None:
+    @contextlib.contextmanager
+    def open_files(self) -> Iterator[Callable[[str], torch.Tensor]]:
+        """Yield ``file_bytes(name) -> uint8 tensor`` for the files of the step ``read_metadata``
+        chose: mapped from the daemon's memory (pinned meanwhile), or downloaded and verified
+        from the persistent tier when there is no daemon."""
+        namespace = self._require_namespace()
+        step = self._resolved
+        if step is None:
+            raise StepStateError("the step's files are opened after read_metadata()")
+        if self._direct is not None:
+            direct = self._direct
+            yield lambda name: direct.fetch(namespace, step, name)
+            return
         try:
             pin = self._daemon.pin(namespace, step)
         except NotFoundError:  # evicted since read_metadata, or another node: bring it back
@@ -250,7 +254,7 @@ class TieredStorageReader(StorageReader):
             return _arena.map_file(path).buffer
 
         try:
-            self._copy_items(plan, planner, file_bytes)
+            yield file_bytes
         finally:
             try:
                 self._daemon.unpin(namespace, step, pin.pin_id)

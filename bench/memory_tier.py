@@ -1,0 +1,348 @@
+"""Memory-tier benchmark: tierckpt async_save/load vs. memcpy and torch's default DCP path.
+
+Starts a real daemon, then times, on one ~1 GB CPU state dict (see bench/README.md):
+(a) memcpy into pre-touched tensors, (b) ``async_save`` with ``FileSystemWriter`` into /dev/shm,
+(c) ``async_save`` with ``TieredStorageWriter``, (d) ``dcp.load`` with each reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from tierckpt_client import DaemonClient, DaemonUnavailableError
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+
+NAMESPACE = "bench"
+N_TENSORS = 16
+KEEP_LAST = 2
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-mb", type=int, default=1024, help="tensor bytes of the state dict (MiB)")
+    p.add_argument("--iters", type=int, default=6, help="repetitions per measurement (>= 2)")
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="seconds of (simulated) training between saves, untimed; the daemon pre-faults "
+        "spare files meanwhile, as it would during real training",
+    )
+    p.add_argument("--checkpointer", choices=["thread", "process"], default="thread")
+    p.add_argument("--out", type=Path, default=Path("bench/results/memory_tier.json"))
+    p.add_argument("--smoke", action="store_true", help="64 MiB, 2 iterations (CI)")
+    args = p.parse_args()
+    if args.smoke:
+        args.size_mb, args.iters, args.interval = 64, 2, 0.0
+    if args.iters < 2:
+        p.error("--iters must be at least 2 (one cold, at least one steady)")
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_daemon(shm_dir: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, TIERCKPT_SHM_DIR=str(shm_dir), TIERCKPT_PORT="0")
+    env.update(TIERCKPT_CAPACITY="12G", TIERCKPT_KEEP_LAST=str(KEEP_LAST))
+    env.update(TIERCKPT_LOG_LEVEL="WARNING")
+    with log.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tierckpt_daemon"], env=env, stderr=f)
+    sock = shm_dir / "daemon.sock"
+    os.environ["TIERCKPT_SOCKET"] = str(sock)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            DaemonClient.from_socket(sock).status()
+            return proc
+        except DaemonUnavailableError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"daemon did not start:\n{log.read_text()[-2000:]}") from None
+            time.sleep(0.1)
+
+
+def make_state(size_mb: int) -> dict[str, Any]:
+    numel = size_mb * (1 << 20) // N_TENSORS // 4
+    gen = torch.Generator().manual_seed(0)
+    sd: dict[str, Any] = {f"w{i:02d}": torch.randn(numel, generator=gen) for i in range(N_TENSORS)}
+    sd["extra"] = {"step": 0, "lr": 3e-4, "tag": "bench"}
+    return sd
+
+
+def tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
+    return [v for v in sd.values() if isinstance(v, torch.Tensor)]
+
+
+def mutate(sd: dict[str, Any]) -> None:
+    for t in tensors(sd):
+        t[0] += 1
+    sd["extra"]["step"] += 1
+
+
+def zeros_like_state(sd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items() if k != "extra"}
+    out["extra"] = {"step": -1, "lr": 0.0, "tag": ""}
+    return out
+
+
+def check_equal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    bad = [k for k, v in want.items() if k != "extra" and not torch.equal(got[k], v)]
+    if bad or got["extra"] != want["extra"]:
+        raise AssertionError(f"{what}: loaded state differs from the saved one ({bad or 'extra'})")
+
+
+def summary(times: list[float], nbytes: int) -> dict[str, Any]:
+    steady = statistics.median(times[1:])
+    return {
+        "cold_ms": times[0] * 1e3,
+        "steady_ms": steady * 1e3,
+        "steady_gbps": nbytes / steady / 1e9,
+        "all_ms": [t * 1e3 for t in times],
+    }
+
+
+def bench_memcpy(sd: dict[str, Any], iters: int) -> list[float]:
+    src = tensors(sd)
+    dst = [torch.empty_like(t).fill_(0) for t in src]  # allocate and touch outside the timing
+    times = []
+    for _ in range(iters):
+        mutate(sd)
+        t0 = time.perf_counter()
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_save(
+    sd: dict[str, Any],
+    iters: int,
+    make_writer: Callable[[int], Any],
+    save_kwargs: dict[str, Any],
+    before: Callable[[int], None] = lambda i: None,
+    interval: float = 0.0,
+) -> tuple[list[float], list[float]]:
+    blocking, committed = [], []
+    for i in range(iters):
+        if i:
+            time.sleep(interval)
+        mutate(sd)
+        before(i)
+        writer = make_writer(i)
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, storage_writer=writer, **save_kwargs)
+        t1 = time.perf_counter()
+        fut.result()
+        t2 = time.perf_counter()
+        blocking.append(t1 - t0)
+        committed.append(t2 - t0)
+    return blocking, committed
+
+
+def bench_load(
+    dest: dict[str, Any],
+    iters: int,
+    make_reader: Callable[[], Any],
+    want: dict[str, Any],
+    what: str,
+) -> list[float]:
+    times = []
+    for _ in range(iters):
+        for t in tensors(dest):
+            t.zero_()
+        t0 = time.perf_counter()
+        dcp.load(dest, storage_reader=make_reader(), no_dist=True)
+        times.append(time.perf_counter() - t0)
+        check_equal(dest, want, what)
+    return times
+
+
+def run(args: argparse.Namespace, fs_root: Path) -> dict[str, Any]:
+    sd = make_state(args.size_mb)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors(sd))
+    kwargs: dict[str, Any] = {"async_checkpointer_type": AsyncCheckpointerType(args.checkpointer)}
+    if not dist.is_initialized():
+        kwargs["no_dist"] = True
+    res: dict[str, Any] = {}
+    res["memcpy"] = summary(bench_memcpy(sd, args.iters), nbytes)
+
+    def fs_dir(i: int) -> Path:
+        return fs_root / f"step_{i}"
+
+    def drop_previous(i: int) -> None:
+        shutil.rmtree(fs_dir(i - 1), ignore_errors=True)
+
+    b, c = bench_save(
+        sd, args.iters, lambda i: FileSystemWriter(fs_dir(i)), kwargs, drop_previous, args.interval
+    )
+    res["torch_blocking"], res["torch_committed"] = summary(b, nbytes), summary(c, nbytes)
+    fs_state = {k: (v.clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in sd.items()}
+
+    client = DaemonClient()
+    recycled: list[bool] = []  # can this save's lease take a file back from the daemon's pool?
+
+    def note_pool(i: int) -> None:
+        recycled.append(client.status().pool_bytes >= nbytes)
+
+    def tier_writer(i: int) -> TieredStorageWriter:
+        return TieredStorageWriter(NAMESPACE, step=i + 1)
+
+    b, c = bench_save(sd, args.iters, tier_writer, kwargs, note_pool, args.interval)
+    res["tier_blocking"], res["tier_committed"] = summary(b, nbytes), summary(c, nbytes)
+    res["tier_blocking"]["recycled"] = recycled
+    warm = [t for t, r in zip(b[1:], recycled[1:], strict=True) if r]
+    res["tier_blocking_recycled_ms"] = statistics.median(warm) * 1e3 if warm else None
+    last = args.iters
+    dest = zeros_like_state(sd)
+    dcp.load(dest, storage_reader=TieredStorageReader(NAMESPACE, step=last), no_dist=True)
+    check_equal(dest, sd, f"tierckpt step {last}")  # bit-exact round trip
+
+    fs_reader = lambda: FileSystemReader(fs_dir(args.iters - 1))  # noqa: E731
+    res["restore_fs"] = summary(bench_load(dest, args.iters, fs_reader, fs_state, "fs"), nbytes)
+    tier_reader = lambda: TieredStorageReader(NAMESPACE, step=last)  # noqa: E731
+    res["restore_tier"] = summary(bench_load(dest, args.iters, tier_reader, sd, "tier"), nbytes)
+    client.close()
+    s = {k: v["steady_ms"] for k, v in res.items() if isinstance(v, dict)}
+    res["ratios"] = ratios(s)
+    if res["tier_blocking_recycled_ms"] is not None:  # tier blocking of recycled leases only
+        res["ratios_recycled"] = ratios({**s, "tier_blocking": res["tier_blocking_recycled_ms"]})
+    res["bytes"] = nbytes
+    return res
+
+
+def ratios(ms: dict[str, float]) -> dict[str, float]:
+    return {
+        "tier_blocking_over_memcpy": ms["tier_blocking"] / ms["memcpy"],
+        "torch_blocking_over_tier_blocking": ms["torch_blocking"] / ms["tier_blocking"],
+        "tier_restore_over_fs_restore": ms["restore_fs"] / ms["restore_tier"],
+    }
+
+
+TARGETS = {  # key: (label, target, met?)
+    "tier_blocking_over_memcpy": ("tierckpt blocking / memcpy", "<= 1.5", lambda r: r <= 1.5),
+    "torch_blocking_over_tier_blocking": ("torch / tierckpt blocking", ">= 3", lambda r: r >= 3),
+    "tier_restore_over_fs_restore": ("tierckpt / FS restore GB/s", ">= 3", lambda r: r >= 3),
+}
+ROWS = {
+    "memcpy": "(a) memcpy into pre-touched tensors",
+    "torch_blocking": "(b) torch default: blocking",
+    "torch_committed": "(b) torch default: time-to-committed",
+    "tier_blocking": "(c) tierckpt: blocking",
+    "tier_committed": "(c) tierckpt: time-to-committed",
+    "restore_fs": "(d) restore: FileSystemReader",
+    "restore_tier": "(d) restore: TieredStorageReader",
+}
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = [
+        "| measurement | cold ms | steady ms | steady GB/s | all iterations ms |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for key, label in ROWS.items():
+        r = res[key]
+        runs = ", ".join(f"{t:.0f}" for t in r["all_ms"])
+        lines.append(
+            f"| {label} | {r['cold_ms']:.1f} | {r['steady_ms']:.1f} | {r['steady_gbps']:.2f} | {runs} |"
+        )
+    warm = res["tier_blocking_recycled_ms"]
+    recycled = "".join("R" if x else "n" for x in res["tier_blocking"]["recycled"])
+    lines += ["", f"tierckpt leases recycled per iteration: {recycled} (R = from the pool)"]
+    if warm is not None:
+        lines.append(f"tierckpt blocking, recycled files only (median): {warm:.1f} ms")
+    rec = res.get("ratios_recycled")
+    lines += [
+        "",
+        "| ratio | steady | met | tierckpt recycled only | met | target |",
+        "|---|---:|---|---:|---|---|",
+    ]
+    for key, (label, target, ok) in TARGETS.items():
+        v = res["ratios"][key]
+        w = f"{rec[key]:.2f} | {'yes' if ok(rec[key]) else 'NO'}" if rec else "- | -"
+        lines.append(f"| {label} | {v:.2f} | {'yes' if ok(v) else 'NO'} | {w} | {target} |")
+    return "\n".join(lines)
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "mem_gib": round(mem / (1 << 30), 1),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "size_mb": args.size_mb,
+        "iters": args.iters,
+        "checkpointer": args.checkpointer,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    tag = uuid.uuid4().hex[:8]
+    shm_dir = Path(f"/dev/shm/tierckpt-bench-{tag}")
+    fs_root = Path(f"/dev/shm/tierckpt-bench-fs-{tag}")
+    log = Path(tempfile.gettempdir()) / f"tierckpt-bench-{tag}.log"
+    info = machine_info(args)
+    print(
+        f"machine: {info['cores']} cores, {info['mem_gib']} GiB, torch {info['torch']}, "
+        f"python {info['python']}; {args.size_mb} MiB x {args.iters} iters, {args.checkpointer}"
+    )
+    daemon = None
+    try:
+        daemon = start_daemon(shm_dir, log)
+        if args.checkpointer == "process":
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        res = run(args, fs_root)
+    except BaseException:
+        if log.exists():
+            print(f"daemon log (tail):\n{log.read_text()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if daemon is not None:
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(fs_root, ignore_errors=True)
+        log.unlink(missing_ok=True)
+    print(render(res))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": info, "results": res}, indent=2) + "\n")
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
