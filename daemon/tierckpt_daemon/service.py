@@ -29,6 +29,7 @@ from tierckpt_client.errors import (
     CheckpointFormatError,
     LeaseNotFoundError,
     NamespaceNotFoundError,
+    PersistentTierError,
     StepNotFoundError,
     StepStateError,
 )
@@ -425,10 +426,20 @@ class TierService:
         validate_namespace(namespace)
         with self._lock:
             in_memory = {s: r for s, r in self._committed.get(namespace, {}).items()}
-        durable = set(self.persister.durable_steps(namespace)) if self.persister else set()
+        durable: set[int] = set()
+        tier_error: PersistentTierError | None = None
+        if self.persister is not None:
+            try:
+                durable = set(self.persister.durable_steps(namespace))
+            except PersistentTierError as e:
+                # A broken persistent tier must not take the memory tier down with it.
+                logger.warning("%s: listing the persistent tier failed: %s", namespace, e)
+                tier_error = e
         durable |= {s for s, r in in_memory.items() if r.state == StepState.DURABLE}
         steps = sorted(set(in_memory) | durable, reverse=True)
         if not steps:
+            if tier_error is not None:
+                raise tier_error
             where = " or the persistent tier" if self.persister else ""
             raise NamespaceNotFoundError(
                 f"namespace {namespace} has no committed step in memory{where}"

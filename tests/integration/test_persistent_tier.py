@@ -243,3 +243,54 @@ def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path
         timeout=120,
     )
     assert again.returncode == 1 and "already holds a DCP checkpoint" in again.stderr
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("AWS_SECRET_ACCESS_KEY", "not-the-secret", "credentials"),
+        ("bucket", "no-such-bucket", "no-such-bucket"),
+    ],
+)
+def test_bad_s3_settings_are_reported_and_memory_keeps_working(
+    s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch, setting: str, value: str, message: str
+) -> None:
+    bucket = value if setting == "bucket" else s3_env.bucket
+    if setting != "bucket":
+        monkeypatch.setenv(setting, value)
+    d = DaemonProcess(new_shm_dir(), persist_url=f"s3://{bucket}/x")
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    try:
+        d.start()
+        with DaemonClient() as c:
+            deadline = time.monotonic() + 60
+            while (st := c.status().persistent) is None or st.healthy is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert st.healthy is False and message in (st.last_error or ""), st
+        assert message in d.log()
+        _save("job", 1)
+        step, out = _load("job")
+        assert step == 1
+        _assert_state(out, 1)
+    finally:
+        d.cleanup()
+
+
+def test_persistent_retention_keeps_newest_and_collects_incomplete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "store"
+    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{root}", persist_keep_last=2)
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    store = open_store(f"file://{root}")
+    store.put_bytes("job/step_000000000001/r00000.data", b"an upload that never finished")
+    try:
+        d.start()
+        for step in (2, 3, 4):
+            _save("job", step)
+            _wait_durable("job", {step})
+        keys = {o.key.split("/")[1] for o in store.list("job/")}
+        assert keys == {"step_000000000003", "step_000000000004"}
+    finally:
+        d.cleanup()

@@ -181,9 +181,9 @@ class TieredStorageReader(StorageReader):
         return self._direct
 
     # -- StorageReader ----------------------------------------------------------------------
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise CheckpointFormatError("tierckpt checkpoints have no rank-local metadata")
+    # No **kwargs on purpose: DCP then does not retry with rank-local metadata (which tierckpt
+    # does not have), and the user sees this reader's error rather than a second, misleading one.
+    def read_metadata(self) -> Metadata:
         namespace = self._require_namespace()
         step = self._resolve_step()
         self._resolved = step
