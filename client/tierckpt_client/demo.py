@@ -1,13 +1,18 @@
-"""Demo: a 2-rank FSDP2 training loop that checkpoints through a tierckpt daemon, "crashes", and resumes.
+"""Demo: a 2-rank FSDP2 training loop checkpoints through a tierckpt daemon, loses its node, resumes.
 
 Run ``python -m tierckpt_client.demo``. If no daemon answers on ``TIERCKPT_SOCKET``, the demo starts
-an embedded one on a private tmpfs directory and stops it at the end.
+an embedded one on a private tmpfs directory with the embedded default persistent tier, a
+``file://`` directory (no S3 needed), and removes both at the end. It then:
+
+1. trains steps 1..23, ``async_save`` every 5 steps (memory tier, uploaded in the background);
+2. "crashes" after step 23, and the node is lost: the daemon stops and its memory is wiped;
+3. a replacement daemon starts with empty memory, the job restarts and resumes from the newest
+   durable step (20), hydrated from the persistent tier with every checksum verified, and trains on.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import socket
@@ -15,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -40,31 +44,48 @@ def _answers(sock: str) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _daemon() -> Iterator[str]:
-    from tierckpt_client import ClientConfig
+class _EmbeddedDaemon:
+    """A daemon of our own: private tmpfs tier, ``file://`` persistent tier, no TCP port."""
 
-    sock = str(ClientConfig.from_env().socket)
-    if _answers(sock):
-        print(f"using the running daemon at {sock}")
-        yield sock
-        return
-    shm_dir = Path(tempfile.mkdtemp(prefix="tierckpt-demo-", dir="/dev/shm"))
-    env = dict(os.environ, TIERCKPT_SHM_DIR=str(shm_dir), TIERCKPT_PORT="0", TIERCKPT_CAPACITY="1G")
-    env.pop("TIERCKPT_SOCKET", None)
-    proc = subprocess.Popen([sys.executable, "-m", "tierckpt_daemon"], env=env)
-    sock = str(shm_dir / "daemon.sock")
-    try:
-        while not _answers(sock):
-            if proc.poll() is not None:
-                raise SystemExit(f"the embedded daemon exited with {proc.returncode}")
+    def __init__(self) -> None:
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="tierckpt-demo-", dir="/dev/shm"))
+        self.store = Path(tempfile.mkdtemp(prefix="tierckpt-demo-store-"))
+        self.socket = str(self.shm_dir / "daemon.sock")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = dict(
+            os.environ,
+            TIERCKPT_SHM_DIR=str(self.shm_dir),
+            TIERCKPT_PORT="0",
+            TIERCKPT_CAPACITY="1G",
+            TIERCKPT_PERSIST_URL=f"file://{self.store}",
+            TIERCKPT_LOG_LEVEL="WARNING",
+        )
+        env.pop("TIERCKPT_SOCKET", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tierckpt_daemon"], env=env)
+        while not _answers(self.socket):
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the embedded daemon exited with {self.proc.returncode}")
             time.sleep(0.05)
-        print(f"started an embedded daemon on {shm_dir}")
-        yield sock
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(shm_dir, ignore_errors=True)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()  # SIGTERM: queued uploads drain first
+            self.proc.wait(120)
+            self.proc = None
+
+    def lose_node(self) -> None:
+        """Stop the daemon and wipe its memory tier, as a node replacement would."""
+        self.stop()
+        shutil.rmtree(self.shm_dir)
+        self.shm_dir.mkdir()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        shutil.rmtree(self.store, ignore_errors=True)
 
 
 def _rank(rank: int, world: int, port: int, sock: str, first: int, last: int, crash: bool) -> None:
@@ -143,9 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch.multiprocessing as mp
 
-    from tierckpt_client import DaemonClient
+    from tierckpt_client import ClientConfig, DaemonClient
 
-    with _daemon() as sock:
+    sock = str(ClientConfig.from_env().socket)
+    embedded = None
+    if _answers(sock):
+        print(f"using the running daemon at {sock}")
+    else:
+        embedded = _EmbeddedDaemon()
+        embedded.start()
+        sock = embedded.socket
+        print(
+            f"started an embedded daemon: memory tier {embedded.shm_dir}, persistent tier "
+            f"file://{embedded.store}"
+        )
+    try:
         print(f"--- run 1: train steps 1..{args.crash_at}, async_save every 5 steps, then crash")
         ctx = mp.start_processes(
             _rank,
@@ -156,18 +189,32 @@ def main(argv: list[str] | None = None) -> int:
         )
         while not ctx.join():
             pass
-        print(f"--- run 2: a replacement job resumes from memory and trains to step {args.steps}")
+        if embedded is not None:
+            print("--- the node is lost: the daemon stops (draining uploads), its memory is wiped")
+            embedded.lose_node()
+        print(f"--- run 2: a replacement job resumes and trains to step {args.steps}")
         mp.spawn(_rank, args=(2, _free_port(), sock, 1, args.steps, False), nprocs=2)
         with DaemonClient.from_socket(sock) as c:
             steps = c.steps(NAMESPACE)
-        print("--- steps held in memory by the daemon:")
+            if embedded is not None:
+                deadline = time.monotonic() + 60  # let the last upload finish for the listing
+                while c.status().persistent.queued_steps and time.monotonic() < deadline:  # type: ignore[union-attr]
+                    time.sleep(0.1)
+                steps = c.steps(NAMESPACE)
+        print("--- steps held in memory by the daemon (durable = also in the persistent tier):")
         for s in steps:
             print(
                 f"  step {s.step:4d}  {s.state.value:9s}  {s.bytes / 1e6:6.2f} MB  {len(s.files)} files"
             )
+        if embedded is not None:
+            stored = sorted({p.parent.name for p in embedded.store.rglob("COMMITTED")})
+            print(f"--- durable in file://{embedded.store}: {', '.join(stored)}")
         if steps[-1].step != args.steps - args.steps % 5:
             print("unexpected: the newest step is not the last one saved", file=sys.stderr)
             return 1
+    finally:
+        if embedded is not None:
+            embedded.cleanup()
     return 0
 
 
