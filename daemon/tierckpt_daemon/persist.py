@@ -23,10 +23,7 @@ import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from tierckpt_client.errors import (
-    NotFoundError,
-    TierCkptError,
-)
+from tierckpt_client.errors import IntegrityError, NotFoundError, TierCkptError
 from tierckpt_client.layout import (
     MARKER,
     StepManifest,
@@ -156,6 +153,7 @@ class Persister:
                 self._upload(rec)
             except (TierCkptError, OSError) as e:
                 self._failed += 1
+                self.service.metrics.upload_failures.inc()
                 self._record_error(
                     f"{rec.namespace}/step {rec.step}: upload to {self.store.url} failed: {e}; "
                     f"retrying in {delay:.0f}s (the step stays in memory)"
@@ -199,6 +197,10 @@ class Persister:
         write_step_commit(self.store, manifest)
         self.service.mark_durable(rec, checksums)
         nbytes = sum(f.length for f in files)
+        m = self.service.metrics
+        m.uploaded_bytes.inc(nbytes)
+        m.uploaded_steps.inc()
+        m.upload_seconds.observe(time.monotonic() - t0)
         with self._cv:
             self._uploaded_bytes += nbytes
             self._uploaded_steps += 1
@@ -311,6 +313,7 @@ class Persister:
         rec = self.service.record(namespace, step)
         self.service.mark_durable(rec, {f.name: f.checksum for f in manifest.files})
         nbytes = sum(f.length for f in manifest.files)
+        self.service.metrics.hydrated_bytes.inc(nbytes)
         dt = time.monotonic() - t0
         logger.info(
             "%s/step %d hydrated from %s: %d bytes in %.2fs (%.0f MB/s), checksums verified",
@@ -341,4 +344,8 @@ class Persister:
                     view.release()
             finally:
                 mm.close()
-        verify_file(got, f, namespace, step, self.store.url)
+        try:
+            verify_file(got, f, namespace, step, self.store.url)
+        except IntegrityError:
+            self.service.metrics.verification_failures.inc()
+            raise

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ from tierckpt_daemon.index import (
     update_manifest,
     write_manifest,
 )
+from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.store import Arena, round_up
 
 if TYPE_CHECKING:
@@ -71,6 +73,15 @@ PIN_TTL_S = 600.0
 SPARE_MIN_BYTES = 1 << 20
 SPARE_WAIT_S = 60.0
 POOL_IDLE_S = 900.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    capacity_bytes: int
+    bytes_by_state: dict[str, int]
+    steps_by_state: dict[str, int]
+    upload_queue: int
+    persistent_healthy: bool | None
 
 
 class _Lease:
@@ -109,6 +120,8 @@ class TierService:
         self._commits_since_persist: dict[str, int] = {}
         self._spares_in_flight: set[int] = set()
         self._spare_done = threading.Condition(self._lock)
+        self.metrics = Metrics()
+        self.metrics.attach(self)
         self.spares = spares
 
     # -- start-up ---------------------------------------------------------------------------
@@ -175,6 +188,13 @@ class TierService:
 
     # -- leases -----------------------------------------------------------------------------
     def lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
+        with self.metrics.lease_seconds.time():
+            lease = self._lease(namespace, rank, size)
+        self.metrics.leases.labels(recycled=str(lease.recycled).lower()).inc()
+        self.metrics.leased_bytes.inc(lease.size)
+        return lease
+
+    def _lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
         validate_namespace(namespace)
         size = round_up(size)
         lease_id = uuid.uuid4().hex
@@ -268,7 +288,9 @@ class TierService:
                 size,
             )
             self._evict(victim, to_pool=False)
+            self.metrics.evictions.labels(reason="pressure").inc()
         if arena.capacity_bytes - arena.used_bytes < size:
+            self.metrics.capacity_rejections.inc()
             writing = sum(r.bytes for r in self._writing.values()) + sum(
                 le.size for le in self._leases.values()
             )
@@ -348,6 +370,12 @@ class TierService:
             self._reclaim_dir(old.dir)
 
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
+        with self.metrics.commit_seconds.time():
+            info = self._commit(namespace, step, attempt, req)
+        self.metrics.commits.inc()
+        return info
+
+    def _commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
         validate_namespace(namespace)
         validate_step(step)
         with self._lock:
@@ -381,8 +409,10 @@ class TierService:
                     "%s/step %d: new commit supersedes attempt %s", namespace, step, old.attempt
                 )
                 self._retire(old)
+                self.metrics.evictions.labels(reason="superseded").inc()
             for victim in self.policy.after_commit(list(steps.values())):
                 self._retire(victim)
+                self.metrics.evictions.labels(reason="retention").inc()
             logger.info(
                 "%s/step %d committed: %d files, %d bytes%s",
                 namespace,
@@ -521,6 +551,7 @@ class TierService:
         with self._lock:
             rec = self._get_committed(namespace, step)
             self._retire(rec)
+            self.metrics.evictions.labels(reason="deleted").inc()
 
     # -- reads ------------------------------------------------------------------------------
     def _get_committed(self, namespace: str, step: int) -> StepRecord:
@@ -642,6 +673,28 @@ class TierService:
                     del rec.pins[pin_id]
                 self._drop_if_retired(rec)
             self.arena.trim_pool(0, idle_s=POOL_IDLE_S)
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            by_state: dict[str, int] = {st.value: 0 for st in StepState}
+            steps: dict[str, int] = {st.value: 0 for st in StepState}
+            for rec in [r for s in self._committed.values() for r in s.values()]:
+                by_state[rec.state.value] += rec.bytes
+                steps[rec.state.value] += 1
+            for rec in self._writing.values():
+                by_state[StepState.WRITING.value] += rec.bytes
+                steps[StepState.WRITING.value] += 1
+            by_state["retiring"] = sum(r.bytes for r in self._evicting)
+            by_state["pool"] = self.arena.pool_bytes
+            by_state["leased"] = sum(le.size for le in self._leases.values())
+            persistent = self.persister.status() if self.persister is not None else None
+            return Snapshot(
+                capacity_bytes=self.arena.capacity_bytes,
+                bytes_by_state=by_state,
+                steps_by_state=steps,
+                upload_queue=persistent.queued_steps if persistent else 0,
+                persistent_healthy=persistent.healthy if persistent else None,
+            )
 
     def status(self, shm_dir: str) -> StatusResponse:
         with self._lock:

@@ -25,7 +25,9 @@ SWEEP_INTERVAL_S = 10.0
 
 # Routes that the TCP port serves to anyone (probes, docs). Everything else is for local clients on
 # the Unix socket; peers get their own token-guarded routes when replication lands.
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect"})
+PUBLIC_PATHS = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
+)
 
 
 class LocalOnlyGuard:

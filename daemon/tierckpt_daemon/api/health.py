@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tierckpt_client.protocol import StatusResponse
 from tierckpt_daemon.api.deps import get_service
@@ -22,6 +23,11 @@ def healthz() -> dict[str, str]:
 def readyz(service: Annotated[TierService, Depends(get_service)]) -> dict[str, str]:
     service.arena.root.stat()  # the tier directory is still there
     return {"status": "ready"}
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(service: Annotated[TierService, Depends(get_service)]) -> Response:
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/status")

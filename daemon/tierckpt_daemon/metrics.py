@@ -1,0 +1,98 @@
+"""Prometheus metrics of the daemon, served at ``/metrics`` on the TCP port.
+
+Counters and histograms are updated where things happen; gauges of the tier's state are computed
+from the service when Prometheus scrapes, so they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tierckpt_daemon.service import TierService
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TRANSFER_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lease_seconds = Histogram(
+            "tierckpt_lease_seconds", "Time to grant a lease", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.commit_seconds = Histogram(
+            "tierckpt_commit_seconds", "Time to commit a step", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.leases = Counter("tierckpt_leases", "Leases granted", ["recycled"], registry=r)
+        self.leased_bytes = Counter("tierckpt_leased_bytes", "Bytes leased", registry=r)
+        self.commits = Counter("tierckpt_commits", "Steps committed", registry=r)
+        self.capacity_rejections = Counter(
+            "tierckpt_capacity_rejections", "Leases refused for lack of capacity", registry=r
+        )
+        self.evictions = Counter(
+            "tierckpt_evictions", "Steps that left memory", ["reason"], registry=r
+        )
+        self.uploaded_bytes = Counter(
+            "tierckpt_uploaded_bytes", "Bytes uploaded to the persistent tier", registry=r
+        )
+        self.uploaded_steps = Counter("tierckpt_uploaded_steps", "Steps made durable", registry=r)
+        self.upload_failures = Counter(
+            "tierckpt_upload_failures", "Failed step uploads (retried)", registry=r
+        )
+        self.upload_seconds = Histogram(
+            "tierckpt_upload_seconds",
+            "Time to make one step durable",
+            registry=r,
+            buckets=_TRANSFER_BUCKETS,
+        )
+        self.hydrated_bytes = Counter(
+            "tierckpt_hydrated_bytes", "Bytes brought back from the persistent tier", registry=r
+        )
+        self.verification_failures = Counter(
+            "tierckpt_verification_failures",
+            "Files whose checksum did not match when read back",
+            registry=r,
+        )
+
+    def attach(self, service: TierService) -> None:
+        self.registry.register(_StateCollector(service))
+
+
+class _StateCollector(Collector):
+    def __init__(self, service: TierService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self.service.snapshot()
+        cap = GaugeMetricFamily("tierckpt_capacity_bytes", "Budget of the memory tier")
+        cap.add_metric([], snap.capacity_bytes)
+        yield cap
+        mem = GaugeMetricFamily(
+            "tierckpt_memory_bytes", "Bytes held in the memory tier", labels=["state"]
+        )
+        for state, n in sorted(snap.bytes_by_state.items()):
+            mem.add_metric([state], n)
+        yield mem
+        steps = GaugeMetricFamily("tierckpt_steps", "Steps held in memory", labels=["state"])
+        for state, n in sorted(snap.steps_by_state.items()):
+            steps.add_metric([state], n)
+        yield steps
+        queue = GaugeMetricFamily(
+            "tierckpt_upload_queue_steps", "Committed steps waiting to be persisted"
+        )
+        queue.add_metric([], snap.upload_queue)
+        yield queue
+        healthy = GaugeMetricFamily(
+            "tierckpt_persistent_healthy",
+            "1 if the last persistent-tier operation succeeded, 0 if it failed, absent if unknown",
+        )
+        if snap.persistent_healthy is not None:
+            healthy.add_metric([], 1.0 if snap.persistent_healthy else 0.0)
+        yield healthy
