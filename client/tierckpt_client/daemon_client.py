@@ -187,6 +187,11 @@ class DaemonClient:
             self._request("POST", path, timeout=self.config.hydrate_timeout_s)
         )
 
+    def persist(self, namespace: str, step: int) -> StepInfo:
+        """Queue a committed step for upload to the persistent tier now."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/persist"
+        return StepInfo.model_validate(self._request("POST", path))
+
     def delete(self, namespace: str, step: int) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")
 

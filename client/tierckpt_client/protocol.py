@@ -138,6 +138,13 @@ class StepCandidate(BaseModel):
     durable: bool
 
 
+class HydrationProgress(BaseModel):
+    namespace: str
+    step: int
+    done_bytes: int
+    total_bytes: int
+
+
 class PersistentStatus(BaseModel):
     url: str
     healthy: bool | None
@@ -146,6 +153,7 @@ class PersistentStatus(BaseModel):
     uploaded_bytes: int
     uploaded_steps: int
     failed_uploads: int
+    hydrations: list[HydrationProgress] = []
 
 
 class NamespaceInfo(BaseModel):

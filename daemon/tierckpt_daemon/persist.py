@@ -40,6 +40,7 @@ from tierckpt_client.layout import (
 from tierckpt_client.objectstore import ObjectStore
 from tierckpt_client.protocol import (
     CommitRequest,
+    HydrationProgress,
     PersistentStatus,
     SealFile,
     SealRequest,
@@ -78,6 +79,7 @@ class Persister:
         self._failed = 0
         self._hydrate_locks: dict[tuple[str, int], threading.Lock] = {}
         self._hydrate_guard = threading.Lock()
+        self._hydrating: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
         self._thread = threading.Thread(target=self._run, name="tierckpt-persister", daemon=True)
 
     # -- life cycle -------------------------------------------------------------------------
@@ -120,6 +122,10 @@ class Persister:
                 uploaded_bytes=self._uploaded_bytes,
                 uploaded_steps=self._uploaded_steps,
                 failed_uploads=self._failed,
+                hydrations=[
+                    HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
+                    for (ns, st), p in sorted(self._hydrating.items())
+                ],
             )
 
     def check_health(self) -> None:
@@ -277,11 +283,16 @@ class Persister:
         manifest = read_step_manifest(self.store, namespace, step)
         attempt = f"h{uuid.uuid4().hex[:15]}"
         leases: list[tuple[StoredFile, str]] = []
+        progress = [0, sum(f.length for f in manifest.files)]
+        with self._cv:
+            self._hydrating[(namespace, step)] = progress
         try:
             for f in manifest.files:
                 lease = self.service.lease(namespace, f.rank, f.length)
                 leases.append((f, lease.lease_id))
                 self._download(namespace, step, f, lease.path)
+                with self._cv:
+                    progress[0] += f.length
             by_rank: dict[int, list[SealFile]] = {}
             for f, lease_id in leases:
                 by_rank.setdefault(f.rank, []).append(
@@ -292,6 +303,8 @@ class Persister:
                     namespace, step, attempt, SealRequest(rank=rank, files=seal_files)
                 )
         except BaseException:
+            with self._cv:
+                self._hydrating.pop((namespace, step), None)
             for _, lease_id in leases:
                 # A lease already sealed into the attempt is reclaimed by the sweeper.
                 with contextlib.suppress(NotFoundError):
@@ -312,6 +325,8 @@ class Persister:
         )
         rec = self.service.record(namespace, step)
         self.service.mark_durable(rec, {f.name: f.checksum for f in manifest.files})
+        with self._cv:
+            self._hydrating.pop((namespace, step), None)
         nbytes = sum(f.length for f in manifest.files)
         self.service.metrics.hydrated_bytes.inc(nbytes)
         dt = time.monotonic() - t0

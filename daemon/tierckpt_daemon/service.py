@@ -478,6 +478,23 @@ class TierService:
             StepCandidate(step=s, in_memory=s in in_memory, durable=s in durable) for s in steps
         ]
 
+    def persist_now(self, namespace: str, step: int) -> StepInfo:
+        """Queue a committed step for upload now, whatever the policy said at commit."""
+        if self.persister is None:
+            raise PersistentTierError(
+                "no persistent tier is configured on this daemon (TIERCKPT_PERSIST_URL)"
+            )
+        with self._lock:
+            rec = self._get_committed(namespace, step)
+            queue = rec.state == StepState.COMMITTED and not rec.persist_pending
+            if queue:
+                rec.persist_pending = True
+                update_manifest(rec)
+            info = rec.info()
+        if queue:
+            self.persister.enqueue(rec)
+        return info
+
     def hydrate(self, namespace: str, step: int) -> StepInfo:
         if self.persister is None:
             return self.get_step(namespace, step)

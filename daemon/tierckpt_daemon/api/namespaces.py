@@ -39,6 +39,11 @@ def hydrate(namespace: str, step: int, service: Service) -> StepInfo:
     return service.hydrate(namespace, step)
 
 
+@router.post("/{namespace}/steps/{step}/persist")
+def persist(namespace: str, step: int, service: Service) -> StepInfo:
+    return service.persist_now(namespace, step)
+
+
 @router.get("/{namespace}/steps/{step}")
 def get_step(namespace: str, step: int, service: Service) -> StepInfo:
     return service.get_step(namespace, step)
