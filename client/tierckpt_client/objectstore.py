@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -312,6 +313,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class RateLimiter:
+    """Average-rate cap shared by every upload of the process (a token bucket of one chunk)."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"an upload rate must be > 0 bytes/s, got {bytes_per_s}")
+        self.bytes_per_s = bytes_per_s
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.bytes_per_s
+        if start > now:
+            time.sleep(start - now)
+
+
+_upload_limiter: RateLimiter | None = None
+
+
+def set_upload_rate_limit(bytes_per_s: float | None) -> None:
+    """Cap this process's uploads (``TIERCKPT_UPLOAD_MAX_RATE`` in the daemon); None lifts it."""
+    global _upload_limiter
+    _upload_limiter = RateLimiter(bytes_per_s) if bytes_per_s else None
+
+
 def _copy_stream(path: str, length: int | None, write: Callable[[bytes], Any], key: str) -> str:
     """Stream the first ``length`` bytes of ``path`` to ``write`` in chunks; return the checksum."""
     h = Hasher()
@@ -327,6 +356,9 @@ def _copy_stream(path: str, length: int | None, write: Callable[[bytes], Any], k
                     f"length {length}"
                 )
             h.update(chunk)
+            limiter = _upload_limiter
+            if limiter is not None:
+                limiter.acquire(len(chunk))
             write(chunk)
             remaining -= len(chunk)
     return h.hexdigest()

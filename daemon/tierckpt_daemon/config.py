@@ -91,6 +91,10 @@ class DaemonSettings(BaseSettings):
         description="durable steps kept per namespace in the persistent tier (0: all)",
     )
     upload_concurrency: int = Field(default=4, ge=1, le=64, description="files uploaded at once")
+    upload_max_rate: str | None = Field(
+        default=None,
+        description="cap on upload bandwidth, bytes per second with K/M/G suffix (unset: none)",
+    )
     drain_timeout_s: float = Field(
         default=90.0, ge=0, description="on SIGTERM, wait this long for queued uploads"
     )
@@ -103,6 +107,13 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _check_capacity(cls, v: str) -> str:
         parse_capacity(v, node_bytes=1 << 30)  # syntax check only
+        return v
+
+    @field_validator("upload_max_rate")
+    @classmethod
+    def _check_rate(cls, v: str | None) -> str | None:
+        if v:
+            parse_size(v)
         return v
 
     @model_validator(mode="after")

@@ -71,10 +71,13 @@ def build_service(settings: DaemonSettings) -> TierService:
     service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
     service.rebuild()
     if settings.persist_url:
-        from tierckpt_client.objectstore import StoreSettings, open_store
+        from tierckpt_client.objectstore import StoreSettings, open_store, set_upload_rate_limit
+        from tierckpt_daemon.config import parse_size
         from tierckpt_daemon.persist import Persister
 
         store = open_store(settings.persist_url, StoreSettings.from_env())
+        if settings.upload_max_rate:
+            set_upload_rate_limit(parse_size(settings.upload_max_rate))
         service.persister = Persister(
             service,
             store,

@@ -174,3 +174,23 @@ def test_settings_from_env() -> None:
     assert StoreSettings.from_env({"TIERCKPT_S3_FORCE_PATH_STYLE": "0"}).force_path_style is False
     with pytest.raises(PersistentTierError, match="TIERCKPT_S3_TIMEOUT"):
         StoreSettings.from_env({"TIERCKPT_S3_TIMEOUT": "soon"})
+
+
+def test_upload_rate_limit_caps_average_bandwidth(tmp_path: Path) -> None:
+    import time
+
+    from tierckpt_client import objectstore
+
+    src = tmp_path / "src"
+    src.write_bytes(b"x" * (4 << 20))
+    store = objectstore.FileStore(tmp_path / "store")
+    objectstore.set_upload_rate_limit(
+        8 << 20
+    )  # 8 MiB/s: 4 MiB (after a first free chunk) >= ~0.4 s
+    try:
+        t0 = time.monotonic()
+        store.put_file("a", str(src))
+        store.put_file("b", str(src))
+        assert time.monotonic() - t0 >= 0.4
+    finally:
+        objectstore.set_upload_rate_limit(None)
