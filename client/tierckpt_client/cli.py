@@ -1,8 +1,9 @@
 """``tierckpt``: look at and manage the checkpoints that the node's tierckpt daemon holds.
 
 Talks to the daemon over its Unix socket (``TIERCKPT_SOCKET``, or ``--socket``). Human tables by
-default, ``--json`` for scripts. Exit codes: 0 ok, 1 daemon error, 2 usage error, 3 not found,
-4 daemon unavailable.
+default, ``--json`` for scripts; progress of long operations (``persist --wait``, ``prefetch``) goes
+to stderr. Exit codes: 0 ok, 1 daemon error (also: ``persist --wait`` timed out), 2 usage error,
+3 not found, 4 daemon unavailable.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +25,15 @@ from tierckpt_client.errors import (
     NotFoundError,
     TierCkptError,
 )
-from tierckpt_client.protocol import NamespaceInfo, StepInfo, validate_namespace, validate_step
+from tierckpt_client.protocol import (
+    NamespaceInfo,
+    PersistentStatus,
+    StepCandidate,
+    StepInfo,
+    StepState,
+    validate_namespace,
+    validate_step,
+)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -88,10 +98,27 @@ def cmd_status(client: DaemonClient, args: argparse.Namespace) -> None:
         f"leased      {_size(st.leased_bytes)}",
         f"pool        {st.pool_files} files, {_size(st.pool_bytes)} (recycled for new leases)",
         f"keep last   {st.keep_last} committed steps per namespace",
-        "",
-        _namespaces_table(st.namespaces),
+        f"persistent  {_persistent_line(st.persistent)}",
     ]
+    if st.persistent is not None:
+        lines += [
+            f"            hydrating {h.namespace} step {h.step}: "
+            f"{_size(h.done_bytes)} of {_size(h.total_bytes)}"
+            for h in st.persistent.hydrations
+        ]
+    lines += ["", _namespaces_table(st.namespaces)]
     _emit(args, st.model_dump(mode="json"), "\n".join(lines))
+
+
+def _persistent_line(p: PersistentStatus | None) -> str:
+    if p is None:
+        return "none (memory tier only; TIERCKPT_PERSIST_URL is not set)"
+    health = {True: "healthy", False: "UNHEALTHY", None: "health unknown"}[p.healthy]
+    return (
+        f"{p.url}, {health}, {p.queued_steps} step(s) queued, {p.uploaded_steps} uploaded "
+        f"({_size(p.uploaded_bytes)}), {p.failed_uploads} failed upload(s), "
+        f"last error: {p.last_error or '-'}"
+    )
 
 
 def cmd_ls(client: DaemonClient, args: argparse.Namespace) -> None:
@@ -100,20 +127,63 @@ def cmd_ls(client: DaemonClient, args: argparse.Namespace) -> None:
         docs = [ns.model_dump(mode="json") for ns in namespaces]
         _emit(args, docs, _namespaces_table(namespaces))
         return
-    steps = client.steps(validate_namespace(args.namespace))
+    ns = validate_namespace(args.namespace)
+    try:
+        steps = client.steps(ns)
+    except NotFoundError:
+        steps = []  # nothing in memory; the persistent tier may still hold steps
+    try:
+        candidates = {c.step: c for c in client.candidates(ns)}
+    except TierCkptError:
+        if not steps:
+            raise  # not found anywhere (exit 3), or the persistent tier is broken (exit 1)
+        candidates = {}  # the memory tier's answer stands on its own
+    rows_by_step: list[tuple[int, dict[str, Any]]] = []
+    for s in steps:
+        doc = s.model_dump(mode="json")
+        doc["tiers"] = _tiers(s, candidates.get(s.step))
+        rows_by_step.append((s.step, doc))
+    in_memory = {s.step for s in steps}
+    for c in candidates.values():
+        if c.step not in in_memory and c.durable:
+            rows_by_step.append((c.step, _persistent_only(ns, c.step)))
+    rows_by_step.sort(key=lambda x: x[0])
     now = time.time()
     rows = [
         (
-            s.step,
-            s.state.value,
-            _size(s.bytes),
-            len(s.files),
-            _age(s.committed_at or s.created_at, now),
+            d["step"],
+            d["state"],
+            "-" if d["bytes"] is None else _size(d["bytes"]),
+            len(d["files"]) if d["in_memory"] else "-",
+            _age(d["committed_at"] or d["created_at"], now),
+            ",".join(d["tiers"]),
         )
-        for s in steps
+        for _, d in rows_by_step
     ]
-    text = _table(("STEP", "STATE", "SIZE", "FILES", "AGE"), rows)
-    _emit(args, [s.model_dump(mode="json") for s in steps], text)
+    text = _table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS"), rows)
+    _emit(args, [d for _, d in rows_by_step], text)
+
+
+def _tiers(info: StepInfo, cand: StepCandidate | None) -> list[str]:
+    durable = info.state == StepState.DURABLE or (cand is not None and cand.durable)
+    return ["memory", "persistent"] if durable else ["memory"]
+
+
+def _persistent_only(ns: str, step: int) -> dict[str, Any]:
+    """A durable step that is not in memory (``tierckpt prefetch`` brings it back)."""
+    return {
+        "namespace": ns,
+        "step": step,
+        "state": StepState.DURABLE.value,
+        "bytes": None,
+        "files": [],
+        "created_at": None,
+        "committed_at": None,
+        "world_size": None,
+        "persist": None,
+        "in_memory": False,
+        "tiers": ["persistent"],
+    }
 
 
 def _step_text(info: StepInfo) -> str:
@@ -158,6 +228,122 @@ def cmd_export(client: DaemonClient, args: argparse.Namespace) -> None:
     _emit(args, doc, f"exported {ns} step {written} to {args.dest} (torch FileSystemReader format)")
 
 
+class _Progress:
+    """One status line on stderr: redrawn in place on a terminal, else a line every few seconds."""
+
+    def __init__(self, interval_s: float = 3.0) -> None:
+        self.tty = sys.stderr.isatty()
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._width = 0
+
+    def show(self, text: str, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.tty:
+            pad = " " * max(0, self._width - len(text))
+            sys.stderr.write(f"\r{text}{pad}")
+            self._width = len(text)
+        elif force or now - self._last >= self.interval_s:
+            sys.stderr.write(text + "\n")
+            self._last = now
+        sys.stderr.flush()
+
+    def done(self, text: str) -> None:
+        self.show(text, force=True)
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    frac = min(1.0, done / total) if total else 1.0
+    filled = round(frac * width)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {100 * frac:3.0f}%"
+
+
+def cmd_persist(client: DaemonClient, args: argparse.Namespace) -> None:
+    ns, step = validate_namespace(args.namespace), validate_step(args.step)
+    info = client.persist(ns, step)
+    if args.wait and info.state != StepState.DURABLE:
+        info = _wait_durable(client, ns, step, args.timeout)
+    if info.state == StepState.DURABLE:
+        text = f"{ns} step {step} is durable"
+    else:
+        text = f"{ns} step {step} queued for upload (tierckpt ls {ns} shows when it is durable)"
+    _emit(args, info.model_dump(mode="json"), text)
+
+
+def _wait_durable(client: DaemonClient, ns: str, step: int, timeout_s: float) -> StepInfo:
+    progress = _Progress()
+    t0 = time.monotonic()
+    while True:
+        info = client.step(ns, step)
+        elapsed = time.monotonic() - t0
+        if info.state == StepState.DURABLE:
+            progress.done(f"{ns} step {step}: durable after {elapsed:.1f}s")
+            return info
+        p = client.status().persistent
+        queued = p.queued_steps if p is not None else 0
+        error = p.last_error if p is not None else None
+        msg = f"{ns} step {step}: uploading, {queued} step(s) in the upload queue, {elapsed:.0f}s"
+        progress.show(msg + (f" (retrying after: {error})" if error else ""))
+        if elapsed > timeout_s:
+            progress.done(msg)
+            why = f": {error}" if error else f" ({queued} step(s) still queued)"
+            raise TierCkptError(f"{ns} step {step} is not durable after {timeout_s:.0f}s{why}")
+        time.sleep(0.2)
+
+
+def cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> None:
+    ns = validate_namespace(args.namespace)
+    if args.step == "latest":
+        step = client.candidates(ns)[0].step  # what a restore's "latest" would pick
+    else:
+        step = validate_step(_int(args.step))
+    result: list[StepInfo] = []
+    failure: list[BaseException] = []
+
+    def hydrate() -> None:
+        try:
+            # A client of its own: the main thread keeps polling status on the other one.
+            with DaemonClient(client.config) as own:
+                result.append(own.hydrate(ns, step))
+        except BaseException as e:  # re-raised in the main thread
+            failure.append(e)
+
+    worker = threading.Thread(target=hydrate, name="tierckpt-prefetch", daemon=True)
+    progress = _Progress()
+    progress.show(f"prefetch {ns} step {step}: starting", force=True)
+    t0 = time.monotonic()
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+        if not worker.is_alive():
+            break
+        try:
+            p = client.status().persistent
+        except TierCkptError:
+            continue  # a slow status answer must not end the prefetch
+        for h in p.hydrations if p is not None else []:
+            if (h.namespace, h.step) == (ns, step):
+                progress.show(
+                    f"prefetch {ns} step {step}: {_bar(h.done_bytes, h.total_bytes)} "
+                    f"{_size(h.done_bytes)} / {_size(h.total_bytes)}"
+                )
+    if failure:
+        if progress.tty:
+            sys.stderr.write("\n")
+        raise failure[0]
+    info = result[0]
+    total = sum(f.length for f in info.files)
+    progress.done(
+        f"prefetch {ns} step {step}: {_bar(total, total)} {_size(total)} / {_size(total)} "
+        f"in memory after {time.monotonic() - t0:.1f}s"
+    )
+    text = f"{ns} step {step} is in memory ({info.state.value}, {_size(info.bytes)})"
+    _emit(args, info.model_dump(mode="json"), text)
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -182,7 +368,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tierckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("status", parents=[common], help="capacity, usage, pool and namespaces")
+    s = sub.add_parser(
+        "status", parents=[common], help="capacity, usage, pool, persistent tier and namespaces"
+    )
     s.set_defaults(func=cmd_status)
     s = sub.add_parser("ls", parents=[common], help="namespaces, or the steps of one namespace")
     s.add_argument("namespace", nargs="?", metavar="NAMESPACE")
@@ -202,6 +390,28 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("step", metavar="STEP", help="a step number or 'latest'")
     s.add_argument("dest", metavar="DIR", help="an empty or new directory")
     s.set_defaults(func=cmd_export)
+    s = sub.add_parser(
+        "persist", parents=[common], help="upload a committed step to the persistent tier now"
+    )
+    s.add_argument("namespace", metavar="NAMESPACE")
+    s.add_argument("step", type=int, metavar="STEP")
+    s.add_argument("--wait", action="store_true", help="wait until the step is durable")
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="with --wait: give up (exit 1) after this long (default 3600)",
+    )
+    s.set_defaults(func=cmd_persist)
+    s = sub.add_parser(
+        "prefetch",
+        parents=[common],
+        help="bring a durable step from the persistent tier into memory ahead of a restart",
+    )
+    s.add_argument("namespace", metavar="NAMESPACE")
+    s.add_argument("step", metavar="STEP", help="a step number or 'latest'")
+    s.set_defaults(func=cmd_prefetch)
     return p
 
 

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from tierckpt_client.dcp import TieredStorageWriter
 
-from helpers import DaemonProcess
+from helpers import DaemonProcess, new_shm_dir
 
 N = 64 * 1024  # 256 KiB of float32 per step
 
@@ -56,8 +62,9 @@ def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
     steps = _json("ls", "job-a")
     assert [(s["step"], s["state"]) for s in steps] == [(10, "committed"), (20, "committed")]
     table = _cli("ls", "job-a").stdout
-    assert table.splitlines()[0].split() == ["STEP", "STATE", "SIZE", "FILES", "AGE"]
+    assert table.splitlines()[0].split() == ["STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS"]
     assert any(line.split()[:2] == ["20", "committed"] for line in table.splitlines()[1:])
+    assert all(s["tiers"] == ["memory"] for s in steps)  # no persistent tier on this daemon
 
     info = _json("inspect", "job-a", "20")
     assert info["state"] == "committed" and info["world_size"] == 1
@@ -76,8 +83,10 @@ def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
     held = sum(ns["bytes"] for ns in status["namespaces"])
     assert held >= 3 * N * 4
     assert status["used_bytes"] >= held
+    assert status["persistent"] is None
     human = _cli("status").stdout
     assert "capacity    2.0 GiB" in human and "job-a" in human
+    assert "persistent  none" in human
 
 
 def test_rm_removes_a_step_then_inspect_exits_3(client_env: DaemonProcess) -> None:
@@ -116,3 +125,128 @@ def test_socket_flag_wins_and_unreachable_daemon_exits_4(
     proc = _cli("--json", "status", "--socket", str(daemon.socket), socket=missing)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["shm_dir"] == str(daemon.shm_dir)
+
+
+# -- the persistent tier: persist, prefetch -----------------------------------------------------
+
+
+@pytest.fixture
+def tiered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
+    """A daemon with a file:// persistent tier whose policy persists only a namespace's first
+    commit (``persist_every=1000``): later steps stay in memory until ``tierckpt persist``."""
+    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", persist_every=1000)
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
+
+
+def _states(ns: str) -> dict[int, tuple[str, list[str]]]:
+    return {s["step"]: (s["state"], s["tiers"]) for s in _json("ls", ns)}
+
+
+def _wait_state(ns: str, step: int, state: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _states(ns).get(step, ("-",))[0] != state:
+        assert time.monotonic() < deadline, f"{ns} step {step} never became {state}"
+        time.sleep(0.1)
+
+
+def _cli_tty(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
+    """Run the CLI with its stderr on a pseudo-terminal: (exit code, stdout, terminal output)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierckpt_client.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    )
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 0.5)[0]:
+                continue
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(master)
+    assert proc.stdout is not None
+    out = proc.stdout.read().decode()
+    return proc.wait(timeout=10), out, b"".join(chunks).decode(errors="replace")
+
+
+def test_persist_wait_then_prefetch_after_node_loss(tiered: DaemonProcess) -> None:
+    _save("job", 10)  # the namespace's first commit: persisted by the policy
+    _save("job", 20)  # not persisted by the policy
+    _wait_state("job", 10, "durable")
+    assert _states("job") == {
+        10: ("durable", ["memory", "persistent"]),
+        20: ("committed", ["memory"]),
+    }
+    status = _json("status")
+    assert status["persistent"]["url"].startswith("file://")
+    assert "persistent  file://" in _cli("status").stdout
+
+    proc = _cli("persist", "job", "20", "--wait", "--timeout", "30")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "job step 20 is durable"
+    assert "job step 20: durable after" in proc.stderr
+    assert _states("job")[20] == ("durable", ["memory", "persistent"])
+
+    # The node loses its memory: the steps are only in the persistent tier.
+    tiered.kill()
+    shutil.rmtree(tiered.shm_dir)
+    tiered.start()
+    assert _states("job") == {10: ("durable", ["persistent"]), 20: ("durable", ["persistent"])}
+    assert "persistent" in _cli("ls", "job").stdout.splitlines()[1].split()
+
+    proc = _cli("prefetch", "job", "latest")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("job step 20 is in memory (durable")
+    assert "prefetch job step 20: starting" in proc.stderr
+    assert "prefetch job step 20: [" + "#" * 30 + "] 100% 257.2 KiB / 257.2 KiB" in proc.stderr
+    steps = {s["step"]: s for s in _json("ls", "job")}
+    assert steps[20]["in_memory"] and steps[20]["state"] == "durable"
+    assert steps[20]["tiers"] == ["memory", "persistent"]
+    assert steps[10]["tiers"] == ["persistent"]
+
+    # On a terminal the bar is redrawn in place; --json prints the StepInfo on stdout.
+    rc, out, term = _cli_tty("prefetch", "job", "10", "--json")
+    assert rc == 0, term
+    info = json.loads(out)
+    assert (info["step"], info["state"], info["in_memory"]) == (10, "durable", True)
+    assert "\rprefetch job step 10: [" + "#" * 30 + "] 100%" in term
+    assert _states("job")[10] == ("durable", ["memory", "persistent"])
+
+
+def test_persist_wait_times_out_with_the_upload_error(
+    tiered: DaemonProcess, tmp_path: Path
+) -> None:
+    _save("job", 1)
+    _wait_state("job", 1, "durable")
+    _save("job", 2)
+    store = tmp_path / "store"
+    shutil.rmtree(store)
+    store.write_text("not a directory")  # every upload now fails
+    proc = _cli("persist", "job", "2", "--wait", "--timeout", "1")
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tierckpt: job step 2 is not durable after 1s: job/step 2: upload")
+    assert _states("job")[2] == ("committed", ["memory"])
+
+
+def test_persist_and_prefetch_errors(tiered: DaemonProcess, daemon: DaemonProcess) -> None:
+    assert _cli("persist", "job", "1").returncode == 3  # no such namespace
+    assert _cli("prefetch", "job", "latest").returncode == 3
+    assert _cli("prefetch", "job", "soon").returncode == 2
+    # A daemon without a persistent tier cannot persist.
+    proc = _cli("persist", "job", "1", socket=daemon.socket)
+    assert proc.returncode in (1, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -53,6 +54,14 @@ class _Staged:
             return _arena.map_file(self.path)
         assert self.private is not None
         return self.private
+
+
+@dataclass(frozen=True)
+class _LocalPlanData:
+    """What each rank tells the coordinator."""
+
+    direct: bool  # this rank cannot use its daemon
+    daemon: str  # which daemon (host and socket) holds this rank's files
 
 
 @dataclass(frozen=True)
@@ -277,11 +286,26 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
-        return replace(plan, storage_data=direct)
+        daemon = f"{socket.gethostname()}:{self.config.socket}"
+        return replace(plan, storage_data=_LocalPlanData(direct=direct, daemon=daemon))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         namespace, step = self._require_target()
-        data = _PlanData(attempt=uuid.uuid4().hex[:16], direct=any(p.storage_data for p in plans))
+        local = [p.storage_data for p in plans]
+        if not all(isinstance(x, _LocalPlanData) for x in local):
+            raise StepStateError(f"{namespace}/step {step}: a rank's plan carries no writer data")
+        daemons = {x.daemon for x in local}
+        if len(daemons) > 1 and self._direct is None:
+            # A commit is recorded by the coordinator's daemon, which must hold every file. Until
+            # daemons exchange commit records, a save spanning nodes goes to the persistent tier.
+            self._degrade(
+                StepStateError(
+                    f"{namespace}/step {step}: the ranks use {len(daemons)} daemons (nodes); a "
+                    "memory-tier commit needs every rank on one daemon for now"
+                )
+            )
+        direct = len(daemons) > 1 or any(x.direct for x in local)
+        data = _PlanData(attempt=uuid.uuid4().hex[:16], direct=direct)
         if data.direct:
             self._direct_tier(namespace, step).begin(namespace, step)
         return [replace(p, storage_data=data) for p in plans]
