@@ -114,12 +114,16 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         stage(state_dict)            trainer, blocking: lease a file, copy every tensor into it
         reset(checkpoint_id)         all ranks (only when a checkpoint_id is passed)
         set_up_storage_writer()      all ranks
-        prepare_local_plan()         all ranks
-        prepare_global_plan()        coordinator: tags all plans with a fresh save attempt id
+        prepare_local_plan()         all ranks: say which daemon holds this rank's files, or that
+                                     it cannot reach one
+        prepare_global_plan()        coordinator: a fresh save attempt id for all ranks, and
+                                     "direct" mode if a rank has no daemon or the ranks span
+                                     several daemons (nodes)
         write_data()                 all ranks: record where each item lives; bytes items and any
-                                     tensor that was not staged are copied into a second file;
-                                     the rank's files are sealed into the step
-        finish()                     coordinator: commit the step with its metadata
+                                     tensor that was not staged go into a second file; the files
+                                     are sealed into the step (or, direct: uploaded)
+        finish()                     coordinator: commit the step with its metadata on the daemon
+                                     (or, direct: write the manifest and commit marker)
 
     With ``async_save`` the writer is its own stager: ``stage`` copies each tensor (device to host,
     or host to host) straight into the leased file and returns tensors that alias it, so the
