@@ -40,6 +40,9 @@ class DaemonProcess:
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         env = dict(os.environ)
+        # A test's client-side settings must not leak into the daemon (its socket would move).
+        for name in ("TIERCKPT_SOCKET", "TIERCKPT_PERSIST_URL"):
+            env.pop(name, None)
         env["TIERCKPT_SHM_DIR"] = str(self.shm_dir)
         for k, v in self.settings.items():
             env[f"TIERCKPT_{k.upper()}"] = str(v)

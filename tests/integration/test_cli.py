@@ -178,7 +178,8 @@ def _cli_tty(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
     finally:
         os.close(master)
     assert proc.stdout is not None
-    out = proc.stdout.read().decode()
+    with proc.stdout:
+        out = proc.stdout.read().decode()
     return proc.wait(timeout=10), out, b"".join(chunks).decode(errors="replace")
 
 
@@ -243,10 +244,15 @@ def test_persist_wait_times_out_with_the_upload_error(
     assert _states("job")[2] == ("committed", ["memory"])
 
 
-def test_persist_and_prefetch_errors(tiered: DaemonProcess, daemon: DaemonProcess) -> None:
+def test_persist_and_prefetch_errors(tiered: DaemonProcess) -> None:
     assert _cli("persist", "job", "1").returncode == 3  # no such namespace
     assert _cli("prefetch", "job", "latest").returncode == 3
+    assert _cli("prefetch", "job", "7").returncode == 3
     assert _cli("prefetch", "job", "soon").returncode == 2
-    # A daemon without a persistent tier cannot persist.
-    proc = _cli("persist", "job", "1", socket=daemon.socket)
-    assert proc.returncode in (1, 3)
+
+
+def test_persist_without_a_persistent_tier_exits_1(client_env: DaemonProcess) -> None:
+    _save("job", 1)
+    proc = _cli("persist", "job", "1", "--wait")
+    assert proc.returncode == 1
+    assert "no persistent tier is configured" in proc.stderr
