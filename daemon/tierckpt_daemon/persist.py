@@ -13,6 +13,7 @@ the step as committed and durable, so readers use it like any step in memory.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import mmap
@@ -287,12 +288,27 @@ class Persister:
         with self._cv:
             self._hydrating[(namespace, step)] = progress
         try:
+            paths = []
             for f in manifest.files:
-                lease = self.service.lease(namespace, f.rank, f.length)
+                # No pre-faulting: the download writes every byte, which faults the pages in once.
+                lease = self.service.lease(namespace, f.rank, f.length, prefault=False)
                 leases.append((f, lease.lease_id))
-                self._download(namespace, step, f, lease.path)
+                paths.append(lease.path)
+
+            def fetch(f: StoredFile, path: str) -> None:
+                self._download(namespace, step, f, path)
                 with self._cv:
                     progress[0] += f.length
+
+            # Files download in parallel, like uploads. Every download finishes (or fails) before
+            # the leases can be released on error: none may still write into a pooled file.
+            futures = [
+                self._pool.submit(fetch, f, path)
+                for f, path in zip(manifest.files, paths, strict=True)
+            ]
+            concurrent.futures.wait(futures)
+            for fut in futures:
+                fut.result()
             by_rank: dict[int, list[SealFile]] = {}
             for f, lease_id in leases:
                 by_rank.setdefault(f.rank, []).append(

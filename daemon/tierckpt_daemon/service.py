@@ -187,14 +187,18 @@ class TierService:
         return n
 
     # -- leases -----------------------------------------------------------------------------
-    def lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
+    def lease(
+        self, namespace: str, rank: int, size: int, *, prefault: bool = True
+    ) -> LeaseResponse:
+        """A file of ``size`` bytes for ``rank``. ``prefault=False`` (a download will write every
+        byte anyway) neither zero-fills new pages nor prepares a spare."""
         with self.metrics.lease_seconds.time():
-            lease = self._lease(namespace, rank, size)
+            lease = self._lease(namespace, rank, size, prefault)
         self.metrics.leases.labels(recycled=str(lease.recycled).lower()).inc()
         self.metrics.leased_bytes.inc(lease.size)
         return lease
 
-    def _lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
+    def _lease(self, namespace: str, rank: int, size: int, prefault: bool) -> LeaseResponse:
         validate_namespace(namespace)
         size = round_up(size)
         lease_id = uuid.uuid4().hex
@@ -208,18 +212,20 @@ class TierService:
                     break
                 self._spare_done.wait(left)
             if self.arena.take_from_pool(size, path):
-                self._maybe_spare(namespace, size)
+                if prefault:
+                    self._maybe_spare(namespace, size)
                 return self._grant(lease_id, namespace, rank, path, size, recycled=True)
             self._make_room(size, namespace)
             self.arena.reserve(size)
         try:
-            self.arena.allocate(path, size)
+            self.arena.allocate(path, size, prefault=prefault)
         finally:
             with self._lock:
                 self.arena.unreserve(size)
         with self._lock:
             self.arena.track(path, size)
-            self._maybe_spare(namespace, size)
+            if prefault:
+                self._maybe_spare(namespace, size)
             return self._grant(lease_id, namespace, rank, path, size, recycled=False)
 
     def _maybe_spare(self, namespace: str, size: int) -> None:

@@ -151,12 +151,12 @@ class Arena:
     def unreserve(self, size: int) -> None:
         self._reserved -= size
 
-    def allocate(self, path: Path, size: int) -> None:
+    def allocate(self, path: Path, size: int, *, prefault: bool | None = None) -> None:
         """Create ``path`` with ``size`` bytes, pre-faulted if configured. Call without the lock."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             os.fchmod(fd, 0o660)  # not cut by the umask: trainers of the daemon's group write it
-            if size and self.prefault:
+            if size and (self.prefault if prefault is None else prefault):
                 os.posix_fallocate(fd, 0, size)  # fails fast (ENOSPC) if the tmpfs is too small
                 # fallocate only reserves tmpfs pages; they are zeroed on first touch, which would
                 # cost the trainer's first copy ~1-3 s/GiB. Touch them here by writing zeros

@@ -1,0 +1,716 @@
+"""Persistent-tier benchmark: tierckpt's S3 upload and restore vs. raw s3torchconnector.
+
+Starts its own SeaweedFS (a real S3 server, loopback, fresh temp dir) and a real daemon with
+``TIERCKPT_PERSIST_URL=s3://...``, then measures side by side against that one server
+(see bench/README.md):
+(1) upload: save returned -> step DURABLE, vs. raw ``S3Client.put_object`` of the same object sizes,
+    vs. ``s3torchconnector.dcp.S3StorageWriter``;
+(2) restore after wiping the daemon's memory: ``dcp.load`` with ``TieredStorageReader`` (hydrate from
+    S3, verify, copy), vs. raw CRT ``get_object`` of the same objects, vs. ``S3StorageReader``;
+(3) slowdown of a CPU training loop while the daemon uploads in the background.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierckpt_client import DaemonClient, DaemonUnavailableError
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from seaweed import SeaweedS3  # test helper: S3 on loopback
+
+NAMESPACE = "bench"
+BUCKET = "tierckpt-bench"
+REGION = "us-east-1"
+TIER_PREFIX = "tier"
+CHUNK = 8 * 1024 * 1024  # tierckpt's streaming chunk and CRT part size; raw uses the same
+POLL_S = 0.02
+MM_SIZE = 512
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size-mb", type=int, default=512, help="tensor bytes of the state dict (MiB)")
+    p.add_argument("--tensors", type=int, default=8, help="float32 tensors in the state dict")
+    p.add_argument("--iters", type=int, default=3, help="repetitions per measurement (median)")
+    p.add_argument("--loop-s", type=float, default=2.5, help="victim training loop length (s)")
+    p.add_argument("--no-torch-s3", action="store_true", help="skip s3torchconnector's DCP classes")
+    p.add_argument("--out", type=Path, default=Path("bench/results/persistent_tier.json"))
+    p.add_argument("--smoke", action="store_true", help="32 MiB, 1 iteration, short loop (CI)")
+    p.add_argument("--child-put", help=argparse.SUPPRESS)  # internal: the raw upload baseline
+    p.add_argument("--child-endpoint", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child_put:
+        return args
+    if args.smoke:
+        args.size_mb, args.iters, args.loop_s = 32, 1, 0.25
+    if args.iters < 1:
+        p.error("--iters must be at least 1")
+    return args
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of a process; ``None`` = this one."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Daemon:
+    """``python -m tierckpt_daemon`` persisting to the SeaweedFS bucket, its own tmpfs dir."""
+
+    def __init__(self, s3: SeaweedS3, tag: str) -> None:
+        self.shm_dir = Path(f"/dev/shm/tierckpt-bench-s3-{tag}")
+        self.log = Path(tempfile.gettempdir()) / f"tierckpt-bench-s3-{tag}.log"
+        self.env = dict(os.environ, **s3.env())
+        self.env.update(
+            TIERCKPT_SHM_DIR=str(self.shm_dir),
+            TIERCKPT_PORT="0",
+            TIERCKPT_CAPACITY="12G",
+            TIERCKPT_KEEP_LAST="2",
+            TIERCKPT_PERSIST_URL=f"s3://{BUCKET}/{TIER_PREFIX}",
+            TIERCKPT_PERSIST_KEEP_LAST="2",
+            TIERCKPT_LOG_LEVEL="INFO",
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.concurrency: int | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self, concurrency: int | None = None) -> None:
+        env = dict(self.env)
+        if concurrency is not None:
+            env["TIERCKPT_UPLOAD_CONCURRENCY"] = str(concurrency)
+        self.concurrency = concurrency
+        with self.log.open("ab") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tierckpt_daemon"], env=env, stderr=f
+            )
+        sock = self.shm_dir / "daemon.sock"
+        os.environ["TIERCKPT_SOCKET"] = str(sock)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with DaemonClient.from_socket(sock) as c:
+                    st = c.status()
+                if st.persistent is not None and st.persistent.healthy is not None:
+                    if not st.persistent.healthy:
+                        raise RuntimeError(f"persistent tier unusable: {st.persistent.last_error}")
+                    return
+            except DaemonUnavailableError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"daemon did not start:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def wipe_restart(self, concurrency: int | None = None) -> None:
+        """A rebooted node: the daemon and everything in its memory tier are gone."""
+        self.stop()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        self.start(concurrency)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        self.log.unlink(missing_ok=True)
+
+
+# -- state --------------------------------------------------------------------------------------
+
+
+def make_state(size_mb: int, n: int) -> dict[str, torch.Tensor]:
+    numel = size_mb * (1 << 20) // n // 4
+    gen = torch.Generator().manual_seed(0)
+    return {f"w{i:02d}": torch.randn(numel, generator=gen) for i in range(n)}
+
+
+def mutate(sd: dict[str, torch.Tensor]) -> None:
+    for t in sd.values():
+        t[0] += 1
+
+
+def check_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    bad = [k for k, v in want.items() if not torch.equal(got[k], v)]
+    if bad:
+        raise AssertionError(f"{what}: loaded state differs from the saved one ({bad})")
+
+
+def raw_source(sd: dict[str, torch.Tensor], length: int) -> memoryview:
+    """``length`` bytes holding the state's tensor bytes (the same data the tier uploads)."""
+    buf = torch.zeros(length, dtype=torch.uint8)
+    off = 0
+    for t in sd.values():
+        b = t.view(torch.uint8)
+        n = min(b.numel(), length - off)
+        buf[off : off + n] = b[:n]
+        off += n
+    return memoryview(buf.numpy()).cast("B")
+
+
+# -- the three contenders ----------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, s3: SeaweedS3, daemon: Daemon) -> None:
+        from s3torchconnector import S3ClientConfig
+        from s3torchconnector._s3client import S3Client
+        from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
+
+        self.args = args
+        self.s3 = s3
+        self.daemon = daemon
+        self.config = S3ClientConfig(part_size=CHUNK, force_path_style=True)
+        self.raw = S3Client(REGION, endpoint=s3.endpoint, s3client_config=self.config)
+        # The floor for downloads: the CRT stream of chunks, copied into a pre-touched buffer
+        # (S3Client.get_object's sequential reader buffers the whole object in a BytesIO first).
+        self.crt = MountpointS3Client(
+            region=REGION, part_size=CHUNK, endpoint=s3.endpoint, force_path_style=True
+        )
+        self.boto = s3.boto3_client()
+        self.sd = make_state(args.size_mb, args.tensors)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.sd.values())
+        self.step = 0
+        self.torch_s3: bool | str = not args.no_torch_s3  # False / True / reason it failed
+        self.res: dict[str, Any] = {}
+
+    def _add(self, key: str, seconds: float, nbytes: int, **extra: float) -> None:
+        r = self.res.setdefault(key, {"s": [], "bytes": nbytes})
+        r["s"].append(seconds)
+        for k, v in extra.items():
+            r.setdefault(k, []).append(v)
+
+    def _wait_durable(self, client: DaemonClient, step: int) -> None:
+        deadline = time.monotonic() + 3600
+        while client.step(NAMESPACE, step).state != "durable":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step} not durable after 1 h")
+            time.sleep(POLL_S)
+
+    def _delete_prefix(self, prefix: str) -> None:
+        keys = []
+        for page in self.boto.get_paginator("list_objects_v2").paginate(
+            Bucket=BUCKET, Prefix=prefix
+        ):
+            keys += [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        for i in range(0, len(keys), 1000):
+            self.boto.delete_objects(Bucket=BUCKET, Delete={"Objects": keys[i : i + 1000]})
+
+    # (1) upload -------------------------------------------------------------------------------
+
+    def tier_save(self) -> tuple[float, int]:
+        """Save a new step; return (seconds save returned -> DURABLE, step)."""
+        self.step += 1
+        step = self.step
+        with DaemonClient() as client:
+            t0 = time.perf_counter()
+            dcp.save(self.sd, storage_writer=TieredStorageWriter(NAMESPACE, step), no_dist=True)
+            t1 = time.perf_counter()
+            c0, w0 = cpu_s(self.daemon.pid), cpu_s(self.s3_pid)
+            self._wait_durable(client, step)
+            t2 = time.perf_counter()
+            c1, w1 = cpu_s(self.daemon.pid), cpu_s(self.s3_pid)
+            info = client.step(NAMESPACE, step)
+        self.objects = {
+            f"{TIER_PREFIX}/{NAMESPACE}/step_{step:012d}/{f.name}": f.length for f in info.files
+        }
+        nbytes = sum(self.objects.values())
+        self._add("save_tier", t1 - t0, self.nbytes)
+        self._add("upload_tier", t2 - t1, nbytes, cpu_uploader=c1 - c0, cpu_server=w1 - w0)
+        return t2 - t1, step
+
+    def raw_put(self, it: int) -> None:
+        src = raw_source(self.sd, max(self.objects.values()))
+        prefix = f"raw/{it}/"
+        self._delete_prefix(f"raw/{it - 1}/")
+        c0, w0 = cpu_s(), cpu_s(self.s3_pid)
+        t0 = time.perf_counter()
+        for i, length in enumerate(self.objects.values()):
+            with self.raw.put_object(BUCKET, f"{prefix}obj{i}") as w:
+                for off in range(0, length, CHUNK):
+                    w.write(src[off : min(off + CHUNK, length)])
+        dt = time.perf_counter() - t0
+        c1, w1 = cpu_s(), cpu_s(self.s3_pid)
+        self._add(
+            "upload_raw", dt, sum(self.objects.values()), cpu_uploader=c1 - c0, cpu_server=w1 - w0
+        )
+
+    def torch_put(self, it: int) -> None:
+        if self.torch_s3 is not True:
+            return
+        from s3torchconnector.dcp import S3StorageWriter
+
+        self._delete_prefix(f"torch/{it - 1}/")
+        try:
+            writer = S3StorageWriter(REGION, f"s3://{BUCKET}/torch/{it}/", self.config)
+            c0, w0 = cpu_s(), cpu_s(self.s3_pid)
+            t0 = time.perf_counter()
+            dcp.save(self.sd, storage_writer=writer, no_dist=True)
+            dt = time.perf_counter() - t0
+            c1, w1 = cpu_s(), cpu_s(self.s3_pid)
+        except Exception as e:  # optional column: say why, go on
+            self.torch_s3 = f"{type(e).__name__}: {e}"[:300]
+            print(f"note: s3torchconnector S3StorageWriter skipped: {self.torch_s3}")
+            return
+        self.torch_dir = f"s3://{BUCKET}/torch/{it}/"
+        self._add("upload_torch", dt, self.nbytes, cpu_uploader=c1 - c0, cpu_server=w1 - w0)
+
+    # (2) restore ------------------------------------------------------------------------------
+
+    def tier_load(self, step: int, dest: dict[str, torch.Tensor]) -> None:
+        self.daemon.wipe_restart()
+        for t in dest.values():
+            t.zero_()
+        c0, w0 = cpu_s(self.daemon.pid), cpu_s(self.s3_pid)
+        t0 = time.perf_counter()
+        dcp.load(dest, storage_reader=TieredStorageReader(NAMESPACE, step), no_dist=True)
+        dt = time.perf_counter() - t0
+        c1, w1 = cpu_s(self.daemon.pid), cpu_s(self.s3_pid)
+        check_equal(dest, self.sd, f"tierckpt step {step} restored from S3")
+        self._add(
+            "restore_tier", dt, sum(self.objects.values()), cpu_daemon=c1 - c0, cpu_server=w1 - w0
+        )
+
+    def raw_get(self, bufs: dict[str, memoryview] | None, row: str) -> None:
+        """Into ``bufs`` (pre-touched), or with ``None`` into fresh memory allocated in the timing
+        (as a rebooted node must: tierckpt allocates its tier files during the restore)."""
+        c0, w0 = cpu_s(), cpu_s(self.s3_pid)
+        t0 = time.perf_counter()
+        if bufs is None:
+            bufs = {k: memoryview(bytearray(n)) for k, n in self.objects.items()}
+        for key, out in bufs.items():
+            off = 0
+            for chunk in self.crt.get_object(BUCKET, key):
+                end = off + len(chunk)
+                out[off:end] = chunk
+                off = end
+            if off != len(out):
+                raise AssertionError(f"raw get of {key}: {off} bytes, expected {len(out)}")
+        dt = time.perf_counter() - t0
+        c1, w1 = cpu_s(), cpu_s(self.s3_pid)
+        self._add(
+            row, dt, sum(len(b) for b in bufs.values()), cpu_client=c1 - c0, cpu_server=w1 - w0
+        )
+
+    def torch_load(self, dest: dict[str, torch.Tensor]) -> None:
+        if self.torch_s3 is not True:
+            return
+        from s3torchconnector.dcp import S3StorageReader
+
+        for t in dest.values():
+            t.zero_()
+        try:
+            reader = S3StorageReader(REGION, self.torch_dir, self.config)
+            c0, w0 = cpu_s(), cpu_s(self.s3_pid)
+            t0 = time.perf_counter()
+            dcp.load(dest, storage_reader=reader, no_dist=True)
+            dt = time.perf_counter() - t0
+            c1, w1 = cpu_s(), cpu_s(self.s3_pid)
+        except Exception as e:
+            self.torch_s3 = f"S3StorageReader: {type(e).__name__}: {e}"[:300]
+            print(f"note: s3torchconnector S3StorageReader skipped: {self.torch_s3}")
+            return
+        check_equal(dest, self.sd, "S3StorageReader")
+        self._add("restore_torch", dt, self.nbytes, cpu_client=c1 - c0, cpu_server=w1 - w0)
+
+    # (3) training slowdown --------------------------------------------------------------------
+
+    def loop_steps(self) -> int:
+        a, b = torch.randn(MM_SIZE, MM_SIZE), torch.randn(MM_SIZE, MM_SIZE)
+        victim(a, b, 10)
+        t0 = time.perf_counter()
+        victim(a, b, 40)
+        per_step = (time.perf_counter() - t0) / 40
+        return max(10, int(self.args.loop_s / per_step))
+
+    def slowdown(self, label: str, steps: int, background: Callable[[], Background]) -> None:
+        """Time the loop alone, then right after ``background()`` started an upload."""
+        a, b = torch.randn(MM_SIZE, MM_SIZE), torch.randn(MM_SIZE, MM_SIZE)
+        for _ in range(self.args.iters):
+            mutate(self.sd)
+            s0, w0 = system_cpu(), cpu_s(self.s3_pid)
+            t0 = time.perf_counter()
+            victim(a, b, steps)
+            alone = time.perf_counter() - t0
+            s1, w1 = system_cpu(), cpu_s(self.s3_pid)
+            bg = background()
+            s2, c2, w2 = system_cpu(), cpu_s(bg.pid), cpu_s(self.s3_pid)
+            t0 = time.perf_counter()
+            victim(a, b, steps)
+            busy = time.perf_counter() - t0
+            s3, c3, w3 = system_cpu(), cpu_s(bg.pid), cpu_s(self.s3_pid)
+            covered = bg.running()
+            bg.wait()
+            r = self.res.setdefault(f"slowdown_{label}", {"steps": steps})
+            for k, v in (
+                ("alone_s", alone),
+                ("busy_s", busy),
+                ("covered", covered),
+                ("cpu_uploader", c3 - c2),
+                ("cpu_server", w3 - w2),
+                ("cpu_server_alone", w1 - w0),
+                ("system_busy_alone", busy_cores(s0, s1)),
+                ("system_busy", busy_cores(s2, s3)),
+                ("steal", steal_cores(s2, s3)),
+            ):
+                r.setdefault(k, []).append(v)
+
+    def tier_background(self) -> Background:
+        self.step += 1
+        step = self.step
+        dcp.save(self.sd, storage_writer=TieredStorageWriter(NAMESPACE, step), no_dist=True)
+        client = DaemonClient()
+
+        def wait() -> None:
+            self._wait_durable(client, step)
+            client.close()
+
+        return Background(
+            self.daemon.pid, lambda: client.step(NAMESPACE, step).state != "durable", wait
+        )
+
+    def raw_background(self) -> Background:
+        """Baseline: the same bytes uploaded by raw put_object in a separate process."""
+        sizes = ",".join(str(n) for n in self.objects.values())
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child-put", sizes, "--child-endpoint", self.s3.endpoint],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert child.stdin is not None and child.stdout is not None
+        if child.stdout.readline().strip() != b"ready":
+            child.kill()
+            raise RuntimeError("the raw upload child did not start")
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+
+        def wait() -> None:
+            if child.wait(timeout=3600) != 0:
+                raise RuntimeError(f"the raw upload child failed with {child.returncode}")
+
+        return Background(child.pid, lambda: child.poll() is None, wait)
+
+    # -- driver ---------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        assert self.s3.proc is not None
+        self.s3_pid = self.s3.proc.pid
+        args = self.args
+        last_step = 0
+        for it in range(args.iters):
+            mutate(self.sd)
+            _, last_step = self.tier_save()  # first: the others need its object sizes
+            # the order of the others rotates, so that none always follows the same one
+            for fn in (self.raw_put, self.torch_put)[:: 1 if it % 2 == 0 else -1]:
+                fn(it)
+        dest = {k: torch.zeros_like(v) for k, v in self.sd.items()}
+        bufs = {}
+        for key, n in self.objects.items():
+            b = torch.ones(n, dtype=torch.uint8)  # pre-touched
+            bufs[key] = memoryview(b.numpy()).cast("B")
+        restores: list[Callable[[], None]] = [
+            lambda: self.tier_load(last_step, dest),
+            lambda: self.raw_get(bufs, "restore_raw"),
+            lambda: self.raw_get(None, "restore_raw_fresh"),
+            lambda: self.torch_load(dest),
+        ]
+        for it in range(args.iters):
+            for fn in restores[it % len(restores) :] + restores[: it % len(restores)]:
+                fn()
+        bufs.clear()  # free the buffers
+        restores.clear()
+        steps = self.loop_steps()
+        self.slowdown("tier", steps, self.tier_background)
+        self.slowdown("raw", steps, self.raw_background)
+        med = statistics.median
+        r = self.res["slowdown_tier"]
+        if (med(r["busy_s"]) / med(r["alone_s"]) - 1) * 100 > SLOWDOWN_TARGET:
+            self.daemon.wipe_restart(concurrency=1)
+            self.slowdown("tier_c1", steps, self.tier_background)
+        self.res["torch_s3"] = self.torch_s3
+        self.res["objects"] = self.objects
+        return self.res
+
+
+class Background:
+    """An upload running beside the training loop: its process, running(), wait()."""
+
+    def __init__(self, pid: int, running: Callable[[], bool], wait: Callable[[], None]) -> None:
+        self.pid, self.running, self.wait = pid, running, wait
+
+
+def system_cpu() -> list[int]:
+    """The machine's CPU jiffies from /proc/stat: user nice system idle iowait irq softirq steal."""
+    return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
+def busy_cores(a: list[int], b: list[int]) -> float:
+    """Average cores busy between two system_cpu() samples (all but idle and iowait)."""
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    total = sum(d) or 1
+    return (total - d[3] - d[4]) / total * len(os.sched_getaffinity(0))
+
+
+def steal_cores(a: list[int], b: list[int]) -> float:
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    return d[7] / (sum(d) or 1) * len(os.sched_getaffinity(0))
+
+
+def child_put(sizes: str, endpoint: str) -> None:
+    """``--child-put``: upload objects of these sizes once the parent says go (slowdown baseline)."""
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+
+    lengths = [int(x) for x in sizes.split(",")]
+    client = S3Client(
+        REGION,
+        endpoint=endpoint,
+        s3client_config=S3ClientConfig(part_size=CHUNK, force_path_style=True),
+    )
+    gen = torch.Generator().manual_seed(1)
+    src = memoryview(torch.randn(max(lengths) // 4 + 1, generator=gen).numpy()).cast("B")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for i, length in enumerate(lengths):
+        with client.put_object(BUCKET, f"raw-bg/obj{i}") as w:
+            for off in range(0, length, CHUNK):
+                w.write(src[off : min(off + CHUNK, length)])
+
+
+def victim(a: torch.Tensor, b: torch.Tensor, steps: int) -> None:
+    """The 'training loop': single-threaded 512x512 matmuls."""
+    c = torch.empty_like(a)
+    for _ in range(steps):
+        torch.mm(a, b, out=c)
+        a, c = c.mul_(1e-3), a
+
+
+# -- report -------------------------------------------------------------------------------------
+
+ROWS = {
+    "save_tier": "tierckpt dcp.save into memory (blocking)",
+    "upload_tier": "(1) upload: tierckpt, save returned -> DURABLE",
+    "upload_raw": "(1) upload: raw S3Client.put_object",
+    "upload_torch": "(1) upload: s3torchconnector S3StorageWriter (dcp.save)",
+    "restore_tier": "(2) restore: tierckpt dcp.load, memory wiped (hydrate+verify+copy)",
+    "restore_raw": "(2) restore: raw CRT get_object into pre-touched memory",
+    "restore_raw_fresh": "(2) restore: raw CRT get_object into fresh memory",
+    "restore_torch": "(2) restore: s3torchconnector S3StorageReader (dcp.load)",
+}
+RATIOS = {  # key: (label, numerator row, denominator row), a ratio of MB/s
+    "upload_tier_over_raw": ("tierckpt / raw upload MB/s", "upload_tier", "upload_raw"),
+    "restore_tier_over_raw": ("tierckpt / raw restore MB/s", "restore_tier", "restore_raw"),
+    "restore_tier_over_raw_fresh": (
+        "tierckpt / raw restore into fresh memory MB/s",
+        "restore_tier",
+        "restore_raw_fresh",
+    ),
+    "upload_torch_over_raw": ("S3StorageWriter / raw upload MB/s", "upload_torch", "upload_raw"),
+    "restore_torch_over_raw": (
+        "S3StorageReader / raw restore MB/s",
+        "restore_torch",
+        "restore_raw",
+    ),
+}
+TARGETS = {"upload_tier_over_raw": 0.9, "restore_tier_over_raw": 0.9}
+SLOWDOWN_TARGET = 10.0
+SLOWDOWN_ROWS = {
+    "slowdown_tier": "tierckpt daemon (default concurrency)",
+    "slowdown_tier_c1": "tierckpt daemon, TIERCKPT_UPLOAD_CONCURRENCY=1",
+    "slowdown_raw": "baseline: raw put_object in another process",
+}
+
+
+def summarize(res: dict[str, Any]) -> None:
+    med = statistics.median
+    for key in ROWS:
+        if key in res:
+            r = res[key]
+            r["median_s"] = med(r["s"])
+            r["mbps"] = r["bytes"] / r["median_s"] / 1e6
+            for k in ("cpu_uploader", "cpu_server", "cpu_daemon", "cpu_client"):
+                if k in r:
+                    r[f"median_{k}"] = med(r[k])
+    res["ratios"] = {
+        key: res[num]["mbps"] / res[den]["mbps"]
+        for key, (_, num, den) in RATIOS.items()
+        if num in res and den in res
+    }
+    for key, r in res.items():
+        if key.startswith("slowdown_"):
+            r["alone_steps_per_s"] = r["steps"] / med(r["alone_s"])
+            r["busy_steps_per_s"] = r["steps"] / med(r["busy_s"])
+            r["slowdown_pct"] = (r["alone_steps_per_s"] / r["busy_steps_per_s"] - 1) * 100
+
+
+def render(res: dict[str, Any]) -> str:
+    lines = [
+        "| measurement | median s | MB/s | all iterations s | uploader/client CPU s | "
+        "server CPU s |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for key, label in ROWS.items():
+        if key not in res:
+            continue
+        r = res[key]
+        runs = ", ".join(f"{t:.2f}" for t in r["s"])
+        cpu = next(
+            (
+                r[f"median_{k}"]
+                for k in ("cpu_uploader", "cpu_daemon", "cpu_client")
+                if f"median_{k}" in r
+            ),
+            None,
+        )
+        cpu_txt = f"{cpu:.2f}" if cpu is not None else "-"
+        srv = f"{r['median_cpu_server']:.2f}" if "median_cpu_server" in r else "-"
+        lines.append(
+            f"| {label} | {r['median_s']:.2f} | {r['mbps']:.0f} | {runs} | {cpu_txt} | {srv} |"
+        )
+    if res.get("torch_s3") is not True:
+        lines.append(f"\ns3torchconnector DCP columns skipped: {res.get('torch_s3')}")
+    lines += ["", "| ratio | value | target | met |", "|---|---:|---|---|"]
+    for key, (label, *_rest) in RATIOS.items():
+        if key in res["ratios"]:
+            v = res["ratios"][key]
+            t = TARGETS.get(key)
+            target = f">= {t}" if t is not None else "(info)"
+            met = ("yes" if v >= t else "NO") if t is not None else "-"
+            lines.append(f"| {label} | {v:.2f} | {target} | {met} |")
+    lines += [
+        "",
+        "| training loop (torch.mm 512x512, 1 thread) while ... uploads | steps | alone steps/s | "
+        "during upload steps/s | slowdown % | target | met | upload outlasted loop | uploader "
+        "CPU s | server CPU s | cores busy alone / during | steal cores |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|---:|---|---:|",
+    ]
+    med = statistics.median
+    for key, label in SLOWDOWN_ROWS.items():
+        if key not in res:
+            continue
+        r = res[key]
+        cov = "".join("y" if c else "n" for c in r["covered"])
+        target, met = "-", "-"
+        if key != "slowdown_raw":
+            target = f"<= {SLOWDOWN_TARGET:.0f}"
+            met = "yes" if r["slowdown_pct"] <= SLOWDOWN_TARGET else "NO"
+        lines.append(
+            f"| {label} | {r['steps']} | {r['alone_steps_per_s']:.1f} | "
+            f"{r['busy_steps_per_s']:.1f} | {r['slowdown_pct']:.1f} | {target} | {met} | {cov} | "
+            f"{med(r['cpu_uploader']):.2f} | {med(r['cpu_server']):.2f} | "
+            f"{med(r['system_busy_alone']):.2f} / {med(r['system_busy']):.2f} | "
+            f"{med(r['steal']):.2f} |"
+        )
+    busy_alone = [x for k in SLOWDOWN_ROWS if k in res for x in res[k]["system_busy_alone"]]
+    if busy_alone and max(busy_alone) > 1.3:
+        lines.append(
+            f"\nWARNING: up to {max(busy_alone):.2f} cores were busy while the loop ran alone (it "
+            "uses 1): other processes loaded the machine, so these figures are noisy; rerun on an "
+            "idle machine."
+        )
+    return "\n".join(lines)
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    import s3torchconnector
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "mem_gib": round(mem / (1 << 30), 1),
+        "torch": torch.__version__,
+        "s3torchconnector": s3torchconnector.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "size_mb": args.size_mb,
+        "tensors": args.tensors,
+        "iters": args.iters,
+        "loop_s": args.loop_s,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child_put:
+        child_put(args.child_put, args.child_endpoint)
+        return
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    torch.set_num_threads(1)
+    tag = uuid.uuid4().hex[:8]
+    info = machine_info(args)
+    print(
+        f"machine: {info['cores']} cores, {info['mem_gib']} GiB, torch {info['torch']}, "
+        f"s3torchconnector {info['s3torchconnector']}, python {info['python']}; "
+        f"{args.size_mb} MiB in {args.tensors} tensors x {args.iters} iters"
+    )
+    s3 = SeaweedS3(BUCKET)
+    daemon: Daemon | None = None
+    bench: Bench | None = None
+    try:
+        s3.start()
+        print(f"SeaweedFS at {s3.endpoint} (data in {s3.dir}), ready in {s3.startup_s:.2f}s")
+        # The bench process's own S3 clients (raw, s3torchconnector DCP) use the same server and
+        # credentials; S3StorageWriter/Reader take no endpoint, the CRT reads AWS_ENDPOINT_URL.
+        os.environ.update(s3.env(), AWS_ENDPOINT_URL=s3.endpoint)
+        daemon = Daemon(s3, tag)
+        daemon.start()
+        bench = Bench(args, s3, daemon)
+        res = bench.run()
+    except BaseException:
+        if daemon is not None:
+            print(f"daemon log (tail):\n{daemon.tail()}", file=sys.stderr)
+        print(f"SeaweedFS log (tail):\n{s3.log()[-2000:]}", file=sys.stderr)
+        raise
+    finally:
+        if bench is not None:
+            bench.boto.close()
+        if daemon is not None:
+            daemon.cleanup()
+        s3.stop()
+    summarize(res)
+    print(render(res))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": info, "results": res}, indent=2) + "\n")
+    print(f"results written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
