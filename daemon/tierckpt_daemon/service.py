@@ -139,7 +139,9 @@ class TierService:
                 if ns_dir.is_dir() and not any(ns_dir.iterdir()):
                     ns_dir.rmdir()
             for ns, steps in self._committed.items():
-                # Two committed attempts of one step can survive a crash mid-supersede: newest wins.
+                # A crash between a commit and its retention leaves one step too many.
+                for victim in self.policy.after_commit(list(steps.values())):
+                    self._retire(victim)
                 logger.info("namespace %s: committed steps %s", ns, sorted(steps))
             logger.info(
                 "index rebuilt from %s: %d committed steps, %d partial files reclaimed, %d pool files",
@@ -161,6 +163,7 @@ class TierService:
                     self.arena.track(step_dir / f.name, f.size)
                 steps = self._committed.setdefault(namespace, {})
                 old = steps.get(rec.step)
+                # Two committed attempts of one step survive a crash mid-supersede: newest wins.
                 if old is None or (old.committed_at or 0) < (rec.committed_at or 0):
                     steps[rec.step] = rec
                     if old is not None:

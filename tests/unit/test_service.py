@@ -177,3 +177,12 @@ def test_spares_are_prefaulted_while_a_namespace_ramps_up(root: Path) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert svc.lease("job", 0, 2 * MiB).recycled  # the second save finds faulted-in pages
+
+
+def test_rebuild_applies_retention(root: Path) -> None:
+    svc = make(root, keep_last=5)
+    for step in (1, 2, 3):
+        save(svc, "job", step)
+    svc2 = make(root, keep_last=2)  # restarted with a smaller TIERCKPT_KEEP_LAST
+    assert [s.step for s in svc2.list_steps("job")] == [2, 3]
+    assert svc2.arena.pool_files == 1
