@@ -227,6 +227,7 @@ def run(args: argparse.Namespace, fs_root: Path) -> dict[str, Any]:
     tier_reader = lambda: TieredStorageReader(NAMESPACE, step=last)  # noqa: E731
     res["restore_tier"] = summary(bench_load(dest, args.iters, tier_reader, sd, "tier"), nbytes)
     client.close()
+    res["memcpy_late"] = summary(bench_memcpy(sd, args.iters), nbytes)  # (mutates sd: last)
     s = {k: v["steady_ms"] for k, v in res.items() if isinstance(v, dict)}
     res["ratios"] = ratios(s)
     if res["tier_blocking_recycled_ms"] is not None:  # tier blocking of recycled leases only
@@ -237,7 +238,9 @@ def run(args: argparse.Namespace, fs_root: Path) -> dict[str, Any]:
 
 def ratios(ms: dict[str, float]) -> dict[str, float]:
     return {
-        "tier_blocking_over_memcpy": ms["tier_blocking"] / ms["memcpy"],
+        # Against the memcpy measured after the saves: in PROCESS mode DCP's helper process is
+        # alive by then, and its mere presence slows this process's copies (~30% here).
+        "tier_blocking_over_memcpy": ms["tier_blocking"] / ms["memcpy_late"],
         "torch_blocking_over_tier_blocking": ms["torch_blocking"] / ms["tier_blocking"],
         "tier_restore_over_fs_restore": ms["restore_fs"] / ms["restore_tier"],
     }
@@ -250,6 +253,7 @@ TARGETS = {  # key: (label, target, met?)
 }
 ROWS = {
     "memcpy": "(a) memcpy into pre-touched tensors",
+    "memcpy_late": "(a) memcpy again, after the saves (DCP's helper process alive in PROCESS mode)",
     "torch_blocking": "(b) torch default: blocking",
     "torch_committed": "(b) torch default: time-to-committed",
     "tier_blocking": "(c) tierckpt: blocking",
