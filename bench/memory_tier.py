@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _common import machine_info
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -292,20 +292,6 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "cores": len(os.sched_getaffinity(0)),
-        "mem_gib": round(mem / (1 << 30), 1),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "size_mb": args.size_mb,
-        "iters": args.iters,
-        "checkpointer": args.checkpointer,
-    }
-
-
 def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -313,7 +299,7 @@ def main() -> None:
     shm_dir = Path(f"/dev/shm/tierckpt-bench-{tag}")
     fs_root = Path(f"/dev/shm/tierckpt-bench-fs-{tag}")
     log = Path(tempfile.gettempdir()) / f"tierckpt-bench-{tag}.log"
-    info = machine_info(args)
+    info = machine_info(size_mb=args.size_mb, iters=args.iters, checkpointer=args.checkpointer)
     print(
         f"machine: {info['cores']} cores, {info['mem_gib']} GiB, torch {info['torch']}, "
         f"python {info['python']}; {args.size_mb} MiB x {args.iters} iters, {args.checkpointer}"

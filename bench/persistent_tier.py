@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from _common import machine_info
 
 from tierckpt_client import DaemonClient, DaemonUnavailableError
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -649,24 +649,6 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-    import s3torchconnector
-
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "cores": len(os.sched_getaffinity(0)),
-        "mem_gib": round(mem / (1 << 30), 1),
-        "torch": torch.__version__,
-        "s3torchconnector": s3torchconnector.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "size_mb": args.size_mb,
-        "tensors": args.tensors,
-        "iters": args.iters,
-        "loop_s": args.loop_s,
-    }
-
-
 def main() -> None:
     args = parse_args()
     if args.child_put:
@@ -675,7 +657,15 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)
     tag = uuid.uuid4().hex[:8]
-    info = machine_info(args)
+    import s3torchconnector
+
+    info = machine_info(
+        s3torchconnector=s3torchconnector.__version__,
+        size_mb=args.size_mb,
+        tensors=args.tensors,
+        iters=args.iters,
+        loop_s=args.loop_s,
+    )
     print(
         f"machine: {info['cores']} cores, {info['mem_gib']} GiB, torch {info['torch']}, "
         f"s3torchconnector {info['s3torchconnector']}, python {info['python']}; "
