@@ -159,7 +159,8 @@ class Persister:
             try:
                 self._upload(rec)
             except (TierCkptError, OSError) as e:
-                self._failed += 1
+                with self._cv:
+                    self._failed += 1
                 self.service.metrics.upload_failures.inc()
                 self._record_error(
                     f"{rec.namespace}/step {rec.step}: upload to {self.store.url} failed: {e}; "
@@ -192,6 +193,8 @@ class Persister:
             )
             for f in files
         }
+        # Let every upload end before raising: a retry must not race a still-running one.
+        concurrent.futures.wait(futures.values())
         checksums = {name: fut.result() for name, fut in futures.items()}
         manifest = StepManifest(
             namespace=ns,
