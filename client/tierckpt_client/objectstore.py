@@ -73,7 +73,7 @@ class ObjectStore(Protocol):
         """Upload the first ``length`` bytes (default: all) of a local file; return their checksum."""
         ...
 
-    def put_bytes(self, key: str, data: bytes) -> str:
+    def put_bytes(self, key: str, data: bytes | memoryview) -> str:
         """Upload ``data``; return its checksum."""
         ...
 
@@ -192,7 +192,7 @@ class FileStore:
 
         return self._write(key, fill)
 
-    def put_bytes(self, key: str, data: bytes) -> str:
+    def put_bytes(self, key: str, data: bytes | memoryview) -> str:
         def fill(f: Any) -> str:
             h = Hasher()
             view = memoryview(data)
@@ -666,7 +666,7 @@ class S3Store:
         except OSError as e:
             raise PersistentTierError(f"uploading {self._where(key)}: reading {path}: {e}") from e
 
-    def put_bytes(self, key: str, data: bytes) -> str:
+    def put_bytes(self, key: str, data: bytes | memoryview) -> str:
         full = self._full(key)
         data = bytes(data)  # the CRT stream accepts only bytes (not memoryview/bytearray)
 

@@ -252,16 +252,17 @@ class TierService:
 
     def _make_spare(self, size: int) -> None:
         path = self.arena.pool_dir / f"{uuid.uuid4().hex}.bin"
+        made = False
         try:
             self.arena.allocate(path, size)
+            made = True
         except CapacityExceededError as e:
             logger.warning("could not pre-fault a spare file of %d bytes: %s", size, e)
-            path = None  # type: ignore[assignment]
         finally:
             with self._lock:
                 self.arena.unreserve(size)
                 self._spares_in_flight.discard(size)
-                if path is not None:
+                if made:
                     self.arena.add_to_pool(path, size)
                 self._spare_done.notify_all()
 

@@ -86,10 +86,7 @@ class DirectTier:
     def put_rank_file(
         self, namespace: str, step: int, rank: int, name: str, data: torch.Tensor
     ) -> None:
-        digest = self.store.put_bytes(
-            file_key(namespace, step, name),
-            memoryview(data.numpy()).cast("B"),  # type: ignore[arg-type]
-        )
+        digest = self.store.put_bytes(file_key(namespace, step, name), _bytes_view(data))
         sidecar = {"name": name, "rank": rank, "length": data.numel(), "checksum": digest}
         self.store.put_bytes(
             file_key(namespace, step, name + SIDECAR), json.dumps(sidecar).encode()
