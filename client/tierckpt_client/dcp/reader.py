@@ -40,12 +40,14 @@ logger = logging.getLogger(__name__)
 
 
 class TieredStorageReader(StorageReader):
-    """Load DCP checkpoints from the node's shared-memory tier.
+    """Load DCP checkpoints through the node's daemon: from memory, or from the persistent tier.
 
     Args:
         namespace: the job's namespace; may come from ``checkpoint_id="tierckpt://<namespace>[/<step>]"``.
-        step: the step to load; ``None`` loads the newest committed step. Rank 0 of
-            ``process_group`` decides and broadcasts it, so all ranks load the same step.
+        step: the step to load; ``None`` loads the newest step that is committed in memory or
+            durable in the persistent tier and verifies (older ones are tried, with a warning, when
+            a newer one is corrupt or incomplete). Rank 0 of ``process_group`` decides and
+            broadcasts it, so all ranks load the same step.
         config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
         process_group: the group ``dcp.load`` runs on (default: the default group); only used to
             agree on the step when ``step`` is ``None``.
@@ -53,7 +55,9 @@ class TieredStorageReader(StorageReader):
     Call order, as DCP drives it::
 
         reset(checkpoint_id)        all ranks (only when a checkpoint_id is passed)
-        read_metadata()             all ranks: resolve the step (agreed across ranks), fetch metadata
+        read_metadata()             all ranks: resolve the step (agreed across ranks); have the
+                                    daemon hydrate it from the persistent tier if it is not in
+                                    memory; fetch its metadata
         set_up_storage_reader()     all ranks
         prepare_local_plan()        all ranks: tag the plan with the step this rank resolved
         prepare_global_plan()       coordinator: check every rank resolved the same step
@@ -63,6 +67,9 @@ class TieredStorageReader(StorageReader):
     Tensors are stored raw (dtype, shape and offset in the metadata), so reading a tensor is a view
     of the mapped file and one copy into the destination; resharding narrows the stored chunk to
     the requested region first. Only bytes items (non-tensor state) go through ``torch.load``.
+
+    Without a reachable daemon, and with ``config.persist_url`` set (``TIERCKPT_PERSIST_URL``), the
+    reader reads the persistent tier itself: same format, every file verified.
     """
 
     def __init__(
