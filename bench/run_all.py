@@ -1,0 +1,567 @@
+"""Run every benchmark scenario in one process tree: one table, one JSON, one throughput plot.
+
+Scenarios (see bench/README.md), each in a subprocess of this script:
+- ``memory_tier.py`` at every ``--sizes`` (memcpy, torch default async_save, tierckpt, restores);
+- the trainer's extra RSS during a tierckpt ``async_save`` vs. torch's default one;
+- a 2-rank (spawn + gloo) tierckpt save stall, each rank saving half of the state;
+- ``persistent_tier.py`` (S3 upload/restore vs. s3torchconnector, training slowdown) at one size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from _common import machine_info
+
+BENCH = Path(__file__).resolve().parent
+FOOTPRINT = 8  # memory_tier.py needs about 6-8x the state size (bench/README.md)
+RSS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--sizes", default="256,512,1024,2048", help="state sizes in MiB, comma-separated"
+    )
+    p.add_argument("--iters", type=int, default=8, help="repetitions per measurement (>= 2)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between saves (untimed)")
+    p.add_argument("--checkpointer", choices=["thread", "process"], default="thread")
+    p.add_argument("--rss-mb", type=int, default=1024, help="state size of the RSS scenario (MiB)")
+    p.add_argument("--two-rank-mb", type=int, default=1024, help="total state of the 2-rank run")
+    p.add_argument("--s3-size-mb", type=int, help="persistent_tier.py --size-mb (its default)")
+    p.add_argument("--no-s3", action="store_true", help="skip the persistent tier (S3)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/all.json"))
+    p.add_argument("--plot", type=Path, default=Path("bench/results/throughput.png"))
+    p.add_argument("--smoke", action="store_true", help="32 and 64 MiB, 2 iterations, no S3 (CI)")
+    p.add_argument("--child", choices=["rss", "two-rank"], help=argparse.SUPPRESS)
+    p.add_argument("--child-mb", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return args
+    if args.smoke:
+        args.sizes, args.iters, args.interval = "32,64", 2, 0.0
+        args.rss_mb, args.two_rank_mb, args.no_s3 = 32, 64, True
+    args.size_list = sorted({int(s) for s in args.sizes.split(",")})
+    if args.iters < 2:
+        p.error("--iters must be at least 2 (one cold, at least one steady)")
+    return args
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def mem_available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def proc_status() -> dict[str, float]:
+    """This process's resident memory from /proc/self/status, in MiB (VmHWM: the peak)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in (*RSS_FIELDS, "VmHWM"):
+            out[key] = int(rest.split()[0]) / 1024
+    return out
+
+
+def reset_peak_rss() -> None:
+    with contextlib.suppress(OSError):  # kernels without it keep the lifetime peak
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+@contextlib.contextmanager
+def daemon() -> Iterator[None]:
+    """A real daemon in its own tmpfs dir (memory_tier.py's), removed on exit."""
+    import memory_tier as mt
+
+    tag = uuid.uuid4().hex[:8]
+    shm_dir = Path(f"/dev/shm/tierckpt-bench-all-{tag}")
+    log = Path(tempfile.gettempdir()) / f"tierckpt-bench-all-{tag}.log"
+    proc = mt.start_daemon(shm_dir, log)  # sets TIERCKPT_SOCKET for this process and children
+    try:
+        yield
+    except BaseException:
+        print(f"daemon log (tail):\n{log.read_text()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+        log.unlink(missing_ok=True)
+
+
+# -- child: trainer RSS during async_save --------------------------------------------------------
+
+
+def child_rss(size_mb: int, iters: int, out: Path) -> None:
+    import memory_tier as mt
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from tierckpt_client.dcp import TieredStorageWriter
+
+    fs_root = Path(f"/dev/shm/tierckpt-bench-rss-{uuid.uuid4().hex[:8]}")
+
+    def measure(make_writer: Callable[[int], Any]) -> list[dict[str, dict[str, float]]]:
+        runs = []
+        for i in range(iters):
+            mt.mutate(sd)
+            gc.collect()
+            reset_peak_rss()
+            before = proc_status()
+            fut = dcp.async_save(sd, storage_writer=make_writer(i), no_dist=True)
+            returned = proc_status()
+            fut.result()
+            done = proc_status()
+            del fut
+            runs.append(
+                {
+                    "returned": {k: returned[k] - before[k] for k in RSS_FIELDS},
+                    "done": {k: done[k] - before[k] for k in RSS_FIELDS},
+                    "peak_rss": done["VmHWM"] - before["VmRSS"],
+                }
+            )
+        return runs
+
+    def fs_writer(i: int) -> FileSystemWriter:
+        shutil.rmtree(fs_root / f"step_{i - 1}", ignore_errors=True)
+        return FileSystemWriter(fs_root / f"step_{i}")
+
+    sd = mt.make_state(size_mb)
+    try:
+        with daemon():
+            res = {
+                # tierckpt first: torch's freed copy may stay in this process's heap
+                "tierckpt": measure(lambda i: TieredStorageWriter("rss", step=i + 1)),
+                "torch_default": measure(fs_writer),
+            }
+    finally:
+        shutil.rmtree(fs_root, ignore_errors=True)
+    out.write_text(json.dumps(res))
+
+
+# -- child: two ranks ---------------------------------------------------------------------------
+
+
+def _rank(
+    rank: int, world: int, port: int, size_mb: int, iters: int, interval: float, out: str
+) -> None:
+    import memory_tier as mt
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt_client.dcp import TieredStorageWriter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        ckpt_group = dist.new_group(backend="gloo")
+        half = mt.make_state(size_mb // world)
+        sd: dict[str, Any] = {f"r{rank}.{k}": v for k, v in half.items() if k != "extra"}
+        sd["extra"] = half["extra"]
+        src = mt.tensors(sd)
+        dst = [t.clone() for t in src]  # pre-touched
+        memcpy, blocking, committed = [], [], []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+            memcpy.append(time.perf_counter() - t0)
+        del dst
+        for i in range(iters):
+            if i:
+                time.sleep(interval)
+            mt.mutate(sd)
+            dist.barrier()
+            t0 = time.perf_counter()
+            fut = dcp.async_save(
+                sd,
+                storage_writer=TieredStorageWriter("two-rank", step=i + 1),
+                process_group=ckpt_group,
+            )
+            t1 = time.perf_counter()
+            fut.result()
+            t2 = time.perf_counter()
+            blocking.append(t1 - t0)
+            committed.append(t2 - t0)
+        nbytes = sum(t.numel() * t.element_size() for t in src)
+        mine = {"bytes": nbytes, "memcpy": memcpy, "blocking": blocking, "committed": committed}
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            Path(out).write_text(json.dumps(every))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def child_two_rank(size_mb: int, iters: int, interval: float, out: Path) -> None:
+    import memory_tier as mt
+    import torch.multiprocessing as mp
+
+    with daemon():
+        port = mt.free_port()
+        mp.spawn(_rank, args=(2, port, size_mb, iters, interval, str(out)), nprocs=2, join=True)
+
+
+# -- parent: run the scenarios ------------------------------------------------------------------
+
+
+def run_child(cmd: list[str], what: str, timeout: float = 3600) -> None:
+    """Run a scenario; its own output goes to a log, shown only if it fails."""
+    t0 = time.perf_counter()
+    print(f"- {what} ...", end=" ", flush=True)
+    with tempfile.TemporaryFile() as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        if rc != 0:
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-4000:]
+            print(f"FAILED (exit {rc})")
+            raise RuntimeError(f"{what} failed (exit {rc}):\n{tail}")
+    print(f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def run_scenarios(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any]:
+    py = [sys.executable]
+    res: dict[str, Any] = {"memory_tier": {}}
+    avail = mem_available_mib()
+    for size in args.size_list:
+        if size * FOOTPRINT > avail:
+            notes.append(
+                f"{size} MiB skipped: memory_tier.py needs ~{FOOTPRINT}x the state "
+                f"(~{size * FOOTPRINT / 1024:.0f} GiB), {avail / 1024:.1f} GiB available"
+            )
+            continue
+        out = tmp / f"mt_{size}.json"
+        cmd = [str(BENCH / "memory_tier.py"), "--size-mb", str(size), "--iters", str(args.iters)]
+        cmd += ["--interval", str(args.interval), "--checkpointer", args.checkpointer]
+        run_child([*py, *cmd, "--out", str(out)], f"memory tier, {size} MiB")
+        res["memory_tier"][str(size)] = json.loads(out.read_text())["results"]
+    if not args.smoke and max(args.size_list) < 4096 and avail < 4096 * FOOTPRINT:
+        notes.append(
+            f"4096 MiB (the top of the issue's range) not run: it needs ~{4096 * FOOTPRINT // 1024}"
+            f" GiB, {avail / 1024:.1f} GiB available"
+        )
+
+    out = tmp / "rss.json"
+    child = [*py, __file__, "--child-mb", str(args.rss_mb), "--child-out", str(out)]
+    run_child([*child, "--child", "rss"], f"trainer RSS during async_save, {args.rss_mb} MiB")
+    res["rss"] = {"size_mb": args.rss_mb, **json.loads(out.read_text())}
+
+    out = tmp / "two_rank.json"
+    child = [*py, __file__, "--child-mb", str(args.two_rank_mb), "--child-out", str(out)]
+    child += ["--iters", str(args.iters), "--interval", str(args.interval)]
+    try:
+        run_child([*child, "--child", "two-rank"], f"2 ranks, {args.two_rank_mb} MiB in all")
+        res["two_rank"] = {"size_mb": args.two_rank_mb, "ranks": json.loads(out.read_text())}
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        notes.append(f"2-rank run skipped: {str(e).strip().splitlines()[-1][:300]}")
+
+    if args.no_s3:
+        notes.append("persistent tier (S3) skipped" + (" in smoke mode" if args.smoke else ""))
+    else:
+        out = tmp / "s3.json"
+        cmd = [*py, str(BENCH / "persistent_tier.py"), "--out", str(out)]
+        if args.s3_size_mb:
+            cmd += ["--size-mb", str(args.s3_size_mb)]
+        try:
+            run_child(cmd, "persistent tier (SeaweedFS S3)")
+            d = json.loads(out.read_text())
+            res["persistent_tier"] = {"size_mb": d["machine"]["size_mb"], **d["results"]}
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            notes.append(f"persistent tier skipped: {str(e).strip().splitlines()[-1][:300]}")
+    return res
+
+
+# -- report -------------------------------------------------------------------------------------
+
+Row = tuple[str, str, str, str, str, str, str]  # size, measurement, value, GB/s, ratio, target, met
+
+
+def yes(ok: bool) -> str:
+    return "yes" if ok else "**NO**"
+
+
+def memory_rows(size: str, r: dict[str, Any]) -> list[Row]:
+    nbytes = r["bytes"]
+    ms = {k: v["steady_ms"] for k, v in r.items() if isinstance(v, dict) and "steady_ms" in v}
+    memcpy = min(ms["memcpy"], ms["memcpy_late"])  # the floor: the faster of the two runs
+    rows: list[Row] = []
+
+    def row(label: str, t_ms: float, ratio: str = "", target: str = "", met: str = "") -> None:
+        gbps = nbytes / (t_ms / 1e3) / 1e9
+        rows.append((f"{size} MiB", label, f"{t_ms:.1f} ms", f"{gbps:.2f}", ratio, target, met))
+
+    row("memcpy into pre-touched tensors (faster of 2 runs)", memcpy)
+    b = ms["tier_blocking"] / memcpy
+    row(
+        "tierckpt async_save: stall",
+        ms["tier_blocking"],
+        f"{b:.2f}x memcpy",
+        "<= 1.3",
+        yes(b <= 1.3),
+    )
+    warm = r.get("tier_blocking_recycled_ms")
+    if warm is not None:
+        w = warm / memcpy
+        row(
+            "tierckpt stall, recycled leases only",
+            warm,
+            f"{w:.2f}x memcpy",
+            "<= 1.3",
+            yes(w <= 1.3),
+        )
+    c = ms["tier_committed"] / memcpy
+    row(
+        "tierckpt: time-to-committed",
+        ms["tier_committed"],
+        f"{c:.2f}x memcpy",
+        "<= 1.5",
+        yes(c <= 1.5),
+    )
+    t = ms["torch_blocking"] / ms["tier_blocking"]
+    row("torch async_save + FileSystemWriter: stall", ms["torch_blocking"], f"{t:.1f}x tierckpt")
+    t = ms["torch_committed"] / ms["tier_committed"]
+    row("torch: time-to-committed", ms["torch_committed"], f"{t:.1f}x tierckpt")
+    m, f = memcpy / ms["restore_tier"], ms["restore_fs"] / ms["restore_tier"]
+    row(
+        "tierckpt restore (TieredStorageReader)",
+        ms["restore_tier"],
+        f"{m:.2f}x memcpy GB/s; {f:.1f}x FS",
+        ">= 0.7; >= 5",
+        f"{yes(m >= 0.7)}; {yes(f >= 5)}",
+    )
+    row("FileSystemReader restore", ms["restore_fs"])
+    return rows
+
+
+def rss_rows(rss: dict[str, Any]) -> list[Row]:
+    size = rss["size_mb"]
+    rows: list[Row] = []
+    last = {k: rss[k][-1] for k in ("tierckpt", "torch_default")}  # steady: the last save
+    for key, label in (("tierckpt", "tierckpt"), ("torch_default", "torch default")):
+        r = last[key]
+        v = (
+            f"anon +{r['returned']['RssAnon']:.0f} / shmem +{r['returned']['RssShmem']:.0f} MiB "
+            f"at return; anon +{r['done']['RssAnon']:.0f} / shmem +{r['done']['RssShmem']:.0f} "
+            f"when done; peak RSS +{r['peak_rss']:.0f}"
+        )
+        ratio, target, met = "", "", ""
+        if key == "tierckpt":
+            anon = max(r["returned"]["RssAnon"], r["done"]["RssAnon"])
+            torch_anon = last["torch_default"]["returned"]["RssAnon"]
+            ratio = f"{anon / torch_anon:.3f}x torch" if torch_anon > 0 else ""
+            target, met = "~0 (<= 2% of state)", yes(anon <= 0.02 * size)
+        rows.append(
+            (f"{size} MiB", f"trainer extra RSS, {label} async_save", v, "", ratio, target, met)
+        )
+    return rows
+
+
+def two_rank_rows(tr: dict[str, Any], mem: dict[str, Any]) -> list[Row]:
+    size = tr["size_mb"]
+    ranks = tr["ranks"]
+    nbytes = sum(r["bytes"] for r in ranks)
+    med = statistics.median
+    keys = ("memcpy", "blocking", "committed")
+    worst = {k: [max(x) for x in zip(*(r[k] for r in ranks), strict=True)] for k in keys}
+    tr["max_over_ranks_ms"] = {k: [t * 1e3 for t in v] for k, v in worst.items()}
+    steady = {k: med(v[1:]) * 1e3 for k, v in worst.items()}
+    tr["steady_ms"] = steady
+    rows: list[Row] = []
+
+    def row(label: str, t_ms: float, ratio: str = "", target: str = "", met: str = "") -> None:
+        gbps = nbytes / (t_ms / 1e3) / 1e9
+        rows.append((f"{size} MiB", label, f"{t_ms:.1f} ms", f"{gbps:.2f}", ratio, target, met))
+
+    row("2 ranks: memcpy of each half, max over ranks", steady["memcpy"])
+    b = steady["blocking"] / steady["memcpy"]
+    one = mem.get(str(size), {}).get("tier_blocking", {}).get("steady_ms")
+    vs1 = f"; {steady['blocking'] / one:.2f}x 1 rank" if one else ""
+    row(
+        "2 ranks: tierckpt stall, max over ranks",
+        steady["blocking"],
+        f"{b:.2f}x 2-rank memcpy{vs1}",
+        "<= 1.3",
+        yes(b <= 1.3),
+    )
+    c = steady["committed"] / steady["memcpy"]
+    row("2 ranks: tierckpt time-to-committed, max", steady["committed"], f"{c:.2f}x 2-rank memcpy")
+    return rows
+
+
+def s3_rows(p: dict[str, Any]) -> list[Row]:
+    size = f"{p['size_mb']} MiB"
+    rows: list[Row] = []
+    labels = {
+        "upload_tier": ("S3 upload: tierckpt, saved -> durable", "upload_tier_over_raw"),
+        "upload_raw": ("S3 upload: raw s3torchconnector put_object", None),
+        "upload_torch": ("S3 upload: s3torchconnector S3StorageWriter", "upload_torch_over_raw"),
+        "restore_tier": ("S3 restore: tierckpt, memory wiped", "restore_tier_over_raw"),
+        "restore_raw": ("S3 restore: raw get_object, pre-touched memory", None),
+        "restore_raw_fresh": ("S3 restore: raw get_object, fresh memory", None),
+        "restore_torch": ("S3 restore: s3torchconnector S3StorageReader", "restore_torch_over_raw"),
+    }
+    for key, (label, ratio_key) in labels.items():
+        if key not in p:
+            continue
+        r = p[key]
+        ratio, target, met = "", "", ""
+        if ratio_key and ratio_key in p["ratios"]:
+            v = p["ratios"][ratio_key]
+            ratio = f"{v:.2f}x raw MB/s"
+            if "tier" in key:
+                target, met = ">= 0.9", yes(v >= 0.9)
+        rows.append(
+            (size, label, f"{r['median_s']:.2f} s", f"{r['mbps'] / 1e3:.2f}", ratio, target, met)
+        )
+    for key, label in (
+        ("slowdown_tier", "training-loop slowdown while tierckpt uploads"),
+        ("slowdown_tier_c1", "training-loop slowdown, TIERCKPT_UPLOAD_CONCURRENCY=1"),
+        ("slowdown_raw", "training-loop slowdown beside a raw put_object (baseline)"),
+    ):
+        if key in p:
+            v = p[key]["slowdown_pct"]
+            target, met = ("<= 10%", yes(v <= 10)) if key != "slowdown_raw" else ("", "")
+            rows.append((size, label, f"{v:.0f} %", "", "", target, met))
+    return rows
+
+
+def render(res: dict[str, Any]) -> str:
+    rows: list[Row] = []
+    for size, r in res["memory_tier"].items():
+        rows += memory_rows(size, r)
+    if "rss" in res:
+        rows += rss_rows(res["rss"])
+    if "two_rank" in res:
+        rows += two_rank_rows(res["two_rank"], res["memory_tier"])
+    if "persistent_tier" in res:
+        rows += s3_rows(res["persistent_tier"])
+    lines = [
+        "| size | measurement | value (steady median) | GB/s | ratio | target | met |",
+        "|---:|---|---:|---:|---|---|---|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+PLOT_LINES = {  # memory_tier key: label
+    "tier_blocking": "tierckpt save stall",
+    "tier_committed": "tierckpt time-to-committed",
+    "restore_tier": "tierckpt restore",
+    "memcpy": "memcpy (pre-touched)",
+    "torch_blocking": "torch default async_save stall",
+    "restore_fs": "FileSystemReader restore",
+}
+
+
+def plot(res: dict[str, Any], info: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mem = res["memory_tier"]
+    sizes = [int(s) for s in mem]
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    styles = ["o-", "s-", "^-", "k--", "v:", "d:"]
+    for (key, label), style in zip(PLOT_LINES.items(), styles, strict=True):
+        if key == "memcpy":
+            gbps = [
+                max(mem[s]["memcpy"]["steady_gbps"], mem[s]["memcpy_late"]["steady_gbps"])
+                for s in mem
+            ]
+        else:
+            gbps = [mem[s][key]["steady_gbps"] for s in mem]
+        ax.plot(sizes, gbps, style, label=label, linewidth=2, markersize=6)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if lo <= t <= hi]
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_xticks(sizes, [f"{s} MiB" if s < 1024 else f"{s // 1024} GiB" for s in sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("state-dict size (16 float32 tensors)")
+    ax.set_ylabel("throughput, GB/s (10^9 B/s, steady median; log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(
+        f"tierckpt memory tier vs. baselines: {info['cores']} cores, {info['mem_gib']} GiB RAM, "
+        f"no GPU\ntorch {info['torch']}, python {info['python']}, {info['checkpointer']} "
+        f"checkpointer, {info['iters']} iterations",
+        fontsize=10,
+    )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child == "rss":
+        child_rss(args.child_mb, 2, args.child_out)
+        return
+    if args.child == "two-rank":
+        child_two_rank(args.child_mb, args.iters, args.interval, args.child_out)
+        return
+    t0 = time.perf_counter()
+    info = machine_info(
+        sizes_mb=args.size_list,
+        iters=args.iters,
+        interval_s=args.interval,
+        checkpointer=args.checkpointer,
+        smoke=args.smoke,
+    )
+    print(
+        f"machine: {info['cores']} cores, {info['mem_gib']} GiB, torch {info['torch']}, python "
+        f"{info['python']}; sizes {args.size_list} MiB x {args.iters} iters, {args.checkpointer}"
+    )
+    notes: list[str] = []
+    if args.smoke:
+        notes.append("smoke mode: tiny sizes, 2 iterations, no pause between saves; not judged")
+    with tempfile.TemporaryDirectory(prefix="tierckpt-bench-all-") as tmp:
+        res = run_scenarios(args, Path(tmp), notes)
+    table = render(res)  # (also adds the 2-rank summary to res)
+    res["notes"] = notes
+    res["wall_s"] = time.perf_counter() - t0
+    print()
+    print(table)
+    for note in notes:
+        print(f"\nnote: {note}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"machine": info, "results": res, "table": table}, indent=2) + "\n"
+    )
+    print(f"\nresults written to {args.out}")
+    if res["memory_tier"]:
+        plot(res, info, args.plot)
+        print(f"plot written to {args.plot}")
+    print(f"total {res['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
