@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tierckpt-daemon: invalid setting {field}: {err['msg']}", file=sys.stderr)
         return 2
     _configure_logging(settings.log_level, settings.log_json)
+    from tierckpt_client.errors import TierCkptError
+
     try:
         serve(settings)
-    except DaemonStartError as e:
+    except (DaemonStartError, TierCkptError) as e:
         logging.getLogger("tierckpt_daemon").error("%s", e)
         return 1
     return 0

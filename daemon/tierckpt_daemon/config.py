@@ -109,6 +109,19 @@ class DaemonSettings(BaseSettings):
         parse_capacity(v, node_bytes=1 << 30)  # syntax check only
         return v
 
+    @field_validator("persist_url")
+    @classmethod
+    def _check_persist_url(cls, v: str | None) -> str | None:
+        if v:
+            from tierckpt_client.errors import TierCkptError
+            from tierckpt_client.objectstore import open_store
+
+            try:
+                open_store(v).close()  # parses the URL; clients are created on first use
+            except TierCkptError as e:
+                raise ValueError(str(e)) from None
+        return v
+
     @field_validator("upload_max_rate")
     @classmethod
     def _check_rate(cls, v: str | None) -> str | None:

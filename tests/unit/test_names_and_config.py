@@ -87,3 +87,11 @@ def test_client_config_env_and_overrides() -> None:
     assert str(cfg.socket) == "/run/b.sock"
     with pytest.raises(ValueError, match="TIERCKPT_TIMEOUT='soon' is not a number"):
         ClientConfig.from_env({"TIERCKPT_TIMEOUT": "soon"})
+
+
+def test_daemon_rejects_a_bad_persistent_tier_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", "ftp://host/x")
+    with pytest.raises(ValueError, match="unsupported store URL 'ftp://host/x'"):
+        DaemonSettings()
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", "file:///mnt/fsx/ckpt")
+    assert DaemonSettings().persist_url == "file:///mnt/fsx/ckpt"
