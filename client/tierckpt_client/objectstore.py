@@ -28,7 +28,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -86,6 +86,12 @@ class ObjectStore(Protocol):
         return the checksum of the bytes read."""
         ...
 
+    def get_to_file(self, key: str, fd: int, size: int) -> str:
+        """Download a whole object of ``size`` bytes into the open file ``fd`` at offset 0 with
+        ``pwrite``; return the checksum. Into fresh tmpfs pages this runs about twice as fast as
+        :meth:`get_into` through a mapping of the file (no page fault per 4 KiB)."""
+        ...
+
     def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         """All objects whose key starts with ``prefix`` (recursive), sorted by key."""
         ...
@@ -128,6 +134,41 @@ def _validate_prefix(prefix: str) -> str:
     if prefix:
         validate_key(prefix[:-1] if prefix.endswith("/") else prefix)
     return prefix
+
+
+def _drain(
+    chunks: Iterable[Any], size: int, put: Callable[[memoryview, int], None], where: str
+) -> str:
+    """Hand each chunk of a download to ``put(chunk, offset)``, checking that the chunks add up
+    to ``size`` bytes; return their checksum."""
+    h = Hasher()
+    off = 0
+    for chunk in chunks:
+        view = memoryview(chunk)
+        end = off + len(view)
+        if end > size:
+            raise IntegrityError(f"object {where} is larger than the expected {size} bytes")
+        put(view, off)
+        h.update(view)
+        off = end
+    if off != size:
+        raise IntegrityError(f"object {where} has {off} bytes, expected {size}")
+    return h.hexdigest()
+
+
+def _read_chunks(f: Any) -> Iterator[memoryview]:
+    buf = memoryview(bytearray(CHUNK_SIZE))
+    while n := f.readinto(buf):
+        yield buf[:n]
+
+
+def _pwriter(fd: int) -> Callable[[memoryview, int], None]:
+    def put(view: memoryview, off: int) -> None:
+        while view:
+            n = os.pwrite(fd, view, off)
+            view, off = view[n:], off + n
+
+    return put
 
 
 def _as_bytes_view(dst: memoryview) -> memoryview:
@@ -234,6 +275,16 @@ class FileStore:
                     h.update(out[off : off + n])
                     off += n
                 return h.hexdigest()
+        except FileNotFoundError as e:
+            raise NotFoundError(f"object {key!r} not found in {self.url}") from e
+        except OSError as e:
+            raise self._fail("reading", key, e) from e
+
+    def get_to_file(self, key: str, fd: int, size: int) -> str:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                return _drain(_read_chunks(f), size, _pwriter(fd), f"{key!r} in {self.url}")
         except FileNotFoundError as e:
             raise NotFoundError(f"object {key!r} not found in {self.url}") from e
         except OSError as e:
@@ -702,24 +753,21 @@ class S3Store:
 
     def get_into(self, key: str, dst: memoryview) -> str:
         out = _as_bytes_view(dst)
+
+        def put(chunk: memoryview, off: int) -> None:
+            out[off : off + len(chunk)] = chunk
+
+        return self._download(key, len(out), put)
+
+    def get_to_file(self, key: str, fd: int, size: int) -> str:
+        return self._download(key, size, _pwriter(fd))
+
+    def _download(self, key: str, size: int, put: Callable[[memoryview, int], None]) -> str:
         full = self._full(key)
-        size = len(out)
 
         def download() -> str:
-            h = Hasher()
-            off = 0
-            for chunk in self._crt_client().get_object(self.bucket, full):
-                end = off + len(chunk)
-                if end > size:
-                    raise IntegrityError(
-                        f"object {self._where(key)} is larger than the expected {size} bytes"
-                    )
-                out[off:end] = chunk
-                h.update(chunk)
-                off = end
-            if off != size:
-                raise IntegrityError(f"object {self._where(key)} has {off} bytes, expected {size}")
-            return h.hexdigest()
+            chunks = self._crt_client().get_object(self.bucket, full)
+            return _drain(chunks, size, put, self._where(key))
 
         try:
             return self._data_call("downloading", key, download)

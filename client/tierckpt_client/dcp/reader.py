@@ -85,7 +85,7 @@ class TieredStorageReader(StorageReader):
         self.step = validate_step(step) if step is not None else None
         self.config = config or ClientConfig.from_env()
         self.process_group = process_group
-        self._daemon = DaemonClient(self.config)
+        self._daemon = DaemonClient.shared(self.config)
         self._resolved: int | None = None
         self._storage: dict[Any, ShardRef] = {}
         self._direct: DirectTier | None = None
@@ -313,7 +313,7 @@ class TieredStorageReader(StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_daemon"] = DaemonClient(self.config)
+        state["_daemon"] = DaemonClient.shared(self.config)
         state["process_group"] = None
         state["_direct"] = None
         return state

@@ -154,7 +154,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.step = validate_step(step) if step is not None else None
         self.persist = persist
         self.config = config or ClientConfig.from_env()
-        self._daemon = DaemonClient(self.config)
+        self._daemon = DaemonClient.shared(self.config)
         self._staged: _Staged | None = None
         self._plan_data: _PlanData | None = None
         self.rank = 0
@@ -203,7 +203,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_daemon"] = DaemonClient(self.config)  # a fresh connection in the other process
+        state["_daemon"] = DaemonClient.shared(
+            self.config
+        )  # a fresh connection in the other process
         state["_direct"] = None
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
         # helper process: the staged file belongs to that copy from now on, so this one can stage
