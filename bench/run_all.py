@@ -316,6 +316,13 @@ def memory_rows(size: str, r: dict[str, Any]) -> list[Row]:
 
     row("memcpy into pre-touched tensors (faster of 2 runs)", memcpy)
     row("memcpy right before each tierckpt save (paired)", ms["tier_memcpy"])
+    fb, fc = q["floor_blocking_over_memcpy"], q["floor_committed_over_memcpy"]
+    row(
+        "DCP floor (async_save, memcpy stager, no storage): stall",
+        ms["floor_blocking"],
+        f"{fb:.2f}x paired memcpy",
+    )
+    row("DCP floor: time-to-committed", ms["floor_committed"], f"{fc:.2f}x paired memcpy")
     b, c = q["tier_blocking_over_memcpy"], q["tier_committed_over_memcpy"]
     row(
         "tierckpt async_save: stall",
