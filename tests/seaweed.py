@@ -62,8 +62,9 @@ def _free_ports(n: int) -> list[int]:
 class SeaweedS3:
     """``weed mini`` with one bucket; ``start()``, use ``endpoint``/``env()``, ``stop()``."""
 
-    def __init__(self, bucket: str = "tierckpt-test") -> None:
+    def __init__(self, bucket: str = "tierckpt-test", nice: int = 0) -> None:
         self.bucket = bucket
+        self.nice = nice  # > 0: run the server at that niceness (a stand-in for remote S3)
         self.access_key = "tierckpt-" + uuid.uuid4().hex[:12]
         self.secret_key = uuid.uuid4().hex
         self.dir = Path(tempfile.mkdtemp(prefix="tierckpt-seaweed-"))
@@ -131,6 +132,7 @@ class SeaweedS3:
         data = self.dir / "data"
         data.mkdir()
         cmd = [
+            *(["nice", "-n", str(self.nice)] if self.nice else []),
             weed,
             "mini",
             f"-dir={data}",
