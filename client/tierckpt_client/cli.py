@@ -28,6 +28,7 @@ from tierckpt_client.errors import (
 from tierckpt_client.protocol import (
     NamespaceInfo,
     PersistentStatus,
+    ReplicationStatus,
     StepCandidate,
     StepInfo,
     StepState,
@@ -99,6 +100,7 @@ def cmd_status(client: DaemonClient, args: argparse.Namespace) -> None:
         f"pool        {st.pool_files} files, {_size(st.pool_bytes)} (recycled for new leases)",
         f"keep last   {st.keep_last} committed steps per namespace",
         f"persistent  {_persistent_line(st.persistent)}",
+        f"replication {_replication_line(st.replication)}",
     ]
     if st.persistent is not None:
         lines += [
@@ -118,6 +120,18 @@ def _persistent_line(p: PersistentStatus | None) -> str:
         f"{p.url}, {health}, {p.queued_steps} step(s) queued, {p.uploaded_steps} uploaded "
         f"({_size(p.uploaded_bytes)}), {p.failed_uploads} failed upload(s), "
         f"last error: {p.last_error or '-'}"
+    )
+
+
+def _replication_line(r: ReplicationStatus | None) -> str:
+    if r is None:
+        return "off (TIERCKPT_PEERS is not set)"
+    down = f", UNREACHABLE: {', '.join(r.unreachable)}" if r.unreachable else ""
+    return (
+        f"as {r.node} to {r.replicas} of peers {', '.join(p for p in r.peers if p != r.node) or '-'}"
+        f"{down}, {r.queued_steps} step(s) queued, {r.replicated_steps} pushed "
+        f"({_size(r.replicated_bytes)}), {r.received_steps} received, {r.failed_pushes} failed "
+        f"round(s), last error: {r.last_error or '-'}"
     )
 
 
@@ -145,8 +159,8 @@ def cmd_ls(client: DaemonClient, args: argparse.Namespace) -> None:
         rows_by_step.append((s.step, doc))
     in_memory = {s.step for s in steps}
     for c in candidates.values():
-        if c.step not in in_memory and c.durable:
-            rows_by_step.append((c.step, _persistent_only(ns, c.step)))
+        if c.step not in in_memory and (c.durable or c.peers):
+            rows_by_step.append((c.step, _not_in_memory(ns, c)))
     rows_by_step.sort(key=lambda x: x[0])
     now = time.time()
     rows = [
@@ -157,24 +171,36 @@ def cmd_ls(client: DaemonClient, args: argparse.Namespace) -> None:
             len(d["files"]) if d["in_memory"] else "-",
             _age(d["committed_at"] or d["created_at"], now),
             ",".join(d["tiers"]),
+            _replicas_cell(d),
         )
         for _, d in rows_by_step
     ]
-    text = _table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS"), rows)
+    text = _table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"), rows)
     _emit(args, [d for _, d in rows_by_step], text)
 
 
 def _tiers(info: StepInfo, cand: StepCandidate | None) -> list[str]:
     durable = info.state == StepState.DURABLE or (cand is not None and cand.durable)
-    return ["memory", "persistent"] if durable else ["memory"]
+    on_peers = bool(info.replicated_to) or (cand is not None and bool(cand.peers))
+    return ["memory"] + (["peers"] if on_peers else []) + (["persistent"] if durable else [])
 
 
-def _persistent_only(ns: str, step: int) -> dict[str, Any]:
-    """A durable step that is not in memory (``tierckpt prefetch`` brings it back)."""
+def _replicas_cell(doc: dict[str, Any]) -> str:
+    if doc.get("origin"):
+        return f"replica of {doc['origin']}"
+    held = ",".join(doc.get("replicated_to") or [])
+    if doc.get("replication_pending"):
+        return f"{held} (pending)" if held else "pending"
+    return held or "-"
+
+
+def _not_in_memory(ns: str, cand: StepCandidate) -> dict[str, Any]:
+    """A step this node does not hold but a peer or the persistent tier does (``tierckpt
+    prefetch`` brings it back)."""
     return {
         "namespace": ns,
-        "step": step,
-        "state": StepState.DURABLE.value,
+        "step": cand.step,
+        "state": StepState.DURABLE.value if cand.durable else StepState.COMMITTED.value,
         "bytes": None,
         "files": [],
         "created_at": None,
@@ -182,7 +208,10 @@ def _persistent_only(ns: str, step: int) -> dict[str, Any]:
         "world_size": None,
         "persist": None,
         "in_memory": False,
-        "tiers": ["persistent"],
+        "replicated_to": list(cand.peers),
+        "replication_pending": False,
+        "origin": None,
+        "tiers": (["peers"] if cand.peers else []) + (["persistent"] if cand.durable else []),
     }
 
 
@@ -196,6 +225,7 @@ def _step_text(info: StepInfo) -> str:
         f"size        {_size(info.bytes)} in {len(info.files)} file(s)",
         f"created     {_age(info.created_at, now)} ago",
         f"committed   {_age(info.committed_at, now) + ' ago' if info.committed_at else '-'}",
+        f"replicas    {_replicas_cell(info.model_dump())}",
         "",
     ]
     rows = [

@@ -48,6 +48,21 @@ def _close_shared() -> None:
         _SHARED.clear()
 
 
+def decode_response(resp: httpx.Response, what: str, *, prefix: str = "") -> Any:
+    """The JSON body of a daemon's answer, or its ``{"code", "detail"}`` error raised as the
+    matching exception class (``prefix`` goes before the detail). ``what`` names the answer in a
+    ProtocolError, e.g. ``"daemon answered GET /v1/status"``."""
+    try:
+        doc = resp.json()
+    except ValueError:
+        raise ProtocolError(f"{what} with HTTP {resp.status_code} and a non-JSON body") from None
+    if resp.status_code >= 400:
+        if isinstance(doc, dict) and "code" in doc and "detail" in doc:
+            raise error_from_code(str(doc["code"]), f"{prefix}{doc['detail']}")
+        raise ProtocolError(f"{what} with HTTP {resp.status_code}: {doc}")
+    return doc
+
+
 class DaemonClient:
     def __init__(self, config: ClientConfig | None = None, *, shared: bool = False) -> None:
         self.config = config or ClientConfig.from_env()
@@ -154,19 +169,7 @@ class DaemonClient:
             ) from e
         if resp.status_code == 204:
             return None
-        try:
-            doc = resp.json()
-        except ValueError:
-            raise ProtocolError(
-                f"daemon answered {method} {path} with HTTP {resp.status_code} and a non-JSON body"
-            ) from None
-        if resp.status_code >= 400:
-            if isinstance(doc, dict) and "code" in doc and "detail" in doc:
-                raise error_from_code(str(doc["code"]), str(doc["detail"]))
-            raise ProtocolError(
-                f"daemon answered {method} {path} with HTTP {resp.status_code}: {doc}"
-            )
-        return doc
+        return decode_response(resp, f"daemon answered {method} {path}")
 
     # -- API --------------------------------------------------------------------------------
     def status(self) -> StatusResponse:

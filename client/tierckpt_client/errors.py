@@ -15,7 +15,10 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     │   └── IntegrityError          stored bytes do not match their recorded checksum
     ├── PersistentTierError         the persistent tier (S3, file system) failed or is misconfigured
     ├── ProtocolError               a request or answer that does not follow the wire protocol
-    └── ForbiddenError              a local-only route was called over the TCP port
+    ├── ForbiddenError              a local-only route was called over the TCP port (or a peer
+    │                               route on the Unix socket)
+    ├── UnauthorizedError           a peer route was called without the right peer token
+    └── PeerUnavailableError        a peer daemon cannot be reached or did not answer in time
 
 The daemon reports errors as JSON ``{"code": "...", "detail": "..."}``; :data:`ERROR_CODES` maps the
 stable ``code`` strings back to these classes, so clients never match on message text. Every class
@@ -101,6 +104,16 @@ class ForbiddenError(TierCkptError):
     http_status = 403
 
 
+class UnauthorizedError(TierCkptError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class PeerUnavailableError(TierCkptError):
+    code = "peer_unavailable"
+    http_status = 502
+
+
 ERROR_CODES: dict[str, type[TierCkptError]] = {
     cls.code: cls
     for cls in (
@@ -116,6 +129,8 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         CheckpointFormatError,
         ProtocolError,
         ForbiddenError,
+        UnauthorizedError,
+        PeerUnavailableError,
         IntegrityError,
         PersistentTierError,
     )

@@ -1,7 +1,7 @@
 """Wire models shared by the daemon and its clients (torch-free).
 
 The daemon serves ``/v1/...`` over a Unix domain socket for the node's trainers and a TCP port for
-probes (and, later, peers). Every request and response body is one of the pydantic models below;
+probes and peers (``/v1/peer/...``, with a shared token). Every request and response body is one of the pydantic models below;
 errors are :class:`ErrorBody` with a stable ``code`` (see :mod:`tierckpt_client.errors`).
 
 Names that end up in paths are validated on both sides by :func:`validate_namespace`,
@@ -67,7 +67,11 @@ def validate_rank(rank: object) -> int:
 
 
 class StepState(str, enum.Enum):
-    """Life cycle of a step in one daemon: WRITING -> COMMITTED (-> REPLICATED -> DURABLE)."""
+    """Life cycle of a step in one daemon: WRITING -> COMMITTED -> DURABLE.
+
+    Replication to peers runs beside the upload, in either order, so it is not a state: a step's
+    ``replicated_to`` lists the peers that hold a verified copy (see :class:`StepInfo`).
+    """
 
     WRITING = "writing"
     COMMITTED = "committed"
@@ -128,6 +132,9 @@ class StepInfo(BaseModel):
     world_size: int | None = None
     persist: bool | None = None
     in_memory: bool = True
+    replicated_to: list[str] = []  # peers (host:port) that hold a verified copy of this step
+    replication_pending: bool = False  # fewer than the configured replicas exist yet
+    origin: str | None = None  # set on a replica: the peer that committed the step
 
 
 class StepCandidate(BaseModel):
@@ -136,6 +143,7 @@ class StepCandidate(BaseModel):
     step: int
     in_memory: bool
     durable: bool
+    peers: list[str] = []  # peer daemons that hold a replica
 
 
 class HydrationProgress(BaseModel):
@@ -154,6 +162,19 @@ class PersistentStatus(BaseModel):
     uploaded_steps: int
     failed_uploads: int
     hydrations: list[HydrationProgress] = []
+
+
+class ReplicationStatus(BaseModel):
+    node: str  # this daemon's entry on the ring (TIERCKPT_NODE_NAME)
+    peers: list[str]  # the ring as last resolved, this node included
+    replicas: int  # k: copies pushed to the next k peers on the ring
+    queued_steps: int
+    replicated_steps: int
+    replicated_bytes: int
+    received_steps: int
+    failed_pushes: int
+    unreachable: list[str]  # peers whose last call failed
+    last_error: str | None
 
 
 class NamespaceInfo(BaseModel):
@@ -183,3 +204,54 @@ class StatusResponse(BaseModel):
     keep_last: int
     namespaces: list[NamespaceInfo]
     persistent: PersistentStatus | None = None
+    replication: ReplicationStatus | None = None
+
+
+# -- daemon-to-daemon (peer) routes, /v1/peer/..., TCP only, Authorization: Bearer <token> -------
+
+PEER_CHECKSUM_HEADER = "X-Tierckpt-Checksum"
+
+
+class PeerFile(BaseModel):
+    name: str
+    rank: int = Field(ge=0, lt=MAX_RANK)
+    length: int = Field(ge=0, le=MAX_FILE_BYTES)
+    checksum: str
+
+
+class PeerStep(BaseModel):
+    """One committed step a peer holds (the listing ``latest`` consults)."""
+
+    step: int
+    attempt: str
+    bytes: int
+    origin: str | None
+    committed_at: float | None
+
+
+class PeerManifest(BaseModel):
+    """Everything needed to rebuild a step elsewhere: files with checksums and the DCP metadata."""
+
+    namespace: str
+    step: int
+    attempt: str
+    world_size: int | None
+    committed_at: float | None
+    origin: str | None
+    files: list[PeerFile]
+    metadata: dict[str, Any]
+
+
+class PeerFileReceipt(BaseModel):
+    """What the receiving daemon computed over the bytes it stored."""
+
+    name: str
+    length: int
+    checksum: str
+
+
+class PeerCommitRequest(BaseModel):
+    files: list[PeerFile]
+    metadata: dict[str, Any]
+    world_size: int = Field(ge=1, le=MAX_RANK)
+    origin: str

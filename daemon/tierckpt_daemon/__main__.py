@@ -39,6 +39,8 @@ def _configure_logging(level: str, as_json: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # httpx logs every request at INFO: one line per file pushed to or fetched from a peer.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
 
 
 def _parser() -> argparse.ArgumentParser:

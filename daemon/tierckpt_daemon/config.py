@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
@@ -98,10 +98,38 @@ class DaemonSettings(BaseSettings):
     drain_timeout_s: float = Field(
         default=90.0, ge=0, description="on SIGTERM, wait this long for queued uploads"
     )
+    peers: str | None = Field(
+        default=None,
+        description="every daemon's TCP endpoint, 'host:port,host:port,...' (the same list on "
+        "every node), or 'dns:<name>:<port>' of a headless Service (unset: no replication)",
+    )
+    node_name: str | None = Field(
+        default=None,
+        description="this daemon's own entry among the peers (default <host>:<port>)",
+    )
+    replicas: int = Field(
+        default=1, ge=0, le=16, description="push each committed step to the next k peers (0: off)"
+    )
+    peer_token: SecretStr | None = Field(
+        default=None, description="shared secret of the daemon-to-daemon routes"
+    )
+    peer_token_file: Path | None = Field(
+        default=None, description="file holding the peer token (a mounted Secret)"
+    )
+    peer_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="connect timeout, and longest wait for the next bytes, of every peer call",
+    )
+    replication_concurrency: int = Field(
+        default=4, ge=1, le=64, description="files pushed to peers at once"
+    )
     log_level: str = Field(default="INFO")
     log_json: bool = Field(default=False)
 
     capacity_bytes: int = Field(default=0, exclude=True)
+    peer_secret: SecretStr | None = Field(default=None, exclude=True)  # from token or file
 
     @field_validator("capacity")
     @classmethod
@@ -136,9 +164,79 @@ class DaemonSettings(BaseSettings):
         self.capacity_bytes = parse_capacity(self.capacity)
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity {self.capacity!r} resolves to {self.capacity_bytes} bytes")
+        self._derive_peers()
         return self
+
+    def _derive_peers(self) -> None:
+        from tierckpt_daemon.membership import Membership, format_member, normalize_member
+
+        self.peer_secret = _read_token(self.peer_token, self.peer_token_file)
+        if not self.peers:
+            return
+        membership = Membership.parse(self.peers)
+        if self.peer_secret is None:
+            raise ValueError(
+                "TIERCKPT_PEERS is set, so TIERCKPT_PEER_TOKEN (or TIERCKPT_PEER_TOKEN_FILE) is "
+                "required: the same secret on every daemon guards the peer routes"
+            )
+        if not self.port:
+            raise ValueError("TIERCKPT_PEERS needs the TCP port (TIERCKPT_PORT is 0)")
+        if self.node_name is None:
+            if self.host in ("0.0.0.0", "::", ""):
+                raise ValueError(
+                    f"TIERCKPT_HOST is {self.host!r}, which peers cannot dial: set "
+                    "TIERCKPT_NODE_NAME to this daemon's host:port as the peers reach it"
+                )
+            self.node_name = format_member(self.host, self.port)
+        try:
+            self.node_name = normalize_member(self.node_name)
+        except ValueError as e:
+            raise ValueError(f"TIERCKPT_NODE_NAME: {e}") from None
+        if membership.static and self.node_name not in membership.static:
+            raise ValueError(
+                f"TIERCKPT_NODE_NAME {self.node_name} is not one of TIERCKPT_PEERS "
+                f"({membership.describe()}): every daemon must find itself on the ring"
+            )
+
+    @field_validator("peers")
+    @classmethod
+    def _check_peers(cls, v: str | None) -> str | None:
+        if v and v.strip():
+            from tierckpt_daemon.membership import Membership
+
+            Membership.parse(v)
+            return v.strip()
+        return None
 
     @property
     def socket_path(self) -> Path:
         assert self.socket is not None
         return self.socket
+
+
+MIN_TOKEN_CHARS = 16
+
+
+def _read_token(token: SecretStr | None, path: Path | None) -> SecretStr | None:
+    if token is not None and path is not None:
+        raise ValueError("set TIERCKPT_PEER_TOKEN or TIERCKPT_PEER_TOKEN_FILE, not both")
+    if path is not None:
+        try:
+            token = SecretStr(path.read_text().strip())
+        except OSError as e:
+            raise ValueError(f"TIERCKPT_PEER_TOKEN_FILE {path}: {e.strerror}") from None
+    if token is None:
+        return None
+    value = token.get_secret_value()
+    if value.startswith("REPLACE-ME"):
+        raise ValueError(
+            "the peer token is still the placeholder of deploy/kubernetes/secret.yaml: set a "
+            "random one, e.g. `openssl rand -hex 24`"
+        )
+    if len(value) < MIN_TOKEN_CHARS or any(c.isspace() for c in value):
+        # Never echo the token itself.
+        raise ValueError(
+            f"TIERCKPT_PEER_TOKEN must be at least {MIN_TOKEN_CHARS} characters without "
+            f"whitespace (got {len(value)} characters); e.g. `openssl rand -hex 24`"
+        )
+    return token

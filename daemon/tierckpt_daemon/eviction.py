@@ -3,7 +3,8 @@
 A policy answers two questions about one namespace's committed steps: which to drop right after a
 commit (retention), and in which order steps may be dropped when a lease does not fit (pressure).
 The service never evicts a pinned step (a reader is copying out of it) and never the newest committed
-step of a namespace, and never a step that is waiting to be persisted (:func:`safe_to_evict`).
+step of a namespace, and never a step that is waiting to be persisted or replicated
+(:func:`safe_to_evict`).
 """
 
 from __future__ import annotations
@@ -43,5 +44,5 @@ class KeepLatestN:
 
 
 def safe_to_evict(record: StepRecord) -> bool:
-    """A step may leave memory only if no reader holds it and no upload still needs it."""
-    return not record.pins and not record.persist_pending
+    """A step may leave memory only if no reader holds it and no upload or push still needs it."""
+    return not record.pins and not record.persist_pending and not record.replication_pending

@@ -1,7 +1,10 @@
 """Step records, their state machine, and the commit record (manifest) that makes a step durable in memory.
 
 State per save attempt of a step: WRITING (ranks seal their files) -> COMMITTED (the coordinator
-wrote the manifest) -> DURABLE (the uploader finished it in the persistent tier). The tier directory is the journal: a step directory with a ``MANIFEST.json``
+wrote the manifest) -> DURABLE (the uploader finished it in the persistent tier). Beside the state, a
+record lists the peers that hold a verified replica (``replicated_to``), whether more replicas are
+still to be pushed (``replication_pending``), and, for a replica received from a peer, its
+``origin``. The tier directory is the journal: a step directory with a ``MANIFEST.json``
 (written to a temporary name and renamed, so it is all or nothing) is committed, anything else found
 after a daemon restart is a save that never finished and its files are reclaimed.
 """
@@ -50,7 +53,10 @@ class StepRecord:
     world_size: int | None = None
     persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
-    checksums: dict[str, str] = field(default_factory=dict)  # file name -> checksum, once durable
+    checksums: dict[str, str] = field(default_factory=dict)  # file name -> checksum, once known
+    origin: str | None = None  # a replica: the peer (host:port) that committed it
+    replicated_to: list[str] = field(default_factory=list)  # peers holding a verified copy
+    replication_pending: bool = False  # must not leave memory before it is replicated
     pins: dict[str, float] = field(default_factory=dict)  # pin id -> monotonic expiry
     evict_pending: bool = False
 
@@ -69,6 +75,9 @@ class StepRecord:
             committed_at=self.committed_at,
             world_size=self.world_size,
             persist=self.persist,
+            replicated_to=list(self.replicated_to),
+            replication_pending=self.replication_pending,
+            origin=self.origin,
         )
 
     def manifest_path(self) -> Path:
@@ -109,6 +118,9 @@ def _record_fields(record: StepRecord) -> dict[str, Any]:
         "committed_at": record.committed_at,
         "persist_pending": record.persist_pending,
         "durable": record.state == StepState.DURABLE,
+        "origin": record.origin,
+        "replicated_to": list(record.replicated_to),
+        "replication_pending": record.replication_pending,
         "files": [
             {
                 "name": f.name,
@@ -156,7 +168,13 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: dict[str, Any]) ->
         world_size=doc.get("world_size"),
         persist=doc.get("persist"),
         persist_pending=bool(doc.get("persist_pending")),
+        replication_pending=bool(doc.get("replication_pending")),
     )
+    origin = doc.get("origin")
+    rec.origin = origin if isinstance(origin, str) else None
+    replicated_to = doc.get("replicated_to")
+    if isinstance(replicated_to, list):
+        rec.replicated_to = [p for p in replicated_to if isinstance(p, str)]
     if doc.get("durable"):
         rec.state = StepState.DURABLE
     for f in doc.get("files", []):

@@ -61,6 +61,24 @@ class Metrics:
             registry=r,
         )
 
+        self.replicated_bytes = Counter(
+            "tierckpt_replicated_bytes", "Bytes pushed to peers as replicas", registry=r
+        )
+        self.replicated_steps = Counter(
+            "tierckpt_replicated_steps", "Step replicas pushed to peers", registry=r
+        )
+        self.replication_failures = Counter(
+            "tierckpt_replication_failures",
+            "Replication rounds that left a step short of replicas (retried)",
+            registry=r,
+        )
+        self.replica_received_bytes = Counter(
+            "tierckpt_replica_received_bytes", "Bytes of replicas received from peers", registry=r
+        )
+        self.peer_hydrated_bytes = Counter(
+            "tierckpt_peer_hydrated_bytes", "Bytes brought back from peers' replicas", registry=r
+        )
+
     def attach(self, service: TierService) -> None:
         self.registry.register(_StateCollector(service))
 
@@ -96,3 +114,8 @@ class _StateCollector(Collector):
         if snap.persistent_healthy is not None:
             healthy.add_metric([], 1.0 if snap.persistent_healthy else 0.0)
         yield healthy
+        replication = GaugeMetricFamily(
+            "tierckpt_replication_queue_steps", "Committed steps waiting for replicas on peers"
+        )
+        replication.add_metric([], snap.replication_queue)
+        yield replication

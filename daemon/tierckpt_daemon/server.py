@@ -85,6 +85,20 @@ def build_service(settings: DaemonSettings) -> TierService:
             keep_last=settings.persist_keep_last,
         )
         service.persist_every = settings.persist_every
+    if settings.peers:
+        from tierckpt_daemon.membership import Membership
+        from tierckpt_daemon.peer_client import PeerClient
+        from tierckpt_daemon.replication import Replicator
+
+        assert settings.peer_secret is not None and settings.node_name is not None  # validated
+        service.replicator = Replicator(
+            service,
+            Membership.parse(settings.peers),
+            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
+            node=settings.node_name,
+            replicas=settings.replicas,
+            concurrency=settings.replication_concurrency,
+        )
     return service
 
 
@@ -107,13 +121,16 @@ def serve(settings: DaemonSettings) -> None:
         server = uvicorn.Server(config)
         logger.info(
             "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d, persistent "
-            "tier %s)",
+            "tier %s, replication %s)",
             settings.shm_dir,
             settings.socket_path,
             f" and {settings.host}:{settings.port}" if settings.port else "",
             settings.capacity_bytes,
             settings.keep_last,
             settings.persist_url or "none",
+            f"to {settings.replicas} of peers {settings.peers} as {settings.node_name}"
+            if settings.peers
+            else "off",
         )
         asyncio.run(server.serve(sockets=sockets))
     finally:

@@ -30,6 +30,7 @@ from tierckpt_client.errors import (
     CheckpointFormatError,
     LeaseNotFoundError,
     NamespaceNotFoundError,
+    NotFoundError,
     PersistentTierError,
     StepNotFoundError,
     StepStateError,
@@ -66,6 +67,7 @@ from tierckpt_daemon.store import Arena, round_up
 
 if TYPE_CHECKING:
     from tierckpt_daemon.persist import Persister
+    from tierckpt_daemon.replication import Replicator
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class Snapshot:
     steps_by_state: dict[str, int]
     upload_queue: int
     persistent_healthy: bool | None
+    replication_queue: int = 0
 
 
 class _Lease:
@@ -116,6 +119,8 @@ class TierService:
         self._writing: dict[tuple[str, int, str], StepRecord] = {}
         self._evicting: list[StepRecord] = []  # superseded or retired, waiting for readers to unpin
         self.persister: Persister | None = None  # set when a persistent tier is configured
+        self.replicator: Replicator | None = None  # set when peers are configured
+        self._hydrate_locks: dict[tuple[str, int], threading.Lock] = {}
         self.persist_every = 1
         self._commits_since_persist: dict[str, int] = {}
         self._spares_in_flight: set[int] = set()
@@ -379,13 +384,35 @@ class TierService:
             )
             self._reclaim_dir(old.dir)
 
-    def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
+    def commit(
+        self,
+        namespace: str,
+        step: int,
+        attempt: str,
+        req: CommitRequest,
+        *,
+        replicate: bool = True,
+        origin: str | None = None,
+        checksums: dict[str, str] | None = None,
+    ) -> StepInfo:
+        """Commit a save attempt. ``replicate=False`` (a step hydrated from the persistent tier)
+        and ``origin`` (a replica received from that peer) keep it from being pushed to peers;
+        ``checksums`` are the files' checksums when already known."""
         with self.metrics.commit_seconds.time():
-            info = self._commit(namespace, step, attempt, req)
+            info = self._commit(namespace, step, attempt, req, replicate, origin, checksums)
         self.metrics.commits.inc()
         return info
 
-    def _commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
+    def _commit(
+        self,
+        namespace: str,
+        step: int,
+        attempt: str,
+        req: CommitRequest,
+        replicate: bool,
+        origin: str | None,
+        checksums: dict[str, str] | None,
+    ) -> StepInfo:
         validate_namespace(namespace)
         validate_step(step)
         with self._lock:
@@ -407,6 +434,14 @@ class TierService:
             rec.world_size = req.world_size
             rec.persist = req.persist
             rec.persist_pending = self._wants_persist(namespace, step, req.persist)
+            rec.origin = origin
+            rec.checksums = dict(checksums or {})
+            rec.replication_pending = (
+                replicate
+                and origin is None
+                and self.replicator is not None
+                and self.replicator.replicas > 0
+            )
             rec.committed_at = time.time()
             write_manifest(rec, req.metadata)
             rec.state = StepState.COMMITTED
@@ -424,16 +459,20 @@ class TierService:
                 self._retire(victim)
                 self.metrics.evictions.labels(reason="retention").inc()
             logger.info(
-                "%s/step %d committed: %d files, %d bytes%s",
+                "%s/step %d committed: %d files, %d bytes%s%s%s",
                 namespace,
                 step,
                 len(rec.files),
                 rec.bytes,
+                f", a replica from {origin}" if origin else "",
                 ", queued for the persistent tier" if rec.persist_pending else "",
+                ", queued for replication" if rec.replication_pending else "",
             )
             info = rec.info()
         if rec.persist_pending and self.persister is not None:
             self.persister.enqueue(rec)
+        if rec.replication_pending and self.replicator is not None:
+            self.replicator.enqueue(rec)
         return info
 
     def _wants_persist(self, namespace: str, step: int, asked: bool | None) -> bool:
@@ -461,9 +500,19 @@ class TierService:
         with self._lock:
             return self._get_committed(namespace, step)
 
-    def candidates(self, namespace: str) -> list[StepCandidate]:
-        """Steps ``latest`` may pick, newest first: committed in memory or durable."""
+    def records(self, namespace: str) -> list[StepRecord]:
+        """The committed steps of ``namespace`` in memory, oldest first."""
         validate_namespace(namespace)
+        with self._lock:
+            return [r for _, r in sorted(self._committed.get(namespace, {}).items())]
+
+    def candidates(self, namespace: str) -> list[StepCandidate]:
+        """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
+        durable. Unreachable peers are skipped (with a warning), never waited for long."""
+        validate_namespace(namespace)
+        on_peers: dict[int, list[str]] = {}
+        if self.replicator is not None:
+            on_peers = self.replicator.peer_steps(namespace)
         with self._lock:
             in_memory = {s: r for s, r in self._committed.get(namespace, {}).items()}
         durable: set[int] = set()
@@ -476,16 +525,20 @@ class TierService:
                 logger.warning("%s: listing the persistent tier failed: %s", namespace, e)
                 tier_error = e
         durable |= {s for s, r in in_memory.items() if r.state == StepState.DURABLE}
-        steps = sorted(set(in_memory) | durable, reverse=True)
+        steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
         if not steps:
             if tier_error is not None:
                 raise tier_error
             where = " or the persistent tier" if self.persister else ""
+            where += ", nor do its peers hold one" if self.replicator else ""
             raise NamespaceNotFoundError(
                 f"namespace {namespace} has no committed step in memory{where}"
             )
         return [
-            StepCandidate(step=s, in_memory=s in in_memory, durable=s in durable) for s in steps
+            StepCandidate(
+                step=s, in_memory=s in in_memory, durable=s in durable, peers=on_peers.get(s, [])
+            )
+            for s in steps
         ]
 
     def persist_now(self, namespace: str, step: int) -> StepInfo:
@@ -506,9 +559,35 @@ class TierService:
         return info
 
     def hydrate(self, namespace: str, step: int) -> StepInfo:
-        if self.persister is None:
-            return self.get_step(namespace, step)
-        return self.persister.hydrate(namespace, step)
+        """Make a step available in memory: already here, else a verified copy from a peer that
+        holds a replica, else from the persistent tier. Concurrent calls for one step (every rank
+        of the node asks) wait for the first."""
+        validate_namespace(namespace)
+        validate_step(step)
+        with self._lock:
+            lock = self._hydrate_locks.setdefault((namespace, step), threading.Lock())
+        with lock:
+            try:
+                return self.get_step(namespace, step)
+            except NotFoundError as e:
+                missing: NotFoundError = e
+            if self.replicator is not None:
+                try:
+                    return self.replicator.hydrate(namespace, step)
+                except NotFoundError as e:
+                    missing = e
+                except CheckpointFormatError as e:  # every replica failed verification
+                    if self.persister is None:
+                        raise
+                    logger.warning(
+                        "%s/step %d: no good replica on the peers (%s); trying the persistent tier",
+                        namespace,
+                        step,
+                        e,
+                    )
+            if self.persister is None:
+                raise missing
+            return self.persister.hydrate(namespace, step)
 
     # -- persistence hooks (called by the Persister) ---------------------------------------
     def is_current(self, rec: StepRecord) -> bool:
@@ -523,6 +602,40 @@ class TierService:
             if rec.manifest_path().exists():
                 update_manifest(rec)
             self._drop_if_retired(rec)
+
+    # -- replication hooks (called by the Replicator) --------------------------------------
+    def mark_replicated(self, rec: StepRecord, peer: str, checksums: dict[str, str]) -> None:
+        """``peer`` now holds a verified copy of ``rec`` (whose files have ``checksums``)."""
+        with self._lock:
+            for name, digest in checksums.items():
+                rec.checksums.setdefault(name, digest)
+            if peer not in rec.replicated_to:
+                rec.replicated_to.append(peer)
+            if rec.manifest_path().exists():
+                update_manifest(rec)
+
+    def set_checksums(self, rec: StepRecord, checksums: dict[str, str]) -> None:
+        with self._lock:
+            for name, digest in checksums.items():
+                rec.checksums.setdefault(name, digest)
+            if rec.manifest_path().exists():
+                update_manifest(rec)
+
+    def end_replication(self, rec: StepRecord) -> None:
+        """Replication of ``rec`` is done, or moot (superseded, deleted, retired): stop holding
+        it in memory for it."""
+        with self._lock:
+            rec.replication_pending = False
+            if rec.manifest_path().exists():
+                update_manifest(rec)
+            self._drop_if_retired(rec)
+
+    def pending_replications(self) -> list[StepRecord]:
+        with self._lock:
+            recs = [r for steps in self._committed.values() for r in steps.values()]
+            return sorted(
+                (r for r in recs if r.replication_pending), key=lambda r: r.committed_at or 0
+            )
 
     def cancel_persist(self, rec: StepRecord) -> None:
         """The step was superseded or deleted before its upload: stop holding it for one."""
@@ -643,9 +756,13 @@ class TierService:
             raise CheckpointFormatError(f"{namespace}/step {step}: commit record has no metadata")
         return md
 
-    def pin(self, namespace: str, step: int) -> PinResponse:
+    def pin(self, namespace: str, step: int, attempt: str | None = None) -> PinResponse:
         with self._lock:
             rec = self._get_committed(namespace, step)
+            if attempt is not None and rec.attempt != attempt:
+                raise StepStateError(
+                    f"{namespace}/step {step}: attempt {attempt} was superseded by {rec.attempt}"
+                )
             pin_id = uuid.uuid4().hex
             rec.pins[pin_id] = time.monotonic() + PIN_TTL_S
             return PinResponse(
@@ -715,12 +832,14 @@ class TierService:
             by_state["pool"] = self.arena.pool_bytes
             by_state["leased"] = sum(le.size for le in self._leases.values())
             persistent = self.persister.status() if self.persister is not None else None
+            replication = self.replicator.status() if self.replicator is not None else None
             return Snapshot(
                 capacity_bytes=self.arena.capacity_bytes,
                 bytes_by_state=by_state,
                 steps_by_state=steps,
                 upload_queue=persistent.queued_steps if persistent else 0,
                 persistent_healthy=persistent.healthy if persistent else None,
+                replication_queue=replication.queued_steps if replication else 0,
             )
 
     def status(self, shm_dir: str) -> StatusResponse:
@@ -740,4 +859,5 @@ class TierService:
                     for ns in sorted(set(self._committed) | {k[0] for k in self._writing})
                 ],
                 persistent=self.persister.status() if self.persister is not None else None,
+                replication=self.replicator.status() if self.replicator is not None else None,
             )

@@ -62,7 +62,15 @@ def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
     steps = _json("ls", "job-a")
     assert [(s["step"], s["state"]) for s in steps] == [(10, "committed"), (20, "committed")]
     table = _cli("ls", "job-a").stdout
-    assert table.splitlines()[0].split() == ["STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS"]
+    assert table.splitlines()[0].split() == [
+        "STEP",
+        "STATE",
+        "SIZE",
+        "FILES",
+        "AGE",
+        "TIERS",
+        "REPLICAS",
+    ]
     assert any(line.split()[:2] == ["20", "committed"] for line in table.splitlines()[1:])
     assert all(s["tiers"] == ["memory"] for s in steps)  # no persistent tier on this daemon
 

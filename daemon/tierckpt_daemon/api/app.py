@@ -15,24 +15,27 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tierckpt_client.errors import ForbiddenError, ProtocolError, TierCkptError
 from tierckpt_client.protocol import API_VERSION
 from tierckpt_daemon import __version__
-from tierckpt_daemon.api import health, namespaces, writes
+from tierckpt_daemon.api import health, namespaces, peers, writes
 from tierckpt_daemon.config import DaemonSettings
+from tierckpt_daemon.peer_store import PeerStore
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S = 10.0
 
-# Routes that the TCP port serves to anyone (probes, docs). Everything else is for local clients on
-# the Unix socket; peers get their own token-guarded routes when replication lands.
+# Routes that the TCP port serves to anyone (probes, docs). The peer routes are served on the TCP
+# port only, behind the peer token (api/peers.py). Everything else is for local clients on the Unix
+# socket.
 PUBLIC_PATHS = frozenset(
     {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 )
+PEER_PREFIX = "/v1/peer/"
 
 
 class LocalOnlyGuard:
-    """Reject non-public routes that arrive over TCP: on the Unix socket uvicorn's ``server`` is
-    ``(path, None)``, on TCP ``(host, port)``."""
+    """Reject local routes that arrive over TCP, and peer routes that arrive on the Unix socket:
+    on the Unix socket uvicorn's ``server`` is ``(path, None)``, on TCP ``(host, port)``."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -40,13 +43,22 @@ class LocalOnlyGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = scope.get("server")
         over_tcp = server is not None and server[1] is not None
-        if scope["type"] == "http" and over_tcp and scope["path"] not in PUBLIC_PATHS:
-            err = ForbiddenError(
-                f"{scope['path']} is only served on the daemon's Unix socket, not over TCP"
-            )
-            response = JSONResponse({"code": err.code, "detail": str(err)}, status_code=403)
-            await response(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            peer_route = path.startswith(PEER_PREFIX)
+            err: ForbiddenError | None = None
+            if over_tcp and not peer_route and path not in PUBLIC_PATHS:
+                err = ForbiddenError(
+                    f"{path} is only served on the daemon's Unix socket, not over TCP"
+                )
+            elif peer_route and not over_tcp:
+                err = ForbiddenError(
+                    f"{path} is a peer route, served on the daemon's TCP port only"
+                )
+            if err is not None:
+                response = JSONResponse({"code": err.code, "detail": str(err)}, status_code=403)
+                await response(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -55,14 +67,20 @@ def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(_sweeper(service))
         persister = service.persister
+        replicator = service.replicator
         if persister is not None:
             persister.start()
+        if replicator is not None:
+            replicator.start()
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if replicator is not None:
+                # Pending pushes resume after the next start (replication_pending in the manifest).
+                await asyncio.to_thread(replicator.stop)
             if persister is not None:
                 # SIGTERM: give queued uploads the grace period, then stop; what is left resumes
                 # after the next start (the steps are still committed in the tier directory).
@@ -82,12 +100,16 @@ def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
     )
     app.state.service = service
     app.state.settings = settings
+    app.state.peer_store = PeerStore(service)
 
     @app.exception_handler(TierCkptError)
     async def _tierckpt_error(request: Request, exc: TierCkptError) -> JSONResponse:
         if exc.http_status >= 500:
             logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
-        return JSONResponse({"code": exc.code, "detail": str(exc)}, status_code=exc.http_status)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+        return JSONResponse(
+            {"code": exc.code, "detail": str(exc)}, status_code=exc.http_status, headers=headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -101,6 +123,7 @@ def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
     app.include_router(health.router)
     app.include_router(namespaces.router)
     app.include_router(writes.router)
+    app.include_router(peers.router)
     app.add_middleware(LocalOnlyGuard)
     return app
 

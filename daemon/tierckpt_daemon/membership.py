@@ -1,0 +1,101 @@
+"""Who the peers are, and where this node sits on the replication ring.
+
+``TIERCKPT_PEERS`` is either a static list of every daemon's TCP endpoint (``host:port,...``, the
+same list on every node) or ``dns:<name>:<port>``: the addresses of a Kubernetes headless Service,
+resolved with ``getaddrinfo`` each time membership is needed, so pods that come and go are seen
+without a restart.
+
+The ring is the sorted set of members (this node included, even when DNS does not list it yet): every
+node computes the same order from the same list, so node *i*'s replicas go to the *k* members after
+it, and a replacement node with the same name finds its replicas on the same successors.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tierckpt_client.errors import PeerUnavailableError
+
+DNS_PREFIX = "dns:"
+
+
+def format_member(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def split_member(entry: str) -> tuple[str, int]:
+    """Parse ``host:port`` or ``[v6]:port``; ValueError saying what is wrong otherwise."""
+    text = entry.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"peer {entry!r}: use [ipv6]:port")
+        port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"peer {entry!r}: {host!r} is not an IPv6 address") from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host or ":" in host:
+            raise ValueError(f"peer {entry!r}: use host:port (e.g. 10.0.0.7:8474)")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"peer {entry!r}: port {port_text!r} is not a number in 1..65535")
+    if any(c.isspace() or c in "/?#@" for c in host):
+        raise ValueError(f"peer {entry!r}: {host!r} is not a host name or address")
+    return host, int(port_text)
+
+
+def normalize_member(entry: str) -> str:
+    host, port = split_member(entry)
+    return format_member(host, port)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The configured peers: a static list or a DNS name to resolve on every use."""
+
+    static: tuple[str, ...] = ()
+    dns: tuple[str, int] | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Membership:
+        """Parse ``TIERCKPT_PEERS``; ValueError naming the bad entry."""
+        text = text.strip()
+        if text.startswith(DNS_PREFIX):
+            host, port = split_member(text[len(DNS_PREFIX) :])
+            return cls(dns=(host, port))
+        entries = [e for e in (x.strip() for x in text.split(",")) if e]
+        if not entries:
+            raise ValueError("TIERCKPT_PEERS is empty: list host:port entries or dns:<name>:<port>")
+        members = tuple(dict.fromkeys(normalize_member(e) for e in entries))
+        return cls(static=members)
+
+    def describe(self) -> str:
+        if self.dns is not None:
+            return f"dns:{format_member(*self.dns)}"
+        return ",".join(self.static)
+
+    def members(self) -> list[str]:
+        """Every daemon's endpoint, sorted; resolves DNS now (blocking: call from a thread)."""
+        if self.dns is None:
+            return sorted(self.static)
+        host, port = self.dns
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise PeerUnavailableError(
+                f"cannot resolve the peers' DNS name {host} (TIERCKPT_PEERS): {e}"
+            ) from e
+        return sorted({format_member(str(info[4][0]), port) for info in infos})
+
+
+def successors(members: Sequence[str], node: str) -> list[str]:
+    """Every other member in ring order, starting after ``node`` (which need not be listed)."""
+    ring = sorted(set(members) | {node})
+    i = ring.index(node)
+    return ring[i + 1 :] + ring[:i]

@@ -1,0 +1,192 @@
+"""HTTP client of the daemon-to-daemon routes (``/v1/peer/...`` on a peer's TCP port).
+
+Thread-safe (one pooled ``httpx.Client``). Every call carries the shared token and has a timeout:
+``timeout_s`` to connect and for each read or write (a transfer that keeps moving may take longer in
+total; one that stalls fails). Transport failures become :class:`PeerUnavailableError` naming the
+peer; a peer's JSON errors map back to their classes by ``code``. Idempotent calls are retried a
+few times with tenacity; pushes are retried by the replicator, with a fresh attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, TypeVar
+
+import httpx
+from tenacity import (
+    Retrying,
+    before_sleep_log,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from tierckpt_client.daemon_client import decode_response
+from tierckpt_client.errors import PeerUnavailableError, ProtocolError, TierCkptError
+from tierckpt_client.integrity import Hasher, hashed_chunks
+from tierckpt_client.protocol import (
+    PEER_CHECKSUM_HEADER,
+    PeerCommitRequest,
+    PeerFileReceipt,
+    PeerManifest,
+    PeerStep,
+    StepInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+RETRIES = 3
+
+
+class PeerClient:
+    def __init__(self, token: str, *, timeout_s: float = 10.0) -> None:
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s),
+            headers={"Authorization": f"Bearer {token}"},
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _retrying(self, attempts: int) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception_type(PeerUnavailableError),
+            stop=stop_after_attempt(attempts),
+            wait=wait_exponential(multiplier=0.25, max=2.0),
+            before_sleep=before_sleep_log(logger, logging.INFO),
+            reraise=True,
+        )
+
+    def _json(
+        self,
+        peer: str,
+        method: str,
+        path: str,
+        *,
+        attempts: int = RETRIES,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        def once() -> Any:
+            try:
+                resp = self._http.request(
+                    method, f"http://{peer}{path}", timeout=timeout_s or self.timeout_s, **kwargs
+                )
+            except httpx.HTTPError as e:
+                raise _unavailable(peer, method, path, e) from e
+            return _decode(peer, method, path, resp)
+
+        return self._retrying(attempts)(once)
+
+    # -- reads ------------------------------------------------------------------------------
+    def list_steps(self, peer: str, namespace: str, *, timeout_s: float | None = None) -> Any:
+        """The committed steps ``peer`` holds for ``namespace`` (one try: "latest" must not wait
+        on a dead peer)."""
+        doc = self._json(
+            peer, "GET", f"/v1/peer/namespaces/{namespace}/steps", attempts=1, timeout_s=timeout_s
+        )
+        return [PeerStep.model_validate(x) for x in doc]
+
+    def manifest(self, peer: str, namespace: str, step: int) -> PeerManifest:
+        doc = self._json(peer, "GET", f"/v1/peer/namespaces/{namespace}/steps/{step}")
+        return PeerManifest.model_validate(doc)
+
+    def get_file(
+        self, peer: str, namespace: str, step: int, attempt: str, name: str, path: str, length: int
+    ) -> str:
+        """Stream one file of ``peer``'s step into the local file ``path`` (written in place, no
+        second buffer); return the checksum of the bytes received. The caller verifies it."""
+        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
+
+        def once() -> str:
+            h = Hasher()
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                with self._http.stream("GET", f"http://{peer}{url}") as resp:
+                    if resp.status_code != 200:
+                        resp.read()
+                        _decode(peer, "GET", url, resp)
+                    off = 0
+                    for chunk in resp.iter_raw():
+                        if off + len(chunk) > length:
+                            raise ProtocolError(f"peer {peer}: {url} sent more than {length} bytes")
+                        h.update(chunk)
+                        view = memoryview(chunk)
+                        while view:
+                            n = os.pwrite(fd, view, off)
+                            view = view[n:]
+                            off += n
+                    if off != length:
+                        raise PeerUnavailableError(
+                            f"peer {peer}: {url} ended after {off} of {length} bytes"
+                        )
+            except httpx.HTTPError as e:
+                raise _unavailable(peer, "GET", url, e) from e
+            finally:
+                os.close(fd)
+            return h.hexdigest()
+
+        return self._retrying(RETRIES)(once)
+
+    # -- pushes -----------------------------------------------------------------------------
+    def put_file(
+        self,
+        peer: str,
+        namespace: str,
+        step: int,
+        attempt: str,
+        *,
+        rank: int,
+        name: str,
+        path: str,
+        length: int,
+        checksum: str | None,
+    ) -> tuple[str, PeerFileReceipt]:
+        """Stream the first ``length`` bytes of ``path`` into a pending replica on ``peer``,
+        hashing them on the way; return our checksum and the peer's receipt. With ``checksum``
+        known, the peer refuses bytes that do not match it."""
+        h = Hasher()
+        headers = {"Content-Length": str(length), "Content-Type": "application/octet-stream"}
+        if checksum:
+            headers[PEER_CHECKSUM_HEADER] = checksum
+        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
+        doc = self._json(
+            peer,
+            "PUT",
+            url,
+            attempts=1,
+            params={"rank": rank, "length": length},
+            headers=headers,
+            content=hashed_chunks(path, length, h),
+        )
+        return h.hexdigest(), PeerFileReceipt.model_validate(doc)
+
+    def commit(
+        self, peer: str, namespace: str, step: int, attempt: str, req: PeerCommitRequest
+    ) -> StepInfo:
+        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit"
+        doc = self._json(peer, "POST", url, attempts=1, json=req.model_dump(mode="json"))
+        return StepInfo.model_validate(doc)
+
+
+def _unavailable(peer: str, method: str, path: str, e: httpx.HTTPError) -> PeerUnavailableError:
+    what = "did not answer in time" if isinstance(e, httpx.TimeoutException) else "failed"
+    return PeerUnavailableError(
+        f"peer {peer}: {method} {path} {what} ({type(e).__name__}: {e or 'no detail'})"
+    )
+
+
+def _decode(peer: str, method: str, path: str, resp: httpx.Response) -> Any:
+    try:
+        return decode_response(
+            resp, f"peer {peer} answered {method} {path}", prefix=f"peer {peer}: "
+        )
+    except TierCkptError as e:
+        if type(e) is TierCkptError:  # an unexpected failure in the peer: maybe transient
+            raise PeerUnavailableError(str(e)) from None
+        raise

@@ -1,0 +1,434 @@
+"""Replication to peers: push committed steps to the next k daemons on the ring, and bring a step
+back from a peer's replica when this node lost it.
+
+Pushes run in the daemon's background, never in the trainer. One worker takes committed steps in
+commit order; each step's files stream in parallel (``TIERCKPT_REPLICATION_CONCURRENCY``) into a
+pending replica on the peer, hashed on the way, and the peer checks every byte against the
+checksums in the final commit. A successor that cannot be reached is skipped for the next one on
+the ring, so k replicas still exist when k peers are up; a step short of replicas is retried with
+backoff while newer steps go ahead. A step is held in memory until its replication is done or moot
+(superseded, deleted or retired by retention), so losing this node right after a commit still
+leaves the step on a peer.
+
+Restores ask the ring successors first (where this node's replicas went) and verify every file
+before the step is committed locally; a corrupt replica is skipped for the next source.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tierckpt_client.errors import (
+    CheckpointFormatError,
+    IntegrityError,
+    NotFoundError,
+    PeerUnavailableError,
+    ProtocolError,
+    StepNotFoundError,
+    StepStateError,
+    TierCkptError,
+    UnauthorizedError,
+)
+from tierckpt_client.layout import StoredFile, verify_file
+from tierckpt_client.protocol import (
+    PeerCommitRequest,
+    PeerFile,
+    PeerManifest,
+    ReplicationStatus,
+    StepInfo,
+    validate_file_name,
+)
+from tierckpt_daemon.hydration import fill_step
+from tierckpt_daemon.index import StepRecord, read_manifest
+from tierckpt_daemon.membership import Membership, successors
+from tierckpt_daemon.peer_client import PeerClient
+from tierckpt_daemon.service import TierService
+
+logger = logging.getLogger(__name__)
+
+RETRY_BASE_S = 1.0
+RETRY_MAX_S = 60.0
+
+# Errors that make one peer a bad source or target for now; the next peer may do.
+PEER_ERRORS = (
+    PeerUnavailableError,
+    UnauthorizedError,
+    NotFoundError,
+    StepStateError,
+    ProtocolError,
+    CheckpointFormatError,
+)
+
+
+class Replicator:
+    def __init__(
+        self,
+        service: TierService,
+        membership: Membership,
+        client: PeerClient,
+        *,
+        node: str,
+        replicas: int = 1,
+        concurrency: int = 4,
+    ) -> None:
+        self.service = service
+        self.membership = membership
+        self.client = client
+        self.node = node
+        self.replicas = replicas
+        self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="tierckpt-push")
+        self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
+        self._queue: list[tuple[float, int, StepRecord]] = []  # (due, seq, step): a heap
+        self._seq = itertools.count()
+        self._tries: dict[int, int] = {}  # id(record) -> failed rounds so far
+        self._cv = threading.Condition()
+        self._busy = False
+        self._stop = False
+        self._members: list[str] = [] if membership.dns else sorted(membership.static)
+        self._unreachable: set[str] = set()
+        self._last_error: str | None = None
+        self._replicated_steps = 0
+        self._replicated_bytes = 0
+        self._failed = 0
+        self.received_steps = 0  # replicas peers pushed here (counted by the peer routes)
+        self._thread = threading.Thread(target=self._run, name="tierckpt-replicator", daemon=True)
+
+    # -- life cycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        for rec in self.service.pending_replications():
+            logger.info("%s/step %d: resuming its replication", rec.namespace, rec.step)
+            self.enqueue(rec)
+        self._thread.start()
+
+    def enqueue(self, rec: StepRecord, delay_s: float = 0.0) -> None:
+        with self._cv:
+            heapq.heappush(self._queue, (time.monotonic() + delay_s, next(self._seq), rec))
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._ask_pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no step is due or being pushed (True) or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._busy or (self._queue and self._queue[0][0] <= time.monotonic()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.2))
+        return True
+
+    def status(self) -> ReplicationStatus:
+        with self._cv:
+            return ReplicationStatus(
+                node=self.node,
+                peers=list(self._members),
+                replicas=self.replicas,
+                queued_steps=len(self._queue) + (1 if self._busy else 0),
+                replicated_steps=self._replicated_steps,
+                replicated_bytes=self._replicated_bytes,
+                received_steps=self.received_steps,
+                failed_pushes=self._failed,
+                unreachable=sorted(self._unreachable),
+                last_error=self._last_error,
+            )
+
+    def note_received(self) -> None:
+        with self._cv:
+            self.received_steps += 1
+
+    # -- membership -------------------------------------------------------------------------
+    def successors(self) -> list[str]:
+        """The other members in ring order after this node (resolves DNS: call from a thread)."""
+        members = self.membership.members()
+        with self._cv:
+            self._members = sorted(set(members) | {self.node})
+        return successors(members, self.node)
+
+    def _peer_failed(self, peer: str, error: TierCkptError | OSError) -> None:
+        with self._cv:
+            first = peer not in self._unreachable
+            self._unreachable.add(peer)
+        if first:  # once per outage, not once per retry
+            logger.warning("peer %s: %s", peer, error)
+
+    def _peer_ok(self, peer: str) -> None:
+        with self._cv:
+            was_down = peer in self._unreachable
+            self._unreachable.discard(peer)
+        if was_down:
+            logger.info("peer %s answers again", peer)
+
+    # -- pushes -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop:
+                    now = time.monotonic()
+                    if self._queue and self._queue[0][0] <= now:
+                        break
+                    self._cv.wait(self._queue[0][0] - now if self._queue else None)
+                if self._stop:
+                    return
+                _, _, rec = heapq.heappop(self._queue)
+                self._busy = True
+            try:
+                done = self._replicate(rec)
+            except Exception as e:  # a bug must not kill the worker: say so, retry the step later
+                logger.exception("%s/step %d: replication failed", rec.namespace, rec.step)
+                done = False
+                self._record_failure(rec, f"{rec.namespace}/step {rec.step}: {e!r}")
+            with self._cv:
+                self._busy = False
+                if done:
+                    self._tries.pop(id(rec), None)
+                else:
+                    tries = self._tries[id(rec)] = self._tries.get(id(rec), 0) + 1
+                    delay = min(RETRY_BASE_S * 2 ** (tries - 1), RETRY_MAX_S)
+                    heapq.heappush(self._queue, (time.monotonic() + delay, next(self._seq), rec))
+                self._cv.notify_all()
+
+    def _record_failure(self, rec: StepRecord, message: str) -> None:
+        self.service.metrics.replication_failures.inc()
+        with self._cv:
+            self._failed += 1
+            self._last_error = message
+
+    def _replicate(self, rec: StepRecord) -> bool:
+        """Push ``rec`` until ``replicas`` successors hold it; False: retry later."""
+        ns, step = rec.namespace, rec.step
+        if not self.service.is_current(rec):  # superseded, deleted or retired meanwhile
+            self.service.end_replication(rec)
+            return True
+        try:
+            targets = self.successors()
+        except PeerUnavailableError as e:
+            self._record_failure(rec, f"{ns}/step {step}: {e}")
+            logger.warning("%s", e)
+            return False
+        want = min(self.replicas, len(targets))
+        have = [p for p in rec.replicated_to if p in targets]
+        errors: list[str] = []
+        for peer in targets:
+            if len(have) >= want:
+                break
+            if peer in have:
+                continue
+            try:
+                self._push(rec, peer)
+            except (TierCkptError, OSError) as e:
+                self._peer_failed(peer, e)
+                errors.append(f"{peer}: {e}")
+                continue
+            self._peer_ok(peer)
+            have.append(peer)
+        if len(have) >= want:
+            self.service.end_replication(rec)
+            if errors:
+                logger.info("%s/step %d replicated to %s instead", ns, step, ", ".join(have))
+            with self._cv:
+                self._last_error = None
+            return True
+        self._record_failure(
+            rec,
+            f"{ns}/step {step}: replicated to {len(have)} of {want} peers ({'; '.join(errors)}); "
+            "retrying (the step stays in memory)",
+        )
+        return False
+
+    def _push(self, rec: StepRecord, peer: str) -> None:
+        ns, step = rec.namespace, rec.step
+        files = sorted(rec.files.values(), key=lambda f: f.name)
+        if files and all(f.name in rec.checksums for f in files):
+            # Already there (e.g. the peer this step was restored from)? Then no bytes move.
+            try:
+                theirs = self.client.manifest(peer, ns, step)
+            except NotFoundError:
+                pass
+            else:
+                if {f.name: f.checksum for f in theirs.files} == {
+                    f.name: rec.checksums[f.name] for f in files
+                }:
+                    self.service.mark_replicated(rec, peer, {})
+                    return
+        t0 = time.monotonic()
+        metadata = read_manifest(rec.manifest_path())["metadata"]
+        attempt = f"r{int(time.time() * 1000):x}{next(self._seq):04x}"
+        futures = {
+            f.name: self._pool.submit(
+                self.client.put_file,
+                peer,
+                ns,
+                step,
+                attempt,
+                rank=f.rank,
+                name=f.name,
+                path=str(rec.dir / f.name),
+                length=f.length,
+                checksum=rec.checksums.get(f.name),
+            )
+            for f in files
+        }
+        concurrent.futures.wait(futures.values())
+        checksums: dict[str, str] = {}
+        for name, fut in futures.items():
+            ours, receipt = fut.result()
+            if receipt.checksum != ours:
+                raise IntegrityError(
+                    f"{ns}/step {step}: file {name} reached peer {peer} with checksum "
+                    f"{receipt.checksum}, sent with {ours} (corrupted in transit)"
+                )
+            checksums[name] = ours
+        req = PeerCommitRequest(
+            files=[
+                PeerFile(name=f.name, rank=f.rank, length=f.length, checksum=checksums[f.name])
+                for f in files
+            ],
+            metadata=metadata,
+            world_size=rec.world_size or 1,
+            origin=self.node,
+        )
+        self.client.commit(peer, ns, step, attempt, req)
+        self.service.mark_replicated(rec, peer, checksums)
+        nbytes = sum(f.length for f in files)
+        self.service.metrics.replicated_bytes.inc(nbytes)
+        self.service.metrics.replicated_steps.inc()
+        with self._cv:
+            self._replicated_steps += 1
+            self._replicated_bytes += nbytes
+        dt = time.monotonic() - t0
+        logger.info(
+            "%s/step %d replicated to %s: %d files, %d bytes in %.2fs (%.0f MB/s)",
+            ns,
+            step,
+            peer,
+            len(files),
+            nbytes,
+            dt,
+            nbytes / max(dt, 1e-9) / 1e6,
+        )
+
+    # -- restores ---------------------------------------------------------------------------
+    def peer_steps(self, namespace: str) -> dict[int, list[str]]:
+        """Which peers hold which committed steps of ``namespace``. Peers are asked in parallel,
+        once each; one that does not answer within the peer timeout is skipped with a warning."""
+        try:
+            peers = self.successors()
+        except PeerUnavailableError as e:
+            logger.warning("%s: not asking the peers for steps: %s", namespace, e)
+            return {}
+        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
+        held: dict[int, list[str]] = {}
+        for peer, fut in futures.items():
+            try:
+                steps = fut.result()
+            except NotFoundError:
+                continue
+            except TierCkptError as e:
+                self._peer_failed(peer, e)
+                continue
+            self._peer_ok(peer)
+            for s in steps:
+                held.setdefault(s.step, []).append(peer)
+        return held
+
+    def hydrate(self, namespace: str, step: int) -> StepInfo:
+        """Copy ``namespace/step`` from the first peer with a good replica (ring successors
+        first) and commit it here. StepNotFoundError if no peer holds it; IntegrityError if every
+        replica found was corrupt."""
+        try:
+            peers = self.successors()
+        except PeerUnavailableError as e:
+            raise StepNotFoundError(f"{namespace}/step {step}: cannot ask the peers: {e}") from e
+        corrupt: list[str] = []
+        unreachable: list[str] = []
+        for peer in peers:
+            try:
+                manifest = self.client.manifest(peer, namespace, step)
+                if (manifest.namespace, manifest.step) != (namespace, step):
+                    raise ProtocolError(
+                        f"peer {peer} answered for {manifest.namespace}/step {manifest.step}"
+                    )
+            except NotFoundError:
+                continue
+            except TierCkptError as e:
+                self._peer_failed(peer, e)
+                unreachable.append(peer)
+                continue
+            t0 = time.monotonic()
+            try:
+                rec = self._copy_from(peer, manifest)
+            except CheckpointFormatError as e:
+                self.service.metrics.verification_failures.inc()
+                logger.warning(
+                    "%s/step %d: the replica on peer %s is unusable, trying the next source: %s",
+                    namespace,
+                    step,
+                    peer,
+                    e,
+                )
+                corrupt.append(str(e))
+                continue
+            except PEER_ERRORS as e:
+                self._peer_failed(peer, e)
+                unreachable.append(peer)
+                continue
+            nbytes = sum(f.length for f in manifest.files)
+            self.service.metrics.peer_hydrated_bytes.inc(nbytes)
+            dt = time.monotonic() - t0
+            logger.info(
+                "%s/step %d hydrated from peer %s: %d bytes in %.2fs (%.0f MB/s), checksums "
+                "verified",
+                namespace,
+                step,
+                peer,
+                nbytes,
+                dt,
+                nbytes / max(dt, 1e-9) / 1e6,
+            )
+            return rec.info()
+        if corrupt:
+            raise IntegrityError("; ".join(corrupt))
+        down = f" ({', '.join(unreachable)} did not answer)" if unreachable else ""
+        raise StepNotFoundError(f"{namespace}/step {step}: no peer holds a replica{down}")
+
+    def _copy_from(self, peer: str, manifest: PeerManifest) -> StepRecord:
+        ns, step = manifest.namespace, manifest.step
+        where = f"peer {peer}"
+        files = [
+            StoredFile(validate_file_name(f.name), f.rank, f.length, f.checksum)
+            for f in manifest.files
+        ]
+
+        def fetch(f: StoredFile, path: str) -> None:
+            got = self.client.get_file(peer, ns, step, manifest.attempt, f.name, path, f.length)
+            verify_file(got, f, ns, step, where)
+
+        rec = fill_step(
+            self.service,
+            ns,
+            step,
+            files,
+            metadata=manifest.metadata,
+            world_size=manifest.world_size,
+            fetch=fetch,
+            pool=self._pool,
+            attempt_prefix="p",
+            replicate=True,  # cheap: the source peer is known to hold it (below)
+        )
+        self.service.mark_replicated(rec, peer, {})
+        return rec

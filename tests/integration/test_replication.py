@@ -1,0 +1,338 @@
+"""Replication between daemons: pushes to the ring successor, restore from a peer after a node loss,
+the peer token, a peer that is down, a corrupt replica, and the settings."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tierckpt_client import ClientConfig, DaemonClient
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.protocol import StepInfo
+
+from helpers import DaemonProcess, free_port, new_shm_dir, run_ranks
+
+TOKEN = "peer-token-for-the-tests-0123456789"
+N = 1 << 15
+
+
+def _ring(*node_settings: dict[str, Any], token: str = TOKEN) -> list[DaemonProcess]:
+    """Daemons that list each other as peers (not started), one per ``node_settings``."""
+    ports = [free_port() for _ in node_settings]
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return [
+        DaemonProcess(new_shm_dir(), port=p, peers=peers, peer_token=token, **extra)
+        for p, extra in zip(ports, node_settings, strict=True)
+    ]
+
+
+def _name(d: DaemonProcess) -> str:
+    return f"127.0.0.1:{d.settings['port']}"
+
+
+@pytest.fixture
+def ring() -> Iterator[list[DaemonProcess]]:
+    nodes = _ring({}, {})
+    try:
+        for n in nodes:
+            n.start()
+        yield nodes
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: last saw {result!r}")
+        time.sleep(0.05)
+
+
+def _steps(d: DaemonProcess, ns: str) -> dict[int, StepInfo]:
+    with DaemonClient.from_socket(d.socket) as c:
+        return {s.step: s for s in c.steps(ns)}
+
+
+def _replicated(d: DaemonProcess, ns: str, step: int, peer: DaemonProcess) -> bool:
+    info = _steps(d, ns).get(step)
+    return info is not None and info.replicated_to == [_name(peer)] and not info.replication_pending
+
+
+def _reboot(d: DaemonProcess) -> None:
+    """A replacement node: the daemon's memory tier is gone."""
+    d.kill()
+    shutil.rmtree(d.shm_dir)
+    d.start()
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(N, generator=g), "meta": {"step": step}}
+
+
+def _save(d: DaemonProcess, ns: str, step: int) -> None:
+    writer = TieredStorageWriter(ns, step, config=_config(d))
+    dcp.async_save(_state(step), storage_writer=writer, no_dist=True).result()
+
+
+def _load(d: DaemonProcess, ns: str) -> tuple[int | None, dict[str, object]]:
+    out: dict[str, object] = {"w": torch.zeros(N), "meta": {"step": -1}}
+    reader = TieredStorageReader(ns, config=_config(d))
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return reader.resolved_step, out
+
+
+def _config(d: DaemonProcess) -> ClientConfig:
+    return ClientConfig.from_env(socket=d.socket)
+
+
+# -- two ranks through one node's daemon; the node dies; its replacement restores from the peer ----
+
+
+def _full(step: int) -> torch.Tensor:
+    return torch.randn(64, 16, generator=torch.Generator().manual_seed(step))
+
+
+def _save_worker(rank: int, world: int, socket: str) -> None:
+    os.environ["TIERCKPT_SOCKET"] = socket
+    mesh = init_device_mesh("cpu", (world,))
+    for step in (10, 20):
+        sd = {"w": distribute_tensor(_full(step), mesh, [Shard(0)]), "extra": {"step": step}}
+        dcp.save(sd, storage_writer=TieredStorageWriter("job", step))
+
+
+def _load_worker(rank: int, world: int, socket: str) -> None:
+    os.environ["TIERCKPT_SOCKET"] = socket
+    mesh = init_device_mesh("cpu", (world,))
+    dest = {"w": distribute_tensor(torch.zeros(64, 16), mesh, [Shard(1)]), "extra": {"step": -1}}
+    reader = TieredStorageReader("job", process_group=dist.group.WORLD)
+    dcp.load(dest, storage_reader=reader)
+    assert reader.resolved_step == 20
+    assert torch.equal(dest["w"].full_tensor(), _full(20))  # bit-exact
+    assert dest["extra"] == {"step": 20}
+
+
+@pytest.mark.slow
+def test_a_replacement_node_restores_the_latest_step_from_its_peer(
+    ring: list[DaemonProcess],
+) -> None:
+    a, b = ring
+    run_ranks(_save_worker, 2, str(a.socket))
+
+    # A pushed both committed steps to its ring successor B; each side says so.
+    _wait(
+        "steps 10 and 20 replicated to B",
+        lambda: all(_replicated(a, "job", s, b) for s in (10, 20)),
+    )
+    on_b = _steps(b, "job")
+    assert {s: (i.origin, i.state.value) for s, i in on_b.items()} == {
+        10: (_name(a), "committed"),
+        20: (_name(a), "committed"),
+    }
+    assert {f.name for f in on_b[20].files} == {f.name for f in _steps(a, "job")[20].files}
+    with DaemonClient.from_socket(a.socket) as c:
+        rep = c.status().replication
+    assert rep is not None and rep.node == _name(a) and rep.replicas == 1
+    assert rep.peers == sorted([_name(a), _name(b)]) and rep.last_error is None
+    assert rep.replicated_steps == 2 and rep.replicated_bytes > 2 * 64 * 16 * 4
+    with DaemonClient.from_socket(b.socket) as c:
+        rep_b = c.status().replication
+    assert rep_b is not None and rep_b.received_steps == 2
+    ls = _cli(a, "ls", "job")
+    assert ls.returncode == 0, ls.stderr
+    row = next(line.split() for line in ls.stdout.splitlines() if line.startswith("20 "))
+    assert row[-2:] == ["memory,peers", _name(b)]
+    status = _cli(a, "status").stdout
+    assert f"replication as {_name(a)} to 1 of peers {_name(b)}" in status
+
+    # The node dies and comes back empty: no persistent tier, yet "latest" finds step 20 on B.
+    _reboot(a)
+    with DaemonClient.from_socket(a.socket) as c:
+        cands = [(x.step, x.in_memory, x.durable, x.peers) for x in c.candidates("job")]
+    assert cands == [(20, False, False, [_name(b)]), (10, False, False, [_name(b)])]
+    run_ranks(_load_worker, 2, str(a.socket))
+    restored = _steps(a, "job")
+    assert sorted(restored) == [20]  # only what the restore needed came back
+    assert restored[20].replicated_to == [_name(b)]  # B holds the same bytes: nothing is re-sent
+    metrics = httpx.get(f"http://127.0.0.1:{a.settings['port']}/metrics", timeout=10).text
+    hydrated = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith("tierckpt_peer_hydrated_bytes_total")
+    )
+    assert float(hydrated.split()[-1]) > 64 * 16 * 4
+
+
+def _cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TIERCKPT_SOCKET": str(d.socket)}
+    return subprocess.run(
+        [sys.executable, "-m", "tierckpt_client.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+# -- the peer API's token and where routes are served ---------------------------------------------
+
+
+def test_peer_routes_refuse_a_missing_or_wrong_token(ring: list[DaemonProcess]) -> None:
+    a, _ = ring
+    base = f"http://127.0.0.1:{a.settings['port']}"
+    url = f"{base}/v1/peer/namespaces/job/steps"
+
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["code"] == "unauthorized" and "missing peer token" in r.json()["detail"]
+    wrong = "wrong-token-but-long-enough-0123"
+    r = httpx.get(url, headers={"Authorization": f"Bearer {wrong}"}, timeout=10)
+    assert r.status_code == 401 and "wrong peer token" in r.json()["detail"]
+    assert wrong not in r.text and TOKEN not in r.text
+    r = httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert r.status_code == 200 and r.json() == []
+
+    # The token opens the peer routes only: local routes stay on the Unix socket.
+    r = httpx.get(f"{base}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert r.status_code == 403 and "only served on the daemon's Unix socket" in r.json()["detail"]
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(a.socket))) as local:
+        r = local.get("http://tierckpt/v1/peer/namespaces/job/steps")
+    assert r.status_code == 403 and "TCP port only" in r.json()["detail"]
+
+
+def test_a_peer_with_another_token_cannot_push() -> None:
+    a, b = _ring({}, {}, token=TOKEN)
+    b.settings["peer_token"] = "a-different-token-0123456789"
+    try:
+        a.start()
+        b.start()
+        _save(a, "job", 1)
+        with DaemonClient.from_socket(a.socket) as c:
+            rep = _wait(
+                "a failed push", lambda: (s := c.status().replication) and s.last_error and s
+            )
+        assert "wrong peer token" in rep.last_error and _name(b) in rep.last_error
+        assert _steps(a, "job")[1].replication_pending  # held in memory until it is replicated
+        with DaemonClient.from_socket(b.socket) as c:
+            assert c.namespaces() == []
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+# -- a peer that is down ---------------------------------------------------------------------------
+
+
+def test_a_save_succeeds_while_the_peer_is_down_and_replicates_when_it_is_back() -> None:
+    a, b = _ring({}, {})
+    try:
+        a.start()
+        _save(a, "job", 1)  # B is not running: the save must not notice
+        with DaemonClient.from_socket(a.socket) as c:
+            rep = _wait(
+                "the push to B to fail",
+                lambda: (s := c.status().replication) and s.failed_pushes and s,
+            )
+        assert rep.unreachable == [_name(b)]
+        assert rep.last_error is not None and "replicated to 0 of 1 peers" in rep.last_error
+        assert _name(b) in rep.last_error
+        info = _steps(a, "job")[1]
+        assert info.replication_pending and info.replicated_to == []
+        step, out = _load(a, "job")  # the memory tier keeps serving meanwhile
+        assert step == 1 and torch.equal(out["w"], _state(1)["w"])
+
+        b.start()
+        _wait("step 1 replicated once B is back", lambda: _replicated(a, "job", 1, b))
+        with DaemonClient.from_socket(a.socket) as c:
+            rep = c.status().replication
+        assert rep is not None and rep.unreachable == [] and rep.last_error is None
+        assert _steps(b, "job")[1].origin == _name(a)
+        # One warning for the outage, not one per retry.
+        assert a.log().count(f"WARNING tierckpt_daemon.replication: peer {_name(b)}") == 1
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+# -- a corrupt replica -----------------------------------------------------------------------------
+
+
+def test_a_corrupt_replica_is_skipped_for_the_persistent_tier(tmp_path: Path) -> None:
+    a, b = _ring({"persist_url": f"file://{tmp_path / 'store'}"}, {})
+    try:
+        a.start()
+        b.start()
+        _save(a, "job", 10)
+        _wait(
+            "step 10 replicated and durable",
+            lambda: _replicated(a, "job", 10, b) and _steps(a, "job")[10].state.value == "durable",
+        )
+        (data,) = (b.shm_dir / "ns" / "job").glob("*/r00000.data")
+        with open(data, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+        _reboot(a)
+        step, out = _load(a, "job")
+        assert step == 10 and torch.equal(out["w"], _state(10)["w"])
+        log = a.log()
+        assert f"the replica on peer {_name(b)} is unusable" in log
+        assert "file r00000.data in peer" in log and "is corrupt" in log
+        assert "trying the persistent tier" in log
+        assert _steps(a, "job")[10].state.value == "durable"
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"TIERCKPT_PEERS": "127.0.0.1:8474"},
+            "TIERCKPT_PEER_TOKEN (or TIERCKPT_PEER_TOKEN_FILE) is required",
+        ),
+        (
+            {"TIERCKPT_PEERS": "127.0.0.1:8474,node-b", "TIERCKPT_PEER_TOKEN": TOKEN},
+            "peer 'node-b': use host:port",
+        ),
+    ],
+)
+def test_bad_peer_settings_stop_the_daemon_with_exit_2(
+    tmp_path: Path, env: dict[str, str], message: str
+) -> None:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCKPT_")}
+    full_env.update(env, TIERCKPT_SHM_DIR=str(tmp_path / "tier"), TIERCKPT_PORT="8474")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierckpt_daemon"],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and TOKEN not in proc.stderr
