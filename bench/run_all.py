@@ -453,6 +453,60 @@ def s3_rows(p: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares line ``y = a + b x``: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - b * mx, b
+
+
+def fixed_cost(mem: dict[str, Any]) -> dict[str, Any] | None:
+    """Split each save's steady time into a fixed part and a per-GiB part (a line through the
+    sizes): the per-GiB part is the copy, which is what the memcpy ratio is about; the fixed part
+    (round trips, DCP's planning) is why small states miss a ratio that large ones meet."""
+    if len(mem) < 3:
+        return None
+    gib = [r["bytes"] / 2**30 for r in mem.values()]
+    out: dict[str, Any] = {}
+    for key in (
+        "tier_memcpy",
+        "tier_blocking",
+        "tier_committed",
+        "floor_blocking",
+        "floor_committed",
+    ):
+        a, b = fit(gib, [r[key]["steady_ms"] for r in mem.values()])
+        out[key] = {"fixed_ms": a, "ms_per_gib": b}
+    return out
+
+
+def fixed_cost_note(fc: dict[str, Any]) -> str:
+    m = fc["tier_memcpy"]
+
+    def part(key: str, label: str) -> str:
+        r = fc[key]
+        return (
+            f"{label} {r['fixed_ms']:.1f} ms + {r['ms_per_gib']:.1f} ms/GiB "
+            f"({r['ms_per_gib'] / m['ms_per_gib']:.2f}x memcpy's per-GiB)"
+        )
+
+    return (
+        "fixed + per-GiB parts of the steady times (a line through the sizes): memcpy "
+        f"{m['fixed_ms']:.1f} ms + {m['ms_per_gib']:.1f} ms/GiB; "
+        + "; ".join(
+            part(k, lbl)
+            for k, lbl in (
+                ("tier_blocking", "tierckpt stall"),
+                ("tier_committed", "tierckpt committed"),
+                ("floor_blocking", "DCP floor stall"),
+                ("floor_committed", "DCP floor committed"),
+            )
+        )
+    )
+
+
 def render(res: dict[str, Any]) -> str:
     rows: list[Row] = []
     for size, r in res["memory_tier"].items():
@@ -549,6 +603,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tierckpt-bench-all-") as tmp:
         res = run_scenarios(args, Path(tmp), notes)
     table = render(res)  # (also adds the 2-rank summary to res)
+    fc = fixed_cost(res["memory_tier"])
+    if fc is not None:
+        res["fixed_cost"] = fc
+        notes.append(fixed_cost_note(fc))
     res["notes"] = notes
     res["wall_s"] = time.perf_counter() - t0
     print()

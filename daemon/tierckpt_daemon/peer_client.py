@@ -9,6 +9,7 @@ few times with tenacity; pushes are retried by the replicator, with a fresh atte
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 from typing import Any, TypeVar
@@ -38,11 +39,13 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 RETRIES = 3
+GET_CHUNK = 8 << 20  # bytes per read while fetching a file from a peer
 
 
 class PeerClient:
     def __init__(self, token: str, *, timeout_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
+        self._auth = f"Bearer {token}"
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             headers={"Authorization": f"Bearer {token}"},
@@ -104,31 +107,42 @@ class PeerClient:
         url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
 
         def once() -> str:
+            # http.client rather than httpx for the bulk bytes: its readinto() fills a large
+            # buffer straight from the socket, where httpx hands out 64 KiB pieces through h11
+            # (about a third of the throughput here).
             h = Hasher()
+            buf = memoryview(bytearray(GET_CHUNK))
+            conn = http.client.HTTPConnection(peer, timeout=self.timeout_s)
             fd = os.open(path, os.O_WRONLY)
             try:
-                with self._http.stream("GET", f"http://{peer}{url}") as resp:
-                    if resp.status_code != 200:
-                        resp.read()
-                        _decode(peer, "GET", url, resp)
-                    off = 0
-                    for chunk in resp.iter_raw():
-                        if off + len(chunk) > length:
-                            raise ProtocolError(f"peer {peer}: {url} sent more than {length} bytes")
-                        h.update(chunk)
-                        view = memoryview(chunk)
-                        while view:
-                            n = os.pwrite(fd, view, off)
-                            view = view[n:]
-                            off += n
-                    if off != length:
-                        raise PeerUnavailableError(
-                            f"peer {peer}: {url} ended after {off} of {length} bytes"
-                        )
-            except httpx.HTTPError as e:
-                raise _unavailable(peer, "GET", url, e) from e
+                conn.request("GET", url, headers={"Authorization": self._auth})
+                resp = conn.getresponse()
+                if resp.status != 200:
+                    body = resp.read()
+                    _decode(peer, "GET", url, httpx.Response(resp.status, content=body))
+                    raise ProtocolError(f"peer {peer}: GET {url} answered HTTP {resp.status}")
+                off = 0
+                while n := resp.readinto(buf):
+                    if off + n > length:
+                        raise ProtocolError(f"peer {peer}: {url} sent more than {length} bytes")
+                    h.update(buf[:n])
+                    view = buf[:n]
+                    while view:
+                        k = os.pwrite(fd, view, off)
+                        view = view[k:]
+                        off += k
+                if off != length:
+                    raise PeerUnavailableError(
+                        f"peer {peer}: {url} ended after {off} of {length} bytes"
+                    )
+            except (OSError, http.client.HTTPException) as e:
+                what = "did not answer in time" if isinstance(e, TimeoutError) else "failed"
+                raise PeerUnavailableError(
+                    f"peer {peer}: GET {url} {what} ({type(e).__name__}: {e or 'no detail'})"
+                ) from e
             finally:
                 os.close(fd)
+                conn.close()
             return h.hexdigest()
 
         return self._retrying(RETRIES)(once)

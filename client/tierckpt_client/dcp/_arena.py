@@ -116,6 +116,14 @@ def _prune_deleted() -> None:
             _forget(m)
 
 
+def is_mapped(fd: int) -> bool:
+    """Whether this process has a cached mapping of the file open as ``fd``."""
+    st = os.fstat(fd)
+    with _lock:
+        hit = _by_identity.get((st.st_dev, st.st_ino))
+        return hit is not None and hit.size == st.st_size
+
+
 def find(ptr: int, nbytes: int = 0) -> tuple[FileMapping, int] | None:
     """The cached mapping that holds ``[ptr, ptr + nbytes)``, and the offset of ``ptr`` in its file."""
     with _lock:

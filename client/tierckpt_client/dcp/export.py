@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef
 from tierckpt_client.dcp.reader import TieredStorageReader
-from tierckpt_client.errors import CheckpointFormatError
 
 DATA_FILE = "__0_0.distcp"
 
@@ -40,15 +39,9 @@ def export_step(
     metadata = reader.read_metadata()
     refs: dict[MetadataIndex, ShardRef] = dict(metadata.storage_data or {})
     infos: dict[MetadataIndex, _StorageInfo] = {}
-    with reader.open_files() as file_bytes, open(out / DATA_FILE, "wb") as data:
-        files: dict[str, torch.Tensor] = {}
+    with reader.open_files() as files, open(out / DATA_FILE, "wb") as data:
         for index, ref in refs.items():
-            buf = files.get(ref.file)
-            if buf is None:
-                buf = files[ref.file] = file_bytes(ref.file)
-            if ref.offset + ref.length > buf.numel():
-                raise CheckpointFormatError(f"{index.fqn} lies beyond the end of {ref.file}")
-            raw = buf[ref.offset : ref.offset + ref.length]
+            raw = files.region(ref.file, ref.offset, ref.length, index.fqn)
             if ref.dtype is None or ref.shape is None:
                 payload = raw.numpy().tobytes()
             else:
