@@ -44,9 +44,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--two-rank-mb", type=int, default=1024, help="total state of the 2-rank run")
     p.add_argument("--s3-size-mb", type=int, help="persistent_tier.py --size-mb (its default)")
     p.add_argument("--no-s3", action="store_true", help="skip the persistent tier (S3)")
+    p.add_argument("--peer-size-mb", type=int, help="peer_tier.py --size-mb (its default)")
+    p.add_argument("--no-peer", action="store_true", help="skip the peer tier (replication)")
     p.add_argument("--out", type=Path, default=Path("bench/results/all.json"))
     p.add_argument("--plot", type=Path, default=Path("bench/results/throughput.png"))
-    p.add_argument("--smoke", action="store_true", help="32 and 64 MiB, 2 iterations, no S3 (CI)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="32 and 64 MiB, 2 iterations, tiny S3 and peer runs (CI)",
+    )
     p.add_argument("--child", choices=["rss", "two-rank"], help=argparse.SUPPRESS)
     p.add_argument("--child-mb", type=int, help=argparse.SUPPRESS)
     p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
@@ -55,7 +61,7 @@ def parse_args() -> argparse.Namespace:
         return args
     if args.smoke:
         args.sizes, args.iters, args.interval = "32,64", 2, 0.0
-        args.rss_mb, args.two_rank_mb, args.no_s3 = 32, 64, True
+        args.rss_mb, args.two_rank_mb = 32, 64
     args.size_list = sorted({int(s) for s in args.sizes.split(",")})
     if args.iters <= (1 if args.smoke else WARMUP):
         p.error(f"--iters must be more than {WARMUP} (the ramp-up saves)")
@@ -278,19 +284,37 @@ def run_scenarios(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         notes.append(f"2-rank run skipped: {str(e).strip().splitlines()[-1][:300]}")
 
-    if args.no_s3:
-        notes.append("persistent tier (S3) skipped" + (" in smoke mode" if args.smoke else ""))
-    else:
-        out = tmp / "s3.json"
-        cmd = [*py, str(BENCH / "persistent_tier.py"), "--out", str(out)]
-        if args.s3_size_mb:
-            cmd += ["--size-mb", str(args.s3_size_mb)]
+    for flag, script, key, what, size in (
+        (
+            "no_s3",
+            "persistent_tier.py",
+            "persistent_tier",
+            "persistent tier (SeaweedFS S3)",
+            args.s3_size_mb,
+        ),
+        (
+            "no_peer",
+            "peer_tier.py",
+            "peer_tier",
+            "peer tier (two daemons, replication)",
+            args.peer_size_mb,
+        ),
+    ):
+        if getattr(args, flag):
+            notes.append(f"{what} skipped (--{flag.replace('_', '-')})")
+            continue
+        out = tmp / f"{key}.json"
+        cmd = [*py, str(BENCH / script), "--out", str(out)]
+        if args.smoke:
+            cmd.append("--smoke")
+        elif size:
+            cmd += ["--size-mb", str(size)]
         try:
-            run_child(cmd, "persistent tier (SeaweedFS S3)")
+            run_child(cmd, what)
             d = json.loads(out.read_text())
-            res["persistent_tier"] = {"size_mb": d["machine"]["size_mb"], **d["results"]}
+            res[key] = {"size_mb": d["machine"]["size_mb"], **d["results"]}
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            notes.append(f"persistent tier skipped: {str(e).strip().splitlines()[-1][:300]}")
+            notes.append(f"{what} skipped: {str(e).strip().splitlines()[-1][:300]}")
     return res
 
 
@@ -507,6 +531,39 @@ def fixed_cost_note(fc: dict[str, Any]) -> str:
     )
 
 
+def peer_rows(p: dict[str, Any]) -> list[Row]:
+    size = f"{p['size_mb']} MiB"
+    rows: list[Row] = []
+    q = p["ratios"]
+    for key, label, ratio in (
+        ("replicate", "peer: replication, save returned -> replica verified", "replicate_over_raw"),
+        ("raw_tcp", "peer: raw TCP loopback transfer into pre-touched memory", None),
+        (
+            "restore_peer",
+            "peer: restore, memory wiped, fetched from the peer",
+            "restore_peer_over_raw",
+        ),
+        ("restore_memory", "peer: restore again, from memory", None),
+    ):
+        r = p[key]
+        rt = f"{q[ratio]:.2f}x raw TCP MB/s" if ratio else ""
+        rows.append((size, label, f"{r['median_s']:.2f} s", f"{r['mbps'] / 1e3:.2f}", rt, "", ""))
+    if "slowdown" in p:
+        v = p["slowdown"]["slowdown_pct"]
+        rows.append(
+            (
+                size,
+                "training-loop slowdown while a step is replicated",
+                f"{v:.0f} %",
+                "",
+                "",
+                "<= 10%",
+                yes(v <= 10),
+            )
+        )
+    return rows
+
+
 def render(res: dict[str, Any]) -> str:
     rows: list[Row] = []
     for size, r in res["memory_tier"].items():
@@ -517,6 +574,8 @@ def render(res: dict[str, Any]) -> str:
         rows += two_rank_rows(res["two_rank"], res["memory_tier"])
     if "persistent_tier" in res:
         rows += s3_rows(res["persistent_tier"])
+    if "peer_tier" in res:
+        rows += peer_rows(res["peer_tier"])
     lines = [
         "| size | measurement | value (steady median) | GB/s | ratio | target | met |",
         "|---:|---|---:|---:|---|---|---|",

@@ -95,6 +95,13 @@ class DaemonSettings(BaseSettings):
         default=None,
         description="cap on upload bandwidth, bytes per second with K/M/G suffix (unset: none)",
     )
+    background_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="niceness of the threads that upload, hydrate and push replicas (0-19): when "
+        "training and a transfer want the same core, training goes first (0: normal priority)",
+    )
     drain_timeout_s: float = Field(
         default=90.0, ge=0, description="on SIGTERM, wait this long for queued uploads"
     )

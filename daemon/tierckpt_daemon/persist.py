@@ -19,7 +19,6 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 from tierckpt_client.errors import IntegrityError, NotFoundError, TierCkptError
 from tierckpt_client.layout import (
@@ -41,6 +40,7 @@ from tierckpt_client.protocol import (
     PersistentStatus,
     StepInfo,
 )
+from tierckpt_daemon.background import background_pool, lower_priority
 from tierckpt_daemon.hydration import fill_step
 from tierckpt_daemon.index import StepRecord, read_manifest
 from tierckpt_daemon.service import TierService
@@ -59,11 +59,13 @@ class Persister:
         *,
         concurrency: int = 4,
         keep_last: int = 0,
+        nice: int = 0,
     ) -> None:
         self.service = service
         self.store = store
         self.keep_last = keep_last
-        self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="tierckpt-upload")
+        self.nice = nice
+        self._pool = background_pool(concurrency, "tierckpt-upload", nice)
         self._queue: deque[StepRecord] = deque()
         self._cv = threading.Condition()
         self._busy = False
@@ -141,6 +143,7 @@ class Persister:
 
     # -- uploads ----------------------------------------------------------------------------
     def _run(self) -> None:
+        lower_priority(self.nice)
         self.check_health()
         delay = RETRY_BASE_S
         while True:

@@ -44,6 +44,7 @@ from tierckpt_client.protocol import (
     StepInfo,
     validate_file_name,
 )
+from tierckpt_daemon.background import background_pool, lower_priority
 from tierckpt_daemon.hydration import fill_step
 from tierckpt_daemon.index import StepRecord, read_manifest
 from tierckpt_daemon.membership import Membership, successors
@@ -76,13 +77,15 @@ class Replicator:
         node: str,
         replicas: int = 1,
         concurrency: int = 4,
+        nice: int = 0,
     ) -> None:
         self.service = service
         self.membership = membership
         self.client = client
         self.node = node
         self.replicas = replicas
-        self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="tierckpt-push")
+        self.nice = nice
+        self._pool = background_pool(concurrency, "tierckpt-push", nice)
         self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
         self._queue: list[tuple[float, int, StepRecord]] = []  # (due, seq, step): a heap
         self._seq = itertools.count()
@@ -175,6 +178,7 @@ class Replicator:
 
     # -- pushes -----------------------------------------------------------------------------
     def _run(self) -> None:
+        lower_priority(self.nice)
         while True:
             with self._cv:
                 while not self._stop:

@@ -83,6 +83,7 @@ def build_service(settings: DaemonSettings) -> TierService:
             store,
             concurrency=settings.upload_concurrency,
             keep_last=settings.persist_keep_last,
+            nice=settings.background_nice,
         )
         service.persist_every = settings.persist_every
     if settings.peers:
@@ -98,6 +99,7 @@ def build_service(settings: DaemonSettings) -> TierService:
             node=settings.node_name,
             replicas=settings.replicas,
             concurrency=settings.replication_concurrency,
+            nice=settings.background_nice,
         )
     return service
 

@@ -294,3 +294,36 @@ def test_persistent_retention_keeps_newest_and_collects_incomplete(
         assert keys == {"step_000000000003", "step_000000000004"}
     finally:
         d.cleanup()
+
+
+def _thread_nices(pid: int) -> list[int]:
+    """The niceness of every thread of process ``pid`` (field 19 of /proc/<pid>/task/*/stat)."""
+    nices = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        nices.append(int(fields[16]))
+    return nices
+
+
+@pytest.mark.parametrize("nice", [7, 0])
+def test_transfer_threads_yield_the_cpu_to_training(
+    nice: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = DaemonProcess(
+        new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", background_nice=nice
+    )
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    try:
+        d.start()
+        _save("nice", 1)
+        _wait_durable("nice", {1})
+        assert d.proc is not None
+        nices = _thread_nices(d.proc.pid)
+        # The thread that answers the trainers keeps normal priority; the uploader's do not.
+        assert 0 in nices
+        assert (nices.count(nice) >= 2) if nice else set(nices) == {0}
+    finally:
+        d.cleanup()
