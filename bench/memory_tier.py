@@ -254,9 +254,12 @@ def bench_save(
     return paired, blocking, committed
 
 
-def paired_ratio(times: list[float], base: list[float], warmup: int) -> float:
-    """Median over the steady iterations of (time / the memcpy measured right before it)."""
-    return statistics.median(t / b for t, b in zip(times[warmup:], base[warmup:], strict=True))
+def paired_ratio(times: list[float], base: list[float], warmup: int, best: bool = False) -> float:
+    """Median (``best``: minimum) over the steady iterations of (time / the memcpy measured right
+    before it). Noise on a shared machine only ever adds time, so the minimum is the estimate of
+    what the save costs on a quiet one; the median is what this run saw."""
+    r = [t / b for t, b in zip(times[warmup:], base[warmup:], strict=True)]
+    return min(r) if best else statistics.median(r)
 
 
 def bench_load(
@@ -345,6 +348,8 @@ def run(args: argparse.Namespace, fs_root: Path) -> dict[str, Any]:
     res["paired"] = {
         "tier_blocking_over_memcpy": paired_ratio(b, m, warm),
         "tier_committed_over_memcpy": paired_ratio(c, m, warm),
+        "tier_blocking_over_memcpy_best": paired_ratio(b, m, warm, best=True),
+        "tier_committed_over_memcpy_best": paired_ratio(c, m, warm, best=True),
         "torch_blocking_over_memcpy": torch_paired,
         "floor_blocking_over_memcpy": floor_paired[0],
         "floor_committed_over_memcpy": floor_paired[1],
@@ -366,6 +371,8 @@ def ratios(ms: dict[str, float], paired: dict[str, float]) -> dict[str, float]:
         # mere presence slows this process's copies ~30% here) hits both sides alike.
         "tier_blocking_over_memcpy": paired["tier_blocking_over_memcpy"],
         "tier_committed_over_memcpy": paired["tier_committed_over_memcpy"],
+        "tier_blocking_over_memcpy_best": paired["tier_blocking_over_memcpy_best"],
+        "tier_committed_over_memcpy_best": paired["tier_committed_over_memcpy_best"],
         "torch_blocking_over_tier_blocking": ms["torch_blocking"] / ms["tier_blocking"],
         # What async_save itself costs around the copy, with no storage at all (paired too).
         "floor_blocking_over_memcpy": paired["floor_blocking_over_memcpy"],
@@ -382,6 +389,16 @@ TARGETS = {  # key: (label, target, met?) -- issue 5's goals
         "tierckpt time-to-committed / memcpy",
         "<= 1.5",
         lambda r: r <= 1.5,
+    ),
+    "tier_blocking_over_memcpy_best": (
+        "tierckpt stall / memcpy, best iteration",
+        "-",
+        lambda r: True,
+    ),
+    "tier_committed_over_memcpy_best": (
+        "tierckpt time-to-committed / memcpy, best iteration",
+        "-",
+        lambda r: True,
     ),
     "floor_blocking_over_memcpy": ("DCP floor stall / memcpy (no target)", "-", lambda r: True),
     "floor_committed_over_memcpy": (
