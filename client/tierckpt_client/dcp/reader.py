@@ -167,11 +167,14 @@ class TieredStorageReader(StorageReader):
             f"namespace {namespace}: no step could be restored ({'; '.join(skipped)})"
         )
 
-    def _ensure_in_memory(self, namespace: str, step: int) -> None:
+    def _memory_metadata(self, namespace: str, step: int) -> dict[str, Any]:
+        """The step's metadata from the daemon, which first brings the step into memory (from a
+        peer or the persistent tier) if it is not there."""
         try:
-            self._daemon.step(namespace, step)
+            return self._daemon.metadata(namespace, step)
         except NotFoundError:
             self._daemon.hydrate(namespace, step)
+            return self._daemon.metadata(namespace, step)
 
     def _go_direct(self, cause: DaemonUnavailableError) -> DirectTier:
         """No daemon: read the persistent tier ourselves, if this process knows where it is."""
@@ -194,15 +197,16 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         step = self._resolve_step()
         self._resolved = step
+        doc: dict[str, Any] | None = None
         if self._direct is None:
             try:
-                self._ensure_in_memory(namespace, step)
+                doc = self._memory_metadata(namespace, step)
             except DaemonUnavailableError as e:
                 self._go_direct(e)
         if self._direct is not None:
-            metadata = decode_metadata(self._direct.manifest(namespace, step).metadata)
-        else:
-            metadata = decode_metadata(self._daemon.metadata(namespace, step))
+            doc = self._direct.manifest(namespace, step).metadata
+        assert doc is not None
+        metadata = decode_metadata(doc)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
