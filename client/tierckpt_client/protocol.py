@@ -209,8 +209,6 @@ class StatusResponse(BaseModel):
 
 # -- daemon-to-daemon (peer) routes, /v1/peer/..., TCP only, Authorization: Bearer <token> -------
 
-PEER_CHECKSUM_HEADER = "X-Tierckpt-Checksum"
-
 
 class PeerFile(BaseModel):
     name: str
@@ -242,16 +240,9 @@ class PeerManifest(BaseModel):
     metadata: dict[str, Any]
 
 
-class PeerFileReceipt(BaseModel):
-    """What the receiving daemon computed over the bytes it stored."""
+class PeerPullRequest(BaseModel):
+    """Asks a peer to copy one of the caller's committed steps into its memory tier: the peer
+    fetches the step's manifest and files from ``origin`` (which must be a member of its ring),
+    verifies every file against the manifest's checksums, and commits the replica."""
 
-    name: str
-    length: int
-    checksum: str
-
-
-class PeerCommitRequest(BaseModel):
-    files: list[PeerFile]
-    metadata: dict[str, Any]
-    world_size: int = Field(ge=1, le=MAX_RANK)
-    origin: str
+    origin: str = Field(min_length=3, max_length=300)

@@ -37,6 +37,7 @@ def fill_step(
     pool: Executor,
     attempt_prefix: str,
     replicate: bool,
+    origin: str | None = None,
 ) -> StepRecord:
     """Lease, fill (``fetch`` on ``pool``), seal and commit ``files`` as ``namespace/step``.
 
@@ -83,6 +84,7 @@ def fill_step(
             persist=False,
         ),
         replicate=replicate,
+        origin=origin,
         checksums={f.name: f.checksum for f in files},
     )
     return service.record(namespace, step)

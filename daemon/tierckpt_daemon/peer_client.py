@@ -4,7 +4,7 @@ Thread-safe (one pooled ``httpx.Client``). Every call carries the shared token a
 ``timeout_s`` to connect and for each read or write (a transfer that keeps moving may take longer in
 total; one that stalls fails). Transport failures become :class:`PeerUnavailableError` naming the
 peer; a peer's JSON errors map back to their classes by ``code``. Idempotent calls are retried a
-few times with tenacity; pushes are retried by the replicator, with a fresh attempt.
+few times with tenacity; a replication (``pull``) is retried by the replicator.
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ from tenacity import (
 
 from tierckpt_client.daemon_client import decode_response
 from tierckpt_client.errors import PeerUnavailableError, ProtocolError, TierCkptError
-from tierckpt_client.integrity import Hasher, hashed_chunks
+from tierckpt_client.integrity import Hasher
 from tierckpt_client.protocol import (
-    PEER_CHECKSUM_HEADER,
-    PeerCommitRequest,
-    PeerFileReceipt,
     PeerManifest,
+    PeerPullRequest,
     PeerStep,
     StepInfo,
 )
@@ -147,44 +145,21 @@ class PeerClient:
 
         return self._retrying(RETRIES)(once)
 
-    # -- pushes -----------------------------------------------------------------------------
-    def put_file(
-        self,
-        peer: str,
-        namespace: str,
-        step: int,
-        attempt: str,
-        *,
-        rank: int,
-        name: str,
-        path: str,
-        length: int,
-        checksum: str | None,
-    ) -> tuple[str, PeerFileReceipt]:
-        """Stream the first ``length`` bytes of ``path`` into a pending replica on ``peer``,
-        hashing them on the way; return our checksum and the peer's receipt. With ``checksum``
-        known, the peer refuses bytes that do not match it."""
-        h = Hasher()
-        headers = {"Content-Length": str(length), "Content-Type": "application/octet-stream"}
-        if checksum:
-            headers[PEER_CHECKSUM_HEADER] = checksum
-        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
+    # -- replication ------------------------------------------------------------------------
+    def pull(self, peer: str, namespace: str, step: int, origin: str, nbytes: int) -> StepInfo:
+        """Ask ``peer`` to copy ``namespace/step`` from ``origin`` (this daemon) and commit it;
+        returns the replica as the peer committed it. The peer answers once it has fetched and
+        verified every byte, so the wait is bounded by the step's size (at 20 MB/s) on top of the
+        usual timeout."""
+        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/pull"
         doc = self._json(
             peer,
-            "PUT",
+            "POST",
             url,
             attempts=1,
-            params={"rank": rank, "length": length},
-            headers=headers,
-            content=hashed_chunks(path, length, h),
+            timeout_s=self.timeout_s + nbytes / 20e6,
+            json=PeerPullRequest(origin=origin).model_dump(mode="json"),
         )
-        return h.hexdigest(), PeerFileReceipt.model_validate(doc)
-
-    def commit(
-        self, peer: str, namespace: str, step: int, attempt: str, req: PeerCommitRequest
-    ) -> StepInfo:
-        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit"
-        doc = self._json(peer, "POST", url, attempts=1, json=req.model_dump(mode="json"))
         return StepInfo.model_validate(doc)
 
 

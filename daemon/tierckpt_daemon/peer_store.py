@@ -1,41 +1,27 @@
-"""What a daemon does for its peers: serve its committed steps, and take in replicas they push.
+"""What a daemon serves its peers: its committed steps (a listing, a step's manifest with every
+file's checksum, a file's bytes), for a peer that restores a step or pulls a replica of it.
 
-A pushed replica is an ordinary save attempt in this daemon: each file arrives in a file leased
-from the arena (so the budget, the pool and recycling apply), hashed while it is written, is sealed
-into the attempt, and the peer's commit names every file's checksum, which must match what arrived.
-The committed replica is a step of the namespace like any other, marked with its ``origin``;
-retention applies to it.
+A pulled replica is made by the pulling daemon (``Replicator.pull_from``): an ordinary save attempt
+there, filled through ``hydration.fill_step`` and committed with its ``origin``; retention applies
+to it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
-import time
 from collections.abc import Iterator
 
 from tierckpt_client.errors import (
-    IntegrityError,
     NotFoundError,
-    StepStateError,
     TierCkptError,
 )
-from tierckpt_client.integrity import Hasher, checksum_file, read_chunks
+from tierckpt_client.integrity import checksum_file, read_chunks
 from tierckpt_client.protocol import (
-    CommitRequest,
-    LeaseResponse,
-    PeerCommitRequest,
     PeerFile,
     PeerManifest,
     PeerStep,
-    SealFile,
-    SealRequest,
-    StepInfo,
     validate_file_name,
-    validate_namespace,
-    validate_step,
 )
 from tierckpt_daemon.index import read_manifest
 from tierckpt_daemon.service import TierService
@@ -43,42 +29,11 @@ from tierckpt_daemon.service import TierService
 logger = logging.getLogger(__name__)
 
 SERVE_CHUNK = 1 << 20
-RECEIPT_TTL_S = 3600.0
-
-
-class ReceivedFile:
-    """One file being received: written in place into its lease, hashed on the way."""
-
-    def __init__(self, lease: LeaseResponse, length: int) -> None:
-        self.lease = lease
-        self.length = length
-        self.received = 0
-        self._hasher = Hasher()
-        self._fd = os.open(lease.path, os.O_WRONLY)
-
-    def write(self, data: bytes | bytearray) -> None:
-        self._hasher.update(data)
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(self._fd, view, self.received)
-            view = view[n:]
-            self.received += n
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def hexdigest(self) -> str:
-        return self._hasher.hexdigest()
 
 
 class PeerStore:
     def __init__(self, service: TierService) -> None:
         self.service = service
-        self._lock = threading.Lock()
-        # (namespace, step, attempt) -> (file name -> checksum of the bytes received), and when
-        self._receipts: dict[tuple[str, int, str], tuple[float, dict[str, str]]] = {}
 
     # -- serving ----------------------------------------------------------------------------
     def list_steps(self, namespace: str) -> list[PeerStep]:
@@ -143,75 +98,3 @@ class PeerStore:
                     self.service.unpin(namespace, step, pin.pin_id)
 
         return f.length, body()
-
-    # -- receiving --------------------------------------------------------------------------
-    def begin_file(self, namespace: str, rank: int, length: int) -> ReceivedFile:
-        lease = self.service.lease(namespace, rank, length, prefault=False)
-        try:
-            return ReceivedFile(lease, length)
-        except OSError:
-            self.service.release_lease(namespace, lease.lease_id)
-            raise
-
-    def abort_file(self, namespace: str, rf: ReceivedFile) -> None:
-        rf.close()
-        with contextlib.suppress(NotFoundError):  # sealed already: the sweeper reclaims it
-            self.service.release_lease(namespace, rf.lease.lease_id)
-
-    def finish_file(
-        self, namespace: str, step: int, attempt: str, rank: int, name: str, rf: ReceivedFile
-    ) -> str:
-        """Seal a completely received file into the pending replica; return its checksum."""
-        rf.close()
-        digest = rf.hexdigest()
-        self.service.seal(
-            namespace,
-            step,
-            attempt,
-            SealRequest(
-                rank=rank, files=[SealFile(lease_id=rf.lease.lease_id, name=name, length=rf.length)]
-            ),
-        )
-        now = time.monotonic()
-        with self._lock:
-            for key in [k for k, v in self._receipts.items() if now - v[0] > RECEIPT_TTL_S]:
-                del self._receipts[key]
-            _, sums = self._receipts.setdefault((namespace, step, attempt), (now, {}))
-            sums[name] = digest
-        return digest
-
-    def commit(self, namespace: str, step: int, attempt: str, req: PeerCommitRequest) -> StepInfo:
-        validate_namespace(namespace)
-        validate_step(step)
-        with self._lock:
-            _, received = self._receipts.pop((namespace, step, attempt), (0.0, {}))
-        claimed = {f.name: f.checksum for f in req.files}
-        missing = sorted(set(claimed) - set(received))
-        if missing:
-            raise StepStateError(
-                f"{namespace}/step {step}: replica {attempt} from {req.origin} lacks "
-                f"{len(missing)} files: {', '.join(missing[:8])}"
-            )
-        bad = sorted(n for n, c in claimed.items() if received[n] != c)
-        if bad:
-            raise IntegrityError(
-                f"{namespace}/step {step}: replica {attempt} from {req.origin}: file {bad[0]} "
-                f"arrived with checksum {received[bad[0]]}, the sender says {claimed[bad[0]]}"
-            )
-        info = self.service.commit(
-            namespace,
-            step,
-            attempt,
-            CommitRequest(
-                files=sorted(claimed),
-                metadata=req.metadata,
-                world_size=req.world_size,
-                persist=False,
-            ),
-            origin=req.origin,
-            checksums=claimed,
-        )
-        self.service.metrics.replica_received_bytes.inc(sum(f.length for f in req.files))
-        if self.service.replicator is not None:
-            self.service.replicator.note_received()
-        return info

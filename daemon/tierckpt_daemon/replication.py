@@ -16,7 +16,6 @@ before the step is committed locally; a corrupt replica is skipped for the next 
 
 from __future__ import annotations
 
-import concurrent.futures
 import heapq
 import itertools
 import logging
@@ -26,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tierckpt_client.errors import (
     CheckpointFormatError,
+    ForbiddenError,
     IntegrityError,
     NotFoundError,
     PeerUnavailableError,
@@ -37,8 +37,6 @@ from tierckpt_client.errors import (
 )
 from tierckpt_client.layout import StoredFile, verify_file
 from tierckpt_client.protocol import (
-    PeerCommitRequest,
-    PeerFile,
     PeerManifest,
     ReplicationStatus,
     StepInfo,
@@ -46,7 +44,7 @@ from tierckpt_client.protocol import (
 )
 from tierckpt_daemon.background import background_pool, lower_priority
 from tierckpt_daemon.hydration import fill_step
-from tierckpt_daemon.index import StepRecord, read_manifest
+from tierckpt_daemon.index import StepRecord
 from tierckpt_daemon.membership import Membership, successors
 from tierckpt_daemon.peer_client import PeerClient
 from tierckpt_daemon.service import TierService
@@ -270,45 +268,14 @@ class Replicator:
                     self.service.mark_replicated(rec, peer, {})
                     return
         t0 = time.monotonic()
-        metadata = read_manifest(rec.manifest_path())["metadata"]
-        attempt = f"r{int(time.time() * 1000):x}{next(self._seq):04x}"
-        futures = {
-            f.name: self._pool.submit(
-                self.client.put_file,
-                peer,
-                ns,
-                step,
-                attempt,
-                rank=f.rank,
-                name=f.name,
-                path=str(rec.dir / f.name),
-                length=f.length,
-                checksum=rec.checksums.get(f.name),
-            )
-            for f in files
-        }
-        concurrent.futures.wait(futures.values())
-        checksums: dict[str, str] = {}
-        for name, fut in futures.items():
-            ours, receipt = fut.result()
-            if receipt.checksum != ours:
-                raise IntegrityError(
-                    f"{ns}/step {step}: file {name} reached peer {peer} with checksum "
-                    f"{receipt.checksum}, sent with {ours} (corrupted in transit)"
-                )
-            checksums[name] = ours
-        req = PeerCommitRequest(
-            files=[
-                PeerFile(name=f.name, rank=f.rank, length=f.length, checksum=checksums[f.name])
-                for f in files
-            ],
-            metadata=metadata,
-            world_size=rec.world_size or 1,
-            origin=self.node,
-        )
-        self.client.commit(peer, ns, step, attempt, req)
-        self.service.mark_replicated(rec, peer, checksums)
         nbytes = sum(f.length for f in files)
+        # The peer pulls: it fetches our manifest (with the files' checksums, computed now if no
+        # upload did yet) and every file over the same fast path a restore uses, verifies them,
+        # and commits the replica before it answers.
+        info = self.client.pull(peer, ns, step, self.node, nbytes)
+        if info.step != step or info.origin != self.node:
+            raise ProtocolError(f"peer {peer} answered the pull of {ns}/step {step} with {info}")
+        self.service.mark_replicated(rec, peer, {})
         self.service.metrics.replicated_bytes.inc(nbytes)
         self.service.metrics.replicated_steps.inc()
         with self._cv:
@@ -410,7 +377,25 @@ class Replicator:
         down = f" ({', '.join(unreachable)} did not answer)" if unreachable else ""
         raise StepNotFoundError(f"{namespace}/step {step}: no peer holds a replica{down}")
 
-    def _copy_from(self, peer: str, manifest: PeerManifest) -> StepRecord:
+    def pull_from(self, origin: str, namespace: str, step: int) -> StepInfo:
+        """A peer's replication request: copy its committed ``namespace/step`` here, verified,
+        as a replica whose origin is ``origin``. Only members of the ring are pulled from (the
+        token goes with every request, so it must not go to an address a caller names)."""
+        members = self.membership.members()
+        if origin not in members or origin == self.node:
+            raise ForbiddenError(
+                f"{origin} is not a peer of this daemon ({self.node}); its members are "
+                f"{', '.join(sorted(members)) or 'none'}"
+            )
+        manifest = self.client.manifest(origin, namespace, step)
+        if (manifest.namespace, manifest.step) != (namespace, step):
+            raise ProtocolError(f"peer {origin} answered for {manifest.namespace}/{manifest.step}")
+        rec = self._copy_from(origin, manifest, replica=True)
+        self.service.metrics.replica_received_bytes.inc(sum(f.length for f in manifest.files))
+        self.note_received()
+        return rec.info()
+
+    def _copy_from(self, peer: str, manifest: PeerManifest, *, replica: bool = False) -> StepRecord:
         ns, step = manifest.namespace, manifest.step
         where = f"peer {peer}"
         files = [
@@ -431,8 +416,12 @@ class Replicator:
             world_size=manifest.world_size,
             fetch=fetch,
             pool=self._pool,
-            attempt_prefix="p",
-            replicate=True,  # cheap: the source peer is known to hold it (below)
+            attempt_prefix="r" if replica else "p",
+            # A replica is not pushed on. A restored step is, cheaply: the peer it came from is
+            # known to hold it (below).
+            replicate=not replica,
+            origin=peer if replica else None,
         )
-        self.service.mark_replicated(rec, peer, {})
+        if not replica:
+            self.service.mark_replicated(rec, peer, {})
         return rec

@@ -1,41 +1,29 @@
 """Daemon-to-daemon routes (``/v1/peer/...``): served on the TCP port only, to callers that present
 the shared token (``Authorization: Bearer <TIERCKPT_PEER_TOKEN>``).
 
-Reads (a peer restoring a step): list steps, one step's manifest, stream one file. Writes (a peer
-pushing a replica): stream each file into a pending replica, then commit it with every checksum.
+Reads (a peer restoring a step, or pulling a replica): list steps, one step's manifest, stream one
+file. Replication: ``pull`` asks this daemon to copy one of the caller's steps (it then uses the
+reads above on the caller).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from tierckpt_client.errors import (
-    ForbiddenError,
-    IntegrityError,
-    ProtocolError,
-    UnauthorizedError,
-)
+from tierckpt_client.errors import ForbiddenError, UnauthorizedError
 from tierckpt_client.protocol import (
-    MAX_FILE_BYTES,
-    MAX_RANK,
-    PEER_CHECKSUM_HEADER,
-    PeerCommitRequest,
-    PeerFileReceipt,
     PeerManifest,
+    PeerPullRequest,
     PeerStep,
     StepInfo,
-    validate_file_name,
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon.peer_store import PeerStore, ReceivedFile
-
-WRITE_CHUNK = 4 << 20  # bytes gathered on the event loop before a thread writes them
+from tierckpt_daemon.peer_store import PeerStore
 
 
 async def require_peer_token(request: Request) -> None:
@@ -90,57 +78,14 @@ def get_file(namespace: str, step: int, attempt: str, name: str, store: Store) -
     )
 
 
-@router.put("/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}")
-async def put_file(
-    namespace: str,
-    step: int,
-    attempt: str,
-    name: str,
-    request: Request,
-    store: Store,
-    rank: Annotated[int, Query(ge=0, lt=MAX_RANK)],
-    length: Annotated[int, Query(ge=0, le=MAX_FILE_BYTES)],
-) -> PeerFileReceipt:
+@router.post("/namespaces/{namespace}/steps/{step}/pull")
+def pull(namespace: str, step: int, req: PeerPullRequest, request: Request) -> StepInfo:
+    """Replicate the caller's committed step here: fetch it from ``req.origin``, verify, commit.
+    Answers when the replica is committed (blocking work: FastAPI runs this in a thread)."""
     validate_namespace(namespace)
     validate_step(step)
-    validate_file_name(attempt)
-    validate_file_name(name)
-    expected = request.headers.get(PEER_CHECKSUM_HEADER)
-    rf: ReceivedFile = await asyncio.to_thread(store.begin_file, namespace, rank, length)
-    try:
-        buf = bytearray()
-        async for chunk in request.stream():
-            if rf.received + len(buf) + len(chunk) > length:
-                raise ProtocolError(
-                    f"{namespace}/step {step}: file {name} is longer than the {length} bytes "
-                    "announced"
-                )
-            buf += chunk
-            if len(buf) >= WRITE_CHUNK:
-                data, buf = buf, bytearray()
-                await asyncio.to_thread(rf.write, data)
-        if buf:
-            await asyncio.to_thread(rf.write, buf)
-        if rf.received != length:
-            raise ProtocolError(
-                f"{namespace}/step {step}: file {name} ended after {rf.received} of {length} bytes"
-            )
-        if expected is not None and rf.hexdigest() != expected:
-            raise IntegrityError(
-                f"{namespace}/step {step}: file {name} arrived with checksum {rf.hexdigest()}, "
-                f"the sender says {expected}"
-            )
-        digest = await asyncio.to_thread(
-            store.finish_file, namespace, step, attempt, rank, name, rf
-        )
-    except BaseException:
-        await asyncio.to_thread(store.abort_file, namespace, rf)
-        raise
-    return PeerFileReceipt(name=name, length=length, checksum=digest)
-
-
-@router.post("/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit")
-def commit(
-    namespace: str, step: int, attempt: str, req: PeerCommitRequest, store: Store
-) -> StepInfo:
-    return store.commit(namespace, step, attempt, req)
+    replicator = request.app.state.service.replicator
+    if replicator is None:
+        raise ForbiddenError("replication is off on this daemon (no TIERCKPT_PEERS)")
+    info: StepInfo = replicator.pull_from(req.origin, namespace, step)
+    return info
