@@ -7,7 +7,7 @@ token, both on loopback TCP), then measures side by side (see bench/README.md):
 (2) restore after A "dies" (stopped, its tmpfs wiped, restarted empty): ``dcp.load`` through A, which
     fetches the step from B and verifies it, vs. the same raw TCP transfer, and vs. a restore from
     A's memory once it is back (the memory tier);
-(3) slowdown of a CPU training loop while A pushes a step to B.
+(3) slowdown of a CPU training loop while a step is replicated from A to B.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class Bench:
         self._add(
             "replicate",
             dt,
-            cpu_pusher=cpu_s(self.a.pid) - c0,
+            cpu_origin=cpu_s(self.a.pid) - c0,
             cpu_receiver=cpu_s(self.b.pid) - w0,
         )
         return step
@@ -290,7 +290,7 @@ class Bench:
         dest = {k: torch.zeros_like(v) for k, v in self.sd.items()}
         for _ in range(self.args.iters):
             self.restore_peer(step, dest)
-            # A is back: pushes of new steps resume from here; restore the newest again next time
+            # A is back: new steps replicate from here; restore the newest again next time
             step = self.replicate()
         a, b = torch.randn(MM_SIZE, MM_SIZE), torch.randn(MM_SIZE, MM_SIZE)
         victim(a, b, 10)
@@ -345,10 +345,10 @@ def render(res: dict[str, Any]) -> str:
         cov = "".join("y" if c else "n" for c in r["covered"])
         lines += [
             "",
-            f"training loop (torch.mm {MM_SIZE}x{MM_SIZE}, 1 thread) while A pushes a step to B: "
-            f"{r['slowdown_pct']:.1f}% slower (push outlasted the loop: {cov}; cores busy alone "
-            f"{med(r['system_busy_alone']):.2f}, during {med(r['system_busy']):.2f}; pusher and "
-            "receiver share this machine)",
+            f"training loop (torch.mm {MM_SIZE}x{MM_SIZE}, 1 thread) while B pulls a step from A: "
+            f"{r['slowdown_pct']:.1f}% slower (replication outlasted the loop: {cov}; cores busy alone "
+            f"{med(r['system_busy_alone']):.2f}, during {med(r['system_busy']):.2f}; both daemons "
+            "share this machine)",
         ]
     return "\n".join(lines)
 
