@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import socket
+import statistics
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,3 +26,38 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         **extra,
     }
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 30) -> None:
+    """SIGTERM ``proc`` (a daemon: it drains), SIGKILL it if it has not exited after ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def add_rates(res: dict[str, Any], keys: Iterable[str]) -> None:
+    """For each row ``res[key]`` with seconds ``s`` and ``bytes``: its median and MB/s (10^6)."""
+    for key in keys:
+        if key in res:
+            r = res[key]
+            r["median_s"] = statistics.median(r["s"])
+            r["mbps"] = r["bytes"] / r["median_s"] / 1e6
+
+
+def write_results(path: Path, info: dict[str, Any], res: dict[str, Any]) -> None:
+    """The run's JSON: the machine and settings, and every result."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": info, "results": res}, indent=2) + "\n")
+    print(f"results written to {path}")

@@ -8,10 +8,8 @@ Starts a real daemon, then times, on one ~1 GB CPU state dict (see bench/README.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import machine_info
+from _common import free_port, machine_info, stop_process, write_results
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -81,12 +79,6 @@ def parse_args() -> argparse.Namespace:
     if not 1 <= args.warmup < args.iters:
         p.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup}), which must be >= 1")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_daemon(
@@ -484,20 +476,12 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        if daemon is not None:
-            daemon.terminate()
-            try:
-                daemon.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        stop_process(daemon, timeout=10)
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(fs_root, ignore_errors=True)
         log.unlink(missing_ok=True)
     print(render(res))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "results": res}, indent=2) + "\n")
-    print(f"results written to {args.out}")
+    write_results(args.out, info, res)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ token, both on loopback TCP), then measures side by side (see bench/README.md):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -30,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import machine_info
+from _common import add_rates, free_port, machine_info, stop_process, write_results
 from persistent_tier import (
     MM_SIZE,
     busy_cores,
@@ -65,12 +64,6 @@ def parse_args() -> argparse.Namespace:
     if args.iters < 1:
         p.error("--iters must be at least 1")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -125,13 +118,7 @@ class Node:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
     def wipe_restart(self) -> None:
         """A replaced node: the daemon and everything in its memory tier are gone."""
@@ -311,11 +298,7 @@ ROWS = {
 
 def summarize(res: dict[str, Any]) -> None:
     med = statistics.median
-    for key in ROWS:
-        if key in res:
-            r = res[key]
-            r["median_s"] = med(r["s"])
-            r["mbps"] = r["bytes"] / r["median_s"] / 1e6
+    add_rates(res, ROWS)
     res["ratios"] = {
         "replicate_over_raw": res["replicate"]["mbps"] / res["raw_tcp"]["mbps"],
         "restore_peer_over_raw": res["restore_peer"]["mbps"] / res["raw_tcp"]["mbps"],
@@ -379,9 +362,7 @@ def main() -> None:
         b.cleanup()
     summarize(res)
     print(render(res))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "results": res}, indent=2) + "\n")
-    print(f"results written to {args.out}")
+    write_results(args.out, info, res)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Starts its own SeaweedFS (a real S3 server, loopback, fresh temp dir) and a real
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import machine_info
+from _common import add_rates, machine_info, stop_process, write_results
 
 from tierckpt_client import DaemonClient, DaemonUnavailableError
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -138,13 +137,7 @@ class Daemon:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
     def wipe_restart(self, concurrency: int | None = None) -> None:
         """A rebooted node: the daemon and everything in its memory tier are gone."""
@@ -583,11 +576,10 @@ SLOWDOWN_ROWS = {
 
 def summarize(res: dict[str, Any]) -> None:
     med = statistics.median
+    add_rates(res, ROWS)
     for key in ROWS:
         if key in res:
             r = res[key]
-            r["median_s"] = med(r["s"])
-            r["mbps"] = r["bytes"] / r["median_s"] / 1e6
             for k in ("cpu_uploader", "cpu_server", "cpu_daemon", "cpu_client"):
                 if k in r:
                     r[f"median_{k}"] = med(r[k])
@@ -720,9 +712,7 @@ def main() -> None:
         s3.stop()
     summarize(res)
     print(render(res))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "results": res}, indent=2) + "\n")
-    print(f"results written to {args.out}")
+    write_results(args.out, info, res)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import machine_info
+from _common import free_port, machine_info, stop_process
 
 BENCH = Path(__file__).resolve().parent
 WARMUP = 3  # saves before the daemon recycles files (keep_last 2 + 1): the ramp-up
@@ -108,12 +108,7 @@ def daemon() -> Iterator[None]:
         print(f"daemon log (tail):\n{log.read_text()[-3000:]}", file=sys.stderr)
         raise
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=10)
         shutil.rmtree(shm_dir, ignore_errors=True)
         log.unlink(missing_ok=True)
 
@@ -220,11 +215,10 @@ def _rank(
 
 
 def child_two_rank(size_mb: int, iters: int, interval: float, out: Path) -> None:
-    import memory_tier as mt
     import torch.multiprocessing as mp
 
     with daemon():
-        port = mt.free_port()
+        port = free_port()
         mp.spawn(_rank, args=(2, port, size_mb, iters, interval, str(out)), nprocs=2, join=True)
 
 
