@@ -162,7 +162,9 @@ def _read_chunks(f: Any) -> Iterator[memoryview]:
         yield buf[:n]
 
 
-def _pwriter(fd: int) -> Callable[[memoryview, int], None]:
+def pwriter(fd: int) -> Callable[[memoryview, int], None]:
+    """``put(view, offset)``: write all of ``view`` at ``offset`` of file ``fd`` (pwrite, looped)."""
+
     def put(view: memoryview, off: int) -> None:
         while view:
             n = os.pwrite(fd, view, off)
@@ -284,7 +286,7 @@ class FileStore:
         path = self._path(key)
         try:
             with open(path, "rb", buffering=0) as f:
-                return _drain(_read_chunks(f), size, _pwriter(fd), f"{key!r} in {self.url}")
+                return _drain(_read_chunks(f), size, pwriter(fd), f"{key!r} in {self.url}")
         except FileNotFoundError as e:
             raise NotFoundError(f"object {key!r} not found in {self.url}") from e
         except OSError as e:
@@ -760,7 +762,7 @@ class S3Store:
         return self._download(key, len(out), put)
 
     def get_to_file(self, key: str, fd: int, size: int) -> str:
-        return self._download(key, size, _pwriter(fd))
+        return self._download(key, size, pwriter(fd))
 
     def _download(self, key: str, size: int, put: Callable[[memoryview, int], None]) -> str:
         full = self._full(key)

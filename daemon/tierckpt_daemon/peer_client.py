@@ -26,6 +26,7 @@ from tenacity import (
 from tierckpt_client.daemon_client import decode_response
 from tierckpt_client.errors import PeerUnavailableError, ProtocolError, TierCkptError
 from tierckpt_client.integrity import Hasher
+from tierckpt_client.objectstore import pwriter
 from tierckpt_client.protocol import (
     PeerManifest,
     PeerPullRequest,
@@ -119,16 +120,14 @@ class PeerClient:
                     body = resp.read()
                     _decode(peer, "GET", url, httpx.Response(resp.status, content=body))
                     raise ProtocolError(f"peer {peer}: GET {url} answered HTTP {resp.status}")
+                put = pwriter(fd)
                 off = 0
                 while n := resp.readinto(buf):
                     if off + n > length:
                         raise ProtocolError(f"peer {peer}: {url} sent more than {length} bytes")
                     h.update(buf[:n])
-                    view = buf[:n]
-                    while view:
-                        k = os.pwrite(fd, view, off)
-                        view = view[k:]
-                        off += k
+                    put(buf[:n], off)
+                    off += n
                 if off != length:
                     raise PeerUnavailableError(
                         f"peer {peer}: {url} ended after {off} of {length} bytes"
