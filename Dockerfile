@@ -18,6 +18,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 COPY pyproject.toml README.md /tmp/src/
 COPY daemon /tmp/src/daemon
+COPY core /tmp/src/core
 COPY client /tmp/src/client
 
 RUN pip install --no-cache-dir "/tmp/src[daemon]" \

@@ -3,7 +3,7 @@
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     CapacityExceededError,
     CheckpointFormatError,
     DaemonUnavailableError,

@@ -19,13 +19,13 @@ from typing import Any
 from tierckpt_client import __version__
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     DaemonUnavailableError,
     InvalidNameError,
     NotFoundError,
     TierCkptError,
 )
-from tierckpt_client.protocol import (
+from tierckpt_core.protocol import (
     NamespaceInfo,
     PersistentStatus,
     ReplicationStatus,

@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 
 from tierckpt_client.config import ClientConfig
-from tierckpt_client.errors import DaemonUnavailableError, ProtocolError, error_from_code
-from tierckpt_client.protocol import (
+from tierckpt_core.errors import DaemonUnavailableError, ProtocolError
+from tierckpt_core.http import decode_response
+from tierckpt_core.protocol import (
     CommitRequest,
     LeaseRequest,
     LeaseResponse,
@@ -46,21 +47,6 @@ def _close_shared() -> None:
         for http in _SHARED.values():
             http.close()
         _SHARED.clear()
-
-
-def decode_response(resp: httpx.Response, what: str, *, prefix: str = "") -> Any:
-    """The JSON body of a daemon's answer, or its ``{"code", "detail"}`` error raised as the
-    matching exception class (``prefix`` goes before the detail). ``what`` names the answer in a
-    ProtocolError, e.g. ``"daemon answered GET /v1/status"``."""
-    try:
-        doc = resp.json()
-    except ValueError:
-        raise ProtocolError(f"{what} with HTTP {resp.status_code} and a non-JSON body") from None
-    if resp.status_code >= 400:
-        if isinstance(doc, dict) and "code" in doc and "detail" in doc:
-            raise error_from_code(str(doc["code"]), f"{prefix}{doc['detail']}")
-        raise ProtocolError(f"{what} with HTTP {resp.status_code}: {doc}")
-    return doc
 
 
 class DaemonClient:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tierckpt-daemon: invalid setting {field}: {err['msg']}", file=sys.stderr)
         return 2
     _configure_logging(settings.log_level, settings.log_json)
-    from tierckpt_client.errors import TierCkptError
+    from tierckpt_core.errors import TierCkptError
 
     try:
         serve(settings)

@@ -148,8 +148,8 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _check_persist_url(cls, v: str | None) -> str | None:
         if v:
-            from tierckpt_client.errors import TierCkptError
-            from tierckpt_client.objectstore import open_store
+            from tierckpt_core.errors import TierCkptError
+            from tierckpt_core.objectstore import open_store
 
             try:
                 open_store(v).close()  # parses the URL; clients are created on first use

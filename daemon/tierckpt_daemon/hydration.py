@@ -14,15 +14,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from tierckpt_client.errors import NotFoundError
-from tierckpt_client.layout import StoredFile
-from tierckpt_client.protocol import CommitRequest, SealFile, SealRequest
+from tierckpt_core.errors import NotFoundError
+from tierckpt_core.layout import StoredFile
+from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.index import StepRecord
 from tierckpt_daemon.service import TierService
 
 Fetch = Callable[[StoredFile, str], None]
 """``fetch(file, path)``: write ``file``'s bytes into the leased ``path`` and verify them (raise
-:class:`~tierckpt_client.errors.IntegrityError` on a mismatch)."""
+:class:`~tierckpt_core.errors.IntegrityError` on a mismatch)."""
 
 
 def fill_step(

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tierckpt_client.errors import CheckpointFormatError
-from tierckpt_client.protocol import FileInfo, StepInfo, StepState
+from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.protocol import FileInfo, StepInfo, StepState
 
 logger = logging.getLogger(__name__)
 

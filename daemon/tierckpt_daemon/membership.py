@@ -17,7 +17,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierckpt_client.errors import PeerUnavailableError
+from tierckpt_core.errors import PeerUnavailableError
 
 DNS_PREFIX = "dns:"
 

@@ -23,11 +23,11 @@ from tenacity import (
     wait_exponential,
 )
 
-from tierckpt_client.daemon_client import decode_response
-from tierckpt_client.errors import PeerUnavailableError, ProtocolError, TierCkptError
-from tierckpt_client.integrity import Hasher
-from tierckpt_client.objectstore import pwriter
-from tierckpt_client.protocol import (
+from tierckpt_core.errors import PeerUnavailableError, ProtocolError, TierCkptError
+from tierckpt_core.http import decode_response
+from tierckpt_core.integrity import Hasher
+from tierckpt_core.objectstore import pwriter
+from tierckpt_core.protocol import (
     PeerManifest,
     PeerPullRequest,
     PeerStep,

@@ -12,12 +12,12 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     NotFoundError,
     TierCkptError,
 )
-from tierckpt_client.integrity import checksum_file, read_chunks
-from tierckpt_client.protocol import (
+from tierckpt_core.integrity import checksum_file, read_chunks
+from tierckpt_core.protocol import (
     PeerFile,
     PeerManifest,
     PeerStep,

@@ -20,8 +20,8 @@ import threading
 import time
 from collections import deque
 
-from tierckpt_client.errors import IntegrityError, NotFoundError, TierCkptError
-from tierckpt_client.layout import (
+from tierckpt_core.errors import IntegrityError, NotFoundError, TierCkptError
+from tierckpt_core.layout import (
     MARKER,
     StepManifest,
     StoredFile,
@@ -34,8 +34,8 @@ from tierckpt_client.layout import (
     verify_file,
     write_step_commit,
 )
-from tierckpt_client.objectstore import ObjectStore
-from tierckpt_client.protocol import (
+from tierckpt_core.objectstore import ObjectStore
+from tierckpt_core.protocol import (
     HydrationProgress,
     PersistentStatus,
     StepInfo,

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     CheckpointFormatError,
     ForbiddenError,
     IntegrityError,
@@ -35,8 +35,8 @@ from tierckpt_client.errors import (
     TierCkptError,
     UnauthorizedError,
 )
-from tierckpt_client.layout import StoredFile, verify_file
-from tierckpt_client.protocol import (
+from tierckpt_core.layout import StoredFile, verify_file
+from tierckpt_core.protocol import (
     PeerManifest,
     ReplicationStatus,
     StepInfo,

@@ -71,13 +71,15 @@ def build_service(settings: DaemonSettings) -> TierService:
     service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
     service.rebuild()
     if settings.persist_url:
-        from tierckpt_client.objectstore import StoreSettings, open_store, set_upload_rate_limit
+        import dataclasses
+
+        from tierckpt_core.objectstore import StoreSettings, open_store
         from tierckpt_daemon.config import parse_size
         from tierckpt_daemon.persist import Persister
 
-        store = open_store(settings.persist_url, StoreSettings.from_env())
-        if settings.upload_max_rate:
-            set_upload_rate_limit(parse_size(settings.upload_max_rate))
+        rate = parse_size(settings.upload_max_rate) if settings.upload_max_rate else None
+        store_settings = dataclasses.replace(StoreSettings.from_env(), upload_max_rate=rate)
+        store = open_store(settings.persist_url, store_settings)
         service.persister = Persister(
             service,
             store,

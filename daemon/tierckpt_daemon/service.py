@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     CapacityExceededError,
     CheckpointFormatError,
     LeaseNotFoundError,
@@ -35,7 +35,7 @@ from tierckpt_client.errors import (
     StepNotFoundError,
     StepStateError,
 )
-from tierckpt_client.protocol import (
+from tierckpt_core.protocol import (
     API_VERSION,
     CommitRequest,
     LeaseResponse,

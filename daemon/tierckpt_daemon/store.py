@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierckpt_client.errors import CapacityExceededError
+from tierckpt_core.errors import CapacityExceededError
 
 logger = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from seaweed import SeaweedS3
 
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     IntegrityError,
     NotFoundError,
     PersistentTierError,
 )
-from tierckpt_client.integrity import checksum
-from tierckpt_client.objectstore import ObjectInfo, S3Store, StoreSettings, open_store
+from tierckpt_core.integrity import checksum
+from tierckpt_core.objectstore import ObjectInfo, S3Store, StoreSettings, open_store
 
 
 @pytest.fixture
@@ -90,9 +90,7 @@ def test_wrong_credentials(s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -
     settings = StoreSettings.from_env()
     with S3Store(
         s3_env.bucket,
-        endpoint=settings.endpoint,
-        force_path_style=True,
-        max_attempts=1,
+        settings=StoreSettings(endpoint=settings.endpoint, force_path_style=True, max_attempts=1),
     ) as store:
         with pytest.raises(PersistentTierError, match=r"access denied.*credentials"):
             store.health()
@@ -119,7 +117,10 @@ def test_unknown_bucket(s3_env: SeaweedS3) -> None:
 def test_unreachable_endpoint_is_persistent_tier_error(s3_env: SeaweedS3) -> None:
     with (
         S3Store(
-            s3_env.bucket, endpoint="http://127.0.0.1:1", force_path_style=True, max_attempts=1
+            s3_env.bucket,
+            settings=StoreSettings(
+                endpoint="http://127.0.0.1:1", force_path_style=True, max_attempts=1
+            ),
         ) as store,
         pytest.raises(PersistentTierError, match=r"127\.0\.0\.1:1"),
     ):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient, DaemonUnavailableError
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.objectstore import StoreSettings, open_store
+from tierckpt_core.objectstore import StoreSettings, open_store
 
 from helpers import DaemonProcess, new_shm_dir
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.protocol import StepInfo
+from tierckpt_core.protocol import StepInfo
 
 from helpers import DaemonProcess, free_port, new_shm_dir, run_ranks
 

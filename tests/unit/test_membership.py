@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tierckpt_client.errors import PeerUnavailableError
+from tierckpt_core.errors import PeerUnavailableError
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.membership import Membership, successors
 

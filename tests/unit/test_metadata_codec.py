@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tierckpt_client.dcp._metadata_codec import ShardRef, decode_metadata, encode_metadata
-from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_core.errors import CheckpointFormatError
 
 
 def _metadata():  # type: ignore[no-untyped-def]

@@ -6,14 +6,14 @@ import pytest
 
 from tierckpt_client import ClientConfig
 from tierckpt_client.dcp._ids import parse_checkpoint_id
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     ERROR_CODES,
     CapacityExceededError,
     InvalidNameError,
     StepNotFoundError,
     error_from_code,
 )
-from tierckpt_client.protocol import validate_file_name, validate_namespace, validate_step
+from tierckpt_core.protocol import validate_file_name, validate_namespace, validate_step
 from tierckpt_daemon.config import DaemonSettings, parse_capacity, parse_size
 
 

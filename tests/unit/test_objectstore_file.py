@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     IntegrityError,
     InvalidNameError,
     NotFoundError,
     PersistentTierError,
 )
-from tierckpt_client.integrity import checksum
-from tierckpt_client.objectstore import (
+from tierckpt_core.integrity import checksum
+from tierckpt_core.objectstore import (
     CHUNK_SIZE,
     FileStore,
     ObjectInfo,
@@ -179,18 +179,15 @@ def test_settings_from_env() -> None:
 def test_upload_rate_limit_caps_average_bandwidth(tmp_path: Path) -> None:
     import time
 
-    from tierckpt_client import objectstore
+    from tierckpt_core import objectstore
 
     src = tmp_path / "src"
     src.write_bytes(b"x" * (4 << 20))
-    store = objectstore.FileStore(tmp_path / "store")
-    objectstore.set_upload_rate_limit(
-        8 << 20
-    )  # 8 MiB/s: 4 MiB (after a first free chunk) >= ~0.4 s
-    try:
-        t0 = time.monotonic()
-        store.put_file("a", str(src))
-        store.put_file("b", str(src))
-        assert time.monotonic() - t0 >= 0.4
-    finally:
-        objectstore.set_upload_rate_limit(None)
+    # 8 MiB/s: 4 MiB (after a first free chunk) >= ~0.4 s
+    store = objectstore.open_store(
+        f"file://{tmp_path}/store", objectstore.StoreSettings(upload_max_rate=8 << 20)
+    )
+    t0 = time.monotonic()
+    store.put_file("a", str(src))
+    store.put_file("b", str(src))
+    assert time.monotonic() - t0 >= 0.4

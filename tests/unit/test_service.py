@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     CapacityExceededError,
     LeaseNotFoundError,
     NamespaceNotFoundError,
     StepNotFoundError,
     StepStateError,
 )
-from tierckpt_client.protocol import CommitRequest, SealFile, SealRequest
+from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.service import TierService
 from tierckpt_daemon.store import Arena
 

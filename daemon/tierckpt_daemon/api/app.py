@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tierckpt_client.errors import ForbiddenError, ProtocolError, TierCkptError
-from tierckpt_client.protocol import API_VERSION
+from tierckpt_core.errors import ForbiddenError, ProtocolError, TierCkptError
+from tierckpt_core.protocol import API_VERSION
 from tierckpt_daemon import __version__
 from tierckpt_daemon.api import health, namespaces, peers, writes
 from tierckpt_daemon.config import DaemonSettings

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tierckpt_client.protocol import StatusResponse
+from tierckpt_core.protocol import StatusResponse
 from tierckpt_daemon.api.deps import get_service
 from tierckpt_daemon.service import TierService
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
 
-from tierckpt_client.protocol import NamespaceInfo, PinResponse, StepCandidate, StepInfo
+from tierckpt_core.protocol import NamespaceInfo, PinResponse, StepCandidate, StepInfo
 from tierckpt_daemon.api.deps import get_service
 from tierckpt_daemon.service import TierService
 

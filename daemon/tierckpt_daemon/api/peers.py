@@ -14,8 +14,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from tierckpt_client.errors import ForbiddenError, UnauthorizedError
-from tierckpt_client.protocol import (
+from tierckpt_core.errors import ForbiddenError, UnauthorizedError
+from tierckpt_core.protocol import (
     PeerManifest,
     PeerPullRequest,
     PeerStep,

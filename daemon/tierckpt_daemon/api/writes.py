@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
-from tierckpt_client.protocol import (
+from tierckpt_core.protocol import (
     CommitRequest,
     LeaseRequest,
     LeaseResponse,

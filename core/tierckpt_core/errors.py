@@ -1,0 +1,142 @@
+"""The exception tree shared by the client and the daemon.
+
+All errors raised by tierckpt derive from :class:`TierCkptError`::
+
+    TierCkptError
+    ├── DaemonUnavailableError      the local daemon cannot be reached or did not answer in time
+    ├── InvalidNameError            a namespace, step or file name breaks the naming rules (also ValueError)
+    ├── NotFoundError
+    │   ├── NamespaceNotFoundError  the daemon holds nothing for this namespace
+    │   ├── StepNotFoundError       no such step (or no committed step, for "latest")
+    │   └── LeaseNotFoundError      the lease expired or was never granted
+    ├── CapacityExceededError       the memory tier cannot fit the request even after safe eviction
+    ├── StepStateError              the step is in the wrong state (commit with missing files, ...)
+    ├── CheckpointFormatError       stored metadata or layout is malformed or does not match the load
+    │   └── IntegrityError          stored bytes do not match their recorded checksum
+    ├── PersistentTierError         the persistent tier (S3, file system) failed or is misconfigured
+    ├── ProtocolError               a request or answer that does not follow the wire protocol
+    ├── ForbiddenError              a local-only route was called over the TCP port (or a peer
+    │                               route on the Unix socket)
+    ├── UnauthorizedError           a peer route was called without the right peer token
+    └── PeerUnavailableError        a peer daemon cannot be reached or did not answer in time
+
+The daemon reports errors as JSON ``{"code": "...", "detail": "..."}``; :data:`ERROR_CODES` maps the
+stable ``code`` strings back to these classes, so clients never match on message text. Every class
+keeps its message as the only positional argument, which keeps it picklable: DCP ships exceptions
+across ranks and into the async checkpoint process.
+"""
+
+from __future__ import annotations
+
+
+class TierCkptError(Exception):
+    """Root of all tierckpt errors."""
+
+    code = "internal"
+    http_status = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DaemonUnavailableError(TierCkptError):
+    code = "daemon_unavailable"
+    http_status = 503
+
+
+class InvalidNameError(TierCkptError, ValueError):
+    code = "invalid_name"
+    http_status = 422
+
+
+class NotFoundError(TierCkptError):
+    code = "not_found"
+    http_status = 404
+
+
+class NamespaceNotFoundError(NotFoundError):
+    code = "namespace_not_found"
+
+
+class StepNotFoundError(NotFoundError):
+    code = "step_not_found"
+
+
+class LeaseNotFoundError(NotFoundError):
+    code = "lease_not_found"
+
+
+class CapacityExceededError(TierCkptError):
+    code = "capacity_exceeded"
+    http_status = 507
+
+
+class StepStateError(TierCkptError):
+    code = "step_state"
+    http_status = 409
+
+
+class CheckpointFormatError(TierCkptError):
+    code = "checkpoint_format"
+    http_status = 422
+
+
+class ProtocolError(TierCkptError):
+    code = "protocol"
+    http_status = 400
+
+
+class IntegrityError(CheckpointFormatError):
+    code = "integrity"
+
+
+class PersistentTierError(TierCkptError):
+    code = "persistent_tier"
+    http_status = 502
+
+
+class ForbiddenError(TierCkptError):
+    code = "forbidden"
+    http_status = 403
+
+
+class UnauthorizedError(TierCkptError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class PeerUnavailableError(TierCkptError):
+    code = "peer_unavailable"
+    http_status = 502
+
+
+ERROR_CODES: dict[str, type[TierCkptError]] = {
+    cls.code: cls
+    for cls in (
+        TierCkptError,
+        DaemonUnavailableError,
+        InvalidNameError,
+        NotFoundError,
+        NamespaceNotFoundError,
+        StepNotFoundError,
+        LeaseNotFoundError,
+        CapacityExceededError,
+        StepStateError,
+        CheckpointFormatError,
+        ProtocolError,
+        ForbiddenError,
+        UnauthorizedError,
+        PeerUnavailableError,
+        IntegrityError,
+        PersistentTierError,
+    )
+}
+
+
+def error_from_code(code: str, detail: str) -> TierCkptError:
+    """Build the exception for a daemon error ``code``; unknown codes become the root class."""
+    return ERROR_CODES.get(code, TierCkptError)(detail)

@@ -1,0 +1,196 @@
+"""Layout of a step in the persistent tier (S3 or a file system), shared by the daemon and clients.
+
+Torch-free. See docs/format.md::
+
+    <namespace>/step_<step:012d>/<file>          raw shard files, exactly the bytes the writer used
+    <namespace>/step_<step:012d>/manifest.json   files with lengths and checksums, the DCP metadata
+    <namespace>/step_<step:012d>/COMMITTED       written last; holds the manifest's checksum
+
+A step is durable exactly when its ``COMMITTED`` marker exists and names the checksum of the
+manifest next to it; every file is verified against the manifest when it is read back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    IntegrityError,
+    NotFoundError,
+    StepNotFoundError,
+)
+from tierckpt_core.integrity import checksum
+from tierckpt_core.protocol import validate_file_name
+
+if TYPE_CHECKING:
+    from tierckpt_core.objectstore import ObjectStore
+
+STEP_FORMAT = "tierckpt-step/1"
+MARKER_FORMAT = "tierckpt-commit/1"
+MANIFEST = "manifest.json"
+MARKER = "COMMITTED"
+_STEP_DIR = re.compile(r"step_(\d{12})")
+
+
+def step_prefix(namespace: str, step: int) -> str:
+    return f"{namespace}/step_{step:012d}/"
+
+
+def file_key(namespace: str, step: int, name: str) -> str:
+    return step_prefix(namespace, step) + validate_file_name(name)
+
+
+def manifest_key(namespace: str, step: int) -> str:
+    return step_prefix(namespace, step) + MANIFEST
+
+
+def marker_key(namespace: str, step: int) -> str:
+    return step_prefix(namespace, step) + MARKER
+
+
+def parse_step_key(namespace: str, key: str) -> tuple[int, str] | None:
+    """``(step, rest)`` for a key under ``<namespace>/step_<N>/``, else None."""
+    head = f"{namespace}/"
+    if not key.startswith(head):
+        return None
+    step_dir, sep, rest = key[len(head) :].partition("/")
+    m = _STEP_DIR.fullmatch(step_dir)
+    if not sep or m is None:
+        return None
+    return int(m.group(1)), rest
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    name: str
+    rank: int
+    length: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class StepManifest:
+    namespace: str
+    step: int
+    world_size: int | None
+    committed_at: float | None
+    files: tuple[StoredFile, ...]
+    metadata: dict[str, Any]
+
+    def encode(self) -> bytes:
+        doc = {
+            "format": STEP_FORMAT,
+            "namespace": self.namespace,
+            "step": self.step,
+            "world_size": self.world_size,
+            "committed_at": self.committed_at,
+            "files": [
+                {"name": f.name, "rank": f.rank, "length": f.length, "checksum": f.checksum}
+                for f in self.files
+            ],
+            "metadata": self.metadata,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, *, where: str) -> StepManifest:
+        try:
+            doc = json.loads(data)
+        except ValueError as e:
+            raise CheckpointFormatError(f"{where}: manifest is not JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("format") != STEP_FORMAT:
+            raise CheckpointFormatError(f"{where}: not a {STEP_FORMAT} manifest")
+        files = []
+        for f in doc.get("files") or []:
+            if not isinstance(f, dict):
+                raise CheckpointFormatError(f"{where}: manifest file entry is not an object")
+            name, rank, length, digest = (
+                f.get("name"),
+                f.get("rank"),
+                f.get("length"),
+                f.get("checksum"),
+            )
+            if not (
+                isinstance(name, str)
+                and isinstance(rank, int)
+                and isinstance(length, int)
+                and length >= 0
+                and isinstance(digest, str)
+            ):
+                raise CheckpointFormatError(f"{where}: malformed manifest entry {f!r}")
+            files.append(StoredFile(validate_file_name(name), rank, length, digest))
+        metadata = doc.get("metadata")
+        if not isinstance(metadata, dict):
+            raise CheckpointFormatError(f"{where}: manifest has no metadata")
+        return cls(
+            namespace=str(doc.get("namespace")),
+            step=int(doc.get("step", -1)),
+            world_size=doc.get("world_size"),
+            committed_at=doc.get("committed_at"),
+            files=tuple(files),
+            metadata=metadata,
+        )
+
+
+def encode_marker(manifest_bytes: bytes) -> bytes:
+    return json.dumps({"format": MARKER_FORMAT, "manifest": checksum(manifest_bytes)}).encode()
+
+
+def check_marker(marker: bytes, manifest_bytes: bytes, *, where: str) -> None:
+    try:
+        doc = json.loads(marker)
+    except ValueError:
+        raise IntegrityError(f"{where}: the commit marker is not JSON") from None
+    if not isinstance(doc, dict) or doc.get("format") != MARKER_FORMAT:
+        raise IntegrityError(f"{where}: not a {MARKER_FORMAT} commit marker")
+    if doc.get("manifest") != checksum(manifest_bytes):
+        raise IntegrityError(f"{where}: manifest.json does not match the checksum in COMMITTED")
+
+
+# -- operations on a store (shared by the daemon's uploader and the daemon-less client) ----------
+
+
+def durable_steps(store: ObjectStore, namespace: str) -> list[int]:
+    """Steps of ``namespace`` with a commit marker, oldest first."""
+    steps = set()
+    for obj in store.list(f"{namespace}/"):
+        parsed = parse_step_key(namespace, obj.key)
+        if parsed is not None and parsed[1] == MARKER:
+            steps.add(parsed[0])
+    return sorted(steps)
+
+
+def read_step_manifest(store: ObjectStore, namespace: str, step: int) -> StepManifest:
+    """The verified manifest of a durable step; StepNotFoundError if it has no commit marker."""
+    where = f"{store.url}/{step_prefix(namespace, step)}"
+    try:
+        marker = store.get_bytes(marker_key(namespace, step))
+    except NotFoundError:
+        raise StepNotFoundError(
+            f"{namespace}/step {step} is not durable in {store.url} (no commit marker)"
+        ) from None
+    manifest_bytes = store.get_bytes(manifest_key(namespace, step))
+    check_marker(marker, manifest_bytes, where=where)
+    manifest = StepManifest.decode(manifest_bytes, where=where)
+    if manifest.namespace != namespace or manifest.step != step:
+        raise IntegrityError(f"{where}: manifest is for {manifest.namespace}/step {manifest.step}")
+    return manifest
+
+
+def write_step_commit(store: ObjectStore, manifest: StepManifest) -> None:
+    """Write the manifest, then the marker: the step is durable once this returns."""
+    data = manifest.encode()
+    store.put_bytes(manifest_key(manifest.namespace, manifest.step), data)
+    store.put_bytes(marker_key(manifest.namespace, manifest.step), encode_marker(data))
+
+
+def verify_file(got: str, f: StoredFile, namespace: str, step: int, where: str) -> None:
+    if got != f.checksum:
+        raise IntegrityError(
+            f"{namespace}/step {step}: file {f.name} in {where} is corrupt (checksum {got}, "
+            f"the manifest says {f.checksum})"
+        )
