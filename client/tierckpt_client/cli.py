@@ -229,7 +229,7 @@ def _step_text(info: StepInfo) -> str:
         "",
     ]
     rows = [
-        (f.rank, f.name, _size(f.size), f.length)
+        (f.rank, f.name, _size(f.held_bytes), f.length)
         for f in sorted(info.files, key=lambda f: (f.rank, f.name))
     ]
     lines.append(_table(("RANK", "FILE", "SIZE", "LENGTH"), rows))

@@ -14,22 +14,20 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tierckpt_core.errors import (
-    CheckpointFormatError,
     IntegrityError,
     NotFoundError,
     StepNotFoundError,
 )
 from tierckpt_core.integrity import checksum
+from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import validate_file_name
 
 if TYPE_CHECKING:
     from tierckpt_core.objectstore import ObjectStore
 
-STEP_FORMAT = "tierckpt-step/1"
 MARKER_FORMAT = "tierckpt-commit/1"
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
@@ -62,78 +60,6 @@ def parse_step_key(namespace: str, key: str) -> tuple[int, str] | None:
     if not sep or m is None:
         return None
     return int(m.group(1)), rest
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    name: str
-    rank: int
-    length: int
-    checksum: str
-
-
-@dataclass(frozen=True)
-class StepManifest:
-    namespace: str
-    step: int
-    world_size: int | None
-    committed_at: float | None
-    files: tuple[StoredFile, ...]
-    metadata: dict[str, Any]
-
-    def encode(self) -> bytes:
-        doc = {
-            "format": STEP_FORMAT,
-            "namespace": self.namespace,
-            "step": self.step,
-            "world_size": self.world_size,
-            "committed_at": self.committed_at,
-            "files": [
-                {"name": f.name, "rank": f.rank, "length": f.length, "checksum": f.checksum}
-                for f in self.files
-            ],
-            "metadata": self.metadata,
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-    @classmethod
-    def decode(cls, data: bytes, *, where: str) -> StepManifest:
-        try:
-            doc = json.loads(data)
-        except ValueError as e:
-            raise CheckpointFormatError(f"{where}: manifest is not JSON ({e})") from None
-        if not isinstance(doc, dict) or doc.get("format") != STEP_FORMAT:
-            raise CheckpointFormatError(f"{where}: not a {STEP_FORMAT} manifest")
-        files = []
-        for f in doc.get("files") or []:
-            if not isinstance(f, dict):
-                raise CheckpointFormatError(f"{where}: manifest file entry is not an object")
-            name, rank, length, digest = (
-                f.get("name"),
-                f.get("rank"),
-                f.get("length"),
-                f.get("checksum"),
-            )
-            if not (
-                isinstance(name, str)
-                and isinstance(rank, int)
-                and isinstance(length, int)
-                and length >= 0
-                and isinstance(digest, str)
-            ):
-                raise CheckpointFormatError(f"{where}: malformed manifest entry {f!r}")
-            files.append(StoredFile(validate_file_name(name), rank, length, digest))
-        metadata = doc.get("metadata")
-        if not isinstance(metadata, dict):
-            raise CheckpointFormatError(f"{where}: manifest has no metadata")
-        return cls(
-            namespace=str(doc.get("namespace")),
-            step=int(doc.get("step", -1)),
-            world_size=doc.get("world_size"),
-            committed_at=doc.get("committed_at"),
-            files=tuple(files),
-            metadata=metadata,
-        )
 
 
 def encode_marker(manifest_bytes: bytes) -> bytes:
@@ -176,6 +102,7 @@ def read_step_manifest(store: ObjectStore, namespace: str, step: int) -> StepMan
     manifest_bytes = store.get_bytes(manifest_key(namespace, step))
     check_marker(marker, manifest_bytes, where=where)
     manifest = StepManifest.decode(manifest_bytes, where=where)
+    manifest.require_checksums(where=where)
     if manifest.namespace != namespace or manifest.step != step:
         raise IntegrityError(f"{where}: manifest is for {manifest.namespace}/step {manifest.step}")
     return manifest
@@ -183,12 +110,12 @@ def read_step_manifest(store: ObjectStore, namespace: str, step: int) -> StepMan
 
 def write_step_commit(store: ObjectStore, manifest: StepManifest) -> None:
     """Write the manifest, then the marker: the step is durable once this returns."""
-    data = manifest.encode()
+    data = manifest.portable().encode()
     store.put_bytes(manifest_key(manifest.namespace, manifest.step), data)
     store.put_bytes(marker_key(manifest.namespace, manifest.step), encode_marker(data))
 
 
-def verify_file(got: str, f: StoredFile, namespace: str, step: int, where: str) -> None:
+def verify_file(got: str, f: FileRecord, namespace: str, step: int, where: str) -> None:
     if got != f.checksum:
         raise IntegrityError(
             f"{namespace}/step {step}: file {f.name} in {where} is corrupt (checksum {got}, "

@@ -11,59 +11,23 @@ Names that end up in paths are validated on both sides by :func:`validate_namesp
 from __future__ import annotations
 
 import enum
-import re
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tierckpt_core.errors import InvalidNameError
+from tierckpt_core.manifest import FileRecord
+
+# The wire's name rules, re-exported: the API validates with them.
+from tierckpt_core.names import MAX_FILE_BYTES as MAX_FILE_BYTES
+from tierckpt_core.names import MAX_NAME_LEN as MAX_NAME_LEN
+from tierckpt_core.names import MAX_RANK as MAX_RANK
+from tierckpt_core.names import MAX_STEP as MAX_STEP
+from tierckpt_core.names import validate_file_name as validate_file_name
+from tierckpt_core.names import validate_namespace as validate_namespace
+from tierckpt_core.names import validate_rank as validate_rank
+from tierckpt_core.names import validate_step as validate_step
 
 API_VERSION = "v1"
-
-MAX_NAME_LEN = 128
-MAX_STEP = 10**12 - 1  # steps are laid out as step_{N:012d}
-MAX_RANK = 1 << 20
-MAX_FILE_BYTES = 1 << 44  # 16 TiB: a sanity bound, the capacity is the real one
-
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def _validate_name(kind: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise InvalidNameError(f"{kind} must be a string, got {type(value).__name__}")
-    if not value or len(value) > MAX_NAME_LEN:
-        raise InvalidNameError(f"{kind} {value!r} must be 1 to {MAX_NAME_LEN} characters long")
-    if not _NAME_RE.fullmatch(value) or ".." in value:
-        raise InvalidNameError(
-            f"{kind} {value!r} may only contain letters, digits, '.', '_' and '-', must start "
-            "with a letter or digit and must not contain '..'"
-        )
-    return value
-
-
-def validate_namespace(namespace: object) -> str:
-    """Return ``namespace`` if it is a valid namespace, else raise :class:`InvalidNameError`."""
-    return _validate_name("namespace", namespace)
-
-
-def validate_file_name(name: object) -> str:
-    """Return ``name`` if it is a valid shard file name, else raise :class:`InvalidNameError`."""
-    return _validate_name("file name", name)
-
-
-def validate_step(step: object) -> int:
-    """Return ``step`` as an int if it is a valid step number, else raise :class:`InvalidNameError`."""
-    if isinstance(step, bool) or not isinstance(step, int):
-        raise InvalidNameError(f"step must be an integer, got {step!r}")
-    if not 0 <= step <= MAX_STEP:
-        raise InvalidNameError(f"step {step} is out of range 0..{MAX_STEP}")
-    return step
-
-
-def validate_rank(rank: object) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_RANK:
-        raise InvalidNameError(f"rank must be an integer in 0..{MAX_RANK - 1}, got {rank!r}")
-    return rank
 
 
 class StepState(str, enum.Enum):
@@ -114,19 +78,12 @@ class CommitRequest(BaseModel):
     persist: bool | None = None
 
 
-class FileInfo(BaseModel):
-    name: str
-    rank: int
-    size: int
-    length: int
-
-
 class StepInfo(BaseModel):
     namespace: str
     step: int
     state: StepState
     bytes: int
-    files: list[FileInfo]
+    files: list[FileRecord]
     created_at: float
     committed_at: float | None = None
     world_size: int | None = None
@@ -210,13 +167,6 @@ class StatusResponse(BaseModel):
 # -- daemon-to-daemon (peer) routes, /v1/peer/..., TCP only, Authorization: Bearer <token> -------
 
 
-class PeerFile(BaseModel):
-    name: str
-    rank: int = Field(ge=0, lt=MAX_RANK)
-    length: int = Field(ge=0, le=MAX_FILE_BYTES)
-    checksum: str
-
-
 class PeerStep(BaseModel):
     """One committed step a peer holds (the listing ``latest`` consults)."""
 
@@ -225,19 +175,6 @@ class PeerStep(BaseModel):
     bytes: int
     origin: str | None
     committed_at: float | None
-
-
-class PeerManifest(BaseModel):
-    """Everything needed to rebuild a step elsewhere: files with checksums and the DCP metadata."""
-
-    namespace: str
-    step: int
-    attempt: str
-    world_size: int | None
-    committed_at: float | None
-    origin: str | None
-    files: list[PeerFile]
-    metadata: dict[str, Any]
 
 
 class PeerPullRequest(BaseModel):

@@ -15,12 +15,12 @@ from concurrent.futures import Executor
 from typing import Any
 
 from tierckpt_core.errors import NotFoundError
-from tierckpt_core.layout import StoredFile
+from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.index import StepRecord
 from tierckpt_daemon.service import TierService
 
-Fetch = Callable[[StoredFile, str], None]
+Fetch = Callable[[FileRecord, str], None]
 """``fetch(file, path)``: write ``file``'s bytes into the leased ``path`` and verify them (raise
 :class:`~tierckpt_core.errors.IntegrityError` on a mismatch)."""
 
@@ -29,7 +29,7 @@ def fill_step(
     service: TierService,
     namespace: str,
     step: int,
-    files: Sequence[StoredFile],
+    files: Sequence[FileRecord],
     *,
     metadata: dict[str, Any],
     world_size: int | None,
@@ -46,7 +46,7 @@ def fill_step(
     raised.
     """
     attempt = f"{attempt_prefix}{uuid.uuid4().hex[:15]}"
-    leases: list[tuple[StoredFile, str]] = []
+    leases: list[tuple[FileRecord, str]] = []
     try:
         paths = []
         for f in files:
@@ -85,6 +85,6 @@ def fill_step(
         ),
         replicate=replicate,
         origin=origin,
-        checksums={f.name: f.checksum for f in files},
+        checksums={f.name: f.checksum for f in files if f.checksum},
     )
     return service.record(namespace, step)

@@ -26,9 +26,9 @@ from tenacity import (
 from tierckpt_core.errors import PeerUnavailableError, ProtocolError, TierCkptError
 from tierckpt_core.http import decode_response
 from tierckpt_core.integrity import Hasher
+from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import pwriter
 from tierckpt_core.protocol import (
-    PeerManifest,
     PeerPullRequest,
     PeerStep,
     StepInfo,
@@ -94,9 +94,9 @@ class PeerClient:
         )
         return [PeerStep.model_validate(x) for x in doc]
 
-    def manifest(self, peer: str, namespace: str, step: int) -> PeerManifest:
+    def manifest(self, peer: str, namespace: str, step: int) -> StepManifest:
         doc = self._json(peer, "GET", f"/v1/peer/namespaces/{namespace}/steps/{step}")
-        return PeerManifest.model_validate(doc)
+        return StepManifest.model_validate(doc)
 
     def get_file(
         self, peer: str, namespace: str, step: int, attempt: str, name: str, path: str, length: int

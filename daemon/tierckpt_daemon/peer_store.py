@@ -17,9 +17,8 @@ from tierckpt_core.errors import (
     TierCkptError,
 )
 from tierckpt_core.integrity import checksum_file, read_chunks
+from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import (
-    PeerFile,
-    PeerManifest,
     PeerStep,
     validate_file_name,
 )
@@ -48,10 +47,10 @@ class PeerStore:
             for r in self.service.records(namespace)
         ]
 
-    def manifest(self, namespace: str, step: int) -> PeerManifest:
+    def manifest(self, namespace: str, step: int) -> StepManifest:
         rec = self.service.record(namespace, step)
-        doc = read_manifest(rec.manifest_path())
-        missing = [f for f in rec.files.values() if f.name not in rec.checksums]
+        metadata = read_manifest(rec.manifest_path()).metadata
+        missing = [f for f in rec.files.values() if not f.checksum]
         if missing:
             # Neither replicated nor durable yet: checksum the files now (memory bandwidth).
             pin = self.service.pin(namespace, step, rec.attempt)
@@ -60,19 +59,7 @@ class PeerStore:
             finally:
                 self.service.unpin(namespace, step, pin.pin_id)
             self.service.set_checksums(rec, sums)
-        return PeerManifest(
-            namespace=namespace,
-            step=step,
-            attempt=rec.attempt,
-            world_size=rec.world_size,
-            committed_at=rec.committed_at,
-            origin=rec.origin,
-            files=[
-                PeerFile(name=f.name, rank=f.rank, length=f.length, checksum=rec.checksums[f.name])
-                for f in sorted(rec.files.values(), key=lambda f: f.name)
-            ],
-            metadata=doc["metadata"],
-        )
+        return rec.manifest(metadata).portable()
 
     def open_file(
         self, namespace: str, step: int, attempt: str, name: str

@@ -23,8 +23,6 @@ from collections import deque
 from tierckpt_core.errors import IntegrityError, NotFoundError, TierCkptError
 from tierckpt_core.layout import (
     MARKER,
-    StepManifest,
-    StoredFile,
     durable_steps,
     file_key,
     marker_key,
@@ -34,6 +32,7 @@ from tierckpt_core.layout import (
     verify_file,
     write_step_commit,
 )
+from tierckpt_core.manifest import FileRecord
 from tierckpt_core.objectstore import ObjectStore
 from tierckpt_core.protocol import (
     HydrationProgress,
@@ -181,7 +180,7 @@ class Persister:
             self.service.cancel_persist(rec)
             return
         t0 = time.monotonic()
-        doc = read_manifest(rec.manifest_path())
+        metadata = read_manifest(rec.manifest_path()).metadata
         # A re-upload of the step (a newer attempt) must never leave an old marker over new files.
         self.store.delete([marker_key(ns, step)])
         files = sorted(rec.files.values(), key=lambda f: f.name)
@@ -194,13 +193,8 @@ class Persister:
         # Let every upload end before raising: a retry must not race a still-running one.
         concurrent.futures.wait(futures.values())
         checksums = {name: fut.result() for name, fut in futures.items()}
-        manifest = StepManifest(
-            namespace=ns,
-            step=step,
-            world_size=rec.world_size,
-            committed_at=rec.committed_at,
-            files=tuple(StoredFile(f.name, f.rank, f.length, checksums[f.name]) for f in files),
-            metadata=doc["metadata"],
+        manifest = rec.manifest(metadata).model_copy(
+            update={"files": [f.model_copy(update={"checksum": checksums[f.name]}) for f in files]}
         )
         write_step_commit(self.store, manifest)
         self.service.mark_durable(rec, checksums)
@@ -287,7 +281,7 @@ class Persister:
         with self._cv:
             self._hydrating[(namespace, step)] = progress
 
-        def fetch(f: StoredFile, path: str) -> None:
+        def fetch(f: FileRecord, path: str) -> None:
             self._download(namespace, step, f, path)
             with self._cv:
                 progress[0] += f.length
@@ -309,7 +303,7 @@ class Persister:
         finally:
             with self._cv:
                 self._hydrating.pop((namespace, step), None)
-        self.service.mark_durable(rec, {f.name: f.checksum for f in manifest.files})
+        self.service.mark_durable(rec, {f.name: f.checksum for f in manifest.files if f.checksum})
         nbytes = sum(f.length for f in manifest.files)
         self.service.metrics.hydrated_bytes.inc(nbytes)
         dt = time.monotonic() - t0
@@ -324,7 +318,7 @@ class Persister:
         )
         return rec.info()
 
-    def _download(self, namespace: str, step: int, f: StoredFile, path: str) -> None:
+    def _download(self, namespace: str, step: int, f: FileRecord, path: str) -> None:
         key = file_key(namespace, step, f.name)
         if f.length == 0:
             got = self.store.get_into(key, memoryview(bytearray()))

@@ -35,12 +35,11 @@ from tierckpt_core.errors import (
     TierCkptError,
     UnauthorizedError,
 )
-from tierckpt_core.layout import StoredFile, verify_file
+from tierckpt_core.layout import verify_file
+from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import (
-    PeerManifest,
     ReplicationStatus,
     StepInfo,
-    validate_file_name,
 )
 from tierckpt_daemon.background import background_pool, lower_priority
 from tierckpt_daemon.hydration import fill_step
@@ -255,16 +254,14 @@ class Replicator:
     def _push(self, rec: StepRecord, peer: str) -> None:
         ns, step = rec.namespace, rec.step
         files = sorted(rec.files.values(), key=lambda f: f.name)
-        if files and all(f.name in rec.checksums for f in files):
+        if files and all(f.checksum for f in files):
             # Already there (e.g. the peer this step was restored from)? Then no bytes move.
             try:
                 theirs = self.client.manifest(peer, ns, step)
             except NotFoundError:
                 pass
             else:
-                if {f.name: f.checksum for f in theirs.files} == {
-                    f.name: rec.checksums[f.name] for f in files
-                }:
+                if {f.name: f.checksum for f in theirs.files} == rec.checksums():
                     self.service.mark_replicated(rec, peer, {})
                     return
         t0 = time.monotonic()
@@ -395,16 +392,17 @@ class Replicator:
         self.note_received()
         return rec.info()
 
-    def _copy_from(self, peer: str, manifest: PeerManifest, *, replica: bool = False) -> StepRecord:
+    def _copy_from(self, peer: str, manifest: StepManifest, *, replica: bool = False) -> StepRecord:
         ns, step = manifest.namespace, manifest.step
         where = f"peer {peer}"
-        files = [
-            StoredFile(validate_file_name(f.name), f.rank, f.length, f.checksum)
-            for f in manifest.files
-        ]
+        manifest.require_checksums(where=where)
+        attempt = manifest.attempt
+        if attempt is None:
+            raise ProtocolError(f"{where} sent a manifest of {ns}/step {step} with no attempt")
+        files = manifest.portable().files
 
-        def fetch(f: StoredFile, path: str) -> None:
-            got = self.client.get_file(peer, ns, step, manifest.attempt, f.name, path, f.length)
+        def fetch(f: FileRecord, path: str) -> None:
+            got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length)
             verify_file(got, f, ns, step, where)
 
         rec = fill_step(

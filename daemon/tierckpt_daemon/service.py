@@ -35,6 +35,7 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     StepStateError,
 )
+from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import (
     API_VERSION,
     CommitRequest,
@@ -53,7 +54,6 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon import __version__
 from tierckpt_daemon.eviction import EvictionPolicy, KeepLatestN, safe_to_evict
 from tierckpt_daemon.index import (
-    FileRecord,
     StepRecord,
     parse_step_dir_name,
     read_manifest,
@@ -165,7 +165,7 @@ class TierService:
                 logger.warning("discarding step directory %s: %s", step_dir, e)
             else:
                 for f in rec.files.values():
-                    self.arena.track(step_dir / f.name, f.size)
+                    self.arena.track(step_dir / f.name, f.held_bytes)
                 steps = self._committed.setdefault(namespace, {})
                 old = steps.get(rec.step)
                 # Two committed attempts of one step survive a crash mid-supersede: newest wins.
@@ -369,7 +369,9 @@ class TierService:
                     )
                 del self._leases[f.lease_id]
                 self.arena.move(lease.path, rec.dir / f.name)
-                rec.files[f.name] = FileRecord(f.name, req.rank, lease.size, f.length)
+                rec.files[f.name] = FileRecord(
+                    name=f.name, rank=req.rank, size=lease.size, length=f.length
+                )
             rec.last_activity = time.monotonic()
             return rec.info()
 
@@ -435,7 +437,7 @@ class TierService:
             rec.persist = req.persist
             rec.persist_pending = self._wants_persist(namespace, step, req.persist)
             rec.origin = origin
-            rec.checksums = dict(checksums or {})
+            rec.learn_checksums(checksums or {})
             rec.replication_pending = (
                 replicate
                 and origin is None
@@ -596,7 +598,8 @@ class TierService:
 
     def mark_durable(self, rec: StepRecord, checksums: dict[str, str]) -> None:
         with self._lock:
-            rec.checksums = dict(checksums)
+            for f in rec.files.values():
+                f.checksum = checksums.get(f.name, f.checksum)
             rec.persist_pending = False
             rec.state = StepState.DURABLE
             if rec.manifest_path().exists():
@@ -607,8 +610,7 @@ class TierService:
     def mark_replicated(self, rec: StepRecord, peer: str, checksums: dict[str, str]) -> None:
         """``peer`` now holds a verified copy of ``rec`` (whose files have ``checksums``)."""
         with self._lock:
-            for name, digest in checksums.items():
-                rec.checksums.setdefault(name, digest)
+            rec.learn_checksums(checksums)
             if peer not in rec.replicated_to:
                 rec.replicated_to.append(peer)
             if rec.manifest_path().exists():
@@ -616,8 +618,7 @@ class TierService:
 
     def set_checksums(self, rec: StepRecord, checksums: dict[str, str]) -> None:
         with self._lock:
-            for name, digest in checksums.items():
-                rec.checksums.setdefault(name, digest)
+            rec.learn_checksums(checksums)
             if rec.manifest_path().exists():
                 update_manifest(rec)
 
@@ -750,11 +751,7 @@ class TierService:
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
         with self._lock:
             path = self._get_committed(namespace, step).manifest_path()
-        doc = read_manifest(path)
-        md = doc.get("metadata")
-        if not isinstance(md, dict):
-            raise CheckpointFormatError(f"{namespace}/step {step}: commit record has no metadata")
-        return md
+        return read_manifest(path).metadata
 
     def pin(self, namespace: str, step: int, attempt: str | None = None) -> PinResponse:
         with self._lock:

@@ -18,8 +18,6 @@ import torch
 
 from tierckpt_client.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
 from tierckpt_client.layout import (
-    StepManifest,
-    StoredFile,
     durable_steps,
     file_key,
     marker_key,
@@ -29,6 +27,7 @@ from tierckpt_client.layout import (
     write_step_commit,
 )
 from tierckpt_client.objectstore import ObjectStore, StoreSettings, open_store
+from tierckpt_core.manifest import FileRecord, StepManifest
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,12 @@ class DirectTier:
         for name in sorted(names):
             raw = json.loads(self.store.get_bytes(file_key(namespace, step, name + SIDECAR)))
             files.append(
-                StoredFile(name, int(raw["rank"]), int(raw["length"]), str(raw["checksum"]))
+                FileRecord(
+                    name=name,
+                    rank=int(raw["rank"]),
+                    length=int(raw["length"]),
+                    checksum=str(raw["checksum"]),
+                )
             )
         write_step_commit(
             self.store,
@@ -114,7 +118,7 @@ class DirectTier:
                 step=step,
                 world_size=world_size,
                 committed_at=committed_at,
-                files=tuple(files),
+                files=files,
                 metadata=metadata,
             ),
         )

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from tierckpt_core.errors import ForbiddenError, UnauthorizedError
+from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import (
-    PeerManifest,
     PeerPullRequest,
     PeerStep,
     StepInfo,
@@ -62,7 +62,7 @@ def list_steps(namespace: str, store: Store) -> list[PeerStep]:
 
 
 @router.get("/namespaces/{namespace}/steps/{step}")
-def manifest(namespace: str, step: int, store: Store) -> PeerManifest:
+def manifest(namespace: str, step: int, store: Store) -> StepManifest:
     return store.manifest(namespace, step)
 
 

@@ -1,0 +1,143 @@
+"""One model of a committed step, wherever it is written down.
+
+The same :class:`StepManifest` is the commit record on tmpfs (``MANIFEST.json`` in the step's
+directory), the manifest in the persistent tier (``manifest.json``, see :mod:`tierckpt_core.layout`),
+and what one daemon sends another for a replica or a restore. Each file of the step is one
+:class:`FileRecord`, which carries the file's checksum from the moment it is known; every reader
+verifies the bytes it gets against it.
+
+What only the daemon that holds the step needs (upload and replication bookkeeping) is the
+:class:`LocalState` in ``local``; :meth:`StepManifest.portable` drops it, and the files' memory-tier
+sizes, before a manifest leaves the node.
+
+Manifests are untrusted input where they are read: :meth:`StepManifest.decode` turns anything
+malformed into :class:`~tierckpt_core.errors.CheckpointFormatError` naming where it came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.names import MAX_FILE_BYTES, MAX_RANK, MAX_STEP, validate_file_name
+
+FORMAT = "tierckpt-step/1"
+# The tmpfs commit record of daemons before the one manifest model: same fields, with the local
+# state at the top level. Still read, so that a daemon upgraded in place keeps its steps.
+_LEGACY_LOCAL_FORMAT = "tierckpt-manifest/1"
+_LEGACY_LOCAL_FIELDS = (
+    "persist",
+    "persist_pending",
+    "durable",
+    "origin",
+    "replicated_to",
+    "replication_pending",
+)
+
+
+class FileRecord(BaseModel):
+    """One file of a step: its name, the rank that wrote it, and the bytes it holds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    rank: int = Field(ge=0, lt=MAX_RANK)
+    length: int = Field(ge=0, le=MAX_FILE_BYTES)  # bytes the writer used
+    size: int | None = Field(default=None, ge=0)  # memory tier: bytes the file occupies (its lease)
+    checksum: str | None = None  # of the first ``length`` bytes, once known (integrity.checksum)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        return validate_file_name(v)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the file takes where it is held: its size in the memory tier, else its length."""
+        return self.length if self.size is None else self.size
+
+
+class LocalState(BaseModel):
+    """A daemon's bookkeeping of a step it holds in memory (only on its own tmpfs)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
+    persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
+    durable: bool = False  # complete in the persistent tier
+    origin: str | None = None  # a replica: the peer (host:port) that committed it
+    replicated_to: list[str] = []  # peers holding a verified copy
+    replication_pending: bool = False  # must not leave memory before it is replicated
+
+
+class StepManifest(BaseModel):
+    """A committed step: its files (with checksums) and the DCP metadata that describes them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    format: str = FORMAT
+    namespace: str
+    step: int = Field(ge=0, le=MAX_STEP)
+    attempt: str | None = None
+    world_size: int | None = None
+    created_at: float | None = None
+    committed_at: float | None = None
+    files: list[FileRecord]
+    metadata: dict[str, Any]
+    local: LocalState | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade_legacy(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("format") == _LEGACY_LOCAL_FORMAT:
+            data = dict(data)
+            data["local"] = {k: data.pop(k) for k in _LEGACY_LOCAL_FIELDS if k in data}
+            data["format"] = FORMAT
+        return data
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        if v != FORMAT:
+            raise ValueError(f"format {v!r} is not {FORMAT!r}")
+        return v
+
+    def file(self, name: str) -> FileRecord | None:
+        return next((f for f in self.files if f.name == name), None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.length for f in self.files)
+
+    def portable(self) -> StepManifest:
+        """This manifest as it leaves the node: no local state, no memory-tier sizes."""
+        return self.model_copy(
+            update={
+                "local": None,
+                "files": [f.model_copy(update={"size": None}) for f in self.files],
+            }
+        )
+
+    def encode(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+    @classmethod
+    def decode(cls, data: bytes | str, *, where: str) -> StepManifest:
+        try:
+            return cls.model_validate_json(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"]) or "manifest"
+            raise CheckpointFormatError(
+                f"{where}: not a valid {FORMAT} manifest ({loc}: {first['msg']})"
+            ) from None
+
+    def require_checksums(self, *, where: str) -> None:
+        """Raise unless every file has a checksum (what a reader verifies against)."""
+        missing = [f.name for f in self.files if not f.checksum]
+        if missing:
+            raise CheckpointFormatError(
+                f"{where}: the manifest has no checksum for {', '.join(missing[:8])}"
+            )
