@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from tierckpt_daemon.index import StepRecord
+from tierckpt_daemon.records import StepRecord
 
 
 class EvictionPolicy(Protocol):

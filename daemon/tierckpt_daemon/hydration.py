@@ -17,7 +17,7 @@ from typing import Any
 from tierckpt_core.errors import NotFoundError
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
-from tierckpt_daemon.index import StepRecord
+from tierckpt_daemon.records import StepRecord
 from tierckpt_daemon.service import TierService
 
 Fetch = Callable[[FileRecord, str], None]

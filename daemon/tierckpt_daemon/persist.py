@@ -41,7 +41,7 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.background import background_pool, lower_priority
 from tierckpt_daemon.hydration import fill_step
-from tierckpt_daemon.index import StepRecord, read_manifest
+from tierckpt_daemon.records import StepRecord, read_manifest
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)

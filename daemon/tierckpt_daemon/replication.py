@@ -43,9 +43,9 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.background import background_pool, lower_priority
 from tierckpt_daemon.hydration import fill_step
-from tierckpt_daemon.index import StepRecord
 from tierckpt_daemon.membership import Membership, successors
 from tierckpt_daemon.peer_client import PeerClient
+from tierckpt_daemon.records import StepRecord
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from pathlib import Path
 import uvicorn
 
 from tierckpt_daemon.api import create_app
+from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.service import TierService
-from tierckpt_daemon.store import Arena
 
 logger = logging.getLogger(__name__)
 

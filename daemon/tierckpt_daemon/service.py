@@ -52,8 +52,10 @@ from tierckpt_core.protocol import (
     validate_step,
 )
 from tierckpt_daemon import __version__
+from tierckpt_daemon.arena import Arena, round_up
 from tierckpt_daemon.eviction import EvictionPolicy, KeepLatestN, safe_to_evict
-from tierckpt_daemon.index import (
+from tierckpt_daemon.metrics import Metrics
+from tierckpt_daemon.records import (
     StepRecord,
     parse_step_dir_name,
     read_manifest,
@@ -62,8 +64,6 @@ from tierckpt_daemon.index import (
     update_manifest,
     write_manifest,
 )
-from tierckpt_daemon.metrics import Metrics
-from tierckpt_daemon.store import Arena, round_up
 
 if TYPE_CHECKING:
     from tierckpt_daemon.persist import Persister

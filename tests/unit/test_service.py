@@ -16,8 +16,8 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
+from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.service import TierService
-from tierckpt_daemon.store import Arena
 
 MiB = 1 << 20
 

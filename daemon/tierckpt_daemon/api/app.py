@@ -17,7 +17,7 @@ from tierckpt_core.protocol import API_VERSION
 from tierckpt_daemon import __version__
 from tierckpt_daemon.api import health, namespaces, peers, writes
 from tierckpt_daemon.config import DaemonSettings
-from tierckpt_daemon.peer_store import PeerStore
+from tierckpt_daemon.peer_server import PeerServer
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
     )
     app.state.service = service
     app.state.settings = settings
-    app.state.peer_store = PeerStore(service)
+    app.state.peer_server = PeerServer(service)
 
     @app.exception_handler(TierCkptError)
     async def _tierckpt_error(request: Request, exc: TierCkptError) -> JSONResponse:

@@ -23,7 +23,7 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon.peer_store import PeerStore
+from tierckpt_daemon.peer_server import PeerServer
 
 
 async def require_peer_token(request: Request) -> None:
@@ -47,13 +47,13 @@ async def require_peer_token(request: Request) -> None:
         )
 
 
-def get_peer_store(request: Request) -> PeerStore:
-    store: PeerStore = request.app.state.peer_store
+def get_peer_server(request: Request) -> PeerServer:
+    store: PeerServer = request.app.state.peer_server
     return store
 
 
 router = APIRouter(prefix="/v1/peer", dependencies=[Depends(require_peer_token)])
-Store = Annotated[PeerStore, Depends(get_peer_store)]
+Store = Annotated[PeerServer, Depends(get_peer_server)]
 
 
 @router.get("/namespaces/{namespace}/steps")

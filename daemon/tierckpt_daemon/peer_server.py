@@ -22,7 +22,7 @@ from tierckpt_core.protocol import (
     PeerStep,
     validate_file_name,
 )
-from tierckpt_daemon.index import read_manifest
+from tierckpt_daemon.records import read_manifest
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 SERVE_CHUNK = 1 << 20
 
 
-class PeerStore:
+class PeerServer:
     def __init__(self, service: TierService) -> None:
         self.service = service
 
