@@ -6,15 +6,12 @@ from the service when Prometheus scrapes, so they can never drift from the truth
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from tierckpt_daemon.service import TierService
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TRANSFER_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -78,17 +75,40 @@ class Metrics:
         self.peer_hydrated_bytes = Counter(
             "tierckpt_peer_hydrated_bytes", "Bytes brought back from peers' replicas", registry=r
         )
+        self.replicas_received = Counter(
+            "tierckpt_replicas_received", "Step replicas received from peers", registry=r
+        )
 
-    def attach(self, service: TierService) -> None:
-        self.registry.register(_StateCollector(service))
+    @staticmethod
+    def total(counter: Counter) -> int:
+        """A counter's value (one source of truth for the status API and /metrics)."""
+        for metric in counter.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    return int(sample.value)
+        return 0
+
+    def attach(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Compute the state gauges from ``snapshot()`` at every scrape."""
+        self.registry.register(_StateCollector(snapshot))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    capacity_bytes: int
+    bytes_by_state: dict[str, int]
+    steps_by_state: dict[str, int]
+    upload_queue: int = 0
+    persistent_healthy: bool | None = None
+    replication_queue: int = 0
 
 
 class _StateCollector(Collector):
-    def __init__(self, service: TierService) -> None:
-        self.service = service
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        snap = self.service.snapshot()
+        snap = self.snapshot()
         cap = GaugeMetricFamily("tierckpt_capacity_bytes", "Budget of the memory tier")
         cap.add_metric([], snap.capacity_bytes)
         yield cap

@@ -4,8 +4,8 @@ Uploads run in the daemon, never in the trainer. One worker takes committed step
 each step's files upload in parallel (``TIERCKPT_UPLOAD_CONCURRENCY``), each file's checksum is
 computed while it streams, then ``manifest.json`` (files, lengths, checksums, DCP metadata) and last
 the ``COMMITTED`` marker. Only then is the step DURABLE, and only then may it leave memory. A failed
-upload is retried with backoff; the memory tier keeps working meanwhile, and the error shows in the
-daemon's status. After a restart, committed steps still marked ``persist_pending`` are queued again.
+upload is retried with backoff while the steps behind it go ahead; the memory tier keeps working
+meanwhile, and the error shows in the daemon's status. After a restart, committed steps still marked ``persist_pending`` are queued again.
 
 Hydration downloads a durable step's files into the arena, verifies every checksum, and registers
 the step as committed and durable, so readers use it like any step in memory.
@@ -18,7 +18,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 
 from tierckpt_core.errors import IntegrityError, NotFoundError, TierCkptError
 from tierckpt_core.layout import (
@@ -39,7 +38,7 @@ from tierckpt_core.protocol import (
     PersistentStatus,
     StepInfo,
 )
-from tierckpt_daemon.background import background_pool, lower_priority
+from tierckpt_daemon.background import QueueWorker, background_pool
 from tierckpt_daemon.hydration import fill_step
 from tierckpt_daemon.records import StepRecord, read_manifest
 from tierckpt_daemon.service import TierService
@@ -50,7 +49,9 @@ RETRY_BASE_S = 2.0
 RETRY_MAX_S = 120.0
 
 
-class Persister:
+class Persister(QueueWorker[StepRecord]):
+    """Uploads committed steps (a commit listener of the service) and hydrates durable ones."""
+
     def __init__(
         self,
         service: TierService,
@@ -60,70 +61,60 @@ class Persister:
         keep_last: int = 0,
         nice: int = 0,
     ) -> None:
+        super().__init__(
+            "tierckpt-persister", nice=nice, retry_base_s=RETRY_BASE_S, retry_max_s=RETRY_MAX_S
+        )
         self.service = service
         self.store = store
         self.keep_last = keep_last
-        self.nice = nice
         self._pool = background_pool(concurrency, "tierckpt-upload", nice)
-        self._queue: deque[StepRecord] = deque()
-        self._cv = threading.Condition()
-        self._busy = False
-        self._stop = False
         self._healthy: bool | None = None
         self._last_error: str | None = None
-        self._uploaded_bytes = 0
-        self._uploaded_steps = 0
-        self._failed = 0
         self._hydrate_locks: dict[tuple[str, int], threading.Lock] = {}
         self._hydrate_guard = threading.Lock()
         self._hydrating: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
-        self._thread = threading.Thread(target=self._run, name="tierckpt-persister", daemon=True)
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
         for rec in self.service.pending_uploads():
             logger.info("%s/step %d: resuming its upload", rec.namespace, rec.step)
-            self._queue.append(rec)
-        self._thread.start()
+            self.enqueue(rec)
+        super().start()
 
-    def enqueue(self, rec: StepRecord) -> None:
-        with self._cv:
-            self._queue.append(rec)
-            self._cv.notify_all()
+    def committed(self, rec: StepRecord) -> None:
+        """Commit listener: queue the step if it is to be persisted."""
+        if rec.persist_pending:
+            self.enqueue(rec)
+
+    def persist_requested(self, rec: StepRecord) -> None:
+        self.enqueue(rec)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued upload finished (True) or ``timeout_s`` passed (False)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(min(left, 0.5))
-        return True
+        return self.wait_idle(timeout_s, retries=True)
 
     def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=5)
+        super().stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def status(self) -> PersistentStatus:
+        m = self.service.metrics
         with self._cv:
-            return PersistentStatus(
-                url=self.store.url,
-                healthy=self._healthy,
-                last_error=self._last_error,
-                queued_steps=len(self._queue) + (1 if self._busy else 0),
-                uploaded_bytes=self._uploaded_bytes,
-                uploaded_steps=self._uploaded_steps,
-                failed_uploads=self._failed,
-                hydrations=[
-                    HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
-                    for (ns, st), p in sorted(self._hydrating.items())
-                ],
-            )
+            healthy, last_error = self._healthy, self._last_error
+            hydrations = [
+                HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
+                for (ns, st), p in sorted(self._hydrating.items())
+            ]
+        return PersistentStatus(
+            url=self.store.url,
+            healthy=healthy,
+            last_error=last_error,
+            queued_steps=self.queued(),
+            uploaded_bytes=m.total(m.uploaded_bytes),
+            uploaded_steps=m.total(m.uploaded_steps),
+            failed_uploads=m.total(m.upload_failures),
+            hydrations=hydrations,
+        )
 
     def check_health(self) -> None:
         try:
@@ -142,37 +133,20 @@ class Persister:
 
     # -- uploads ----------------------------------------------------------------------------
     def _run(self) -> None:
-        lower_priority(self.nice)
         self.check_health()
-        delay = RETRY_BASE_S
-        while True:
-            with self._cv:
-                while not self._queue and not self._stop:
-                    self._cv.wait()
-                if self._stop:
-                    return
-                rec = self._queue[0]
-                self._busy = True
-            try:
-                self._upload(rec)
-            except (TierCkptError, OSError) as e:
-                with self._cv:
-                    self._failed += 1
-                self.service.metrics.upload_failures.inc()
-                self._record_error(
-                    f"{rec.namespace}/step {rec.step}: upload to {self.store.url} failed: {e}; "
-                    f"retrying in {delay:.0f}s (the step stays in memory)"
-                )
-                with self._cv:
-                    self._busy = False
-                    self._cv.wait(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
-                continue
-            delay = RETRY_BASE_S
-            with self._cv:
-                self._queue.popleft()
-                self._busy = False
-                self._cv.notify_all()
+        super()._run()
+
+    def _process(self, rec: StepRecord) -> bool:
+        try:
+            self._upload(rec)
+        except (TierCkptError, OSError) as e:
+            self.service.metrics.upload_failures.inc()
+            self._record_error(
+                f"{rec.namespace}/step {rec.step}: upload to {self.store.url} failed: {e}; "
+                f"retrying in {self.retry_delay(rec):.0f}s (the step stays in memory)"
+            )
+            return False
+        return True
 
     def _upload(self, rec: StepRecord) -> None:
         ns, step = rec.namespace, rec.step
@@ -204,8 +178,6 @@ class Persister:
         m.uploaded_steps.inc()
         m.upload_seconds.observe(time.monotonic() - t0)
         with self._cv:
-            self._uploaded_bytes += nbytes
-            self._uploaded_steps += 1
             self._healthy = True
             self._last_error = None
         dt = time.monotonic() - t0

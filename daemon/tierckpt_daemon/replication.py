@@ -16,10 +16,7 @@ before the step is committed locally; a corrupt replica is skipped for the next 
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,7 +38,7 @@ from tierckpt_core.protocol import (
     ReplicationStatus,
     StepInfo,
 )
-from tierckpt_daemon.background import background_pool, lower_priority
+from tierckpt_daemon.background import QueueWorker, background_pool
 from tierckpt_daemon.hydration import fill_step
 from tierckpt_daemon.membership import Membership, successors
 from tierckpt_daemon.peer_client import PeerClient
@@ -64,7 +61,10 @@ PEER_ERRORS = (
 )
 
 
-class Replicator:
+class Replicator(QueueWorker[StepRecord]):
+    """Pushes committed steps to ring successors (a commit listener of the service), answers
+    peers' pulls, and restores steps from peers' replicas."""
+
     def __init__(
         self,
         service: TierService,
@@ -76,80 +76,61 @@ class Replicator:
         concurrency: int = 4,
         nice: int = 0,
     ) -> None:
+        super().__init__(
+            "tierckpt-replicator", nice=nice, retry_base_s=RETRY_BASE_S, retry_max_s=RETRY_MAX_S
+        )
         self.service = service
         self.membership = membership
         self.client = client
         self.node = node
         self.replicas = replicas
-        self.nice = nice
         self._pool = background_pool(concurrency, "tierckpt-push", nice)
         self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
-        self._queue: list[tuple[float, int, StepRecord]] = []  # (due, seq, step): a heap
-        self._seq = itertools.count()
-        self._tries: dict[int, int] = {}  # id(record) -> failed rounds so far
-        self._cv = threading.Condition()
-        self._busy = False
-        self._stop = False
         self._members: list[str] = [] if membership.dns else sorted(membership.static)
         self._unreachable: set[str] = set()
         self._last_error: str | None = None
-        self._replicated_steps = 0
-        self._replicated_bytes = 0
-        self._failed = 0
-        self.received_steps = 0  # replicas peers pushed here (counted by the peer routes)
-        self._thread = threading.Thread(target=self._run, name="tierckpt-replicator", daemon=True)
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
         for rec in self.service.pending_replications():
             logger.info("%s/step %d: resuming its replication", rec.namespace, rec.step)
             self.enqueue(rec)
-        self._thread.start()
+        super().start()
 
-    def enqueue(self, rec: StepRecord, delay_s: float = 0.0) -> None:
-        with self._cv:
-            heapq.heappush(self._queue, (time.monotonic() + delay_s, next(self._seq), rec))
-            self._cv.notify_all()
+    def committed(self, rec: StepRecord) -> None:
+        """Commit listener: queue the step if it is to be replicated."""
+        if rec.replication_pending:
+            self.enqueue(rec)
+
+    def persist_requested(self, rec: StepRecord) -> None:
+        pass
 
     def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        super().stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._ask_pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no step is due or being pushed (True) or ``timeout_s`` passed (False)."""
-        deadline = time.monotonic() + timeout_s
-        with self._cv:
-            while self._busy or (self._queue and self._queue[0][0] <= time.monotonic()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(min(left, 0.2))
-        return True
-
     def status(self) -> ReplicationStatus:
+        m = self.service.metrics
         with self._cv:
-            return ReplicationStatus(
-                node=self.node,
-                peers=list(self._members),
-                replicas=self.replicas,
-                queued_steps=len(self._queue) + (1 if self._busy else 0),
-                replicated_steps=self._replicated_steps,
-                replicated_bytes=self._replicated_bytes,
-                received_steps=self.received_steps,
-                failed_pushes=self._failed,
-                unreachable=sorted(self._unreachable),
-                last_error=self._last_error,
+            members, unreachable, last_error = (
+                list(self._members),
+                sorted(self._unreachable),
+                self._last_error,
             )
-
-    def note_received(self) -> None:
-        with self._cv:
-            self.received_steps += 1
+        return ReplicationStatus(
+            node=self.node,
+            peers=members,
+            replicas=self.replicas,
+            queued_steps=self.queued(),
+            replicated_steps=m.total(m.replicated_steps),
+            replicated_bytes=m.total(m.replicated_bytes),
+            received_steps=m.total(m.replicas_received),
+            failed_pushes=m.total(m.replication_failures),
+            unreachable=unreachable,
+            last_error=last_error,
+        )
 
     # -- membership -------------------------------------------------------------------------
     def successors(self) -> list[str]:
@@ -173,40 +154,17 @@ class Replicator:
         if was_down:
             logger.info("peer %s answers again", peer)
 
-    # -- pushes -----------------------------------------------------------------------------
-    def _run(self) -> None:
-        lower_priority(self.nice)
-        while True:
-            with self._cv:
-                while not self._stop:
-                    now = time.monotonic()
-                    if self._queue and self._queue[0][0] <= now:
-                        break
-                    self._cv.wait(self._queue[0][0] - now if self._queue else None)
-                if self._stop:
-                    return
-                _, _, rec = heapq.heappop(self._queue)
-                self._busy = True
-            try:
-                done = self._replicate(rec)
-            except Exception as e:  # a bug must not kill the worker: say so, retry the step later
-                logger.exception("%s/step %d: replication failed", rec.namespace, rec.step)
-                done = False
-                self._record_failure(rec, f"{rec.namespace}/step {rec.step}: {e!r}")
-            with self._cv:
-                self._busy = False
-                if done:
-                    self._tries.pop(id(rec), None)
-                else:
-                    tries = self._tries[id(rec)] = self._tries.get(id(rec), 0) + 1
-                    delay = min(RETRY_BASE_S * 2 ** (tries - 1), RETRY_MAX_S)
-                    heapq.heappush(self._queue, (time.monotonic() + delay, next(self._seq), rec))
-                self._cv.notify_all()
+    # -- pushes ---------------------------------------------------------------------------
+    def _process(self, rec: StepRecord) -> bool:
+        try:
+            return self._replicate(rec)
+        except Exception as e:  # say so in the status too, then let the worker retry the step
+            self._record_failure(rec, f"{rec.namespace}/step {rec.step}: {e!r}")
+            raise
 
     def _record_failure(self, rec: StepRecord, message: str) -> None:
         self.service.metrics.replication_failures.inc()
         with self._cv:
-            self._failed += 1
             self._last_error = message
 
     def _replicate(self, rec: StepRecord) -> bool:
@@ -275,9 +233,6 @@ class Replicator:
         self.service.mark_replicated(rec, peer, {})
         self.service.metrics.replicated_bytes.inc(nbytes)
         self.service.metrics.replicated_steps.inc()
-        with self._cv:
-            self._replicated_steps += 1
-            self._replicated_bytes += nbytes
         dt = time.monotonic() - t0
         logger.info(
             "%s/step %d replicated to %s: %d files, %d bytes in %.2fs (%.0f MB/s)",
@@ -388,8 +343,8 @@ class Replicator:
         if (manifest.namespace, manifest.step) != (namespace, step):
             raise ProtocolError(f"peer {origin} answered for {manifest.namespace}/{manifest.step}")
         rec = self._copy_from(origin, manifest, replica=True)
-        self.service.metrics.replica_received_bytes.inc(sum(f.length for f in manifest.files))
-        self.note_received()
+        self.service.metrics.replica_received_bytes.inc(manifest.nbytes)
+        self.service.metrics.replicas_received.inc()
         return rec.info()
 
     def _copy_from(self, peer: str, manifest: StepManifest, *, replica: bool = False) -> StepRecord:

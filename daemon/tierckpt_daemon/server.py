@@ -14,9 +14,8 @@ from pathlib import Path
 import uvicorn
 
 from tierckpt_daemon.api import create_app
-from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.config import DaemonSettings
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.node import build_node
 
 logger = logging.getLogger(__name__)
 
@@ -66,52 +65,12 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_service(settings: DaemonSettings) -> TierService:
-    arena = Arena(settings.shm_dir, settings.capacity_bytes, prefault=settings.prefault)
-    service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
-    service.rebuild()
-    if settings.persist_url:
-        import dataclasses
-
-        from tierckpt_core.objectstore import StoreSettings, open_store
-        from tierckpt_daemon.config import parse_size
-        from tierckpt_daemon.persist import Persister
-
-        rate = parse_size(settings.upload_max_rate) if settings.upload_max_rate else None
-        store_settings = dataclasses.replace(StoreSettings.from_env(), upload_max_rate=rate)
-        store = open_store(settings.persist_url, store_settings)
-        service.persister = Persister(
-            service,
-            store,
-            concurrency=settings.upload_concurrency,
-            keep_last=settings.persist_keep_last,
-            nice=settings.background_nice,
-        )
-        service.persist_every = settings.persist_every
-    if settings.peers:
-        from tierckpt_daemon.membership import Membership
-        from tierckpt_daemon.peer_client import PeerClient
-        from tierckpt_daemon.replication import Replicator
-
-        assert settings.peer_secret is not None and settings.node_name is not None  # validated
-        service.replicator = Replicator(
-            service,
-            Membership.parse(settings.peers),
-            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
-            node=settings.node_name,
-            replicas=settings.replicas,
-            concurrency=settings.replication_concurrency,
-            nice=settings.background_nice,
-        )
-    return service
-
-
 def serve(settings: DaemonSettings) -> None:
     settings.shm_dir.mkdir(parents=True, exist_ok=True)
     lock_fd = _lock_tier(settings.shm_dir)
     try:
-        service = build_service(settings)
-        app = create_app(service, settings)
+        node = build_node(settings)
+        app = create_app(node, settings)
         sockets = [_bind_unix(settings.socket_path)]
         if settings.port:
             sockets.append(_bind_tcp(settings.host, settings.port))

@@ -15,8 +15,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tierckpt_core.errors import ForbiddenError, ProtocolError, TierCkptError
 from tierckpt_core.protocol import API_VERSION
 from tierckpt_daemon import __version__
-from tierckpt_daemon.api import health, namespaces, peers, writes
+from tierckpt_daemon.api.health import router as health_router
+from tierckpt_daemon.api.namespaces import router as namespaces_router
+from tierckpt_daemon.api.peers import router as peers_router
+from tierckpt_daemon.api.writes import router as writes_router
 from tierckpt_daemon.config import DaemonSettings
+from tierckpt_daemon.node import Node
 from tierckpt_daemon.peer_server import PeerServer
 from tierckpt_daemon.service import TierService
 
@@ -62,12 +66,14 @@ class LocalOnlyGuard:
         await self.app(scope, receive, send)
 
 
-def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
+def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
+    service = node.service
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(_sweeper(service))
-        persister = service.persister
-        replicator = service.replicator
+        persister = node.persister
+        replicator = node.replicator
         if persister is not None:
             persister.start()
         if replicator is not None:
@@ -98,7 +104,7 @@ def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
         description=f"Node-local tiered checkpoint store, API {API_VERSION}.",
         lifespan=lifespan,
     )
-    app.state.service = service
+    app.state.node = node
     app.state.settings = settings
     app.state.peer_server = PeerServer(service)
 
@@ -120,10 +126,10 @@ def create_app(service: TierService, settings: DaemonSettings) -> FastAPI:
         detail = f"invalid request to {request.url.path}: " + "; ".join(parts)
         return JSONResponse({"code": ProtocolError.code, "detail": detail}, status_code=422)
 
-    app.include_router(health.router)
-    app.include_router(namespaces.router)
-    app.include_router(writes.router)
-    app.include_router(peers.router)
+    app.include_router(health_router)
+    app.include_router(namespaces_router)
+    app.include_router(writes_router)
+    app.include_router(peers_router)
     app.add_middleware(LocalOnlyGuard)
     return app
 

@@ -1,12 +1,17 @@
-"""Request-scoped access to the service (FastAPI dependency)."""
+"""Request-scoped access to the daemon's parts (FastAPI dependencies)."""
 
 from __future__ import annotations
 
 from fastapi import Request
 
+from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
 
 
+def get_node(request: Request) -> Node:
+    node: Node = request.app.state.node
+    return node
+
+
 def get_service(request: Request) -> TierService:
-    service: TierService = request.app.state.service
-    return service
+    return get_node(request).service

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tierckpt_core.protocol import StatusResponse
-from tierckpt_daemon.api.deps import get_service
+from tierckpt_daemon.api.deps import get_node, get_service
+from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
 
 router = APIRouter()
@@ -31,7 +32,5 @@ def metrics(service: Annotated[TierService, Depends(get_service)]) -> Response:
 
 
 @router.get("/v1/status")
-def status(
-    request: Request, service: Annotated[TierService, Depends(get_service)]
-) -> StatusResponse:
-    return service.status(str(request.app.state.settings.shm_dir))
+def status(request: Request, node: Annotated[Node, Depends(get_node)]) -> StatusResponse:
+    return node.status(str(request.app.state.settings.shm_dir))

@@ -7,11 +7,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Response
 
 from tierckpt_core.protocol import NamespaceInfo, PinResponse, StepCandidate, StepInfo
-from tierckpt_daemon.api.deps import get_service
+from tierckpt_daemon.api.deps import get_node, get_service
+from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
 
 router = APIRouter(prefix="/v1/namespaces")
 Service = Annotated[TierService, Depends(get_service)]
+NodeDep = Annotated[Node, Depends(get_node)]
 
 
 @router.get("")
@@ -30,13 +32,13 @@ def latest(namespace: str, service: Service) -> StepInfo:
 
 
 @router.get("/{namespace}/candidates")
-def candidates(namespace: str, service: Service) -> list[StepCandidate]:
-    return service.candidates(namespace)
+def candidates(namespace: str, node: NodeDep) -> list[StepCandidate]:
+    return node.restorer.candidates(namespace)
 
 
 @router.post("/{namespace}/steps/{step}/hydrate")
-def hydrate(namespace: str, step: int, service: Service) -> StepInfo:
-    return service.hydrate(namespace, step)
+def hydrate(namespace: str, step: int, node: NodeDep) -> StepInfo:
+    return node.restorer.hydrate(namespace, step)
 
 
 @router.post("/{namespace}/steps/{step}/persist")

@@ -84,7 +84,7 @@ def pull(namespace: str, step: int, req: PeerPullRequest, request: Request) -> S
     Answers when the replica is committed (blocking work: FastAPI runs this in a thread)."""
     validate_namespace(namespace)
     validate_step(step)
-    replicator = request.app.state.service.replicator
+    replicator = request.app.state.node.replicator
     if replicator is None:
         raise ForbiddenError("replication is off on this daemon (no TIERCKPT_PEERS)")
     info: StepInfo = replicator.pull_from(req.origin, namespace, step)

@@ -1,0 +1,90 @@
+"""One daemon's parts, wired together: the memory tier's service, the uploader and the replicator
+(commit listeners of the service), the restore order across tiers, and the status and metrics
+that report on all of them.
+
+Nothing here holds state of its own; :func:`build_node` is the one place that knows which parts a
+configuration turns on, so no part needs a back-pointer to another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tierckpt_core.protocol import StatusResponse
+from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.config import DaemonSettings, parse_size
+from tierckpt_daemon.metrics import Snapshot
+from tierckpt_daemon.persist import Persister
+from tierckpt_daemon.replication import Replicator
+from tierckpt_daemon.restore import Restorer
+from tierckpt_daemon.service import TierService
+
+
+@dataclass
+class Node:
+    service: TierService
+    restorer: Restorer
+    persister: Persister | None = None
+    replicator: Replicator | None = None
+
+    def __post_init__(self) -> None:
+        self.service.metrics.attach(self.snapshot)
+
+    def snapshot(self) -> Snapshot:
+        snap = self.service.snapshot()
+        persistent = self.persister.status() if self.persister is not None else None
+        return dataclasses.replace(
+            snap,
+            upload_queue=persistent.queued_steps if persistent else 0,
+            persistent_healthy=persistent.healthy if persistent else None,
+            replication_queue=self.replicator.queued() if self.replicator is not None else 0,
+        )
+
+    def status(self, shm_dir: str) -> StatusResponse:
+        return self.service.status(
+            shm_dir,
+            persistent=self.persister.status() if self.persister is not None else None,
+            replication=self.replicator.status() if self.replicator is not None else None,
+        )
+
+
+def build_node(settings: DaemonSettings) -> Node:
+    """The daemon's parts for ``settings``, with the index rebuilt from the tier directory."""
+    arena = Arena(settings.shm_dir, settings.capacity_bytes, prefault=settings.prefault)
+    service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
+    service.rebuild()
+    persister = replicator = None
+    if settings.persist_url:
+        from tierckpt_core.objectstore import StoreSettings, open_store
+
+        rate = parse_size(settings.upload_max_rate) if settings.upload_max_rate else None
+        store_settings = dataclasses.replace(StoreSettings.from_env(), upload_max_rate=rate)
+        persister = Persister(
+            service,
+            open_store(settings.persist_url, store_settings),
+            concurrency=settings.upload_concurrency,
+            keep_last=settings.persist_keep_last,
+            nice=settings.background_nice,
+        )
+        service.persistent = True
+        service.persist_every = settings.persist_every
+        service.add_listener(persister)
+    if settings.peers:
+        from tierckpt_daemon.membership import Membership
+        from tierckpt_daemon.peer_client import PeerClient
+
+        assert settings.peer_secret is not None and settings.node_name is not None  # validated
+        replicator = Replicator(
+            service,
+            Membership.parse(settings.peers),
+            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
+            node=settings.node_name,
+            replicas=settings.replicas,
+            concurrency=settings.replication_concurrency,
+            nice=settings.background_nice,
+        )
+        service.replicas = settings.replicas
+        service.add_listener(replicator)
+    restorer = Restorer(service, peers=replicator, durable=persister)
+    return Node(service, restorer, persister, replicator)

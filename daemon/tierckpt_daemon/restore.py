@@ -1,0 +1,127 @@
+"""Where a reader's step comes from, in order: this node's memory, a peer that holds a replica,
+the persistent tier; and which steps "latest" may pick from across those tiers.
+
+The sources are small Protocols, so this module knows neither the uploader nor the replicator
+(they fill the memory tier through :func:`tierckpt_daemon.hydration.fill_step`); the daemon's
+wiring (:mod:`tierckpt_daemon.node`) hands them in.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Protocol
+
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    NamespaceNotFoundError,
+    NotFoundError,
+    PersistentTierError,
+)
+from tierckpt_core.protocol import (
+    StepCandidate,
+    StepInfo,
+    StepState,
+    validate_namespace,
+    validate_step,
+)
+from tierckpt_daemon.service import TierService
+
+logger = logging.getLogger(__name__)
+
+
+class PeerSource(Protocol):
+    def peer_steps(self, namespace: str) -> dict[int, list[str]]:
+        """Which peers hold which committed steps (unreachable peers skipped, never waited on)."""
+        ...
+
+    def hydrate(self, namespace: str, step: int) -> StepInfo:
+        """Copy a step from a peer's replica into memory, verified; NotFoundError if no peer
+        holds it, CheckpointFormatError if every replica found was corrupt."""
+        ...
+
+
+class DurableSource(Protocol):
+    def durable_steps(self, namespace: str) -> list[int]: ...
+
+    def hydrate(self, namespace: str, step: int) -> StepInfo:
+        """Bring a durable step into memory, verified."""
+        ...
+
+
+class Restorer:
+    def __init__(
+        self,
+        service: TierService,
+        *,
+        peers: PeerSource | None = None,
+        durable: DurableSource | None = None,
+    ) -> None:
+        self.service = service
+        self.peers = peers
+        self.durable = durable
+        self._guard = threading.Lock()
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+
+    def candidates(self, namespace: str) -> list[StepCandidate]:
+        """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
+        durable. Unreachable peers are skipped (with a warning), never waited for long."""
+        validate_namespace(namespace)
+        on_peers = self.peers.peer_steps(namespace) if self.peers is not None else {}
+        in_memory = {r.step: r.state for r in self.service.records(namespace)}
+        durable: set[int] = set()
+        tier_error: PersistentTierError | None = None
+        if self.durable is not None:
+            try:
+                durable = set(self.durable.durable_steps(namespace))
+            except PersistentTierError as e:
+                # A broken persistent tier must not take the memory tier down with it.
+                logger.warning("%s: listing the persistent tier failed: %s", namespace, e)
+                tier_error = e
+        durable |= {s for s, state in in_memory.items() if state == StepState.DURABLE}
+        steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
+        if not steps:
+            if tier_error is not None:
+                raise tier_error
+            where = " or the persistent tier" if self.durable else ""
+            where += ", nor do its peers hold one" if self.peers else ""
+            raise NamespaceNotFoundError(
+                f"namespace {namespace} has no committed step in memory{where}"
+            )
+        return [
+            StepCandidate(
+                step=s, in_memory=s in in_memory, durable=s in durable, peers=on_peers.get(s, [])
+            )
+            for s in steps
+        ]
+
+    def hydrate(self, namespace: str, step: int) -> StepInfo:
+        """Make a step available in memory: already here, else a verified copy from a peer that
+        holds a replica, else from the persistent tier. Concurrent calls for one step (every rank
+        of the node asks) wait for the first."""
+        validate_namespace(namespace)
+        validate_step(step)
+        with self._guard:
+            lock = self._locks.setdefault((namespace, step), threading.Lock())
+        with lock:
+            try:
+                return self.service.get_step(namespace, step)
+            except NotFoundError as e:
+                missing: NotFoundError = e
+            if self.peers is not None:
+                try:
+                    return self.peers.hydrate(namespace, step)
+                except NotFoundError as e:
+                    missing = e
+                except CheckpointFormatError as e:  # every replica failed verification
+                    if self.durable is None:
+                        raise
+                    logger.warning(
+                        "%s/step %d: no good replica on the peers (%s); trying the persistent tier",
+                        namespace,
+                        step,
+                        e,
+                    )
+            if self.durable is None:
+                raise missing
+            return self.durable.hydrate(namespace, step)

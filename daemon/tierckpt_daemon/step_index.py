@@ -1,0 +1,231 @@
+"""The daemon's step tables: which steps are committed, being written or retiring, per namespace,
+and their rebuild from the tier directory after a (re)start.
+
+The tier directory is the journal (see :mod:`tierckpt_daemon.records`): a step directory with a
+commit record is committed, anything else found at start is a save that never finished, and its
+files go back to the pool. A retired step leaves the tables at once but keeps its files until no
+reader pins it and nothing (upload, replication) still needs it; then :meth:`StepIndex.drop` gives
+them to the pool.
+
+Not thread-safe by itself: :class:`~tierckpt_daemon.service.TierService` holds its lock around
+every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from tierckpt_core.errors import CheckpointFormatError, NamespaceNotFoundError, StepNotFoundError
+from tierckpt_core.protocol import NamespaceInfo, validate_namespace, validate_step
+from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.eviction import EvictionPolicy, safe_to_evict
+from tierckpt_daemon.records import (
+    MANIFEST,
+    StepRecord,
+    parse_step_dir_name,
+    read_manifest,
+    record_from_manifest,
+    step_dir_name,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class StepIndex:
+    def __init__(self, arena: Arena, policy: EvictionPolicy) -> None:
+        self.arena = arena
+        self.policy = policy
+        self.committed: dict[str, dict[int, StepRecord]] = {}
+        self.writing: dict[tuple[str, int, str], StepRecord] = {}
+        self.retiring: list[StepRecord] = []  # out of the tables, waiting for readers to unpin
+
+    # -- rebuild ----------------------------------------------------------------------------
+    def rebuild(self) -> list[StepRecord]:
+        """Rebuild the tables from the tier directory; returns the steps retention retired (a
+        crash between a commit and its retention leaves one step too many)."""
+        self.arena.scan_pool()
+        reclaimed = 0
+        for p in sorted(self.arena.lease_dir.iterdir()):
+            self.arena.adopt_into_pool(p)
+            reclaimed += 1
+        for ns_dir in sorted(self.arena.ns_dir.iterdir()):
+            for step_dir in sorted(ns_dir.iterdir()) if ns_dir.is_dir() else []:
+                reclaimed += self._rebuild_step(ns_dir.name, step_dir)
+            if ns_dir.is_dir() and not any(ns_dir.iterdir()):
+                ns_dir.rmdir()
+        retired = []
+        for ns, steps in self.committed.items():
+            for victim in self.policy.after_commit(list(steps.values())):
+                self.retire(victim)
+                retired.append(victim)
+            logger.info("namespace %s: committed steps %s", ns, sorted(steps))
+        logger.info(
+            "index rebuilt from %s: %d committed steps, %d partial files reclaimed, %d pool files",
+            self.arena.root,
+            sum(len(s) for s in self.committed.values()),
+            reclaimed,
+            self.arena.pool_files,
+        )
+        return retired
+
+    def _rebuild_step(self, namespace: str, step_dir: Path) -> int:
+        manifest = step_dir / MANIFEST
+        if step_dir.is_dir() and manifest.exists() and parse_step_dir_name(step_dir.name):
+            try:
+                rec = record_from_manifest(namespace, step_dir, read_manifest(manifest))
+            except CheckpointFormatError as e:
+                logger.warning("discarding step directory %s: %s", step_dir, e)
+            else:
+                for f in rec.files.values():
+                    self.arena.track(step_dir / f.name, f.held_bytes)
+                steps = self.committed.setdefault(namespace, {})
+                old = steps.get(rec.step)
+                # Two committed attempts of one step survive a crash mid-supersede: newest wins.
+                if old is None or (old.committed_at or 0) < (rec.committed_at or 0):
+                    steps[rec.step] = rec
+                    if old is not None:
+                        self.drop(old)
+                else:
+                    self.drop(rec)
+                return 0
+        n = self.reclaim_dir(step_dir)
+        logger.info("reclaimed %d files of unfinished save %s/%s", n, namespace, step_dir.name)
+        return n
+
+    def reclaim_dir(self, step_dir: Path) -> int:
+        """Give the files of an uncommitted step directory to the pool and remove it."""
+        n = 0
+        if step_dir.is_dir():
+            for p in list(step_dir.iterdir()):
+                if p.name.startswith(MANIFEST):
+                    p.unlink()
+                else:
+                    self.arena.adopt_into_pool(p)
+                    n += 1
+            step_dir.rmdir()
+        else:
+            step_dir.unlink(missing_ok=True)
+        return n
+
+    # -- writing ----------------------------------------------------------------------------
+    def begin(self, namespace: str, step: int, attempt: str) -> StepRecord:
+        """The record of save attempt ``attempt`` of ``step``, started now if it is new (which
+        discards any other unfinished attempt of the step)."""
+        key = (namespace, step, attempt)
+        rec = self.writing.get(key)
+        if rec is None:
+            for other in [k for k in self.writing if k[0] == namespace and k[1] == step]:
+                old = self.writing.pop(other)
+                logger.warning(
+                    "%s/step %d: discarding unfinished save attempt %s, a new attempt started",
+                    namespace,
+                    step,
+                    old.attempt,
+                )
+                self.reclaim_dir(old.dir)
+            step_dir = self.arena.ns_dir / namespace / step_dir_name(step, attempt)
+            step_dir.mkdir(parents=True, exist_ok=False)
+            rec = StepRecord(namespace=namespace, step=step, attempt=attempt, dir=step_dir)
+            self.writing[key] = rec
+        return rec
+
+    def install(self, rec: StepRecord) -> tuple[StepRecord | None, list[StepRecord]]:
+        """Make the just-committed ``rec`` its step's record; returns the attempt it superseded
+        (retired) and the steps retention retired."""
+        del self.writing[(rec.namespace, rec.step, rec.attempt)]
+        steps = self.committed.setdefault(rec.namespace, {})
+        old = steps.get(rec.step)
+        steps[rec.step] = rec
+        if old is not None:
+            self.retire(old)
+        victims = self.policy.after_commit(list(steps.values()))
+        for victim in victims:
+            self.retire(victim)
+        return old, victims
+
+    # -- leaving memory ---------------------------------------------------------------------
+    def retire(self, rec: StepRecord) -> None:
+        """Take ``rec`` out of the tables; its files go to the pool once nothing holds it."""
+        steps = self.committed.get(rec.namespace, {})
+        if steps.get(rec.step) is rec:
+            del steps[rec.step]
+        if safe_to_evict(rec):
+            self.drop(rec)
+        else:
+            rec.evict_pending = True
+            self.retiring.append(rec)
+
+    def evict(self, rec: StepRecord, *, to_pool: bool) -> None:
+        """Take ``rec`` out of memory now (memory pressure)."""
+        steps = self.committed.get(rec.namespace, {})
+        if steps.get(rec.step) is rec:
+            del steps[rec.step]
+        self.drop(rec, to_pool=to_pool)
+
+    def drop_if_retired(self, rec: StepRecord) -> None:
+        if rec.evict_pending and safe_to_evict(rec):
+            self.drop(rec)
+
+    def drop(self, rec: StepRecord, *, to_pool: bool = True) -> None:
+        manifest = rec.manifest_path()
+        manifest.unlink(missing_ok=True)  # first: a crash from here on leaves an uncommitted dir
+        for f in rec.files.values():
+            if to_pool:
+                self.arena.adopt_into_pool(rec.dir / f.name)
+            else:
+                self.arena.delete(rec.dir / f.name)
+        self.reclaim_dir(rec.dir)
+        ns_dir = rec.dir.parent
+        if ns_dir.exists() and not any(ns_dir.iterdir()):
+            ns_dir.rmdir()
+        if rec in self.retiring:
+            self.retiring.remove(rec)
+
+    def pressure_victim(self) -> StepRecord | None:
+        """The committed step the policy gives up first when the tier is full, if any."""
+        candidates: list[StepRecord] = []
+        for steps in self.committed.values():
+            candidates.extend(self.policy.under_pressure(list(steps.values())))
+        candidates.sort(key=lambda r: r.committed_at or 0)
+        return candidates[0] if candidates else None
+
+    # -- lookups ----------------------------------------------------------------------------
+    def get(self, namespace: str, step: int) -> StepRecord:
+        validate_namespace(namespace)
+        validate_step(step)
+        steps = self.committed.get(namespace)
+        if not steps:
+            raise NamespaceNotFoundError(f"namespace {namespace} has no committed steps in memory")
+        rec = steps.get(step)
+        if rec is None:
+            raise StepNotFoundError(
+                f"{namespace}/step {step} is not committed in memory (committed: "
+                f"{sorted(steps)[-8:]})"
+            )
+        return rec
+
+    def records_of(self, namespace: str, step: int) -> Iterator[StepRecord]:
+        """The committed record of ``namespace/step`` and its retiring attempts."""
+        rec = self.committed.get(namespace, {}).get(step)
+        if rec is not None:
+            yield rec
+        yield from (r for r in self.retiring if r.namespace == namespace and r.step == step)
+
+    def all_committed(self) -> list[StepRecord]:
+        return [r for steps in self.committed.values() for r in steps.values()]
+
+    def namespaces(self) -> list[str]:
+        return sorted(set(self.committed) | {k[0] for k in self.writing})
+
+    def namespace_info(self, ns: str) -> NamespaceInfo:
+        committed = self.committed.get(ns, {})
+        writing = [r for k, r in self.writing.items() if k[0] == ns]
+        return NamespaceInfo(
+            namespace=ns,
+            steps=len(committed) + len(writing),
+            committed_steps=len(committed),
+            bytes=sum(r.bytes for r in committed.values()) + sum(r.bytes for r in writing),
+            latest_committed=max(committed) if committed else None,
+        )
