@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tierckpt_core.protocol import StatusResponse
+from tierckpt_core.protocol import API_VERSION, StatusResponse, StepState
+from tierckpt_daemon import __version__
 from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.config import DaemonSettings, parse_size
 from tierckpt_daemon.metrics import Snapshot
@@ -32,21 +33,49 @@ class Node:
         self.service.metrics.attach(self.snapshot)
 
     def snapshot(self) -> Snapshot:
-        snap = self.service.snapshot()
+        """The state gauges of /metrics."""
+        svc, index = self.service, self.service.index
         persistent = self.persister.status() if self.persister is not None else None
-        return dataclasses.replace(
-            snap,
+        with svc.lock:
+            by_state: dict[str, int] = {st.value: 0 for st in StepState}
+            steps: dict[str, int] = {st.value: 0 for st in StepState}
+            for rec in index.all_committed():
+                by_state[rec.state.value] += rec.bytes
+                steps[rec.state.value] += 1
+            for rec in index.writing.values():
+                by_state[StepState.WRITING.value] += rec.bytes
+                steps[StepState.WRITING.value] += 1
+            by_state["retiring"] = sum(r.bytes for r in index.retiring)
+            by_state["pool"] = svc.arena.pool_bytes
+            by_state["leased"] = svc.leases.held_bytes
+        return Snapshot(
+            capacity_bytes=svc.arena.capacity_bytes,
+            bytes_by_state=by_state,
+            steps_by_state=steps,
             upload_queue=persistent.queued_steps if persistent else 0,
             persistent_healthy=persistent.healthy if persistent else None,
             replication_queue=self.replicator.queued() if self.replicator is not None else 0,
         )
 
     def status(self, shm_dir: str) -> StatusResponse:
-        return self.service.status(
-            shm_dir,
-            persistent=self.persister.status() if self.persister is not None else None,
-            replication=self.replicator.status() if self.replicator is not None else None,
-        )
+        svc, index = self.service, self.service.index
+        persistent = self.persister.status() if self.persister is not None else None
+        replication = self.replicator.status() if self.replicator is not None else None
+        with svc.lock:
+            return StatusResponse(
+                version=__version__,
+                api_version=API_VERSION,
+                shm_dir=shm_dir,
+                capacity_bytes=svc.arena.capacity_bytes,
+                used_bytes=svc.arena.used_bytes,
+                pool_bytes=svc.arena.pool_bytes,
+                pool_files=svc.arena.pool_files,
+                leased_bytes=svc.leases.held_bytes,
+                keep_last=svc.keep_last,
+                namespaces=[index.namespace_info(ns) for ns in index.namespaces()],
+                persistent=persistent,
+                replication=replication,
+            )
 
 
 def build_node(settings: DaemonSettings) -> Node:

@@ -34,26 +34,21 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import (
-    API_VERSION,
     CommitRequest,
     LeaseResponse,
     NamespaceInfo,
-    PersistentStatus,
     PinResponse,
-    ReplicationStatus,
     SealRequest,
-    StatusResponse,
     StepInfo,
     StepState,
     validate_file_name,
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon import __version__
 from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.eviction import EvictionPolicy, KeepLatestN
 from tierckpt_daemon.leases import Leases
-from tierckpt_daemon.metrics import Metrics, Snapshot
+from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.records import (
     MANIFEST,
     StepRecord,
@@ -440,46 +435,3 @@ class TierService:
                     del rec.pins[pin_id]
                 self.index.drop_if_retired(rec)
             self.arena.trim_pool(0, idle_s=POOL_IDLE_S)
-
-    def snapshot(self) -> Snapshot:
-        """The memory tier's state for the gauges (the wiring adds the queues)."""
-        with self.lock:
-            by_state: dict[str, int] = {st.value: 0 for st in StepState}
-            steps: dict[str, int] = {st.value: 0 for st in StepState}
-            for rec in self.index.all_committed():
-                by_state[rec.state.value] += rec.bytes
-                steps[rec.state.value] += 1
-            for rec in self.index.writing.values():
-                by_state[StepState.WRITING.value] += rec.bytes
-                steps[StepState.WRITING.value] += 1
-            by_state["retiring"] = sum(r.bytes for r in self.index.retiring)
-            by_state["pool"] = self.arena.pool_bytes
-            by_state["leased"] = self.leases.held_bytes
-            return Snapshot(
-                capacity_bytes=self.arena.capacity_bytes,
-                bytes_by_state=by_state,
-                steps_by_state=steps,
-            )
-
-    def status(
-        self,
-        shm_dir: str,
-        *,
-        persistent: PersistentStatus | None = None,
-        replication: ReplicationStatus | None = None,
-    ) -> StatusResponse:
-        with self.lock:
-            return StatusResponse(
-                version=__version__,
-                api_version=API_VERSION,
-                shm_dir=shm_dir,
-                capacity_bytes=self.arena.capacity_bytes,
-                used_bytes=self.arena.used_bytes,
-                pool_bytes=self.arena.pool_bytes,
-                pool_files=self.arena.pool_files,
-                leased_bytes=self.leases.held_bytes,
-                keep_last=self.keep_last,
-                namespaces=[self.index.namespace_info(ns) for ns in self.index.namespaces()],
-                persistent=persistent,
-                replication=replication,
-            )

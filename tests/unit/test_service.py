@@ -17,6 +17,8 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.node import Node
+from tierckpt_daemon.restore import Restorer
 from tierckpt_daemon.service import TierService
 
 MiB = 1 << 20
@@ -164,7 +166,7 @@ def test_sweep_expires_unsealed_leases(root: Path) -> None:
     svc.lease("job", 0, MiB)
     time.sleep(0.05)
     svc.sweep()
-    assert svc.status("x").leased_bytes == 0
+    assert Node(svc, Restorer(svc)).status("x").leased_bytes == 0
     assert svc.arena.pool_files == 1
 
 
