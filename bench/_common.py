@@ -7,7 +7,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,18 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 30) -> None:
-    """SIGTERM ``proc`` (a daemon: it drains), SIGKILL it if it has not exited after ``timeout``."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def add_rates(res: dict[str, Any], keys: Iterable[str]) -> None:

@@ -11,7 +11,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import free_port, machine_info, stop_process, write_results
+from _common import free_port, machine_info, write_results
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -33,8 +32,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt_client import DaemonClient, DaemonUnavailableError
+from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_daemon.launcher import DaemonProcess
 
 NAMESPACE = "bench"
 N_TENSORS = 16
@@ -83,26 +83,18 @@ def parse_args() -> argparse.Namespace:
 
 def start_daemon(
     shm_dir: Path, log: Path, size_mb: int = 4096, keep_last: int = KEEP_LAST
-) -> subprocess.Popen[bytes]:
+) -> DaemonProcess:
     """A daemon whose capacity fits ``keep_last`` + 1 steps of ``size_mb`` (+ 1 GiB of slack)."""
-    env = dict(os.environ, TIERCKPT_SHM_DIR=str(shm_dir), TIERCKPT_PORT="0")
-    capacity = f"{(keep_last + 1) * size_mb + 1024}M"
-    env.update(TIERCKPT_CAPACITY=capacity, TIERCKPT_KEEP_LAST=str(keep_last))
-    env.update(TIERCKPT_LOG_LEVEL="WARNING")
-    with log.open("wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tierckpt_daemon"], env=env, stderr=f)
-    sock = shm_dir / "daemon.sock"
-    os.environ["TIERCKPT_SOCKET"] = str(sock)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            DaemonClient.from_socket(sock).status()
-            return proc
-        except DaemonUnavailableError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"daemon did not start:\n{log.read_text()[-2000:]}") from None
-            time.sleep(0.1)
+    daemon = DaemonProcess(
+        shm_dir,
+        log_path=log,
+        port=0,
+        capacity=f"{(keep_last + 1) * size_mb + 1024}M",
+        keep_last=keep_last,
+        log_level="WARNING",
+    ).start()
+    os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
+    return daemon
 
 
 def make_state(size_mb: int) -> dict[str, Any]:
@@ -476,7 +468,8 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        stop_process(daemon, timeout=10)
+        if daemon is not None:
+            daemon.stop(timeout=10)
         shutil.rmtree(shm_dir, ignore_errors=True)
         shutil.rmtree(fs_root, ignore_errors=True)
         log.unlink(missing_ok=True)

@@ -13,11 +13,8 @@ token, both on loopback TCP), then measures side by side (see bench/README.md):
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import add_rates, free_port, machine_info, stop_process, write_results
+from _common import add_rates, free_port, machine_info, write_results
 from persistent_tier import (
     MM_SIZE,
     busy_cores,
@@ -41,8 +38,9 @@ from persistent_tier import (
     victim,
 )
 
-from tierckpt_client import ClientConfig, DaemonClient, DaemonUnavailableError
+from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_daemon.launcher import DaemonProcess
 
 NAMESPACE = "bench"
 TOKEN = "tierckpt-bench-peer-token-" + uuid.uuid4().hex
@@ -66,73 +64,32 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-class Node:
-    """``python -m tierckpt_daemon`` with its own tmpfs dir and TCP port, peered with the others."""
+class Node(DaemonProcess):
+    """A daemon with its own tmpfs dir and TCP port, peered with the others (one "node")."""
 
     def __init__(self, name: str, port: int, peers: str, capacity_mb: int) -> None:
         tag = uuid.uuid4().hex[:8]
-        self.name = f"127.0.0.1:{port}"
-        self.shm_dir = Path(f"/dev/shm/tierckpt-bench-peer-{name}-{tag}")
-        self.log = Path(tempfile.gettempdir()) / f"tierckpt-bench-peer-{name}-{tag}.log"
-        self.env = dict(
-            os.environ,
-            TIERCKPT_SHM_DIR=str(self.shm_dir),
-            TIERCKPT_HOST="127.0.0.1",
-            TIERCKPT_PORT=str(port),
-            TIERCKPT_PEERS=peers,
-            TIERCKPT_PEER_TOKEN=TOKEN,
-            TIERCKPT_REPLICAS="1",
-            TIERCKPT_CAPACITY=f"{capacity_mb}M",
-            TIERCKPT_KEEP_LAST="2",
-            TIERCKPT_LOG_LEVEL="INFO",
+        super().__init__(
+            Path(f"/dev/shm/tierckpt-bench-peer-{name}-{tag}"),
+            log_path=Path(tempfile.gettempdir()) / f"tierckpt-bench-peer-{name}-{tag}.log",
+            host="127.0.0.1",
+            port=port,
+            peers=peers,
+            peer_token=TOKEN,
+            replicas=1,
+            capacity=f"{capacity_mb}M",
+            keep_last=2,
+            log_level="INFO",
         )
-        self.config = ClientConfig.from_env(socket=self.shm_dir / "daemon.sock")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        self.config = ClientConfig.from_env(socket=self.socket)
 
     def client(self) -> DaemonClient:
         return DaemonClient(self.config)
 
-    def start(self) -> None:
-        with self.log.open("ab") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierckpt_daemon"], env=self.env, stderr=f
-            )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with self.client() as c:
-                    c.status()
-                return
-            except DaemonUnavailableError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        f"daemon {self.name} did not start:\n{self.tail()}"
-                    ) from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        stop_process(proc)
-
     def wipe_restart(self) -> None:
         """A replaced node: the daemon and everything in its memory tier are gone."""
-        self.stop()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        self.lose_node()
         self.start()
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-        self.log.unlink(missing_ok=True)
 
 
 def raw_tcp(src: list[memoryview], dst: memoryview) -> float:
@@ -355,7 +312,7 @@ def main() -> None:
         res = Bench(args, a, b).run()
     except BaseException:
         for n in (a, b):
-            print(f"daemon {n.name} log (tail):\n{n.tail()}", file=sys.stderr)
+            print(f"daemon {n.name} log (tail):\n{n.log()}", file=sys.stderr)
         raise
     finally:
         a.cleanup()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -28,10 +27,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import add_rates, machine_info, stop_process, write_results
+from _common import add_rates, machine_info, write_results
 
-from tierckpt_client import DaemonClient, DaemonUnavailableError
+from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_daemon.launcher import DaemonProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from seaweed import SeaweedS3  # test helper: S3 on loopback
@@ -84,74 +84,43 @@ def cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Daemon:
-    """``python -m tierckpt_daemon`` persisting to the SeaweedFS bucket, its own tmpfs dir."""
+class Daemon(DaemonProcess):
+    """A daemon persisting to the SeaweedFS bucket, its own tmpfs dir."""
 
     def __init__(self, s3: SeaweedS3, tag: str) -> None:
-        self.shm_dir = Path(f"/dev/shm/tierckpt-bench-s3-{tag}")
-        self.log = Path(tempfile.gettempdir()) / f"tierckpt-bench-s3-{tag}.log"
-        self.env = dict(os.environ, **s3.env())
-        self.env.update(
-            TIERCKPT_SHM_DIR=str(self.shm_dir),
-            TIERCKPT_PORT="0",
-            TIERCKPT_CAPACITY="12G",
-            TIERCKPT_KEEP_LAST="2",
-            TIERCKPT_PERSIST_URL=f"s3://{BUCKET}/{TIER_PREFIX}",
-            TIERCKPT_PERSIST_KEEP_LAST="2",
-            TIERCKPT_LOG_LEVEL="INFO",
+        super().__init__(
+            Path(f"/dev/shm/tierckpt-bench-s3-{tag}"),
+            log_path=Path(tempfile.gettempdir()) / f"tierckpt-bench-s3-{tag}.log",
+            extra_env=s3.env(),
+            port=0,
+            capacity="12G",
+            keep_last=2,
+            persist_url=f"s3://{BUCKET}/{TIER_PREFIX}",
+            persist_keep_last=2,
+            log_level="INFO",
         )
-        self.proc: subprocess.Popen[bytes] | None = None
         self.concurrency: int | None = None
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self, concurrency: int | None = None) -> None:
-        env = dict(self.env)
+    def start_with(self, concurrency: int | None = None) -> None:
+        """Start with ``concurrency`` upload threads, once the persistent tier answers."""
+        self.settings.pop("upload_concurrency", None)
         if concurrency is not None:
-            env["TIERCKPT_UPLOAD_CONCURRENCY"] = str(concurrency)
+            self.settings["upload_concurrency"] = concurrency
         self.concurrency = concurrency
-        with self.log.open("ab") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierckpt_daemon"], env=env, stderr=f
-            )
-        sock = self.shm_dir / "daemon.sock"
-        os.environ["TIERCKPT_SOCKET"] = str(sock)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with DaemonClient.from_socket(sock) as c:
-                    st = c.status()
-                if st.persistent is not None and st.persistent.healthy is not None:
-                    if not st.persistent.healthy:
-                        raise RuntimeError(f"persistent tier unusable: {st.persistent.last_error}")
-                    return
-            except DaemonUnavailableError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"daemon did not start:\n{self.tail()}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        stop_process(proc)
+        os.environ["TIERCKPT_SOCKET"] = str(self.socket)
+        self.start(ready=_persistent_tier_checked)
 
     def wipe_restart(self, concurrency: int | None = None) -> None:
         """A rebooted node: the daemon and everything in its memory tier are gone."""
-        self.stop()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-        self.start(concurrency)
+        self.lose_node()
+        self.start_with(concurrency)
 
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-        self.log.unlink(missing_ok=True)
+def _persistent_tier_checked(status: dict[str, Any]) -> bool:
+    persistent = status.get("persistent") or {}
+    if persistent.get("healthy") is False:
+        raise RuntimeError(f"persistent tier unusable: {persistent.get('last_error')}")
+    return persistent.get("healthy") is True
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -696,12 +665,12 @@ def main() -> None:
         # credentials; S3StorageWriter/Reader take no endpoint, the CRT reads AWS_ENDPOINT_URL.
         os.environ.update(s3.env(), AWS_ENDPOINT_URL=s3.endpoint)
         daemon = Daemon(s3, tag)
-        daemon.start()
+        daemon.start_with()
         bench = Bench(args, s3, daemon)
         res = bench.run()
     except BaseException:
         if daemon is not None:
-            print(f"daemon log (tail):\n{daemon.tail()}", file=sys.stderr)
+            print(f"daemon log (tail):\n{daemon.log()}", file=sys.stderr)
         print(f"SeaweedFS log (tail):\n{s3.log()[-2000:]}", file=sys.stderr)
         raise
     finally:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from _common import free_port, machine_info, stop_process
+from _common import free_port, machine_info
 
 BENCH = Path(__file__).resolve().parent
 WARMUP = 3  # saves before the daemon recycles files (keep_last 2 + 1): the ramp-up
@@ -101,16 +101,14 @@ def daemon() -> Iterator[None]:
     tag = uuid.uuid4().hex[:8]
     shm_dir = Path(f"/dev/shm/tierckpt-bench-all-{tag}")
     log = Path(tempfile.gettempdir()) / f"tierckpt-bench-all-{tag}.log"
-    proc = mt.start_daemon(shm_dir, log)  # sets TIERCKPT_SOCKET for this process and children
+    d = mt.start_daemon(shm_dir, log)  # sets TIERCKPT_SOCKET for this process and children
     try:
         yield
     except BaseException:
-        print(f"daemon log (tail):\n{log.read_text()[-3000:]}", file=sys.stderr)
+        print(f"daemon log (tail):\n{d.log()}", file=sys.stderr)
         raise
     finally:
-        stop_process(proc, timeout=10)
-        shutil.rmtree(shm_dir, ignore_errors=True)
-        log.unlink(missing_ok=True)
+        d.cleanup()
 
 
 # -- child: trainer RSS during async_save --------------------------------------------------------

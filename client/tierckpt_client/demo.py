@@ -16,7 +16,6 @@ import argparse
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,43 +47,31 @@ class _EmbeddedDaemon:
     """A daemon of our own: private tmpfs tier, ``file://`` persistent tier, no TCP port."""
 
     def __init__(self) -> None:
+        from tierckpt_daemon.launcher import DaemonProcess
+
         self.shm_dir = Path(tempfile.mkdtemp(prefix="tierckpt-demo-", dir="/dev/shm"))
         self.store = Path(tempfile.mkdtemp(prefix="tierckpt-demo-store-"))
         self.socket = str(self.shm_dir / "daemon.sock")
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.daemon = DaemonProcess(
+            self.shm_dir,
+            log_path=self.store.parent / f"{self.store.name}.log",
+            port=0,
+            capacity="1G",
+            persist_url=f"file://{self.store}",
+            log_level="WARNING",
+        )
 
     def start(self) -> None:
-        env = dict(
-            os.environ,
-            TIERCKPT_SHM_DIR=str(self.shm_dir),
-            TIERCKPT_PORT="0",
-            TIERCKPT_CAPACITY="1G",
-            TIERCKPT_PERSIST_URL=f"file://{self.store}",
-            TIERCKPT_LOG_LEVEL="WARNING",
-        )
-        env.pop("TIERCKPT_SOCKET", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tierckpt_daemon"], env=env)
-        while not _answers(self.socket):
-            if self.proc.poll() is not None:
-                raise SystemExit(f"the embedded daemon exited with {self.proc.returncode}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()  # SIGTERM: queued uploads drain first
-            self.proc.wait(120)
-            self.proc = None
+        self.daemon.start()
 
     def lose_node(self) -> None:
         """Stop the daemon and wipe its memory tier, as a node replacement would."""
-        self.stop()
-        shutil.rmtree(self.shm_dir)
-        self.shm_dir.mkdir()
-        self.start()
+        self.daemon.stop()  # SIGTERM: queued uploads drain first
+        self.daemon.lose_node()
+        self.daemon.start()
 
     def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        self.daemon.cleanup()
         shutil.rmtree(self.store, ignore_errors=True)
 
 
