@@ -7,12 +7,16 @@ from tierckpt_core.errors import (
     CapacityExceededError,
     CheckpointFormatError,
     DaemonUnavailableError,
+    IntegrityError,
     InvalidNameError,
     NamespaceNotFoundError,
     NotFoundError,
+    PeerUnavailableError,
+    PersistentTierError,
     StepNotFoundError,
     StepStateError,
     TierCkptError,
+    UnavailableError,
 )
 
 __version__ = "0.1.0"
@@ -23,11 +27,15 @@ __all__ = [
     "ClientConfig",
     "DaemonClient",
     "DaemonUnavailableError",
+    "IntegrityError",
     "InvalidNameError",
     "NamespaceNotFoundError",
     "NotFoundError",
+    "PeerUnavailableError",
+    "PersistentTierError",
     "StepNotFoundError",
     "StepStateError",
     "TierCkptError",
+    "UnavailableError",
     "__version__",
 ]

@@ -3,7 +3,11 @@
 All errors raised by tierckpt derive from :class:`TierCkptError`::
 
     TierCkptError
-    ├── DaemonUnavailableError      the local daemon cannot be reached or did not answer in time
+    ├── UnavailableError            transient: the other side did not answer; a retry may work
+    │   ├── DaemonUnavailableError  the local daemon cannot be reached or did not answer in time
+    │   ├── PeerUnavailableError    a peer daemon cannot be reached or did not answer in time
+    │   └── PersistentTierUnavailableError   the persistent tier timed out, throttled or
+    │                               failed with a 5xx (also a PersistentTierError)
     ├── InvalidNameError            a namespace, step or file name breaks the naming rules (also ValueError)
     ├── NotFoundError
     │   ├── NamespaceNotFoundError  the daemon holds nothing for this namespace
@@ -17,8 +21,7 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     ├── ProtocolError               a request or answer that does not follow the wire protocol
     ├── ForbiddenError              a local-only route was called over the TCP port (or a peer
     │                               route on the Unix socket)
-    ├── UnauthorizedError           a peer route was called without the right peer token
-    └── PeerUnavailableError        a peer daemon cannot be reached or did not answer in time
+    └── UnauthorizedError           a peer route was called without the right peer token
 
 The daemon reports errors as JSON ``{"code": "...", "detail": "..."}``; :data:`ERROR_CODES` maps the
 stable ``code`` strings back to these classes, so clients never match on message text. Every class
@@ -43,7 +46,14 @@ class TierCkptError(Exception):
         return self.message
 
 
-class DaemonUnavailableError(TierCkptError):
+class UnavailableError(TierCkptError):
+    """Transient: catch this to retry or fall back whatever the other side was."""
+
+    code = "unavailable"
+    http_status = 503
+
+
+class DaemonUnavailableError(UnavailableError):
     code = "daemon_unavailable"
     http_status = 503
 
@@ -109,8 +119,13 @@ class UnauthorizedError(TierCkptError):
     http_status = 401
 
 
-class PeerUnavailableError(TierCkptError):
+class PeerUnavailableError(UnavailableError):
     code = "peer_unavailable"
+    http_status = 502
+
+
+class PersistentTierUnavailableError(PersistentTierError, UnavailableError):
+    code = "persistent_tier_unavailable"
     http_status = 502
 
 
@@ -118,6 +133,7 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
     cls.code: cls
     for cls in (
         TierCkptError,
+        UnavailableError,
         DaemonUnavailableError,
         InvalidNameError,
         NotFoundError,
@@ -133,6 +149,7 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         PeerUnavailableError,
         IntegrityError,
         PersistentTierError,
+        PersistentTierUnavailableError,
     )
 }
 

@@ -95,3 +95,20 @@ def test_daemon_rejects_a_bad_persistent_tier_url(monkeypatch: pytest.MonkeyPatc
         DaemonSettings()
     monkeypatch.setenv("TIERCKPT_PERSIST_URL", "file:///mnt/fsx/ckpt")
     assert DaemonSettings().persist_url == "file:///mnt/fsx/ckpt"
+
+
+def test_transient_failures_share_one_class_to_catch() -> None:
+    from tierckpt_client import UnavailableError
+    from tierckpt_core.errors import (
+        DaemonUnavailableError,
+        PeerUnavailableError,
+        PersistentTierError,
+        PersistentTierUnavailableError,
+    )
+
+    for code in ("daemon_unavailable", "peer_unavailable", "persistent_tier_unavailable"):
+        assert isinstance(error_from_code(code, "x"), UnavailableError)
+    # A throttled or timed-out S3 call is still a persistent-tier failure to those who ask.
+    assert issubclass(PersistentTierUnavailableError, PersistentTierError)
+    assert not issubclass(PersistentTierError, UnavailableError)
+    assert {DaemonUnavailableError, PeerUnavailableError} <= set(UnavailableError.__subclasses__())

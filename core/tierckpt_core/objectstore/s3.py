@@ -15,7 +15,12 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tierckpt_core.errors import InvalidNameError, NotFoundError, PersistentTierError
+from tierckpt_core.errors import (
+    InvalidNameError,
+    NotFoundError,
+    PersistentTierError,
+    PersistentTierUnavailableError,
+)
 from tierckpt_core.integrity import Hasher
 from tierckpt_core.objectstore.base import ObjectInfo, validate_key, validate_prefix
 from tierckpt_core.objectstore.settings import StoreSettings
@@ -38,7 +43,7 @@ _DELETE_BATCH = 1000  # the S3 DeleteObjects limit
 _T = TypeVar("_T")
 
 
-class _RetryableS3Error(PersistentTierError):
+class _RetryableS3Error(PersistentTierUnavailableError):
     """A transient data-path failure (network, throttling, 5xx): retried by tenacity."""
 
 
