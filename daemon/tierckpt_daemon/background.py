@@ -133,6 +133,11 @@ class QueueWorker(Generic[T]):
                     heapq.heappush(self._queue, (time.monotonic() + delay, next(self._seq), item))
                 self._cv.notify_all()
 
+    def failing(self, besides: T | None = None) -> int:
+        """Items whose last try failed and that wait for the next one (``besides`` not counted)."""
+        with self._cv:
+            return sum(1 for k in self._tries if besides is None or k != id(besides))
+
     def retry_delay(self, item: T) -> float:
         """The backoff the next failure of ``item`` will wait."""
         with self._cv:

@@ -177,9 +177,10 @@ class Persister(QueueWorker[StepRecord]):
         m.uploaded_bytes.inc(nbytes)
         m.uploaded_steps.inc()
         m.upload_seconds.observe(time.monotonic() - t0)
-        with self._cv:
-            self._healthy = True
-            self._last_error = None
+        if not self.failing(besides=rec):  # else an older step's failure still stands
+            with self._cv:
+                self._healthy = True
+                self._last_error = None
         dt = time.monotonic() - t0
         logger.info(
             "%s/step %d durable in %s: %d files, %d bytes in %.2fs (%.0f MB/s)",
