@@ -47,6 +47,7 @@ class FileRecord(BaseModel):
     length: int = Field(ge=0, le=MAX_FILE_BYTES)  # bytes the writer used
     size: int | None = Field(default=None, ge=0)  # memory tier: bytes the file occupies (its lease)
     checksum: str | None = None  # of the first ``length`` bytes, once known (integrity.checksum)
+    node: str | None = None  # a step spanning nodes: the daemon (host:port) the writing rank used
 
     @field_validator("name")
     @classmethod
@@ -70,6 +71,8 @@ class LocalState(BaseModel):
     origin: str | None = None  # a replica: the peer (host:port) that committed it
     replicated_to: list[str] = []  # peers holding a verified copy
     replication_pending: bool = False  # must not leave memory before it is replicated
+    held: list[str] | None = None  # the files held in this directory, when not all of them
+    participants: list[str] | None = None  # prepared, not yet decided: the daemons of the step
 
 
 class StepManifest(BaseModel):
@@ -86,6 +89,7 @@ class StepManifest(BaseModel):
     committed_at: float | None = None
     files: list[FileRecord]
     metadata: dict[str, Any]
+    coordinator: str | None = None  # a step spanning nodes: the daemon that decided its commit
     local: LocalState | None = None
 
     @model_validator(mode="before")
@@ -110,6 +114,14 @@ class StepManifest(BaseModel):
     @property
     def nbytes(self) -> int:
         return sum(f.length for f in self.files)
+
+    def nodes(self) -> list[str]:
+        """The daemons that hold the step's files (empty for a single-node step)."""
+        return sorted({f.node for f in self.files if f.node is not None})
+
+    def share(self, node: str) -> list[FileRecord]:
+        """The files ``node`` holds as their writer's daemon."""
+        return [f for f in self.files if f.node == node]
 
     def portable(self) -> StepManifest:
         """This manifest as it leaves the node: no local state, no memory-tier sizes."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from tierckpt_core.manifest import FileRecord
+from tierckpt_core.manifest import FileRecord, StepManifest
 
 # The wire's name rules, re-exported: the API validates with them.
 from tierckpt_core.names import MAX_FILE_BYTES as MAX_FILE_BYTES
@@ -76,6 +76,9 @@ class CommitRequest(BaseModel):
     metadata: dict[str, Any]
     world_size: int = Field(ge=1, le=MAX_RANK)
     persist: bool | None = None
+    # A step whose ranks used several daemons: file name -> the node (TIERCKPT_NODE_NAME) of the
+    # daemon the writing rank sealed it with. The coordinator's daemon commits it on every node.
+    nodes: dict[str, str] | None = None
 
 
 class StepInfo(BaseModel):
@@ -175,6 +178,37 @@ class PeerStep(BaseModel):
     bytes: int
     origin: str | None
     committed_at: float | None
+
+
+class PrepareRequest(BaseModel):
+    """Phase one of a commit across nodes: the coordinator's daemon asks a participant to check
+    that its share of the attempt is sealed, record that it is prepared, and say what it holds."""
+
+    coordinator: str = Field(min_length=3, max_length=300)
+    participants: list[str]
+    files: list[str]  # this participant's share
+    world_size: int = Field(ge=1, le=MAX_RANK)
+
+
+class PrepareResponse(BaseModel):
+    files: list[FileRecord]
+
+
+class DecideRequest(BaseModel):
+    """Phase two: the decision was commit; here is the step's global record."""
+
+    manifest: StepManifest
+    persist: bool
+
+
+class OutcomeResponse(BaseModel):
+    """How a daemon's part of one save attempt stands: ``committed`` (with the global record),
+    ``prepared`` (waiting for the decision), ``writing``, or ``unknown`` (never seen, aborted,
+    superseded, or evicted)."""
+
+    outcome: str
+    manifest: StepManifest | None = None
+    persist: bool = False  # committed: whether the step is to be persisted
 
 
 class PeerPullRequest(BaseModel):

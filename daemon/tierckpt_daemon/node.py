@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tierckpt_core.protocol import API_VERSION, StatusResponse, StepState
+from tierckpt_core.errors import StepStateError
+from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
 from tierckpt_daemon import __version__
 from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.config import DaemonSettings, parse_size
+from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.metrics import Snapshot
 from tierckpt_daemon.persist import Persister
 from tierckpt_daemon.replication import Replicator
@@ -28,9 +30,25 @@ class Node:
     restorer: Restorer
     persister: Persister | None = None
     replicator: Replicator | None = None
+    committer: GlobalCommitter | None = None
 
     def __post_init__(self) -> None:
         self.service.metrics.attach(self.snapshot)
+
+    def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
+        """A trainer's commit: on this daemon alone, or, when the ranks used several daemons,
+        across all of them (:mod:`tierckpt_daemon.global_commit`)."""
+        nodes = set((req.nodes or {}).values())
+        if self.committer is None or not nodes or nodes == {self.committer.node}:
+            if nodes and self.committer is None:
+                raise StepStateError(
+                    f"{namespace}/step {step}: the ranks used {len(nodes)} daemons "
+                    f"({', '.join(sorted(nodes))}), but this daemon has no peers to commit "
+                    "across nodes with: set TIERCKPT_PEERS, TIERCKPT_NODE_NAME and "
+                    "TIERCKPT_PEER_TOKEN on every node's daemon"
+                )
+            return self.service.commit(namespace, step, attempt, req)
+        return self.committer.commit(namespace, step, attempt, req)
 
     def snapshot(self) -> Snapshot:
         """The state gauges of /metrics."""
@@ -83,7 +101,7 @@ def build_node(settings: DaemonSettings) -> Node:
     arena = Arena(settings.shm_dir, settings.capacity_bytes, prefault=settings.prefault)
     service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
     service.rebuild()
-    persister = replicator = None
+    persister = replicator = committer = None
     if settings.persist_url:
         from tierckpt_core.objectstore import StoreSettings, open_store
 
@@ -115,5 +133,10 @@ def build_node(settings: DaemonSettings) -> Node:
         )
         service.replicas = settings.replicas
         service.add_listener(replicator)
+        committer = GlobalCommitter(
+            service,
+            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
+            node=settings.node_name,
+        )
     restorer = Restorer(service, peers=replicator, durable=persister)
-    return Node(service, restorer, persister, replicator)
+    return Node(service, restorer, persister, replicator, committer)

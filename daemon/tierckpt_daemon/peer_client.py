@@ -29,8 +29,12 @@ from tierckpt_core.integrity import Hasher
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import pwriter
 from tierckpt_core.protocol import (
+    DecideRequest,
+    OutcomeResponse,
     PeerPullRequest,
     PeerStep,
+    PrepareRequest,
+    PrepareResponse,
     StepInfo,
 )
 
@@ -143,6 +147,42 @@ class PeerClient:
             return h.hexdigest()
 
         return self._retrying(RETRIES)(once)
+
+    # -- commits across nodes ---------------------------------------------------------------
+    def _attempt_path(self, namespace: str, step: int, attempt: str) -> str:
+        return f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}"
+
+    def prepare(
+        self, peer: str, namespace: str, step: int, attempt: str, req: PrepareRequest
+    ) -> PrepareResponse:
+        doc = self._json(
+            peer,
+            "POST",
+            self._attempt_path(namespace, step, attempt) + "/prepare",
+            attempts=1,
+            json=req.model_dump(mode="json"),
+        )
+        return PrepareResponse.model_validate(doc)
+
+    def decide(self, peer: str, req: DecideRequest) -> StepInfo:
+        m = req.manifest
+        assert m.attempt is not None
+        doc = self._json(
+            peer,
+            "POST",
+            self._attempt_path(m.namespace, m.step, m.attempt) + "/commit",
+            json=req.model_dump(mode="json"),
+        )
+        return StepInfo.model_validate(doc)
+
+    def abort(self, peer: str, namespace: str, step: int, attempt: str) -> None:
+        self._json(peer, "POST", self._attempt_path(namespace, step, attempt) + "/abort")
+
+    def outcome(self, peer: str, namespace: str, step: int, attempt: str) -> OutcomeResponse:
+        doc = self._json(
+            peer, "GET", self._attempt_path(namespace, step, attempt) + "/outcome", attempts=1
+        )
+        return OutcomeResponse.model_validate(doc)
 
     # -- replication ------------------------------------------------------------------------
     def pull(self, peer: str, namespace: str, step: int, origin: str, nbytes: int) -> StepInfo:

@@ -26,6 +26,8 @@ from tierckpt_core.protocol import StepInfo, StepState
 logger = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+# A participant's record of a step spanning nodes between its prepare and the decision (in doubt).
+PREPARED = "MANIFEST.prepared.json"
 
 
 @dataclass
@@ -47,6 +49,12 @@ class StepRecord:
     replication_pending: bool = False  # must not leave memory before it is replicated
     pins: dict[str, float] = field(default_factory=dict)  # pin id -> monotonic expiry
     evict_pending: bool = False
+    # A step spanning nodes: the files other daemons hold, the daemon that decides, and, on a
+    # participant between prepare and decision, that it has prepared (it must ask the decider).
+    remote: dict[str, FileRecord] = field(default_factory=dict)
+    coordinator: str | None = None
+    participants: list[str] = field(default_factory=list)
+    prepared_at: float | None = None
 
     @property
     def bytes(self) -> int:
@@ -71,6 +79,13 @@ class StepRecord:
     def manifest_path(self) -> Path:
         return self.dir / MANIFEST
 
+    def prepared_path(self) -> Path:
+        return self.dir / PREPARED
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.coordinator is not None
+
     def sorted_files(self) -> list[FileRecord]:
         return sorted(self.files.values(), key=lambda f: f.name)
 
@@ -93,9 +108,12 @@ class StepRecord:
             world_size=self.world_size,
             created_at=self.created_at,
             committed_at=self.committed_at,
-            files=self.sorted_files(),
+            files=sorted([*self.files.values(), *self.remote.values()], key=lambda f: f.name),
             metadata=metadata,
+            coordinator=self.coordinator,
             local=LocalState(
+                held=sorted(self.files) if self.remote else None,
+                participants=list(self.participants) or None,
                 persist=self.persist,
                 persist_pending=self.persist_pending,
                 durable=self.state == StepState.DURABLE,
@@ -119,6 +137,15 @@ def parse_step_dir_name(name: str) -> tuple[int, str] | None:
 
 def write_manifest(record: StepRecord, metadata: dict[str, Any]) -> None:
     _write(record, record.manifest(metadata))
+
+
+def write_prepared(record: StepRecord) -> None:
+    """A participant's prepare: its share and the decider, before it acknowledges."""
+    tmp = record.dir / (PREPARED + ".tmp")
+    doc = record.manifest({})
+    with open(tmp, "wb") as fh:
+        fh.write(doc.encode())
+    os.rename(tmp, record.prepared_path())
 
 
 def update_manifest(record: StepRecord) -> None:
@@ -147,6 +174,7 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
     if parsed is None or doc.namespace != namespace or doc.step != parsed[0]:
         raise CheckpointFormatError(f"{step_dir}: commit record does not match its directory")
     local = doc.local or LocalState()
+    held = set(local.held) if local.held is not None else {f.name for f in doc.files}
     rec = StepRecord(
         namespace=namespace,
         step=parsed[0],
@@ -161,8 +189,12 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
         origin=local.origin,
         replicated_to=list(local.replicated_to),
         replication_pending=local.replication_pending,
+        coordinator=doc.coordinator,
     )
     for f in doc.files:
+        if f.name not in held:
+            rec.remote[f.name] = f
+            continue
         path = step_dir / f.name
         try:
             size = path.stat().st_size

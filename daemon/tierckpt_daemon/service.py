@@ -183,9 +183,7 @@ class TierService:
         ``checksums`` are the files' checksums when already known."""
         with self.metrics.commit_seconds.time():
             rec = self._commit(namespace, step, attempt, req, replicate, origin, checksums)
-        self.metrics.commits.inc()
-        for listener in self._listeners:
-            listener.committed(rec)
+        self.notify_committed(rec)
         return rec.info()
 
     def _commit(
@@ -198,6 +196,23 @@ class TierService:
         origin: str | None,
         checksums: dict[str, str] | None,
     ) -> StepRecord:
+        with self.lock:
+            rec = self.writing_record(namespace, step, attempt)
+            self.keep_only(rec, req.files)
+            rec.world_size = req.world_size
+            rec.persist = req.persist
+            persist = self.wants_persist(namespace, step, req.persist)
+            return self.install(
+                rec,
+                req.metadata,
+                persist=persist,
+                replicate=replicate,
+                origin=origin,
+                checksums=checksums,
+            )
+
+    def writing_record(self, namespace: str, step: int, attempt: str) -> StepRecord:
+        """The record of a save attempt in progress (its ranks' sealed files)."""
         validate_namespace(namespace)
         validate_step(step)
         with self.lock:
@@ -207,23 +222,42 @@ class TierService:
                     f"{namespace}/step {step}: no save in progress with attempt {attempt} (it "
                     "expired, was superseded, or the daemon restarted during the save)"
                 )
-            missing = sorted(set(req.files) - set(rec.files))
+            return rec
+
+    def keep_only(self, rec: StepRecord, names: list[str]) -> None:
+        """Check that every file in ``names`` is sealed into ``rec``; drop any other."""
+        with self.lock:
+            missing = sorted(set(names) - set(rec.files))
             if missing:
                 raise StepStateError(
-                    f"{namespace}/step {step}: cannot commit, {len(missing)} files were never "
-                    f"sealed: {', '.join(missing[:8])}"
+                    f"{rec.namespace}/step {rec.step}: cannot commit, {len(missing)} files were "
+                    f"never sealed: {', '.join(missing[:8])}"
                 )
-            for name in sorted(set(rec.files) - set(req.files)):
+            for name in sorted(set(rec.files) - set(names)):
                 self.arena.adopt_into_pool(rec.dir / name)
                 del rec.files[name]
-            rec.world_size = req.world_size
-            rec.persist = req.persist
-            rec.persist_pending = self._wants_persist(namespace, step, req.persist)
+
+    def install(
+        self,
+        rec: StepRecord,
+        metadata: dict[str, Any],
+        *,
+        persist: bool,
+        replicate: bool,
+        origin: str | None = None,
+        checksums: dict[str, str] | None = None,
+    ) -> StepRecord:
+        """Commit the attempt ``rec`` (its files checked): write its commit record, make it its
+        step's record, retire what it supersedes and what retention lets go."""
+        namespace, step = rec.namespace, rec.step
+        with self.lock:
+            rec.persist_pending = persist
             rec.origin = origin
             rec.learn_checksums(checksums or {})
             rec.replication_pending = replicate and origin is None and self.replicas > 0
             rec.committed_at = time.time()
-            write_manifest(rec, req.metadata)
+            write_manifest(rec, metadata)
+            rec.prepared_path().unlink(missing_ok=True)
             rec.state = StepState.COMMITTED
             old, retired = self.index.install(rec)
             if old is not None:
@@ -245,7 +279,12 @@ class TierService:
             )
             return rec
 
-    def _wants_persist(self, namespace: str, step: int, asked: bool | None) -> bool:
+    def notify_committed(self, rec: StepRecord) -> None:
+        self.metrics.commits.inc()
+        for listener in self._listeners:
+            listener.committed(rec)
+
+    def wants_persist(self, namespace: str, step: int, asked: bool | None) -> bool:
         if not self.persistent:
             if asked:
                 logger.warning(
@@ -420,7 +459,8 @@ class TierService:
         with self.lock:
             self.leases.expire(now)
             for key, rec in list(self.index.writing.items()):
-                if now - rec.last_activity > self.lease_ttl_s:
+                # A prepared attempt waits for its decider (global_commit resolves it), however long.
+                if rec.prepared_at is None and now - rec.last_activity > self.lease_ttl_s:
                     logger.warning(
                         "%s/step %d: save attempt %s stalled for %.0fs; reclaiming its files",
                         rec.namespace,

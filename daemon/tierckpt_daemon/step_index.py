@@ -14,15 +14,17 @@ every call.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tierckpt_core.errors import CheckpointFormatError, NamespaceNotFoundError, StepNotFoundError
-from tierckpt_core.protocol import NamespaceInfo, validate_namespace, validate_step
+from tierckpt_core.protocol import NamespaceInfo, StepState, validate_namespace, validate_step
 from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.eviction import EvictionPolicy, safe_to_evict
 from tierckpt_daemon.records import (
     MANIFEST,
+    PREPARED,
     StepRecord,
     parse_step_dir_name,
     read_manifest,
@@ -89,6 +91,31 @@ class StepIndex:
                         self.drop(old)
                 else:
                     self.drop(rec)
+                return 0
+        prepared = step_dir / PREPARED
+        if step_dir.is_dir() and prepared.exists() and parse_step_dir_name(step_dir.name):
+            try:
+                rec = record_from_manifest(namespace, step_dir, read_manifest(prepared))
+            except CheckpointFormatError as e:
+                logger.warning("discarding prepared step directory %s: %s", step_dir, e)
+            else:
+                # Prepared for a commit across nodes, decision unknown: keep it, in doubt, until
+                # the decider (or another participant) says how it ended.
+                doc = read_manifest(prepared)
+                rec.state = StepState.WRITING
+                rec.prepared_at = time.time()
+                rec.participants = list((doc.local and doc.local.participants) or [])
+                for f in rec.files.values():
+                    self.arena.track(step_dir / f.name, f.held_bytes)
+                self.writing[(namespace, rec.step, rec.attempt)] = rec
+                logger.warning(
+                    "%s/step %d: attempt %s was prepared for a commit across nodes before the "
+                    "restart; asking its coordinator %s how it ended",
+                    namespace,
+                    rec.step,
+                    rec.attempt,
+                    rec.coordinator,
+                )
                 return 0
         n = self.reclaim_dir(step_dir)
         logger.info("reclaimed %d files of unfinished save %s/%s", n, namespace, step_dir.name)

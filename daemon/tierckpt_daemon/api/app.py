@@ -78,12 +78,16 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
             persister.start()
         if replicator is not None:
             replicator.start()
+        if node.committer is not None:
+            node.committer.start()
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if node.committer is not None:
+                await asyncio.to_thread(node.committer.stop)
             if replicator is not None:
                 # Pending pushes resume after the next start (replication_pending in the manifest).
                 await asyncio.to_thread(replicator.stop)

@@ -3,7 +3,8 @@ the shared token (``Authorization: Bearer <TIERCKPT_PEER_TOKEN>``).
 
 Reads (a peer restoring a step, or pulling a replica): list steps, one step's manifest, stream one
 file. Replication: ``pull`` asks this daemon to copy one of the caller's steps (it then uses the
-reads above on the caller).
+reads above on the caller). Commits across nodes: ``prepare``, ``commit`` (the decision),
+``abort`` and ``outcome`` of one save attempt.
 """
 
 from __future__ import annotations
@@ -14,15 +15,21 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from tierckpt_core.errors import ForbiddenError, UnauthorizedError
+from tierckpt_core.errors import ForbiddenError, ProtocolError, UnauthorizedError
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import (
+    DecideRequest,
+    OutcomeResponse,
     PeerPullRequest,
     PeerStep,
+    PrepareRequest,
+    PrepareResponse,
     StepInfo,
+    validate_file_name,
     validate_namespace,
     validate_step,
 )
+from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.peer_server import PeerServer
 
 
@@ -89,3 +96,53 @@ def pull(namespace: str, step: int, req: PeerPullRequest, request: Request) -> S
         raise ForbiddenError("replication is off on this daemon (no TIERCKPT_PEERS)")
     info: StepInfo = replicator.pull_from(req.origin, namespace, step)
     return info
+
+
+# -- commits across nodes (see tierckpt_daemon.global_commit) -------------------------------
+def get_committer(request: Request) -> GlobalCommitter:
+    committer: GlobalCommitter | None = request.app.state.node.committer
+    if committer is None:
+        raise ForbiddenError("commits across nodes are off on this daemon (no TIERCKPT_PEERS)")
+    return committer
+
+
+Committer = Annotated[GlobalCommitter, Depends(get_committer)]
+_ATTEMPT = "/namespaces/{namespace}/steps/{step}/attempts/{attempt}"
+
+
+@router.post(_ATTEMPT + "/prepare")
+def prepare(
+    namespace: str, step: int, attempt: str, req: PrepareRequest, committer: Committer
+) -> PrepareResponse:
+    _check(namespace, step, attempt)
+    return PrepareResponse(files=committer.prepare(namespace, step, attempt, req))
+
+
+@router.post(_ATTEMPT + "/commit")
+def decide(
+    namespace: str, step: int, attempt: str, req: DecideRequest, committer: Committer
+) -> StepInfo:
+    _check(namespace, step, attempt)
+    m = req.manifest
+    if (m.namespace, m.step, m.attempt) != (namespace, step, attempt):
+        raise ProtocolError(f"the decision is for {m.namespace}/step {m.step} attempt {m.attempt}")
+    return committer.decide(req).info()
+
+
+@router.post(_ATTEMPT + "/abort")
+def abort(namespace: str, step: int, attempt: str, committer: Committer) -> OutcomeResponse:
+    _check(namespace, step, attempt)
+    committer.abort(namespace, step, attempt)
+    return committer.outcome(namespace, step, attempt)
+
+
+@router.get(_ATTEMPT + "/outcome")
+def outcome(namespace: str, step: int, attempt: str, committer: Committer) -> OutcomeResponse:
+    _check(namespace, step, attempt)
+    return committer.outcome(namespace, step, attempt)
+
+
+def _check(namespace: str, step: int, attempt: str) -> None:
+    validate_namespace(namespace)
+    validate_step(step)
+    validate_file_name(attempt)

@@ -13,11 +13,13 @@ from tierckpt_core.protocol import (
     SealRequest,
     StepInfo,
 )
-from tierckpt_daemon.api.deps import get_service
+from tierckpt_daemon.api.deps import get_node, get_service
+from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}")
 Service = Annotated[TierService, Depends(get_service)]
+NodeDep = Annotated[Node, Depends(get_node)]
 
 
 @router.post("/leases")
@@ -37,7 +39,5 @@ def seal(namespace: str, step: int, attempt: str, req: SealRequest, service: Ser
 
 
 @router.post("/steps/{step}/attempts/{attempt}/commit")
-def commit(
-    namespace: str, step: int, attempt: str, req: CommitRequest, service: Service
-) -> StepInfo:
-    return service.commit(namespace, step, attempt, req)
+def commit(namespace: str, step: int, attempt: str, req: CommitRequest, node: NodeDep) -> StepInfo:
+    return node.commit(namespace, step, attempt, req)
