@@ -22,6 +22,7 @@ from tierckpt_core.errors import DaemonUnavailableError, ProtocolError
 from tierckpt_core.http import decode_response
 from tierckpt_core.protocol import (
     CommitRequest,
+    HydrateRequest,
     LeaseRequest,
     LeaseResponse,
     NamespaceInfo,
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 # training loop makes a new writer per save, and a new connection costs ~2 ms of the save's stall.
 _SHARED: dict[tuple[int, ClientConfig], httpx.Client] = {}
 _SHARED_LOCK = threading.Lock()
+_NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
 
 
 @atexit.register
@@ -206,12 +208,23 @@ class DaemonClient:
         doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates")
         return [StepCandidate.model_validate(x) for x in doc]
 
-    def hydrate(self, namespace: str, step: int) -> StepInfo:
-        """Bring a durable step from the persistent tier into memory (a long call)."""
+    def hydrate(self, namespace: str, step: int, files: list[str] | None = None) -> StepInfo:
+        """Bring a step into this node's memory from a peer or the persistent tier (a long
+        call); of a step spanning nodes, also the ``files`` that other nodes hold."""
         path = f"/v1/namespaces/{namespace}/steps/{step}/hydrate"
+        body = HydrateRequest(files=files).model_dump() if files is not None else None
         return StepInfo.model_validate(
-            self._request("POST", path, timeout=self.config.hydrate_timeout_s)
+            self._request("POST", path, body, timeout=self.config.hydrate_timeout_s)
         )
+
+    def node(self) -> str | None:
+        """This daemon's node name among its peers (``TIERCKPT_NODE_NAME``), None if it has no
+        peers. Asked once per process and socket (a save asks it on every rank)."""
+        key = str(self.config.socket)
+        if key not in _NODES:
+            replication = self.status().replication
+            _NODES[key] = replication.node if replication is not None else None
+        return _NODES[key]
 
     def persist(self, namespace: str, step: int) -> StepInfo:
         """Queue a committed step for upload to the persistent tier now."""

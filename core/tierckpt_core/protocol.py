@@ -97,6 +97,12 @@ class StepInfo(BaseModel):
     origin: str | None = None  # set on a replica: the peer that committed the step
 
 
+class HydrateRequest(BaseModel):
+    """Which files of a step the caller's readers need here (none named: the node's own)."""
+
+    files: list[str] | None = None
+
+
 class StepCandidate(BaseModel):
     """A step that ``latest`` could return, newest first, and the tiers that hold it."""
 
@@ -178,6 +184,7 @@ class PeerStep(BaseModel):
     bytes: int
     origin: str | None
     committed_at: float | None
+    held: list[str] | None = None  # a step spanning nodes: the files this peer holds (else all)
 
 
 class PrepareRequest(BaseModel):

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from tierckpt_core.errors import NotFoundError
-from tierckpt_core.manifest import FileRecord
+from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepStateError
+from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.records import StepRecord
 from tierckpt_daemon.service import TierService
@@ -38,26 +38,23 @@ def fill_step(
     attempt_prefix: str,
     replicate: bool,
     origin: str | None = None,
+    spanning: StepManifest | None = None,
 ) -> StepRecord:
     """Lease, fill (``fetch`` on ``pool``), seal and commit ``files`` as ``namespace/step``.
+
+    ``spanning`` is the global record of a step whose files lie on several nodes, of which
+    ``files`` are the ones to bring here: they join this node's record of the step if it has one
+    (same attempt), else a new record holds them and knows the rest as remote.
 
     Returns the committed record, with the files' checksums. On any failure every lease is given
     back (after every fetch has ended: none may still write into a pooled file) and the error is
     raised.
     """
+    if spanning is not None:
+        return _fill_share(service, spanning, files, fetch=fetch, pool=pool, origin=origin)
     attempt = f"{attempt_prefix}{uuid.uuid4().hex[:15]}"
-    leases: list[tuple[FileRecord, str]] = []
+    leases = _lease_and_fetch(service, namespace, files, fetch, pool)
     try:
-        paths = []
-        for f in files:
-            # No pre-faulting: the fetch writes every byte, which faults the pages in once.
-            lease = service.lease(namespace, f.rank, f.length, prefault=False)
-            leases.append((f, lease.lease_id))
-            paths.append(lease.path)
-        futures = [pool.submit(fetch, f, path) for f, path in zip(files, paths, strict=True)]
-        concurrent.futures.wait(futures)
-        for fut in futures:
-            fut.result()
         by_rank: dict[int, list[SealFile]] = {}
         for f, lease_id in leases:
             by_rank.setdefault(f.rank, []).append(
@@ -66,10 +63,7 @@ def fill_step(
         for rank, seal_files in sorted(by_rank.items()):
             service.seal(namespace, step, attempt, SealRequest(rank=rank, files=seal_files))
     except BaseException:
-        for _, lease_id in leases:
-            # A lease already sealed into the attempt is reclaimed by the sweeper.
-            with contextlib.suppress(NotFoundError):
-                service.release_lease(namespace, lease_id)
+        _give_back(service, namespace, leases)
         raise
     if not leases:
         service.seal(namespace, step, attempt, SealRequest(rank=0, files=[]))
@@ -88,3 +82,70 @@ def fill_step(
         checksums={f.name: f.checksum for f in files if f.checksum},
     )
     return service.record(namespace, step)
+
+
+def _fill_share(
+    service: TierService,
+    manifest: StepManifest,
+    files: Sequence[FileRecord],
+    *,
+    fetch: Fetch,
+    pool: Executor,
+    origin: str | None,
+) -> StepRecord:
+    ns, step, attempt = manifest.namespace, manifest.step, manifest.attempt
+    if attempt is None:
+        raise CheckpointFormatError(f"{ns}/step {step}: the global record names no attempt")
+    with service.lock:
+        current = service.index.committed.get(ns, {}).get(step)
+        if current is not None and current.attempt == attempt:
+            files = [f for f in files if f.name not in current.files]
+    leases = _lease_and_fetch(service, ns, files, fetch, pool)
+    try:
+        if current is not None and current.attempt == attempt:
+            service.add_files(current, leases)
+            return current
+        with service.lock:
+            rec = service.index.begin(ns, step, attempt)
+            if rec.files or rec.prepared_at is not None:
+                raise StepStateError(f"{ns}/step {step}: attempt {attempt} is being saved here")
+            service.add_files(rec, leases)
+            rec.remote = {f.name: f for f in manifest.files if f.name not in rec.files}
+            rec.coordinator = manifest.coordinator
+            rec.world_size = manifest.world_size
+            installed = service.install(
+                rec, manifest.metadata, persist=False, replicate=False, origin=origin
+            )
+    except BaseException:
+        _give_back(service, ns, leases)
+        raise
+    service.notify_committed(installed)
+    return installed
+
+
+def _lease_and_fetch(
+    service: TierService, namespace: str, files: Sequence[FileRecord], fetch: Fetch, pool: Executor
+) -> list[tuple[FileRecord, str]]:
+    leases: list[tuple[FileRecord, str]] = []
+    try:
+        paths = []
+        for f in files:
+            # No pre-faulting: the fetch writes every byte, which faults the pages in once.
+            lease = service.lease(namespace, f.rank, f.length, prefault=False)
+            leases.append((f, lease.lease_id))
+            paths.append(lease.path)
+        futures = [pool.submit(fetch, f, path) for f, path in zip(files, paths, strict=True)]
+        concurrent.futures.wait(futures)
+        for fut in futures:
+            fut.result()
+    except BaseException:
+        _give_back(service, namespace, leases)
+        raise
+    return leases
+
+
+def _give_back(service: TierService, namespace: str, leases: list[tuple[FileRecord, str]]) -> None:
+    for _, lease_id in leases:
+        # A lease already sealed into the attempt is reclaimed by the sweeper.
+        with contextlib.suppress(NotFoundError):
+            service.release_lease(namespace, lease_id)

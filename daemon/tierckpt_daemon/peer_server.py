@@ -17,7 +17,7 @@ from tierckpt_core.errors import (
     TierCkptError,
 )
 from tierckpt_core.integrity import checksum_file, read_chunks
-from tierckpt_core.manifest import StepManifest
+from tierckpt_core.manifest import LocalState, StepManifest
 from tierckpt_core.protocol import (
     PeerStep,
     validate_file_name,
@@ -43,6 +43,7 @@ class PeerServer:
                 bytes=r.bytes,
                 origin=r.origin,
                 committed_at=r.committed_at,
+                held=sorted(r.files) if r.remote else None,
             )
             for r in self.service.records(namespace)
         ]
@@ -59,7 +60,10 @@ class PeerServer:
             finally:
                 self.service.unpin(namespace, step, pin.pin_id)
             self.service.set_checksums(rec, sums)
-        return rec.manifest(metadata).portable()
+        manifest = rec.manifest(metadata).portable()
+        if rec.remote:  # say which of the step's files this daemon can serve
+            manifest.local = LocalState(held=sorted(rec.files))
+        return manifest
 
     def open_file(
         self, namespace: str, step: int, attempt: str, name: str

@@ -209,9 +209,17 @@ class Replicator(QueueWorker[StepRecord]):
         )
         return False
 
+    def share(self, rec: StepRecord) -> list[FileRecord]:
+        """What this node replicates of ``rec``: a step of its own, whole; of a step spanning
+        nodes, the files its own ranks wrote (each node replicates its own share)."""
+        files = rec.sorted_files()
+        if rec.spans_nodes:
+            files = [f for f in files if f.node == self.node]
+        return files
+
     def _push(self, rec: StepRecord, peer: str) -> None:
         ns, step = rec.namespace, rec.step
-        files = sorted(rec.files.values(), key=lambda f: f.name)
+        files = self.share(rec)
         if files and all(f.checksum for f in files):
             # Already there (e.g. the peer this step was restored from)? Then no bytes move.
             try:
@@ -219,7 +227,11 @@ class Replicator(QueueWorker[StepRecord]):
             except NotFoundError:
                 pass
             else:
-                if {f.name: f.checksum for f in theirs.files} == rec.checksums():
+                held = _held(theirs)
+                if all(
+                    f.name in held and (theirs.file(f.name) or f).checksum == f.checksum
+                    for f in files
+                ) and (rec.spans_nodes or len(theirs.files) == len(files)):
                     self.service.mark_replicated(rec, peer, {})
                     return
         t0 = time.monotonic()
@@ -228,7 +240,8 @@ class Replicator(QueueWorker[StepRecord]):
         # upload did yet) and every file over the same fast path a restore uses, verifies them,
         # and commits the replica before it answers.
         info = self.client.pull(peer, ns, step, self.node, nbytes)
-        if info.step != step or info.origin != self.node:
+        # A share of a step spanning nodes may join the peer's own part of it (no origin there).
+        if info.step != step or (info.origin != self.node and not rec.spans_nodes):
             raise ProtocolError(f"peer {peer} answered the pull of {ns}/step {step} with {info}")
         self.service.mark_replicated(rec, peer, {})
         self.service.metrics.replicated_bytes.inc(nbytes)
@@ -269,10 +282,30 @@ class Replicator(QueueWorker[StepRecord]):
                 held.setdefault(s.step, []).append(peer)
         return held
 
-    def hydrate(self, namespace: str, step: int) -> StepInfo:
-        """Copy ``namespace/step`` from the first peer with a good replica (ring successors
-        first) and commit it here. StepNotFoundError if no peer holds it; IntegrityError if every
+    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+        """Bring ``namespace/step`` here from the peers, verified. A step of one node comes whole
+        from the first peer with a good replica (ring successors first); of a step spanning nodes
+        only ``files`` come (default: this node's own share, what a replaced node lost), from the
+        peers that hold them. StepNotFoundError if no peer holds it; IntegrityError if every
         replica found was corrupt."""
+        with self.service.lock:
+            here = self.service.index.committed.get(namespace, {}).get(step)
+        if here is not None and here.spans_nodes:
+            return self.fetch_files(namespace, step, set(files or ()) - set(here.files))[0]
+        holders = self.holders(namespace, step)
+        for peer in holders:
+            try:
+                manifest = self.client.manifest(peer, namespace, step)
+            except TierCkptError as e:
+                self._peer_failed(peer, e)
+                continue
+            if manifest.coordinator is None:
+                break
+            names = files if files is not None else {f.name for f in manifest.share(self.node)}
+            return self.fetch_files(namespace, step, names)[0]
+        return self._hydrate_whole(namespace, step)
+
+    def _hydrate_whole(self, namespace: str, step: int) -> StepInfo:
         try:
             peers = self.successors()
         except PeerUnavailableError as e:
@@ -329,6 +362,72 @@ class Replicator(QueueWorker[StepRecord]):
         down = f" ({', '.join(unreachable)} did not answer)" if unreachable else ""
         raise StepNotFoundError(f"{namespace}/step {step}: no peer holds a replica{down}")
 
+    def holders(self, namespace: str, step: int) -> dict[str, set[str] | None]:
+        """Peers that hold ``namespace/step``, and which of its files (None: all of them)."""
+        try:
+            peers = self.successors()
+        except PeerUnavailableError as e:
+            logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
+            return {}
+        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
+        held: dict[str, set[str] | None] = {}
+        for peer, fut in futures.items():
+            try:
+                steps = fut.result()
+            except NotFoundError:
+                continue
+            except TierCkptError as e:
+                self._peer_failed(peer, e)
+                continue
+            for s in steps:
+                if s.step == step:
+                    held[peer] = set(s.held) if s.held is not None else None
+        return held
+
+    def fetch_files(self, namespace: str, step: int, names: set[str]) -> tuple[StepInfo, int]:
+        """Bring the files ``names`` of a step spanning nodes here from the peers that hold them
+        (their writer's node first), verified. Returns the step as held here and the bytes moved;
+        StepNotFoundError names the files no reachable peer holds."""
+        holders = self.holders(namespace, step)
+        if not holders:
+            raise StepNotFoundError(f"{namespace}/step {step}: no reachable peer holds it")
+        if not names and not self.service.index.committed.get(namespace, {}).get(step):
+            # Nothing to fetch, but this node needs the step's record (its metadata, where the
+            # files are) to serve a reader: take it from a holder, with no files.
+            peer = next(iter(holders))
+            empty = self._copy_from(peer, self.client.manifest(peer, namespace, step), names=set())
+            return empty.info(), 0
+        left = set(names)
+        moved = 0
+        rec: StepRecord | None = None
+
+        def coverage(peer: str) -> int:
+            held = holders[peer]
+            return len(left if held is None else left & held)
+
+        for peer in sorted(holders, key=coverage, reverse=True):
+            held = holders[peer]
+            offered = left if held is None else left & held
+            if not offered:
+                continue
+            try:
+                theirs = self.client.manifest(peer, namespace, step)
+                rec = self._copy_from(peer, theirs, names=offered)
+            except PEER_ERRORS as e:
+                self._peer_failed(peer, e)
+                continue
+            got = offered & set(rec.files)
+            moved += sum(f.length for f in theirs.files if f.name in got)
+            left -= got
+        if left:
+            raise StepNotFoundError(
+                f"{namespace}/step {step}: no reachable peer holds {', '.join(sorted(left)[:8])}"
+            )
+        if rec is None:
+            rec = self.service.record(namespace, step)
+        self.service.metrics.peer_hydrated_bytes.inc(moved)
+        return rec.info(), moved
+
     def pull_from(self, origin: str, namespace: str, step: int) -> StepInfo:
         """A peer's replication request: copy its committed ``namespace/step`` here, verified,
         as a replica whose origin is ``origin``. Only members of the ring are pulled from (the
@@ -343,18 +442,36 @@ class Replicator(QueueWorker[StepRecord]):
         if (manifest.namespace, manifest.step) != (namespace, step):
             raise ProtocolError(f"peer {origin} answered for {manifest.namespace}/{manifest.step}")
         rec = self._copy_from(origin, manifest, replica=True)
-        self.service.metrics.replica_received_bytes.inc(manifest.nbytes)
+        got = manifest.share(origin) if manifest.coordinator is not None else manifest.files
+        self.service.metrics.replica_received_bytes.inc(sum(f.length for f in got))
         self.service.metrics.replicas_received.inc()
         return rec.info()
 
-    def _copy_from(self, peer: str, manifest: StepManifest, *, replica: bool = False) -> StepRecord:
+    def _copy_from(
+        self,
+        peer: str,
+        manifest: StepManifest,
+        *,
+        replica: bool = False,
+        names: set[str] | None = None,
+    ) -> StepRecord:
         ns, step = manifest.namespace, manifest.step
         where = f"peer {peer}"
-        manifest.require_checksums(where=where)
         attempt = manifest.attempt
         if attempt is None:
             raise ProtocolError(f"{where} sent a manifest of {ns}/step {step} with no attempt")
-        files = manifest.portable().files
+        spanning = manifest if manifest.coordinator is not None else None
+        held = _held(manifest)
+        files = [f for f in manifest.portable().files if f.name in held]
+        if spanning is not None and replica:
+            files = [f for f in files if f.node == peer]  # the peer's own share
+        if names is not None:
+            files = [f for f in files if f.name in names]
+        unchecked = [f.name for f in files if not f.checksum]
+        if unchecked:
+            raise CheckpointFormatError(
+                f"{where}: the manifest has no checksum for {', '.join(unchecked[:8])}"
+            )
 
         def fetch(f: FileRecord, path: str) -> None:
             got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length)
@@ -374,7 +491,15 @@ class Replicator(QueueWorker[StepRecord]):
             # known to hold it (below).
             replicate=not replica,
             origin=peer if replica else None,
+            spanning=spanning,
         )
-        if not replica:
+        if not replica and spanning is None:
             self.service.mark_replicated(rec, peer, {})
         return rec
+
+
+def _held(manifest: StepManifest) -> set[str]:
+    """The files of ``manifest`` its sender holds (it says so for a step spanning nodes)."""
+    if manifest.local is not None and manifest.local.held is not None:
+        return set(manifest.local.held)
+    return {f.name for f in manifest.files}

@@ -17,6 +17,7 @@ from tierckpt_core.errors import (
     NamespaceNotFoundError,
     NotFoundError,
     PersistentTierError,
+    StepNotFoundError,
 )
 from tierckpt_core.protocol import (
     StepCandidate,
@@ -35,9 +36,10 @@ class PeerSource(Protocol):
         """Which peers hold which committed steps (unreachable peers skipped, never waited on)."""
         ...
 
-    def hydrate(self, namespace: str, step: int) -> StepInfo:
-        """Copy a step from a peer's replica into memory, verified; NotFoundError if no peer
-        holds it, CheckpointFormatError if every replica found was corrupt."""
+    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+        """Copy a step (of a step spanning nodes: ``files``, default this node's share) from
+        peers into memory, verified; NotFoundError if no peer holds it, CheckpointFormatError if
+        every replica found was corrupt."""
         ...
 
 
@@ -95,22 +97,39 @@ class Restorer:
             for s in steps
         ]
 
-    def hydrate(self, namespace: str, step: int) -> StepInfo:
+    def hydrate(self, namespace: str, step: int, files: list[str] | None = None) -> StepInfo:
         """Make a step available in memory: already here, else a verified copy from a peer that
-        holds a replica, else from the persistent tier. Concurrent calls for one step (every rank
-        of the node asks) wait for the first."""
+        holds a replica, else from the persistent tier. Of a step spanning nodes, a node holds
+        the files its ranks wrote; ``files`` names others this node's readers need, which come
+        from the peers that hold them. Concurrent calls for one step (every rank of the node
+        asks) wait for the first."""
         validate_namespace(namespace)
         validate_step(step)
         with self._guard:
             lock = self._locks.setdefault((namespace, step), threading.Lock())
         with lock:
             try:
-                return self.service.get_step(namespace, step)
+                rec = self.service.record(namespace, step)
             except NotFoundError as e:
                 missing: NotFoundError = e
+            else:
+                need = set(files or ()) - set(rec.files)
+                if not need:
+                    return rec.info()
+                unknown = sorted(need - set(rec.remote))
+                if unknown:
+                    raise StepNotFoundError(
+                        f"{namespace}/step {step} has no file {', '.join(unknown[:8])}"
+                    )
+                if self.peers is None:
+                    raise StepNotFoundError(
+                        f"{namespace}/step {step}: {', '.join(sorted(need)[:8])} are held by "
+                        "other nodes, and this daemon has no peers (TIERCKPT_PEERS)"
+                    )
+                return self.peers.hydrate(namespace, step, need)
             if self.peers is not None:
                 try:
-                    return self.peers.hydrate(namespace, step)
+                    return self.peers.hydrate(namespace, step, set(files) if files else None)
                 except NotFoundError as e:
                     missing = e
                 except CheckpointFormatError as e:  # every replica failed verification

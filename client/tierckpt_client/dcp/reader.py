@@ -230,16 +230,19 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with self.open_files() as files:
+        needed = {ref.file for i in plan.items if (ref := self._storage.get(i.storage_index))}
+        with self.open_files(needed) as files:
             self._copy_items(plan, planner, files)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     @contextlib.contextmanager
-    def open_files(self) -> Iterator[_Files]:
+    def open_files(self, needed: set[str] | None = None) -> Iterator[_Files]:
         """Yield the files of the step ``read_metadata`` chose: in the daemon's memory (pinned
-        meanwhile), or downloaded and verified from the persistent tier when there is no daemon."""
+        meanwhile), or downloaded and verified from the persistent tier when there is no daemon.
+        Of a step spanning nodes, the daemon first brings the ``needed`` files other nodes
+        hold (only those: a rank reads what its plan names)."""
         namespace = self._require_namespace()
         step = self._resolved
         if step is None:
@@ -253,6 +256,10 @@ class TieredStorageReader(StorageReader):
             pin = self._daemon.pin(namespace, step)
         except NotFoundError:  # evicted since read_metadata, or another node: bring it back
             self._daemon.hydrate(namespace, step)
+            pin = self._daemon.pin(namespace, step)
+        if needed and not needed <= set(pin.paths):  # on other nodes: fetch them here first
+            self._daemon.unpin(namespace, step, pin.pin_id)
+            self._daemon.hydrate(namespace, step, sorted(needed))
             pin = self._daemon.pin(namespace, step)
 
         def mapped(name: str) -> torch.Tensor:

@@ -62,6 +62,7 @@ class _LocalPlanData:
 
     direct: bool  # this rank cannot use its daemon
     daemon: str  # which daemon (host and socket) holds this rank's files
+    node: str | None = None  # that daemon's node name among its peers (None: it has no peers)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._daemon = DaemonClient.shared(self.config)
         self._staged: _Staged | None = None
         self._plan_data: _PlanData | None = None
+        self._rank_nodes: list[str | None] | None = None  # coordinator: the node of each rank
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: SaveStats | None = None
@@ -293,7 +295,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
             direct = True
         daemon = f"{socket.gethostname()}:{self.config.socket}"
-        return replace(plan, storage_data=_LocalPlanData(direct=direct, daemon=daemon))
+        node = None if direct else self._daemon.node()
+        return replace(plan, storage_data=_LocalPlanData(direct=direct, daemon=daemon, node=node))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         namespace, step = self._require_target()
@@ -301,16 +304,20 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if not all(isinstance(x, _LocalPlanData) for x in local):
             raise StepStateError(f"{namespace}/step {step}: a rank's plan carries no writer data")
         daemons = {x.daemon for x in local}
-        if len(daemons) > 1 and self._direct is None:
-            # A commit is recorded by the coordinator's daemon, which must hold every file. Until
-            # daemons exchange commit records, a save spanning nodes goes to the persistent tier.
+        nodes = [x.node for x in local]
+        # Ranks on several daemons: each keeps its files on its own node, and the coordinator's
+        # daemon commits the step on all of them. That needs daemons that are each other's peers.
+        across = len(daemons) > 1 and None not in nodes and len(set(nodes)) == len(daemons)
+        self._rank_nodes = nodes if across else None
+        if len(daemons) > 1 and not across and self._direct is None:
             self._degrade(
                 StepStateError(
-                    f"{namespace}/step {step}: the ranks use {len(daemons)} daemons (nodes); a "
-                    "memory-tier commit needs every rank on one daemon for now"
+                    f"{namespace}/step {step}: the ranks use {len(daemons)} daemons (nodes), "
+                    "which are not peers of each other (set TIERCKPT_PEERS, TIERCKPT_NODE_NAME "
+                    "and TIERCKPT_PEER_TOKEN on every node's daemon to commit across nodes)"
                 )
             )
-        direct = len(daemons) > 1 or any(x.direct for x in local)
+        direct = (len(daemons) > 1 and not across) or any(x.direct for x in local)
         data = _PlanData(attempt=uuid.uuid4().hex[:16], direct=direct)
         if data.direct:
             self._direct_tier(namespace, step).begin(namespace, step)
@@ -487,10 +494,18 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
             return
         attempt = data.attempt
+        nodes = None
+        if self._rank_nodes is not None:  # rank i's files are on the daemon rank i used
+            nodes = {
+                r.storage_data.file: self._rank_nodes[rank]
+                for rank, rank_results in enumerate(results)
+                for r in rank_results
+            }
         req = CommitRequest(
             files=sorted(files),
             metadata=encode_metadata(metadata),
             world_size=len(results),
             persist=self.persist,
+            nodes=nodes,
         )
         self._daemon.commit(namespace, step, attempt, req)

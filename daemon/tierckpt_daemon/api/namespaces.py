@@ -6,7 +6,13 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
 
-from tierckpt_core.protocol import NamespaceInfo, PinResponse, StepCandidate, StepInfo
+from tierckpt_core.protocol import (
+    HydrateRequest,
+    NamespaceInfo,
+    PinResponse,
+    StepCandidate,
+    StepInfo,
+)
 from tierckpt_daemon.api.deps import get_node, get_service
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
@@ -37,8 +43,10 @@ def candidates(namespace: str, node: NodeDep) -> list[StepCandidate]:
 
 
 @router.post("/{namespace}/steps/{step}/hydrate")
-def hydrate(namespace: str, step: int, node: NodeDep) -> StepInfo:
-    return node.restorer.hydrate(namespace, step)
+def hydrate(
+    namespace: str, step: int, node: NodeDep, req: HydrateRequest | None = None
+) -> StepInfo:
+    return node.restorer.hydrate(namespace, step, req.files if req is not None else None)
 
 
 @router.post("/{namespace}/steps/{step}/persist")
