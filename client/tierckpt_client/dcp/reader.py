@@ -90,6 +90,11 @@ class TieredStorageReader(StorageReader):
         self._storage: dict[Any, ShardRef] = {}
         self._direct: DirectTier | None = None
         self.load_id = uuid.uuid4().hex
+        # What this rank's last read_data read: bytes of stored items, and of those the bytes in
+        # files its node's daemon had to fetch from other nodes first.
+        self.read_bytes = 0
+        self.fetched_bytes = 0
+        self._fetched: set[str] = set()
 
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -230,9 +235,11 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        needed = {ref.file for i in plan.items if (ref := self._storage.get(i.storage_index))}
-        with self.open_files(needed) as files:
+        refs = [ref for i in plan.items if (ref := self._storage.get(i.storage_index))]
+        with self.open_files({ref.file for ref in refs}) as files:
             self._copy_items(plan, planner, files)
+        self.read_bytes = sum(ref.length for ref in refs)
+        self.fetched_bytes = sum(ref.length for ref in refs if ref.file in self._fetched)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -257,9 +264,10 @@ class TieredStorageReader(StorageReader):
         except NotFoundError:  # evicted since read_metadata, or another node: bring it back
             self._daemon.hydrate(namespace, step)
             pin = self._daemon.pin(namespace, step)
-        if needed and not needed <= set(pin.paths):  # on other nodes: fetch them here first
+        self._fetched = needed - set(pin.paths) if needed else set()
+        if self._fetched:  # held by other nodes: the daemon fetches them here first
             self._daemon.unpin(namespace, step, pin.pin_id)
-            self._daemon.hydrate(namespace, step, sorted(needed))
+            self._daemon.hydrate(namespace, step, sorted(self._fetched))
             pin = self._daemon.pin(namespace, step)
 
         def mapped(name: str) -> torch.Tensor:
