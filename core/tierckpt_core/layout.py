@@ -17,6 +17,7 @@ import re
 from typing import TYPE_CHECKING
 
 from tierckpt_core.errors import (
+    CheckpointFormatError,
     IntegrityError,
     NotFoundError,
     StepNotFoundError,
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 MARKER_FORMAT = "tierckpt-commit/1"
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
+# Beside a file uploaded by a daemon or trainer that does not write the step's manifest (a node's
+# share of a step spanning nodes, a rank's file of a save straight to the tier): its record,
+# which the party that writes the manifest collects and then deletes.
+SIDECAR = ".sum.json"
 _STEP_DIR = re.compile(r"step_(\d{12})")
 
 
@@ -121,3 +126,22 @@ def verify_file(got: str, f: FileRecord, namespace: str, step: int, where: str) 
             f"{namespace}/step {step}: file {f.name} in {where} is corrupt (checksum {got}, "
             f"the manifest says {f.checksum})"
         )
+
+
+def write_sidecar(store: ObjectStore, namespace: str, step: int, f: FileRecord) -> None:
+    """Record an uploaded file's length and checksum beside it."""
+    rec = f.model_copy(update={"size": None})
+    store.put_bytes(file_key(namespace, step, f.name + SIDECAR), rec.model_dump_json().encode())
+
+
+def read_sidecar(store: ObjectStore, namespace: str, step: int, name: str) -> FileRecord:
+    """The record beside an uploaded file; NotFoundError while it is not uploaded yet."""
+    key = file_key(namespace, step, name + SIDECAR)
+    try:
+        return FileRecord.model_validate_json(store.get_bytes(key))
+    except ValueError as e:
+        raise CheckpointFormatError(f"{store.url}/{key} is not a file record: {e}") from None
+
+
+def delete_sidecars(store: ObjectStore, namespace: str, step: int, names: list[str]) -> None:
+    store.delete([file_key(namespace, step, n + SIDECAR) for n in names])

@@ -132,6 +132,7 @@ def build_node(settings: DaemonSettings) -> Node:
             nice=settings.background_nice,
         )
         service.replicas = settings.replicas
+        service.node = settings.node_name
         service.add_listener(replicator)
         committer = GlobalCommitter(
             service,

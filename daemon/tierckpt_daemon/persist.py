@@ -22,13 +22,16 @@ import time
 from tierckpt_core.errors import IntegrityError, NotFoundError, TierCkptError
 from tierckpt_core.layout import (
     MARKER,
+    delete_sidecars,
     durable_steps,
     file_key,
     marker_key,
     parse_step_key,
+    read_sidecar,
     read_step_manifest,
     step_prefix,
     verify_file,
+    write_sidecar,
     write_step_commit,
 )
 from tierckpt_core.manifest import FileRecord
@@ -37,6 +40,7 @@ from tierckpt_core.protocol import (
     HydrationProgress,
     PersistentStatus,
     StepInfo,
+    StepState,
 )
 from tierckpt_daemon.background import QueueWorker, background_pool
 from tierckpt_daemon.hydration import fill_step
@@ -46,6 +50,12 @@ from tierckpt_daemon.service import TierService
 logger = logging.getLogger(__name__)
 
 RETRY_BASE_S = 2.0
+
+
+class _SharesMissing(TierCkptError):
+    """The decider of a step spanning nodes waits for other nodes' shares in the tier."""
+
+
 RETRY_MAX_S = 120.0
 
 
@@ -139,6 +149,9 @@ class Persister(QueueWorker[StepRecord]):
     def _process(self, rec: StepRecord) -> bool:
         try:
             self._upload(rec)
+        except _SharesMissing as e:  # not a failure: the other nodes are still uploading
+            logger.info("%s; checking again in %.0fs", e, self.retry_delay(rec))
+            return False
         except (TierCkptError, OSError) as e:
             self.service.metrics.upload_failures.inc()
             self._record_error(
@@ -155,9 +168,14 @@ class Persister(QueueWorker[StepRecord]):
             return
         t0 = time.monotonic()
         metadata = read_manifest(rec.manifest_path()).metadata
-        # A re-upload of the step (a newer attempt) must never leave an old marker over new files.
-        self.store.delete([marker_key(ns, step)])
-        files = sorted(rec.files.values(), key=lambda f: f.name)
+        deciding = not rec.spans_nodes or rec.coordinator == self.service.node
+        if deciding:
+            # A re-upload (a newer attempt) must never leave an old marker over new files.
+            self.store.delete([marker_key(ns, step)])
+        # Of a step spanning nodes, each node uploads the share its own ranks wrote.
+        files = [
+            f for f in rec.sorted_files() if not rec.spans_nodes or f.node == self.service.node
+        ]
         futures = {
             f.name: self._pool.submit(
                 self.store.put_file, file_key(ns, step, f.name), str(rec.dir / f.name), f.length
@@ -167,12 +185,61 @@ class Persister(QueueWorker[StepRecord]):
         # Let every upload end before raising: a retry must not race a still-running one.
         concurrent.futures.wait(futures.values())
         checksums = {name: fut.result() for name, fut in futures.items()}
+        for f in files:
+            if f.checksum is not None and checksums[f.name] != f.checksum:
+                raise IntegrityError(
+                    f"{ns}/step {step}: file {f.name} changed in memory since it was committed "
+                    f"(checksum {checksums[f.name]}, committed as {f.checksum}); not persisting it"
+                )
+        nbytes = sum(f.length for f in files)
+        uploaded = [f.model_copy(update={"checksum": checksums[f.name]}) for f in files]
+        if rec.spans_nodes:
+            for f in uploaded:
+                write_sidecar(self.store, ns, step, f)
+            if not deciding:
+                # The decider writes the manifest and the marker once every share is there.
+                self.service.share_persisted(rec)
+                self._uploaded(rec, nbytes, t0, f"its share of {len(files)} files")
+                return
+            uploaded = self._collect_shares(rec, uploaded)
         manifest = rec.manifest(metadata).model_copy(
-            update={"files": [f.model_copy(update={"checksum": checksums[f.name]}) for f in files]}
+            update={"files": uploaded, "coordinator": rec.coordinator}
         )
         write_step_commit(self.store, manifest)
+        if rec.spans_nodes:
+            delete_sidecars(self.store, ns, step, [f.name for f in uploaded])
         self.service.mark_durable(rec, checksums)
-        nbytes = sum(f.length for f in files)
+        self._uploaded(rec, nbytes, t0, f"{len(uploaded)} files")
+        self._apply_retention(ns)
+
+    def _collect_shares(self, rec: StepRecord, own: list[FileRecord]) -> list[FileRecord]:
+        """The decider of a step spanning nodes: every other node's uploaded share, checked
+        against the step's global record. _SharesMissing while some are not there yet."""
+        ns, step = rec.namespace, rec.step
+        files = {f.name: f for f in own}
+        waiting: dict[str, list[str]] = {}
+        for f in rec.remote.values():
+            try:
+                got = read_sidecar(self.store, ns, step, f.name)
+            except NotFoundError:
+                waiting.setdefault(f.node or "?", []).append(f.name)
+                continue
+            if (got.length, got.checksum) != (f.length, f.checksum):
+                raise IntegrityError(
+                    f"{ns}/step {step}: {f.name} uploaded by {f.node} has length {got.length} and "
+                    f"checksum {got.checksum}, the step's record says {f.length} and {f.checksum}"
+                )
+            files[f.name] = f
+        if waiting:
+            raise _SharesMissing(
+                f"{ns}/step {step}: waiting for the shares of "
+                + ", ".join(
+                    f"{node} ({len(names)} files)" for node, names in sorted(waiting.items())
+                )
+            )
+        return sorted(files.values(), key=lambda f: f.name)
+
+    def _uploaded(self, rec: StepRecord, nbytes: int, t0: float, what: str) -> None:
         m = self.service.metrics
         m.uploaded_bytes.inc(nbytes)
         m.uploaded_steps.inc()
@@ -183,16 +250,16 @@ class Persister(QueueWorker[StepRecord]):
                 self._last_error = None
         dt = time.monotonic() - t0
         logger.info(
-            "%s/step %d durable in %s: %d files, %d bytes in %.2fs (%.0f MB/s)",
-            ns,
-            step,
+            "%s/step %d %s in %s: %s, %d bytes in %.2fs (%.0f MB/s)",
+            rec.namespace,
+            rec.step,
+            "durable" if rec.state == StepState.DURABLE else "uploaded",
             self.store.url,
-            len(files),
+            what,
             nbytes,
             dt,
             nbytes / max(dt, 1e-9) / 1e6,
         )
-        self._apply_retention(ns)
 
     def _apply_retention(self, namespace: str) -> None:
         if self.keep_last <= 0:
@@ -236,21 +303,30 @@ class Persister(QueueWorker[StepRecord]):
         """Steps with a commit marker in the persistent tier, oldest first."""
         return durable_steps(self.store, namespace)
 
-    def hydrate(self, namespace: str, step: int) -> StepInfo:
-        """Bring a durable step into memory (verified), unless it is there already."""
+    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+        """Bring a durable step into memory (verified), unless it is there already. Of a step
+        that spanned nodes only ``files`` come (default: this node's own share)."""
         with self._hydrate_guard:
             lock = self._hydrate_locks.setdefault((namespace, step), threading.Lock())
         with lock:
             try:
-                return self.service.get_step(namespace, step)
+                rec = self.service.record(namespace, step)
             except NotFoundError:
-                pass
-            return self._hydrate(namespace, step)
+                return self._hydrate(namespace, step, files)
+            if files and not files <= set(rec.files):
+                return self._hydrate(namespace, step, files - set(rec.files))
+            return rec.info()
 
-    def _hydrate(self, namespace: str, step: int) -> StepInfo:
+    def _hydrate(self, namespace: str, step: int, names: set[str] | None) -> StepInfo:
         t0 = time.monotonic()
         manifest = read_step_manifest(self.store, namespace, step)
-        progress = [0, sum(f.length for f in manifest.files)]
+        spanning = manifest if manifest.coordinator is not None else None
+        files = manifest.files
+        if spanning is not None:
+            if names is None:
+                names = {f.name for f in manifest.share(self.service.node or "")}
+            files = [f for f in manifest.files if f.name in names]
+        progress = [0, sum(f.length for f in files)]
         with self._cv:
             self._hydrating[(namespace, step)] = progress
 
@@ -265,19 +341,20 @@ class Persister(QueueWorker[StepRecord]):
                 self.service,
                 namespace,
                 step,
-                manifest.files,
+                files,
                 metadata=manifest.metadata,
                 world_size=manifest.world_size,
                 fetch=fetch,
                 pool=self._pool,
                 attempt_prefix="h",
                 replicate=False,  # durable already; peers hydrate it themselves when they need it
+                spanning=spanning,
             )
         finally:
             with self._cv:
                 self._hydrating.pop((namespace, step), None)
-        self.service.mark_durable(rec, {f.name: f.checksum for f in manifest.files if f.checksum})
-        nbytes = sum(f.length for f in manifest.files)
+        self.service.mark_durable(rec, {f.name: f.checksum for f in files if f.checksum})
+        nbytes = sum(f.length for f in files)
         self.service.metrics.hydrated_bytes.inc(nbytes)
         dt = time.monotonic() - t0
         logger.info(

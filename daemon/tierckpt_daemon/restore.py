@@ -46,8 +46,9 @@ class PeerSource(Protocol):
 class DurableSource(Protocol):
     def durable_steps(self, namespace: str) -> list[int]: ...
 
-    def hydrate(self, namespace: str, step: int) -> StepInfo:
-        """Bring a durable step into memory, verified."""
+    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+        """Bring a durable step (of a step spanning nodes: ``files``, default this node's share)
+        into memory, verified."""
         ...
 
 
@@ -121,12 +122,7 @@ class Restorer:
                     raise StepNotFoundError(
                         f"{namespace}/step {step} has no file {', '.join(unknown[:8])}"
                     )
-                if self.peers is None:
-                    raise StepNotFoundError(
-                        f"{namespace}/step {step}: {', '.join(sorted(need)[:8])} are held by "
-                        "other nodes, and this daemon has no peers (TIERCKPT_PEERS)"
-                    )
-                return self.peers.hydrate(namespace, step, need)
+                return self._fetch(namespace, step, need)
             if self.peers is not None:
                 try:
                     return self.peers.hydrate(namespace, step, set(files) if files else None)
@@ -143,4 +139,22 @@ class Restorer:
                     )
             if self.durable is None:
                 raise missing
-            return self.durable.hydrate(namespace, step)
+            return self.durable.hydrate(namespace, step, set(files) if files else None)
+
+    def _fetch(self, namespace: str, step: int, need: set[str]) -> StepInfo:
+        """Files of a step spanning nodes that other nodes hold: from the peers that hold them,
+        else from the persistent tier."""
+        where = f"{namespace}/step {step}: {', '.join(sorted(need)[:8])}"
+        if self.peers is not None:
+            try:
+                return self.peers.hydrate(namespace, step, need)
+            except (NotFoundError, CheckpointFormatError) as e:
+                if self.durable is None:
+                    raise
+                logger.warning("%s: not on the peers (%s); trying the persistent tier", where, e)
+        if self.durable is None:
+            raise StepNotFoundError(
+                f"{where} are held by other nodes, and this daemon has no peers (TIERCKPT_PEERS) "
+                "and no persistent tier"
+            )
+        return self.durable.hydrate(namespace, step, need)

@@ -106,6 +106,7 @@ class TierService:
         self.persistent = False
         self.persist_every = 1
         self.replicas = 0
+        self.node: str | None = None  # this daemon's name among its peers
         self._commits_since_persist: dict[str, int] = {}
         self._listeners: list[StepListener] = []
 
@@ -440,6 +441,13 @@ class TierService:
         it in memory for it."""
         with self.lock:
             rec.replication_pending = False
+            self._save_state(rec)
+
+    def share_persisted(self, rec: StepRecord) -> None:
+        """This node's share of a step spanning nodes is in the persistent tier (the decider
+        makes the step durable there once every share is)."""
+        with self.lock:
+            rec.persist_pending = False
             self._save_state(rec)
 
     def cancel_persist(self, rec: StepRecord) -> None:
