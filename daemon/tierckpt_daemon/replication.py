@@ -384,6 +384,9 @@ class Replicator(QueueWorker[StepRecord]):
                     held[peer] = set(s.held) if s.held is not None else None
         return held
 
+    def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest:
+        return self.client.manifest(peer, namespace, step)
+
     def fetch_files(self, namespace: str, step: int, names: set[str]) -> tuple[StepInfo, int]:
         """Bring the files ``names`` of a step spanning nodes here from the peers that hold them
         (their writer's node first), verified. Returns the step as held here and the bytes moved;

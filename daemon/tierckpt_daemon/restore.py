@@ -18,7 +18,9 @@ from tierckpt_core.errors import (
     NotFoundError,
     PersistentTierError,
     StepNotFoundError,
+    TierCkptError,
 )
+from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import (
     StepCandidate,
     StepInfo,
@@ -41,6 +43,12 @@ class PeerSource(Protocol):
         peers into memory, verified; NotFoundError if no peer holds it, CheckpointFormatError if
         every replica found was corrupt."""
         ...
+
+    def holders(self, namespace: str, step: int) -> dict[str, set[str] | None]:
+        """Peers that hold the step, and which of its files (None: all)."""
+        ...
+
+    def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest: ...
 
 
 class DurableSource(Protocol):
@@ -83,6 +91,9 @@ class Restorer:
                 tier_error = e
         durable |= {s for s, state in in_memory.items() if state == StepState.DURABLE}
         steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
+        # "latest" must be whole: skip steps spanning nodes whose lost shares are nowhere.
+        while steps and steps[0] not in durable and self._lost(namespace, steps[0]):
+            steps.pop(0)
         if not steps:
             if tier_error is not None:
                 raise tier_error
@@ -97,6 +108,49 @@ class Restorer:
             )
             for s in steps
         ]
+
+    def _lost(self, namespace: str, step: int) -> bool:
+        """Whether ``step`` spans nodes and some of its files are on no reachable node (it says
+        which, in a warning); a step of one node is whole wherever it is."""
+        try:
+            rec = self.service.record(namespace, step)
+        except NotFoundError:
+            rec = None
+        if self.peers is None:
+            return rec is not None and bool(rec.remote)
+        holders = self.peers.holders(namespace, step)
+        if rec is not None:
+            names, everything = set(rec.files), {*rec.files, *rec.remote}
+            owners = {f.name: f.node for f in rec.remote.values()}
+        else:
+            if not holders:
+                return False
+            peer = next(iter(holders))
+            try:
+                manifest = self.peers.manifest_from(peer, namespace, step)
+            except TierCkptError as e:
+                logger.warning(
+                    "%s/step %d: cannot read its record from %s: %s", namespace, step, peer, e
+                )
+                return True
+            if manifest.coordinator is None:
+                return False
+            names, everything = set(), {f.name for f in manifest.files}
+            owners = {f.name: f.node for f in manifest.files}
+        for held in holders.values():
+            names |= everything if held is None else held
+        lost = sorted(everything - names)
+        if lost:
+            nodes = sorted({owners.get(n) or "?" for n in lost})
+            logger.warning(
+                "%s/step %d is incomplete: %s (written on %s) are on no reachable node and not in "
+                'the persistent tier; "latest" falls back to an older step',
+                namespace,
+                step,
+                ", ".join(lost[:8]),
+                ", ".join(nodes),
+            )
+        return bool(lost)
 
     def hydrate(self, namespace: str, step: int, files: list[str] | None = None) -> StepInfo:
         """Make a step available in memory: already here, else a verified copy from a peer that

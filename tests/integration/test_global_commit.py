@@ -1,0 +1,246 @@
+"""The commit across nodes and its crash cases, with real daemons on a ring.
+
+Files are sealed through the daemons' real API (as ranks do); the crash cases drive the two phases
+through the real peer routes (as the deciding daemon does), so that a daemon can be SIGKILLed at
+an exact point of the protocol. After each: "latest" on every node is the previous complete step
+or the new one, never a torn step; leftovers are reclaimed; the next save works.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tierckpt_client import DaemonClient
+from tierckpt_core.errors import TierCkptError
+from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.protocol import CommitRequest, SealFile
+
+from helpers import DaemonProcess, ring
+
+TOKEN = "peer-token-for-the-tests-0123456789"
+NS = "job"
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[DaemonProcess]]:
+    ds = ring(2, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M")
+    try:
+        for d in ds:
+            d.start()
+        yield ds
+    finally:
+        for d in ds:
+            d.cleanup()
+
+
+def _seal(d: DaemonProcess, step: int, attempt: str, rank: int) -> tuple[str, bytes]:
+    data = os.urandom(50_000)
+    name = f"r{rank:05d}.data"
+    with DaemonClient.from_socket(d.socket) as c:
+        lease = c.lease(NS, rank, len(data))
+        with open(lease.path, "r+b") as f:
+            f.write(data)
+        c.seal(
+            NS,
+            step,
+            attempt,
+            rank,
+            [SealFile(lease_id=lease.lease_id, name=name, length=len(data))],
+        )
+    return name, data
+
+
+def _save(a: DaemonProcess, b: DaemonProcess, step: int, attempt: str) -> dict[str, bytes]:
+    """Ranks 0 on ``a`` and 1 on ``b`` seal their files; the result maps name -> bytes."""
+    return dict([_seal(a, step, attempt, 0), _seal(b, step, attempt, 1)])
+
+
+def _commit_request(a: DaemonProcess, b: DaemonProcess) -> CommitRequest:
+    assert a.name and b.name
+    return CommitRequest(
+        files=["r00000.data", "r00001.data"],
+        metadata={"what": "test"},
+        world_size=2,
+        nodes={"r00000.data": a.name, "r00001.data": b.name},
+    )
+
+
+def _latest(d: DaemonProcess) -> int | None:
+    with DaemonClient.from_socket(d.socket) as c:
+        steps = [s.step for s in c.steps(NS) if s.state.value != "writing"]
+    return max(steps) if steps else None
+
+
+def _read(d: DaemonProcess, step: int) -> dict[str, bytes]:
+    with DaemonClient.from_socket(d.socket) as c:
+        pin = c.pin(NS, step)
+        try:
+            out = {}
+            for f in pin.step.files:
+                with open(pin.paths[f.name], "rb") as fh:
+                    out[f.name] = fh.read(f.length)
+            return out
+        finally:
+            c.unpin(NS, step, pin.pin_id)
+
+
+def _step_dirs(d: DaemonProcess, step: int) -> list[str]:
+    ns_dir = d.shm_dir / "ns" / NS
+    return sorted(p.name for p in ns_dir.iterdir() if p.name.startswith(f"{step:012d}-"))
+
+
+def _peer(d: DaemonProcess) -> httpx.Client:
+    return httpx.Client(
+        base_url=f"http://{d.name}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+    )
+
+
+def _prepare(
+    coordinator: DaemonProcess,
+    d: DaemonProcess,
+    step: int,
+    attempt: str,
+    name: str,
+    participants: list[str],
+) -> list[FileRecord]:
+    with _peer(d) as http:
+        resp = http.post(
+            f"/v1/peer/namespaces/{NS}/steps/{step}/attempts/{attempt}/prepare",
+            json={
+                "coordinator": coordinator.name,
+                "participants": participants,
+                "files": [name],
+                "world_size": 2,
+            },
+        )
+    assert resp.status_code == 200, resp.text
+    return [FileRecord.model_validate(f) for f in resp.json()["files"]]
+
+
+def _until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_step_is_committed_on_every_node_with_its_global_record(
+    nodes: list[DaemonProcess],
+) -> None:
+    a, b = nodes
+    data = _save(a, b, 1, "s1")
+    with DaemonClient.from_socket(a.socket) as c:
+        info = c.commit(NS, 1, "s1", _commit_request(a, b))
+    assert info.state.value == "committed"
+    # Each node holds its own rank's file, committed, and knows where the other one is.
+    assert _read(a, 1) == {"r00000.data": data["r00000.data"]}
+    assert _read(b, 1) == {"r00001.data": data["r00001.data"]}
+    for d in nodes:
+        with _peer(d) as http:
+            doc = StepManifest.model_validate(http.get(f"/v1/peer/namespaces/{NS}/steps/1").json())
+        assert doc.coordinator == a.name
+        assert {f.name: f.node for f in doc.files} == {"r00000.data": a.name, "r00001.data": b.name}
+        assert all(f.checksum for f in doc.files)  # taken at prepare, carried everywhere
+
+
+def test_a_participant_down_at_commit_fails_the_save_and_commits_nothing(
+    nodes: list[DaemonProcess],
+) -> None:
+    a, b = nodes
+    _save(a, b, 1, "s1")
+    with DaemonClient.from_socket(a.socket) as c:
+        c.commit(NS, 1, "s1", _commit_request(a, b))
+    _save(a, b, 2, "s2")
+    b.kill()
+    with DaemonClient.from_socket(a.socket) as c, pytest.raises(TierCkptError) as err:
+        c.commit(NS, 2, "s2", _commit_request(a, b))
+    assert b.name in str(err.value) and "nothing was committed" in str(err.value)
+    assert _latest(a) == 1 and _step_dirs(a, 2) == []  # aborted and reclaimed on the decider
+    b.start()
+    assert _latest(b) == 1 and _step_dirs(b, 2) == []  # an unprepared attempt: reclaimed at start
+    data = _save(a, b, 3, "s3")
+    with DaemonClient.from_socket(a.socket) as c:
+        c.commit(NS, 3, "s3", _commit_request(a, b))
+    assert _latest(a) == _latest(b) == 3
+    assert _read(b, 3) == {"r00001.data": data["r00001.data"]}
+
+
+def test_a_participant_killed_after_prepare_takes_the_decision_after_restart(
+    nodes: list[DaemonProcess],
+) -> None:
+    a, b = nodes
+    assert a.name and b.name
+    _save(a, b, 1, "s1")
+    with DaemonClient.from_socket(a.socket) as c:
+        c.commit(NS, 1, "s1", _commit_request(a, b))
+    data = _save(a, b, 2, "s2")
+    both = [a.name, b.name]
+    files = _prepare(a, a, 2, "s2", "r00000.data", both) + [
+        f.model_copy(update={"node": b.name}) for f in _prepare(a, b, 2, "s2", "r00001.data", both)
+    ]
+    files[0] = files[0].model_copy(update={"node": a.name})
+    b.kill()  # prepared, then gone before the decision reaches it
+    assert _latest(a) == 1  # prepared is not committed
+    manifest = StepManifest(
+        namespace=NS,
+        step=2,
+        attempt="s2",
+        world_size=2,
+        files=files,
+        metadata={"what": "test"},
+        coordinator=a.name,
+    )
+    with _peer(a) as http:  # the decider decides (its MANIFEST.json is the commit point)
+        resp = http.post(
+            f"/v1/peer/namespaces/{NS}/steps/2/attempts/s2/commit",
+            json={"manifest": manifest.model_dump(mode="json"), "persist": False},
+        )
+    assert resp.status_code == 200, resp.text
+    assert _latest(a) == 2
+    b.start()
+    assert _latest(b) == 1  # in doubt after the restart: not shown yet
+    _until("node B to take the decision", lambda: _latest(b) == 2)
+    assert _read(b, 2) == {"r00001.data": data["r00001.data"]}
+
+
+def test_the_decider_killed_before_deciding_aborts_everywhere(nodes: list[DaemonProcess]) -> None:
+    a, b = nodes
+    assert a.name and b.name
+    _save(a, b, 1, "s1")
+    with DaemonClient.from_socket(a.socket) as c:
+        c.commit(NS, 1, "s1", _commit_request(a, b))
+    _save(a, b, 2, "s2")
+    both = [a.name, b.name]
+    _prepare(a, a, 2, "s2", "r00000.data", both)
+    _prepare(a, b, 2, "s2", "r00001.data", both)
+    a.kill()  # the decider dies between the prepares and its decision
+    a.start()
+    _until("node A to abort its undecided attempt", lambda: _step_dirs(a, 2) == [])
+    _until("node B to learn that step 2 was never committed", lambda: _step_dirs(b, 2) == [])
+    assert _latest(a) == _latest(b) == 1
+    _save(a, b, 3, "s3")
+    with DaemonClient.from_socket(a.socket) as c:
+        c.commit(NS, 3, "s3", _commit_request(a, b))
+    assert _latest(a) == _latest(b) == 3
+
+
+def test_a_prepared_participant_waits_while_its_decider_is_unreachable(
+    nodes: list[DaemonProcess],
+) -> None:
+    a, b = nodes
+    assert a.name and b.name
+    _save(a, b, 2, "s2")
+    _prepare(a, b, 2, "s2", "r00001.data", [a.name, b.name])
+    a.kill()  # partition: B cannot ask anyone how step 2 ended
+    time.sleep(9)  # longer than a participant waits before it asks
+    assert _step_dirs(b, 2) != []  # never guessed away
+    assert _latest(b) is None  # and never shown
