@@ -27,6 +27,7 @@ from tierckpt_core.protocol import (
     LeaseResponse,
     NamespaceInfo,
     PinResponse,
+    RangesRequest,
     SealFile,
     SealRequest,
     StatusResponse,
@@ -137,7 +138,13 @@ class DaemonClient:
         return True
 
     def _request(
-        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        raw: bool = False,
     ) -> Any:
         self._preflight()
         kwargs: dict[str, Any] = {}
@@ -157,6 +164,8 @@ class DaemonClient:
             ) from e
         if resp.status_code == 204:
             return None
+        if raw and resp.status_code == 200:
+            return resp.content
         return decode_response(resp, f"daemon answered {method} {path}")
 
     # -- API --------------------------------------------------------------------------------
@@ -216,6 +225,18 @@ class DaemonClient:
         return StepInfo.model_validate(
             self._request("POST", path, body, timeout=self.config.hydrate_timeout_s)
         )
+
+    def read_ranges(
+        self, namespace: str, step: int, name: str, ranges: list[tuple[int, int]]
+    ) -> bytes:
+        """Parts of a file of a step spanning nodes that another node holds, concatenated: the
+        daemon fetches whole blocks from a peer and verifies each before it answers."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/files/{name}/ranges"
+        body = RangesRequest(ranges=ranges).model_dump(mode="json")
+        data: bytes = self._request(
+            "POST", path, body, timeout=self.config.hydrate_timeout_s, raw=True
+        )
+        return data
 
     def node(self) -> str | None:
         """This daemon's node name among its peers (``TIERCKPT_NODE_NAME``), None if it has no

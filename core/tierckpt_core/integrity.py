@@ -58,3 +58,45 @@ def checksum_file(path: str, length: int) -> str:
     for _ in hashed_chunks(path, length, h):
         pass
     return h.hexdigest()
+
+
+MIN_BLOCK = 16 << 10
+MAX_BLOCKS = 1024
+
+
+def block_size(length: int) -> int:
+    """The block size of a file of ``length`` bytes: a power of two, at least 16 KiB, with at
+    most 1024 blocks (1 GiB: 1 MiB blocks)."""
+    size = MIN_BLOCK
+    while size * MAX_BLOCKS < length:
+        size *= 2
+    return size
+
+
+def checksum_file_blocks(path: str, length: int) -> tuple[str, int, list[str]]:
+    """The checksum of the first ``length`` bytes of ``path``, its block size, and the checksum
+    of each block (hex digests), in one read: a peer can then send any range of the file in
+    whole blocks that the receiver verifies one by one."""
+    whole = Hasher()
+    size = block_size(length)
+    blocks: list[str] = []
+    block = xxhash.xxh3_128()
+    in_block = 0
+    for chunk in read_chunks(path, length):
+        whole.update(chunk)
+        view = memoryview(chunk)
+        while view:
+            n = min(len(view), size - in_block)
+            block.update(view[:n])
+            in_block += n
+            view = view[n:]
+            if in_block == size:
+                blocks.append(block.hexdigest())
+                block, in_block = xxhash.xxh3_128(), 0
+    if in_block:
+        blocks.append(block.hexdigest())
+    return whole.hexdigest(), size, blocks
+
+
+def block_digest(data: bytes | bytearray | memoryview) -> str:
+    return xxhash.xxh3_128(data).hexdigest()

@@ -48,6 +48,14 @@ class FileRecord(BaseModel):
     size: int | None = Field(default=None, ge=0)  # memory tier: bytes the file occupies (its lease)
     checksum: str | None = None  # of the first ``length`` bytes, once known (integrity.checksum)
     node: str | None = None  # a step spanning nodes: the daemon (host:port) the writing rank used
+    # Checksums of the file's blocks of ``block_size`` bytes (a step spanning nodes): a reader on
+    # another node can then fetch just the ranges it needs, verified block by block.
+    block_size: int | None = None
+    blocks: list[str] | None = None
+    # Checksums the writing rank took of small items in the file, ``(offset, length, digest)``:
+    # a reader on another node fetches such an item alone, verified (it may sit between large
+    # ones, where a block would bring much more than it).
+    segments: list[tuple[int, int, str]] | None = None
 
     @field_validator("name")
     @classmethod

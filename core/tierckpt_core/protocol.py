@@ -64,6 +64,7 @@ class SealFile(BaseModel):
     lease_id: str
     name: str
     length: int = Field(ge=0, le=MAX_FILE_BYTES)
+    segments: list[tuple[int, int, str]] | None = None  # see FileRecord.segments
 
 
 class SealRequest(BaseModel):
@@ -101,6 +102,12 @@ class HydrateRequest(BaseModel):
     """Which files of a step the caller's readers need here (none named: the node's own)."""
 
     files: list[str] | None = None
+
+
+class RangesRequest(BaseModel):
+    """Parts of one file: ``[offset, length]`` pairs."""
+
+    ranges: list[tuple[int, int]] = Field(max_length=100_000)
 
 
 class StepCandidate(BaseModel):

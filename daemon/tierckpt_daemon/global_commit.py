@@ -36,7 +36,7 @@ from tierckpt_core.errors import (
     TierCkptError,
     UnavailableError,
 )
-from tierckpt_core.integrity import checksum_file
+from tierckpt_core.integrity import checksum_file_blocks
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import (
     CommitRequest,
@@ -197,14 +197,14 @@ class GlobalCommitter:
             todo = [(f.name, str(rec.dir / f.name), f.length) for f in rec.files.values()]
         # Checksum the share now, off the trainers' stall and right after their copy: the global
         # record carries every file's checksum to peers and the persistent tier from here on.
-        sums = {name: checksum_file(path, length) for name, path, length in todo}
+        sums = {name: checksum_file_blocks(path, length) for name, path, length in todo}
         with svc.lock:
             if svc.index.writing.get((namespace, step, attempt)) is not rec:
                 raise StepStateError(
                     f"{namespace}/step {step}: attempt {attempt} ended while it was prepared"
                 )
             for f in rec.files.values():
-                f.checksum = sums.get(f.name, f.checksum)
+                f.checksum, f.block_size, f.blocks = sums[f.name]
             rec.coordinator = req.coordinator
             rec.participants = list(req.participants)
             rec.world_size = req.world_size

@@ -148,6 +148,31 @@ class PeerClient:
 
         return self._retrying(RETRIES)(once)
 
+    def read_range(
+        self, peer: str, namespace: str, step: int, name: str, offset: int, length: int
+    ) -> bytes:
+        """``length`` bytes at ``offset`` of a file ``peer`` holds (unverified: the caller checks
+        them against the block checksums)."""
+        path = f"/v1/peer/namespaces/{namespace}/steps/{step}/files/{name}/range"
+
+        def once() -> bytes:
+            try:
+                resp = self._http.get(
+                    f"http://{peer}{path}", params={"offset": offset, "length": length}
+                )
+            except httpx.HTTPError as e:
+                raise _unavailable(peer, "GET", path, e) from e
+            if resp.status_code != 200:
+                _decode(peer, "GET", path, resp)
+                raise ProtocolError(f"peer {peer}: GET {path} answered HTTP {resp.status_code}")
+            if len(resp.content) != length:
+                raise PeerUnavailableError(
+                    f"peer {peer}: {path} sent {len(resp.content)} of {length} bytes"
+                )
+            return resp.content
+
+        return self._retrying(RETRIES)(once)
+
     # -- commits across nodes ---------------------------------------------------------------
     def _attempt_path(self, namespace: str, step: int, attempt: str) -> str:
         return f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}"

@@ -32,6 +32,7 @@ from tierckpt_core.errors import (
     TierCkptError,
     UnauthorizedError,
 )
+from tierckpt_core.integrity import block_digest
 from tierckpt_core.layout import verify_file
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import (
@@ -383,6 +384,89 @@ class Replicator(QueueWorker[StepRecord]):
                 if s.step == step:
                     held[peer] = set(s.held) if s.held is not None else None
         return held
+
+    def read_ranges(
+        self, f: FileRecord, namespace: str, step: int, ranges: list[tuple[int, int]]
+    ) -> bytes:
+        """The ``ranges`` (offset, length) of file ``f`` of a step spanning nodes, which another
+        node holds, concatenated: fetched from a peer that holds it (its writer's node first),
+        verified before they leave this daemon. A small item the writing rank checksummed comes
+        alone; anything else in whole blocks, each checked against the block checksums taken at
+        prepare."""
+        for off, n in ranges:
+            if off < 0 or n < 0 or off + n > f.length:
+                raise ProtocolError(f"{namespace}/step {step}: range {off}+{n} is outside {f.name}")
+        held = self.holders(namespace, step)
+        peers = sorted(
+            (p for p, h in held.items() if h is None or f.name in h), key=lambda p: p != f.node
+        )
+        segments = {(off, n): digest for off, n, digest in f.segments or ()}
+        parts: dict[tuple[int, int], bytes] = {}
+        for off, n in ranges:
+            if n and (off, n) in segments:
+                parts[(off, n)] = self._fetch_verified(
+                    peers, f, namespace, step, off, n, [segments[(off, n)]], n
+                )
+        rest = [(off, n) for off, n in ranges if n and (off, n) not in parts]
+        if rest:
+            size, digests = f.block_size, f.blocks
+            if not size or digests is None:
+                raise CheckpointFormatError(
+                    f"{namespace}/step {step}: {f.name} has no block checksums to verify a range"
+                )
+            wanted = sorted(
+                {b for off, n in rest for b in range(off // size, (off + n - 1) // size + 1)}
+            )
+            runs: list[list[int]] = []
+            for b in wanted:
+                if runs and runs[-1][-1] == b - 1:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            blocks: dict[int, bytes] = {}
+            for run in runs:
+                start, end = run[0] * size, min((run[-1] + 1) * size, f.length)
+                data = self._fetch_verified(
+                    peers, f, namespace, step, start, end - start, [digests[b] for b in run], size
+                )
+                blocks.update({b: data[(b - run[0]) * size : (b - run[0] + 1) * size] for b in run})
+            for off, n in rest:
+                first = off // size
+                buf = b"".join(blocks[b] for b in range(first, (off + n - 1) // size + 1))
+                parts[(off, n)] = buf[off - first * size : off - first * size + n]
+        return b"".join(parts.get((off, n), b"") for off, n in ranges)
+
+    def _fetch_verified(
+        self,
+        peers: list[str],
+        f: FileRecord,
+        namespace: str,
+        step: int,
+        start: int,
+        length: int,
+        digests: list[str],
+        piece: int,
+    ) -> bytes:
+        """``length`` bytes at ``start`` of ``f`` from the first peer whose bytes match
+        ``digests``, one per ``piece`` bytes."""
+        errors = []
+        for peer in peers:
+            try:
+                data = self.client.read_range(peer, namespace, step, f.name, start, length)
+            except PEER_ERRORS as e:
+                errors.append(f"{peer}: {e}")
+                continue
+            pieces = [data[i : i + piece] for i in range(0, len(data), piece)]
+            if [block_digest(p) for p in pieces] != digests:
+                self.service.metrics.verification_failures.inc()
+                errors.append(f"{peer}: bytes {start}-{start + length} of {f.name} are corrupt")
+                continue
+            self.service.metrics.peer_hydrated_bytes.inc(len(data))
+            return data
+        raise StepNotFoundError(
+            f"{namespace}/step {step}: no peer could send {f.name} bytes {start}-{start + length} "
+            f"({'; '.join(errors) or 'no peer holds it'})"
+        )
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest:
         return self.client.manifest(peer, namespace, step)

@@ -18,9 +18,10 @@ from tierckpt_core.errors import (
     NotFoundError,
     PersistentTierError,
     StepNotFoundError,
+    StepStateError,
     TierCkptError,
 )
-from tierckpt_core.manifest import StepManifest
+from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import (
     StepCandidate,
     StepInfo,
@@ -49,6 +50,10 @@ class PeerSource(Protocol):
         ...
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest: ...
+
+    def read_ranges(
+        self, f: FileRecord, namespace: str, step: int, ranges: list[tuple[int, int]]
+    ) -> bytes: ...
 
 
 class DurableSource(Protocol):
@@ -151,6 +156,25 @@ class Restorer:
                 ", ".join(nodes),
             )
         return bool(lost)
+
+    def read_ranges(
+        self, namespace: str, step: int, name: str, ranges: list[tuple[int, int]]
+    ) -> bytes:
+        """Parts of a file of a step spanning nodes that another node holds (a reader here needs
+        a little of a big file: fetched in verified blocks, not whole)."""
+        rec = self.service.record(namespace, step)
+        f = rec.remote.get(name)
+        if f is None:
+            if name in rec.files:
+                raise StepStateError(
+                    f"{namespace}/step {step}: {name} is held here; pin and read it"
+                )
+            raise StepNotFoundError(f"{namespace}/step {step} has no file {name}")
+        if self.peers is None:
+            raise StepNotFoundError(
+                f"{namespace}/step {step}: {name} is held by {f.node}, and this daemon has no peers"
+            )
+        return self.peers.read_ranges(f, namespace, step, ranges)
 
     def hydrate(self, namespace: str, step: int, files: list[str] | None = None) -> StepInfo:
         """Make a step available in memory: already here, else a verified copy from a peer that

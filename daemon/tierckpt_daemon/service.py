@@ -163,7 +163,11 @@ class TierService:
                 self.leases.take(lease)
                 self.arena.move(lease.path, rec.dir / f.name)
                 rec.files[f.name] = FileRecord(
-                    name=f.name, rank=req.rank, size=lease.size, length=f.length
+                    name=f.name,
+                    rank=req.rank,
+                    size=lease.size,
+                    length=f.length,
+                    segments=f.segments,
                 )
             rec.last_activity = time.monotonic()
             return rec.info()

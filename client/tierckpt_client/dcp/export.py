@@ -39,8 +39,7 @@ def export_step(
     metadata = reader.read_metadata()
     refs: dict[MetadataIndex, ShardRef] = dict(metadata.storage_data or {})
     infos: dict[MetadataIndex, _StorageInfo] = {}
-    needed = {ref.file for ref in refs.values()}
-    with reader.open_files(needed) as files, open(out / DATA_FILE, "wb") as data:
+    with reader.open_files(list(refs.values())) as files, open(out / DATA_FILE, "wb") as data:
         for index, ref in refs.items():
             raw = files.region(ref.file, ref.offset, ref.length, index.fqn)
             if ref.dtype is None or ref.shape is None:

@@ -38,6 +38,9 @@ from tierckpt_client.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
 
+# A rank that needs at most this much of a file another node holds fetches just those ranges.
+RANGED_READ_MAX = 4 << 20
+
 
 class TieredStorageReader(StorageReader):
     """Load DCP checkpoints through the node's daemon: from memory, or from the persistent tier.
@@ -236,7 +239,7 @@ class TieredStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         refs = [ref for i in plan.items if (ref := self._storage.get(i.storage_index))]
-        with self.open_files({ref.file for ref in refs}) as files:
+        with self.open_files(refs) as files:
             self._copy_items(plan, planner, files)
         self.read_bytes = sum(ref.length for ref in refs)
         self.fetched_bytes = sum(ref.length for ref in refs if ref.file in self._fetched)
@@ -245,11 +248,14 @@ class TieredStorageReader(StorageReader):
         return fut
 
     @contextlib.contextmanager
-    def open_files(self, needed: set[str] | None = None) -> Iterator[_Files]:
+    def open_files(self, refs: list[ShardRef] | None = None) -> Iterator[_Files]:
         """Yield the files of the step ``read_metadata`` chose: in the daemon's memory (pinned
         meanwhile), or downloaded and verified from the persistent tier when there is no daemon.
-        Of a step spanning nodes, the daemon first brings the ``needed`` files other nodes
-        hold (only those: a rank reads what its plan names)."""
+        Of a step spanning nodes, files that other nodes hold and that ``refs`` (what this rank
+        reads) need come first: whole into this node's memory, or, when the rank needs only a
+        little of one (a replicated scalar written by a rank on another node), just those
+        ranges, fetched in blocks the daemon verifies."""
+        needed = {ref.file for ref in refs or ()}
         namespace = self._require_namespace()
         step = self._resolved
         if step is None:
@@ -264,16 +270,32 @@ class TieredStorageReader(StorageReader):
         except NotFoundError:  # evicted since read_metadata, or another node: bring it back
             self._daemon.hydrate(namespace, step)
             pin = self._daemon.pin(namespace, step)
-        self._fetched = needed - set(pin.paths) if needed else set()
-        if self._fetched:  # held by other nodes: the daemon fetches them here first
+        self._fetched = needed - set(pin.paths)
+        wants: dict[str, list[tuple[int, int]]] = {}
+        for ref in refs or ():
+            if ref.file in self._fetched:
+                wants.setdefault(ref.file, []).append((ref.offset, ref.length))
+        whole = {n for n, r in wants.items() if sum(length for _, length in r) > RANGED_READ_MAX}
+        if whole:  # held by other nodes and needed in bulk: the daemon brings them here first
             self._daemon.unpin(namespace, step, pin.pin_id)
-            self._daemon.hydrate(namespace, step, sorted(self._fetched))
+            self._daemon.hydrate(namespace, step, sorted(whole))
             pin = self._daemon.pin(namespace, step)
+        ranged: dict[str, dict[tuple[int, int], bytes]] = {}
+        for name, ranges in wants.items():
+            if name in whole:
+                continue
+            unique = sorted(set(ranges))
+            data = self._daemon.read_ranges(namespace, step, name, unique)
+            parts, at = {}, 0
+            for off, length in unique:
+                parts[(off, length)] = data[at : at + length]
+                at += length
+            ranged[name] = parts
 
         def mapped(name: str) -> torch.Tensor:
             return _arena.map_file(pin.paths[name]).buffer
 
-        files = _Files(where, mapped, pin.paths)
+        files = _Files(where, mapped, pin.paths, ranged)
         try:
             yield files
         finally:
@@ -345,11 +367,16 @@ class _Files:
     """
 
     def __init__(
-        self, where: str, load: Callable[[str], torch.Tensor], paths: dict[str, str]
+        self,
+        where: str,
+        load: Callable[[str], torch.Tensor],
+        paths: dict[str, str],
+        ranged: dict[str, dict[tuple[int, int], bytes]] | None = None,
     ) -> None:
         self.where = where
         self._load = load
         self._paths = paths  # empty: no local files (direct from the persistent tier)
+        self._ranged = ranged or {}  # parts of files other nodes hold, fetched and verified
         self._buffers: dict[str, torch.Tensor] = {}
         self._fds: dict[str, int] = {}
 
@@ -364,12 +391,23 @@ class _Files:
         return buf
 
     def region(self, name: str, offset: int, length: int, what: str) -> torch.Tensor:
+        if name in self._ranged:
+            part = self._ranged[name].get((offset, length))
+            if part is None:
+                raise CheckpointFormatError(f"{self.where}: {what} of {name} was not fetched")
+            return (
+                torch.frombuffer(bytearray(part), dtype=torch.uint8)
+                if length
+                else torch.empty(0, dtype=torch.uint8)
+            )
         buf = self.buffer(name)
         if offset + length > buf.numel():
             raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")
         return buf[offset : offset + length]
 
     def read_bytes(self, name: str, offset: int, length: int, what: str) -> bytes:
+        if name in self._ranged:
+            return self.region(name, offset, length, what).numpy().tobytes()
         fd = self._unmapped_fd(name)
         if fd is None:
             return self.region(name, offset, length, what).numpy().tobytes()

@@ -35,8 +35,11 @@ from tierckpt_client.errors import (
     TierCkptError,
 )
 from tierckpt_client.protocol import CommitRequest, SealFile, validate_namespace, validate_step
+from tierckpt_core.integrity import block_digest
 
 logger = logging.getLogger(__name__)
+
+SEGMENT_MAX = 64 << 10  # items up to this size get a checksum of their own (see _segments)
 
 
 @dataclass
@@ -71,6 +74,22 @@ class _PlanData:
 
     attempt: str
     direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
+    across: bool = False  # the ranks use several daemons: a commit across nodes
+
+
+def _segments(
+    results: list[WriteResult], mapping: _arena.FileMapping, name: str
+) -> list[tuple[int, int, str]]:
+    """Checksums of the small items of the staged file (a save across nodes): a rank on another
+    node that needs one of them (a replicated value DCP had this rank write) then fetches it
+    alone, verified, instead of the whole file."""
+    out = []
+    for r in results:
+        ref = r.storage_data
+        if ref.file == name and 0 < ref.length <= SEGMENT_MAX:
+            data = mapping.view(ref.offset, ref.length).numpy().tobytes()
+            out.append((ref.offset, ref.length, block_digest(data)))
+    return out
 
 
 def _private_buffer(size: int) -> _arena.FileMapping:
@@ -318,7 +337,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 )
             )
         direct = (len(daemons) > 1 and not across) or any(x.direct for x in local)
-        data = _PlanData(attempt=uuid.uuid4().hex[:16], direct=direct)
+        data = _PlanData(
+            attempt=uuid.uuid4().hex[:16], direct=direct, across=self._rank_nodes is not None
+        )
         if data.direct:
             self._direct_tier(namespace, step).begin(namespace, step)
         return [replace(p, storage_data=data) for p in plans]
@@ -380,8 +401,16 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 files = []
                 if staged is not None and staged.lease_id is not None:
                     if staged_used:
+                        segments = None
+                        if data.across and staged_mapping is not None:
+                            segments = _segments(results, staged_mapping, data_name)
                         files.append(
-                            SealFile(lease_id=staged.lease_id, name=data_name, length=staged.size)
+                            SealFile(
+                                lease_id=staged.lease_id,
+                                name=data_name,
+                                length=staged.size,
+                                segments=segments,
+                            )
                         )
                     else:
                         self._release_quietly(namespace, staged.lease_id)

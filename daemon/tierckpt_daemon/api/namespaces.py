@@ -10,6 +10,7 @@ from tierckpt_core.protocol import (
     HydrateRequest,
     NamespaceInfo,
     PinResponse,
+    RangesRequest,
     StepCandidate,
     StepInfo,
 )
@@ -79,3 +80,12 @@ def pin(namespace: str, step: int, service: Service) -> PinResponse:
 def unpin(namespace: str, step: int, pin_id: str, service: Service) -> Response:
     service.unpin(namespace, step, pin_id)
     return Response(status_code=204)
+
+
+@router.post("/{namespace}/steps/{step}/files/{name}/ranges", response_class=Response)
+def read_ranges(
+    namespace: str, step: int, name: str, req: RangesRequest, node: NodeDep
+) -> Response:
+    """Parts of a file that another node holds (a step spanning nodes), verified, concatenated."""
+    data = node.restorer.read_ranges(namespace, step, name, list(req.ranges))
+    return Response(data, media_type="application/octet-stream")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 
 from tierckpt_core.errors import ForbiddenError, ProtocolError, UnauthorizedError
@@ -61,6 +61,7 @@ def get_peer_server(request: Request) -> PeerServer:
 
 router = APIRouter(prefix="/v1/peer", dependencies=[Depends(require_peer_token)])
 Store = Annotated[PeerServer, Depends(get_peer_server)]
+MAX_RANGE_BYTES = 256 << 20
 
 
 @router.get("/namespaces/{namespace}/steps")
@@ -71,6 +72,20 @@ def list_steps(namespace: str, store: Store) -> list[PeerStep]:
 @router.get("/namespaces/{namespace}/steps/{step}")
 def manifest(namespace: str, step: int, store: Store) -> StepManifest:
     return store.manifest(namespace, step)
+
+
+@router.get("/namespaces/{namespace}/steps/{step}/files/{name}/range")
+def read_range(
+    namespace: str, step: int, name: str, offset: int, length: int, store: Store
+) -> Response:
+    """Bytes of one file this daemon holds, for a reader on another node that needs only a part
+    of it (whole blocks: the reader verifies each against the step's block checksums)."""
+    validate_namespace(namespace)
+    validate_step(step)
+    if not 0 <= length <= MAX_RANGE_BYTES:
+        raise ProtocolError(f"a range read is at most {MAX_RANGE_BYTES} bytes, asked {length}")
+    data = store.read_range(namespace, step, name, offset, length)
+    return Response(data, media_type="application/octet-stream")
 
 
 @router.get(
