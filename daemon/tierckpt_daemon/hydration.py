@@ -14,10 +14,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepStateError
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    LeaseNotFoundError,
+    NotFoundError,
+    StepStateError,
+)
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
-from tierckpt_daemon.records import StepRecord
+from tierckpt_daemon.records import StepRecord, update_manifest
 from tierckpt_daemon.service import TierService
 
 Fetch = Callable[[FileRecord, str], None]
@@ -103,13 +108,13 @@ def _fill_share(
     leases = _lease_and_fetch(service, ns, files, fetch, pool)
     try:
         if current is not None and current.attempt == attempt:
-            service.add_files(current, leases)
+            add_files(service, current, leases)
             return current
         with service.lock:
             rec = service.index.begin(ns, step, attempt)
             if rec.files or rec.prepared_at is not None:
                 raise StepStateError(f"{ns}/step {step}: attempt {attempt} is being saved here")
-            service.add_files(rec, leases)
+            add_files(service, rec, leases)
             rec.remote = {f.name: f for f in manifest.files if f.name not in rec.files}
             rec.coordinator = manifest.coordinator
             rec.world_size = manifest.world_size
@@ -121,6 +126,22 @@ def _fill_share(
         raise
     service.notify_committed(installed)
     return installed
+
+
+def add_files(service: TierService, rec: StepRecord, leased: list[tuple[FileRecord, str]]) -> None:
+    """Files of a step spanning nodes, fetched into leases, join this node's record of it (a
+    reader here needs them, or they are a replica of a peer's share)."""
+    with service.lock:
+        for f, lease_id in leased:
+            lease = service.leases.get(rec.namespace, lease_id)
+            if lease is None:
+                raise LeaseNotFoundError(f"{rec.namespace}: lease {lease_id} expired")
+            service.leases.take(lease)
+            service.arena.move(lease.path, rec.dir / f.name)
+            rec.files[f.name] = f.model_copy(update={"size": lease.size})
+            rec.remote.pop(f.name, None)
+        if rec.manifest_path().exists():
+            update_manifest(rec)
 
 
 def _lease_and_fetch(

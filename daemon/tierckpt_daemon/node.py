@@ -18,6 +18,7 @@ from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.config import DaemonSettings, parse_size
 from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.metrics import Snapshot
+from tierckpt_daemon.peer_fetch import PeerFetcher
 from tierckpt_daemon.persist import Persister
 from tierckpt_daemon.replication import Replicator
 from tierckpt_daemon.restore import Restorer
@@ -139,5 +140,6 @@ def build_node(settings: DaemonSettings) -> Node:
             PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
             node=settings.node_name,
         )
-    restorer = Restorer(service, peers=replicator, durable=persister)
+    fetcher = PeerFetcher(replicator) if replicator is not None else None
+    restorer = Restorer(service, peers=fetcher, durable=persister)
     return Node(service, restorer, persister, replicator, committer)

@@ -284,20 +284,6 @@ class TierService:
             )
             return rec
 
-    def add_files(self, rec: StepRecord, leased: list[tuple[FileRecord, str]]) -> None:
-        """Files of a committed step that spans nodes, fetched into leases, join this node's
-        record of it (a reader here needs them, or they are a replica of a peer's share)."""
-        with self.lock:
-            for f, lease_id in leased:
-                lease = self.leases.get(rec.namespace, lease_id)
-                if lease is None:
-                    raise LeaseNotFoundError(f"{rec.namespace}: lease {lease_id} expired")
-                self.leases.take(lease)
-                self.arena.move(lease.path, rec.dir / f.name)
-                rec.files[f.name] = f.model_copy(update={"size": lease.size})
-                rec.remote.pop(f.name, None)
-            self._save_state(rec, drop=False)
-
     def notify_committed(self, rec: StepRecord) -> None:
         self.metrics.commits.inc()
         for listener in self._listeners:

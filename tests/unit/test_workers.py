@@ -21,6 +21,7 @@ from tierckpt_core.objectstore import FileStore
 from tierckpt_core.protocol import CommitRequest, PeerStep, SealFile, SealRequest, StepInfo
 from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.membership import Membership
+from tierckpt_daemon.peer_fetch import PeerFetcher
 from tierckpt_daemon.peer_server import PeerServer
 from tierckpt_daemon.persist import Persister
 from tierckpt_daemon.replication import Replicator
@@ -228,7 +229,9 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
     assert rep_a.wait_idle(20)
     # Node a is replaced: empty memory, same name.
     fresh = _service(tmp_path / "a-replaced")
-    rep = Replicator(fresh, Membership.parse("a:1,b:1"), two_nodes.client(), node="a:1")  # type: ignore[arg-type]
+    rep = PeerFetcher(
+        Replicator(fresh, Membership.parse("a:1,b:1"), two_nodes.client(), node="a:1")  # type: ignore[arg-type]
+    )
     assert rep.peer_steps("job") == {8: ["b:1"]}
     assert rep.hydrate("job", 8).step == 8
     assert _read(fresh, 8) == data
@@ -240,7 +243,9 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
         f.write(bytes([first[0] ^ 0xFF]))
     b.unpin("job", 8, pin.pin_id)
     other = _service(tmp_path / "a-again")
-    rep2 = Replicator(other, Membership.parse("a:1,b:1"), two_nodes.client(), node="a:1")  # type: ignore[arg-type]
+    rep2 = PeerFetcher(
+        Replicator(other, Membership.parse("a:1,b:1"), two_nodes.client(), node="a:1")  # type: ignore[arg-type]
+    )
     with pytest.raises(Exception, match=r"r0\.data.*corrupt"):
         rep2.hydrate("job", 8)
     with pytest.raises(NotFoundError):

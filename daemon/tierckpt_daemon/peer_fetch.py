@@ -1,0 +1,306 @@
+"""Restores from peers: which peers hold a step (and which of its files), a whole step copied
+from a peer's replica, the lost share of a step spanning nodes, and parts of files another node
+holds, each verified before it is used.
+
+The :class:`~tierckpt_daemon.replication.Replicator` pushes; this module reads. It uses the
+replicator's ring, peer client and copy path (:meth:`Replicator.copy_from`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    IntegrityError,
+    NotFoundError,
+    PeerUnavailableError,
+    ProtocolError,
+    StepNotFoundError,
+    TierCkptError,
+)
+from tierckpt_core.integrity import block_digest
+from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.protocol import StepInfo
+from tierckpt_daemon.records import StepRecord
+from tierckpt_daemon.replication import PEER_ERRORS, Replicator
+
+logger = logging.getLogger(__name__)
+
+
+class PeerFetcher:
+    def __init__(self, replicator: Replicator) -> None:
+        self.replicator = replicator
+        self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
+
+    def close(self) -> None:
+        self._ask_pool.shutdown(wait=False, cancel_futures=True)
+
+    def peer_steps(self, namespace: str) -> dict[int, list[str]]:
+        """Which peers hold which committed steps of ``namespace``. Peers are asked in parallel,
+        once each; one that does not answer within the peer timeout is skipped with a warning."""
+        try:
+            peers = self.replicator.successors()
+        except PeerUnavailableError as e:
+            logger.warning("%s: not asking the peers for steps: %s", namespace, e)
+            return {}
+        futures = {
+            p: self._ask_pool.submit(self.replicator.client.list_steps, p, namespace) for p in peers
+        }
+        held: dict[int, list[str]] = {}
+        for peer, fut in futures.items():
+            try:
+                steps = fut.result()
+            except NotFoundError:
+                continue
+            except TierCkptError as e:
+                self.replicator.peer_failed(peer, e)
+                continue
+            self.replicator.peer_ok(peer)
+            for s in steps:
+                held.setdefault(s.step, []).append(peer)
+        return held
+
+    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+        """Bring ``namespace/step`` here from the peers, verified. A step of one node comes whole
+        from the first peer with a good replica (ring successors first); of a step spanning nodes
+        only ``files`` come (default: this node's own share, what a replaced node lost), from the
+        peers that hold them. StepNotFoundError if no peer holds it; IntegrityError if every
+        replica found was corrupt."""
+        with self.replicator.service.lock:
+            here = self.replicator.service.index.committed.get(namespace, {}).get(step)
+        if here is not None and here.spans_nodes:
+            return self.fetch_files(namespace, step, set(files or ()) - set(here.files))[0]
+        holders = self.holders(namespace, step)
+        for peer in holders:
+            try:
+                manifest = self.replicator.client.manifest(peer, namespace, step)
+            except TierCkptError as e:
+                self.replicator.peer_failed(peer, e)
+                continue
+            if manifest.coordinator is None:
+                break
+            names = (
+                files
+                if files is not None
+                else {f.name for f in manifest.share(self.replicator.node)}
+            )
+            return self.fetch_files(namespace, step, names)[0]
+        return self._hydrate_whole(namespace, step)
+
+    def _hydrate_whole(self, namespace: str, step: int) -> StepInfo:
+        try:
+            peers = self.replicator.successors()
+        except PeerUnavailableError as e:
+            raise StepNotFoundError(f"{namespace}/step {step}: cannot ask the peers: {e}") from e
+        corrupt: list[str] = []
+        unreachable: list[str] = []
+        for peer in peers:
+            try:
+                manifest = self.replicator.client.manifest(peer, namespace, step)
+                if (manifest.namespace, manifest.step) != (namespace, step):
+                    raise ProtocolError(
+                        f"peer {peer} answered for {manifest.namespace}/step {manifest.step}"
+                    )
+            except NotFoundError:
+                continue
+            except TierCkptError as e:
+                self.replicator.peer_failed(peer, e)
+                unreachable.append(peer)
+                continue
+            t0 = time.monotonic()
+            try:
+                rec = self.replicator.copy_from(peer, manifest)
+            except CheckpointFormatError as e:
+                self.replicator.service.metrics.verification_failures.inc()
+                logger.warning(
+                    "%s/step %d: the replica on peer %s is unusable, trying the next source: %s",
+                    namespace,
+                    step,
+                    peer,
+                    e,
+                )
+                corrupt.append(str(e))
+                continue
+            except PEER_ERRORS as e:
+                self.replicator.peer_failed(peer, e)
+                unreachable.append(peer)
+                continue
+            nbytes = sum(f.length for f in manifest.files)
+            self.replicator.service.metrics.peer_hydrated_bytes.inc(nbytes)
+            dt = time.monotonic() - t0
+            logger.info(
+                "%s/step %d hydrated from peer %s: %d bytes in %.2fs (%.0f MB/s), checksums "
+                "verified",
+                namespace,
+                step,
+                peer,
+                nbytes,
+                dt,
+                nbytes / max(dt, 1e-9) / 1e6,
+            )
+            return rec.info()
+        if corrupt:
+            raise IntegrityError("; ".join(corrupt))
+        down = f" ({', '.join(unreachable)} did not answer)" if unreachable else ""
+        raise StepNotFoundError(f"{namespace}/step {step}: no peer holds a replica{down}")
+
+    def holders(self, namespace: str, step: int) -> dict[str, set[str] | None]:
+        """Peers that hold ``namespace/step``, and which of its files (None: all of them)."""
+        try:
+            peers = self.replicator.successors()
+        except PeerUnavailableError as e:
+            logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
+            return {}
+        futures = {
+            p: self._ask_pool.submit(self.replicator.client.list_steps, p, namespace) for p in peers
+        }
+        held: dict[str, set[str] | None] = {}
+        for peer, fut in futures.items():
+            try:
+                steps = fut.result()
+            except NotFoundError:
+                continue
+            except TierCkptError as e:
+                self.replicator.peer_failed(peer, e)
+                continue
+            for s in steps:
+                if s.step == step:
+                    held[peer] = set(s.held) if s.held is not None else None
+        return held
+
+    def read_ranges(
+        self, f: FileRecord, namespace: str, step: int, ranges: list[tuple[int, int]]
+    ) -> bytes:
+        """The ``ranges`` (offset, length) of file ``f`` of a step spanning nodes, which another
+        node holds, concatenated: fetched from a peer that holds it (its writer's node first),
+        verified before they leave this daemon. A small item the writing rank checksummed comes
+        alone; anything else in whole blocks, each checked against the block checksums taken at
+        prepare."""
+        for off, n in ranges:
+            if off < 0 or n < 0 or off + n > f.length:
+                raise ProtocolError(f"{namespace}/step {step}: range {off}+{n} is outside {f.name}")
+        held = self.holders(namespace, step)
+        peers = sorted(
+            (p for p, h in held.items() if h is None or f.name in h), key=lambda p: p != f.node
+        )
+        segments = {(off, n): digest for off, n, digest in f.segments or ()}
+        parts: dict[tuple[int, int], bytes] = {}
+        for off, n in ranges:
+            if n and (off, n) in segments:
+                parts[(off, n)] = self._fetch_verified(
+                    peers, f, namespace, step, off, n, [segments[(off, n)]], n
+                )
+        rest = [(off, n) for off, n in ranges if n and (off, n) not in parts]
+        if rest:
+            size, digests = f.block_size, f.blocks
+            if not size or digests is None:
+                raise CheckpointFormatError(
+                    f"{namespace}/step {step}: {f.name} has no block checksums to verify a range"
+                )
+            wanted = sorted(
+                {b for off, n in rest for b in range(off // size, (off + n - 1) // size + 1)}
+            )
+            runs: list[list[int]] = []
+            for b in wanted:
+                if runs and runs[-1][-1] == b - 1:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            blocks: dict[int, bytes] = {}
+            for run in runs:
+                start, end = run[0] * size, min((run[-1] + 1) * size, f.length)
+                data = self._fetch_verified(
+                    peers, f, namespace, step, start, end - start, [digests[b] for b in run], size
+                )
+                blocks.update({b: data[(b - run[0]) * size : (b - run[0] + 1) * size] for b in run})
+            for off, n in rest:
+                first = off // size
+                buf = b"".join(blocks[b] for b in range(first, (off + n - 1) // size + 1))
+                parts[(off, n)] = buf[off - first * size : off - first * size + n]
+        return b"".join(parts.get((off, n), b"") for off, n in ranges)
+
+    def _fetch_verified(
+        self,
+        peers: list[str],
+        f: FileRecord,
+        namespace: str,
+        step: int,
+        start: int,
+        length: int,
+        digests: list[str],
+        piece: int,
+    ) -> bytes:
+        """``length`` bytes at ``start`` of ``f`` from the first peer whose bytes match
+        ``digests``, one per ``piece`` bytes."""
+        errors = []
+        for peer in peers:
+            try:
+                data = self.replicator.client.read_range(
+                    peer, namespace, step, f.name, start, length
+                )
+            except PEER_ERRORS as e:
+                errors.append(f"{peer}: {e}")
+                continue
+            pieces = [data[i : i + piece] for i in range(0, len(data), piece)]
+            if [block_digest(p) for p in pieces] != digests:
+                self.replicator.service.metrics.verification_failures.inc()
+                errors.append(f"{peer}: bytes {start}-{start + length} of {f.name} are corrupt")
+                continue
+            self.replicator.service.metrics.peer_hydrated_bytes.inc(len(data))
+            return data
+        raise StepNotFoundError(
+            f"{namespace}/step {step}: no peer could send {f.name} bytes {start}-{start + length} "
+            f"({'; '.join(errors) or 'no peer holds it'})"
+        )
+
+    def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest:
+        return self.replicator.client.manifest(peer, namespace, step)
+
+    def fetch_files(self, namespace: str, step: int, names: set[str]) -> tuple[StepInfo, int]:
+        """Bring the files ``names`` of a step spanning nodes here from the peers that hold them
+        (their writer's node first), verified. Returns the step as held here and the bytes moved;
+        StepNotFoundError names the files no reachable peer holds."""
+        holders = self.holders(namespace, step)
+        if not holders:
+            raise StepNotFoundError(f"{namespace}/step {step}: no reachable peer holds it")
+        if not names and not self.replicator.service.index.committed.get(namespace, {}).get(step):
+            # Nothing to fetch, but this node needs the step's record (its metadata, where the
+            # files are) to serve a reader: take it from a holder, with no files.
+            peer = next(iter(holders))
+            empty = self.replicator.copy_from(
+                peer, self.replicator.client.manifest(peer, namespace, step), names=set()
+            )
+            return empty.info(), 0
+        left = set(names)
+        moved = 0
+        rec: StepRecord | None = None
+
+        def coverage(peer: str) -> int:
+            held = holders[peer]
+            return len(left if held is None else left & held)
+
+        for peer in sorted(holders, key=coverage, reverse=True):
+            held = holders[peer]
+            offered = left if held is None else left & held
+            if not offered:
+                continue
+            try:
+                theirs = self.replicator.client.manifest(peer, namespace, step)
+                rec = self.replicator.copy_from(peer, theirs, names=offered)
+            except PEER_ERRORS as e:
+                self.replicator.peer_failed(peer, e)
+                continue
+            got = offered & set(rec.files)
+            moved += sum(f.length for f in theirs.files if f.name in got)
+            left -= got
+        if left:
+            raise StepNotFoundError(
+                f"{namespace}/step {step}: no reachable peer holds {', '.join(sorted(left)[:8])}"
+            )
+        if rec is None:
+            rec = self.replicator.service.record(namespace, step)
+        self.replicator.service.metrics.peer_hydrated_bytes.inc(moved)
+        return rec.info(), moved
