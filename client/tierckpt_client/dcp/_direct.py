@@ -1,37 +1,45 @@
-"""Reading and writing the persistent tier straight from the trainer, for when there is no daemon.
+"""The persistent tier as a save and load target, straight from the trainer: for when there is
+no daemon (see ``_targets`` for the seam it fills).
 
 The format is the daemon's (see docs/format.md): a restore never depends on a daemon being up, and
 a save made in degraded mode is an ordinary durable step that the daemon can later hydrate.
 
-Writes: every rank uploads one file with all of its items plus a small ``<file>.sum.json`` sidecar
-(name, rank, length, checksum); the coordinator reads the sidecars, writes the manifest and then the
-commit marker, and removes the sidecars.
+Writes: every rank uploads its files, each with the sidecar the daemon's uploads write
+(``layout.write_sidecar``: name, rank, length, checksum); the coordinator reads the sidecars,
+writes the manifest and then the commit marker, and removes the sidecars.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from tierckpt_client.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
-from tierckpt_client.layout import (
+from tierckpt_client.dcp._files import Files
+from tierckpt_client.dcp._metadata_codec import ShardRef
+from tierckpt_client.dcp._targets import OutFile, private_file
+from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
+from tierckpt_core.layout import (
+    delete_sidecars,
     durable_steps,
     file_key,
     marker_key,
+    read_sidecar,
     read_step_manifest,
     step_prefix,
     verify_file,
+    write_sidecar,
     write_step_commit,
 )
-from tierckpt_client.objectstore import ObjectStore, StoreSettings, open_store
 from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.objectstore import ObjectStore, StoreSettings, open_store
+from tierckpt_core.protocol import CommitRequest
 
 logger = logging.getLogger(__name__)
-
-SIDECAR = ".sum.json"
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
@@ -39,11 +47,22 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-class DirectTier:
-    def __init__(self, url: str, settings: StoreSettings | None = None) -> None:
+class PersistentTier:
+    """A :class:`~tierckpt_client.dcp._targets.SaveTarget` and ``ReadSource`` on the persistent
+    tier at ``url``. ``discard`` gives back files a rank had staged into its daemon's memory before
+    the save went here (their bytes are uploaded, the leases released)."""
+
+    def __init__(
+        self,
+        url: str,
+        settings: StoreSettings | None = None,
+        *,
+        discard: Callable[[str, OutFile], None] | None = None,
+    ) -> None:
         self.url = url
         self.store: ObjectStore = open_store(url, settings or StoreSettings.from_env())
         self._manifests: dict[tuple[str, int], StepManifest] = {}
+        self._discard = discard
 
     # -- reads ------------------------------------------------------------------------------
     def newest_good_step(self, namespace: str) -> int:
@@ -67,6 +86,14 @@ class DirectTier:
             self._manifests[key] = read_step_manifest(self.store, namespace, step)
         return self._manifests[key]
 
+    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
+        return self.manifest(namespace, step).metadata
+
+    @contextlib.contextmanager
+    def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[Files]:
+        """Files downloaded whole and verified as the reader first needs each."""
+        yield Files(f"{namespace}/step {step}", lambda name: self.fetch(namespace, step, name), {})
+
     def fetch(self, namespace: str, step: int, name: str) -> torch.Tensor:
         """Download one file of a durable step, verified, as a uint8 tensor."""
         entry = next((f for f in self.manifest(namespace, step).files if f.name == name), None)
@@ -82,47 +109,36 @@ class DirectTier:
         """Before any rank writes: an old commit marker of this step must not cover new files."""
         self.store.delete([marker_key(namespace, step)])
 
-    def put_rank_file(
-        self, namespace: str, step: int, rank: int, name: str, data: torch.Tensor
-    ) -> None:
-        digest = self.store.put_bytes(file_key(namespace, step, name), _bytes_view(data))
-        sidecar = {"name": name, "rank": rank, "length": data.numel(), "checksum": digest}
-        self.store.put_bytes(
-            file_key(namespace, step, name + SIDECAR), json.dumps(sidecar).encode()
-        )
+    def new_file(self, namespace: str, rank: int, name: str, size: int) -> OutFile:
+        return private_file(name, size)
 
-    def commit(
-        self,
-        namespace: str,
-        step: int,
-        names: list[str],
-        metadata: dict[str, object],
-        world_size: int,
-        committed_at: float,
+    def write(
+        self, namespace: str, step: int, attempt: str, rank: int, files: list[OutFile]
     ) -> None:
-        files = []
-        for name in sorted(names):
-            raw = json.loads(self.store.get_bytes(file_key(namespace, step, name + SIDECAR)))
-            files.append(
-                FileRecord(
-                    name=name,
-                    rank=int(raw["rank"]),
-                    length=int(raw["length"]),
-                    checksum=str(raw["checksum"]),
-                )
-            )
+        for f in files:
+            data = f.mapping().buffer[: f.length]
+            digest = self.store.put_bytes(file_key(namespace, step, f.name), _bytes_view(data))
+            record = FileRecord(name=f.name, rank=rank, length=f.length, checksum=digest)
+            write_sidecar(self.store, namespace, step, record)
+        for f in files:
+            if self._discard is not None:
+                self._discard(namespace, f)
+
+    def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> None:
+        names = sorted(req.files)
+        files = [read_sidecar(self.store, namespace, step, name) for name in names]
         write_step_commit(
             self.store,
             StepManifest(
                 namespace=namespace,
                 step=step,
-                world_size=world_size,
-                committed_at=committed_at,
+                world_size=req.world_size,
+                committed_at=time.time(),
                 files=files,
-                metadata=metadata,
+                metadata=req.metadata,
             ),
         )
-        self.store.delete([file_key(namespace, step, n + SIDECAR) for n in names])
+        delete_sidecars(self.store, namespace, step, names)
         logger.info(
             "%s/step %d written straight to %s (%s)",
             namespace,

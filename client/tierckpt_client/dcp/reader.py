@@ -7,7 +7,7 @@ import io
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -21,15 +21,14 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena
-from tierckpt_client.dcp._direct import DirectTier
+from tierckpt_client.dcp._direct import PersistentTier
+from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, decode_metadata
+from tierckpt_client.dcp._targets import RANGED_READ_MAX, MemoryTier, ReadSource
 from tierckpt_client.errors import (
     CheckpointFormatError,
     DaemonUnavailableError,
-    NotFoundError,
-    StepNotFoundError,
     StepStateError,
     TierCkptError,
     error_from_code,
@@ -38,8 +37,7 @@ from tierckpt_client.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
 
-# A rank that needs at most this much of a file another node holds fetches just those ranges.
-RANGED_READ_MAX = 4 << 20
+__all__ = ["RANGED_READ_MAX", "TieredStorageReader"]
 
 
 class TieredStorageReader(StorageReader):
@@ -89,9 +87,12 @@ class TieredStorageReader(StorageReader):
         self.config = config or ClientConfig.from_env()
         self.process_group = process_group
         self._daemon = DaemonClient.shared(self.config)
+        # Where the step's files come from (see _targets): the memory tier through the daemon,
+        # or the persistent tier once the daemon turned out to be unreachable.
+        self._memory = MemoryTier(self._daemon)
+        self._source: ReadSource = self._memory
         self._resolved: int | None = None
         self._storage: dict[Any, ShardRef] = {}
-        self._direct: DirectTier | None = None
         self.load_id = uuid.uuid4().hex
         # What this rank's last read_data read: bytes of stored items, and of those the bytes in
         # files its node's daemon had to fetch from other nodes first.
@@ -102,7 +103,7 @@ class TieredStorageReader(StorageReader):
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._resolved = None
-        self._direct = None
+        self._source = self._memory
         self.load_id = uuid.uuid4().hex
         if checkpoint_id is not None:
             self.namespace, self.step = parse_checkpoint_id(checkpoint_id)
@@ -154,49 +155,21 @@ class TieredStorageReader(StorageReader):
     def _newest_good_step(self, namespace: str) -> int:
         """The newest step in memory or durable that is complete and verifies; older ones are
         tried when a newer one is corrupt or incomplete, with a warning naming the step."""
-        if self._direct is not None:
-            return self._direct.newest_good_step(namespace)
         try:
-            candidates = self._daemon.candidates(namespace)
+            return self._source.newest_good_step(namespace)
         except DaemonUnavailableError as e:
             return self._go_direct(e).newest_good_step(namespace)
-        skipped: list[str] = []
-        for cand in candidates:
-            if cand.in_memory:
-                return cand.step
-            try:
-                self._daemon.hydrate(namespace, cand.step)
-            except (CheckpointFormatError, NotFoundError) as e:
-                logger.warning("%s: skipping step %d for an older one: %s", namespace, cand.step, e)
-                skipped.append(f"step {cand.step}: {e}")
-                continue
-            return cand.step
-        raise StepNotFoundError(
-            f"namespace {namespace}: no step could be restored ({'; '.join(skipped)})"
-        )
 
-    def _memory_metadata(self, namespace: str, step: int) -> dict[str, Any]:
-        """The step's metadata from the daemon, which first brings the step into memory (from a
-        peer or the persistent tier) if it is not there."""
-        try:
-            return self._daemon.metadata(namespace, step)
-        except NotFoundError:
-            self._daemon.hydrate(namespace, step)
-            return self._daemon.metadata(namespace, step)
-
-    def _go_direct(self, cause: DaemonUnavailableError) -> DirectTier:
+    def _go_direct(self, cause: DaemonUnavailableError) -> PersistentTier:
         """No daemon: read the persistent tier ourselves, if this process knows where it is."""
         url = self.config.persist_url
         if not url:
             raise cause
-        if self._direct is None:
-            logger.warning(
-                "%s; restoring straight from the persistent tier %s (TIERCKPT_PERSIST_URL)",
-                cause,
-                url,
-            )
-            self._direct = DirectTier(url)
-        return self._direct
+        logger.warning(
+            "%s; restoring straight from the persistent tier %s (TIERCKPT_PERSIST_URL)", cause, url
+        )
+        source = self._source = PersistentTier(url)
+        return source
 
     # -- StorageReader ----------------------------------------------------------------------
     # No **kwargs on purpose: DCP then does not retry with rank-local metadata (which tierckpt
@@ -205,15 +178,10 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         step = self._resolve_step()
         self._resolved = step
-        doc: dict[str, Any] | None = None
-        if self._direct is None:
-            try:
-                doc = self._memory_metadata(namespace, step)
-            except DaemonUnavailableError as e:
-                self._go_direct(e)
-        if self._direct is not None:
-            doc = self._direct.manifest(namespace, step).metadata
-        assert doc is not None
+        try:
+            doc = self._source.metadata(namespace, step)
+        except DaemonUnavailableError as e:
+            doc = self._go_direct(e).metadata(namespace, step)
         metadata = decode_metadata(doc)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -248,66 +216,20 @@ class TieredStorageReader(StorageReader):
         return fut
 
     @contextlib.contextmanager
-    def open_files(self, refs: list[ShardRef] | None = None) -> Iterator[_Files]:
-        """Yield the files of the step ``read_metadata`` chose: in the daemon's memory (pinned
-        meanwhile), or downloaded and verified from the persistent tier when there is no daemon.
-        Of a step spanning nodes, files that other nodes hold and that ``refs`` (what this rank
-        reads) need come first: whole into this node's memory, or, when the rank needs only a
-        little of one (a replicated scalar written by a rank on another node), just those
-        ranges, fetched in blocks the daemon verifies."""
-        needed = {ref.file for ref in refs or ()}
+    def open_files(self, refs: list[ShardRef] | None = None) -> Iterator[Files]:
+        """Yield the files of the step ``read_metadata`` chose, from this reader's source: the
+        daemon's memory (pinned meanwhile; of a step spanning nodes, what ``refs`` need of files
+        other nodes hold is fetched first, whole or as ranges), or downloaded and verified from
+        the persistent tier when there is no daemon."""
         namespace = self._require_namespace()
         step = self._resolved
         if step is None:
             raise StepStateError("the step's files are opened after read_metadata()")
-        where = f"{namespace}/step {step}"
-        if self._direct is not None:
-            direct = self._direct
-            yield _Files(where, lambda name: direct.fetch(namespace, step, name), {})
-            return
-        try:
-            pin = self._daemon.pin(namespace, step)
-        except NotFoundError:  # evicted since read_metadata, or another node: bring it back
-            self._daemon.hydrate(namespace, step)
-            pin = self._daemon.pin(namespace, step)
-        self._fetched = needed - set(pin.paths)
-        wants: dict[str, list[tuple[int, int]]] = {}
-        for ref in refs or ():
-            if ref.file in self._fetched:
-                wants.setdefault(ref.file, []).append((ref.offset, ref.length))
-        whole = {n for n, r in wants.items() if sum(length for _, length in r) > RANGED_READ_MAX}
-        if whole:  # held by other nodes and needed in bulk: the daemon brings them here first
-            self._daemon.unpin(namespace, step, pin.pin_id)
-            self._daemon.hydrate(namespace, step, sorted(whole))
-            pin = self._daemon.pin(namespace, step)
-        ranged: dict[str, dict[tuple[int, int], bytes]] = {}
-        for name, ranges in wants.items():
-            if name in whole:
-                continue
-            unique = sorted(set(ranges))
-            data = self._daemon.read_ranges(namespace, step, name, unique)
-            parts, at = {}, 0
-            for off, length in unique:
-                parts[(off, length)] = data[at : at + length]
-                at += length
-            ranged[name] = parts
-
-        def mapped(name: str) -> torch.Tensor:
-            return _arena.map_file(pin.paths[name]).buffer
-
-        files = _Files(where, mapped, pin.paths, ranged)
-        try:
+        with self._source.open_files(namespace, step, list(refs or ())) as files:
+            self._fetched = files.fetched
             yield files
-        finally:
-            files.close()
-            try:
-                self._daemon.unpin(namespace, step, pin.pin_id)
-            except TierCkptError as e:
-                logger.warning(
-                    "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
-                )
 
-    def _copy_items(self, plan: LoadPlan, planner: LoadPlanner, files: _Files) -> None:
+    def _copy_items(self, plan: LoadPlan, planner: LoadPlanner, files: Files) -> None:
         """Copy every item of ``plan`` out of the step's stored files."""
         where = files.where
         for item in plan.items:
@@ -352,113 +274,6 @@ class TieredStorageReader(StorageReader):
         state = self.__dict__.copy()
         state["_daemon"] = DaemonClient.shared(self.config)
         state["process_group"] = None
-        state["_direct"] = None
+        state["_memory"] = MemoryTier(state["_daemon"])
+        state["_source"] = state["_memory"]
         return state
-
-
-class _Files:
-    """The stored files of one step, as ``region(file, offset, length)`` uint8 tensors, plus a
-    faster way for whole tensors from a tier file this process has not mapped yet.
-
-    A new mapping of a tier file costs a page-table entry per 4 KiB (``MAP_POPULATE``: ~0.3 s per
-    GiB here, more than the copy), so the first restore after a hydration reads whole, contiguous
-    destination tensors with ``preadv`` straight from the file instead. A file this process has
-    mapped before (it saved the step, or restored it already) is copied from its mapping.
-    """
-
-    def __init__(
-        self,
-        where: str,
-        load: Callable[[str], torch.Tensor],
-        paths: dict[str, str],
-        ranged: dict[str, dict[tuple[int, int], bytes]] | None = None,
-    ) -> None:
-        self.where = where
-        self._load = load
-        self._paths = paths  # empty: no local files (direct from the persistent tier)
-        self._ranged = ranged or {}  # parts of files other nodes hold, fetched and verified
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._fds: dict[str, int] = {}
-
-    def buffer(self, name: str) -> torch.Tensor:
-        buf = self._buffers.get(name)
-        if buf is None:
-            if self._paths and name not in self._paths:
-                raise CheckpointFormatError(
-                    f"{self.where}: metadata names file {name}, which the step does not have"
-                )
-            buf = self._buffers[name] = self._load(name)
-        return buf
-
-    def region(self, name: str, offset: int, length: int, what: str) -> torch.Tensor:
-        if name in self._ranged:
-            part = self._ranged[name].get((offset, length))
-            if part is None:
-                raise CheckpointFormatError(f"{self.where}: {what} of {name} was not fetched")
-            return (
-                torch.frombuffer(bytearray(part), dtype=torch.uint8)
-                if length
-                else torch.empty(0, dtype=torch.uint8)
-            )
-        buf = self.buffer(name)
-        if offset + length > buf.numel():
-            raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")
-        return buf[offset : offset + length]
-
-    def read_bytes(self, name: str, offset: int, length: int, what: str) -> bytes:
-        if name in self._ranged:
-            return self.region(name, offset, length, what).numpy().tobytes()
-        fd = self._unmapped_fd(name)
-        if fd is None:
-            return self.region(name, offset, length, what).numpy().tobytes()
-        self._check_range(fd, name, offset, length, what)
-        return os.pread(fd, length, offset) if length else b""
-
-    def read_into(self, name: str, offset: int, length: int, target: torch.Tensor) -> bool:
-        """Read ``length`` bytes at ``offset`` of file ``name`` into ``target`` if that is the
-        faster way (an unmapped tier file, a contiguous CPU target of that size); else False."""
-        if (
-            target.device.type != "cpu"
-            or not target.is_contiguous()
-            or target.numel() * target.element_size() != length
-        ):
-            return False
-        fd = self._unmapped_fd(name)
-        if fd is None:
-            return False
-        self._check_range(fd, name, offset, length, "a tensor")
-        if not length:
-            return True
-        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        done = 0
-        while done < length:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointFormatError(f"{self.where}: {name} ended early")
-            done += n
-        return True
-
-    def _unmapped_fd(self, name: str) -> int | None:
-        """An open descriptor of tier file ``name`` if this process has no mapping of it."""
-        path = self._paths.get(name)
-        if path is None or name in self._buffers:
-            return None
-        fd = self._fds.get(name)
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            if _arena.is_mapped(fd):
-                os.close(fd)
-                self.buffer(name)
-                return None
-            self._fds[name] = fd
-        return fd
-
-    def _check_range(self, fd: int, name: str, offset: int, length: int, what: str) -> None:
-        if offset + length > os.fstat(fd).st_size:
-            raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        self._buffers.clear()

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import socket
-import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,49 +12,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena
-from tierckpt_client.dcp._direct import DirectTier
+from tierckpt_client.dcp import _arena, _items
+from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
-from tierckpt_client.dcp._metadata_codec import ShardRef, dtype_name, encode_metadata
-from tierckpt_client.dcp._staging import align, stage_into, staging_size
+from tierckpt_client.dcp._metadata_codec import encode_metadata
+from tierckpt_client.dcp._staging import stage_into, staging_size
+from tierckpt_client.dcp._targets import MemoryTier, OutFile, SaveTarget
 from tierckpt_client.errors import (
     CapacityExceededError,
-    CheckpointFormatError,
     DaemonUnavailableError,
     InvalidNameError,
     StepStateError,
     TierCkptError,
 )
-from tierckpt_client.protocol import CommitRequest, SealFile, validate_namespace, validate_step
-from tierckpt_core.integrity import block_digest
+from tierckpt_client.protocol import CommitRequest, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
-
-SEGMENT_MAX = 64 << 10  # items up to this size get a checksum of their own (see _segments)
-
-
-@dataclass
-class _Staged:
-    """What ``stage()`` filled: a file leased from the daemon (sealed by ``write_data``), or, in
-    degraded mode, private memory (``lease_id``/``path`` None) that ``write_data`` uploads."""
-
-    lease_id: str | None
-    path: str | None
-    size: int
-    private: _arena.FileMapping | None = None
-
-    def mapping(self) -> _arena.FileMapping:
-        if self.path is not None:
-            return _arena.map_file(self.path)
-        assert self.private is not None
-        return self.private
 
 
 @dataclass(frozen=True)
@@ -75,27 +53,6 @@ class _PlanData:
     attempt: str
     direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
     across: bool = False  # the ranks use several daemons: a commit across nodes
-
-
-def _segments(
-    results: list[WriteResult], mapping: _arena.FileMapping, name: str
-) -> list[tuple[int, int, str]]:
-    """Checksums of the small items of the staged file (a save across nodes): a rank on another
-    node that needs one of them (a replicated value DCP had this rank write) then fetches it
-    alone, verified, instead of the whole file."""
-    out = []
-    for r in results:
-        ref = r.storage_data
-        if ref.file == name and 0 < ref.length <= SEGMENT_MAX:
-            data = mapping.view(ref.offset, ref.length).numpy().tobytes()
-            out.append((ref.offset, ref.length, block_digest(data)))
-    return out
-
-
-def _private_buffer(size: int) -> _arena.FileMapping:
-    return _arena.FileMapping(
-        dev=-1, ino=-1, fd=-1, size=size, buffer=torch.empty(size, dtype=torch.uint8)
-    )
 
 
 _warned: set[str] = set()
@@ -169,13 +126,18 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if on_unavailable not in ("persist", "raise"):
             raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
         self.on_unavailable = on_unavailable
-        self._direct: DirectTier | None = None
+        # Where this save's files go (see _targets): the memory tier through the daemon, unless
+        # this rank cannot use its daemon (``_degraded``) or the coordinator's plan says the save
+        # goes to the persistent tier; then ``_persistent``.
+        self._persistent: PersistentTier | None = None
+        self._degraded = False
         self.namespace = validate_namespace(namespace) if namespace is not None else None
         self.step = validate_step(step) if step is not None else None
         self.persist = persist
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient.shared(self.config)
-        self._staged: _Staged | None = None
+        self._memory = MemoryTier(self._daemon)
+        self._staged: OutFile | None = None
         self._plan_data: _PlanData | None = None
         self._rank_nodes: list[str | None] | None = None  # coordinator: the node of each rank
         self.rank = 0
@@ -227,7 +189,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         state["_daemon"] = DaemonClient.shared(
             self.config
         )  # a fresh connection in the other process
-        state["_direct"] = None
+        state["_memory"] = MemoryTier(state["_daemon"])
+        state["_persistent"] = None  # re-opened (with its one warning) where it is needed
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
         # helper process: the staged file belongs to that copy from now on, so this one can stage
         # the next save.
@@ -247,23 +210,18 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             return stage_into(state_dict, None).state_dict
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         try:
-            lease = self._daemon.lease(namespace, rank, size)
+            staged = self._memory.new_file(namespace, rank, "", size)
         except (DaemonUnavailableError, CapacityExceededError) as e:
-            self._degrade(e)
-            private = _private_buffer(size)
-            result = stage_into(state_dict, private)
-            self._staged = _Staged(None, None, size, private)
-            return result.state_dict
+            staged = self._degrade(e).new_file(namespace, rank, "", size)
         try:
-            mapping = _arena.map_file(lease.path)
-            result = stage_into(state_dict, mapping)
+            result = stage_into(state_dict, staged.mapping())
         except BaseException:
-            self._release_quietly(namespace, lease.lease_id)
+            self._memory.discard(namespace, staged)
             raise
-        self._staged = _Staged(lease.lease_id, lease.path, lease.size)
+        self._staged = staged
         return result.state_dict
 
-    def _degrade(self, cause: TierCkptError) -> DirectTier:
+    def _degrade(self, cause: TierCkptError) -> PersistentTier:
         """Switch this save to the persistent tier, or re-raise ``cause`` if the policy says no."""
         url = self.config.persist_url
         if self.on_unavailable != "persist" or not url:
@@ -278,9 +236,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if key not in _warned:
             _warned.add(key)
             logger.warning("%s; saving straight to the persistent tier %s", cause, url)
-        if self._direct is None:
-            self._direct = DirectTier(url)
-        return self._direct
+        self._degraded = True
+        if self._persistent is None:
+            self._persistent = PersistentTier(url, discard=self._memory.discard)
+        return self._persistent
 
     def synchronize_staging(self) -> None:
         """Staging is synchronous: nothing to wait for."""
@@ -288,17 +247,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Give back a staged file that was never written (a save that failed before write_data)."""
         if self._staged is not None and self.namespace is not None:
-            if self._staged.lease_id is not None:
-                self._release_quietly(self.namespace, self._staged.lease_id)
+            self._memory.discard(self.namespace, self._staged)
             self._staged = None
         self._daemon.close()
-
-    def _release_quietly(self, namespace: str, lease_id: str) -> None:
-        try:
-            self._daemon.release(namespace, lease_id)
-        except TierCkptError as e:
-            # The lease expires on the daemon by itself; the save's own error is the one to raise.
-            logger.warning("%s: could not release lease %s: %s", namespace, lease_id, e)
 
     # -- StorageWriter ----------------------------------------------------------------------
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -307,7 +258,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._require_target()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        direct = self._staged is not None and self._staged.lease_id is None
+        direct = self._degraded
         if not direct and not self._daemon.ping():
             self._degrade(
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
@@ -328,7 +279,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         # daemon commits the step on all of them. That needs daemons that are each other's peers.
         across = len(daemons) > 1 and None not in nodes and len(set(nodes)) == len(daemons)
         self._rank_nodes = nodes if across else None
-        if len(daemons) > 1 and not across and self._direct is None:
+        if len(daemons) > 1 and not across and self._persistent is None:
             self._degrade(
                 StepStateError(
                     f"{namespace}/step {step}: the ranks use {len(daemons)} daemons (nodes), "
@@ -340,91 +291,65 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         data = _PlanData(
             attempt=uuid.uuid4().hex[:16], direct=direct, across=self._rank_nodes is not None
         )
-        if data.direct:
-            self._direct_tier(namespace, step).begin(namespace, step)
+        self._target(namespace, step, data).begin(namespace, step)
         return [replace(p, storage_data=data) for p in plans]
 
-    def _direct_tier(self, namespace: str, step: int) -> DirectTier:
-        if self._direct is None:
-            self._degrade(
+    def _target(self, namespace: str, step: int, data: _PlanData) -> SaveTarget:
+        """The target the coordinator chose for this save, the same on every rank."""
+        if not data.direct:
+            return self._memory
+        if self._persistent is None:
+            return self._degrade(
                 DaemonUnavailableError(
                     f"{namespace}/step {step}: another rank cannot use its daemon, so this save "
                     "goes to the persistent tier"
                 )
             )
-        assert self._direct is not None
-        return self._direct
+        return self._persistent
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         namespace, step = self._require_target()
         data = plan.storage_data
         if not isinstance(data, _PlanData):
             raise StepStateError(f"{namespace}/step {step}: the save plan carries no attempt id")
+        target = self._target(namespace, step, data)
         staged, self._staged = self._staged, None
         staged_mapping = staged.mapping() if staged is not None else None
         results: list[WriteResult] = []
         pending: list[tuple[MetadataIndex, Any]] = []  # items to copy into the extra file
         data_name = f"r{self.rank:05d}.data"
-        extra_name = f"r{self.rank:05d}.extra"
-        leases: list[str] = [staged.lease_id] if staged is not None and staged.lease_id else []
+        files: list[OutFile] = []  # what the rank hands the target; given back if the save fails
         try:
             for item in plan.items:
-                value = self._resolve(item, planner)
+                value = _items.resolve(item, planner)
                 ref = None
                 if isinstance(value, torch.Tensor) and staged_mapping is not None:
-                    ref = self._staged_ref(value, staged_mapping, data_name)
+                    ref = _items.staged_ref(value, staged_mapping, data_name)
                 if ref is None:
                     pending.append((item.index, value))
                 else:
                     results.append(
                         WriteResult(index=item.index, size_in_bytes=ref.length, storage_data=ref)
                     )
-            staged_used = bool(results)
-            extra, extra_lease, extra_results, copied = self._pack_extra(
-                namespace, extra_name, pending, direct=data.direct
+            if staged is not None and staged_mapping is not None:
+                staged = replace(staged, name=data_name)
+                if results:
+                    if data.across:
+                        staged.segments = _items.segments(results, staged_mapping, data_name)
+                    files.append(staged)
+                else:  # every tensor was replaced by the planner: nothing to keep of it
+                    self._memory.discard(namespace, staged)
+            extra, extra_results, copied = _items.pack_extra(
+                target, namespace, self.rank, pending, self._memory.discard
             )
-            if extra_lease is not None:
-                leases.append(extra_lease)
+            if extra is not None:
+                files.append(extra)
             results.extend(extra_results)
-            if data.direct:
-                direct = self._direct_tier(namespace, step)
-                if staged is not None and staged_mapping is not None and staged_used:
-                    direct.put_rank_file(
-                        namespace, step, self.rank, data_name, staged_mapping.buffer[: staged.size]
-                    )
-                if extra is not None:
-                    direct.put_rank_file(namespace, step, self.rank, extra_name, extra)
-                for lease_id in leases:
-                    self._release_quietly(namespace, lease_id)
-                leases.clear()
-            else:
-                files = []
-                if staged is not None and staged.lease_id is not None:
-                    if staged_used:
-                        segments = None
-                        if data.across and staged_mapping is not None:
-                            segments = _segments(results, staged_mapping, data_name)
-                        files.append(
-                            SealFile(
-                                lease_id=staged.lease_id,
-                                name=data_name,
-                                length=staged.size,
-                                segments=segments,
-                            )
-                        )
-                    else:
-                        self._release_quietly(namespace, staged.lease_id)
-                        leases.remove(staged.lease_id)
-                if extra is not None and extra_lease is not None:
-                    files.append(
-                        SealFile(lease_id=extra_lease, name=extra_name, length=extra.numel())
-                    )
-                # Sealed even when empty: the attempt must exist on the daemon for the commit.
-                self._daemon.seal(namespace, step, data.attempt, self.rank, files)
+            target.write(namespace, step, data.attempt, self.rank, files)
             self._plan_data = data
         except BaseException:
-            for lease_id in leases:
-                self._release_quietly(namespace, lease_id)
+            for f in files:
+                self._memory.discard(namespace, f)
             raise
         self.last_stats = SaveStats(
             staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
@@ -434,71 +359,6 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
-
-    @staticmethod
-    def _resolve(item: Any, planner: SavePlanner) -> torch.Tensor | bytes:
-        data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
-            if not isinstance(data, io.BytesIO):
-                raise CheckpointFormatError(
-                    f"{item.index.fqn}: the planner resolved a bytes item to "
-                    f"{type(data).__name__}, not io.BytesIO"
-                )
-            return data.getvalue()
-        if not isinstance(data, torch.Tensor):
-            raise CheckpointFormatError(
-                f"{item.index.fqn}: the planner resolved a tensor item to {type(data).__name__}"
-            )
-        return data.detach()
-
-    @staticmethod
-    def _staged_ref(t: torch.Tensor, mapping: _arena.FileMapping, name: str) -> ShardRef | None:
-        """Where ``t`` lives in the staged file, if stage() put it there (no copy needed)."""
-        nbytes = t.numel() * t.element_size()
-        if not nbytes or t.device.type != "cpu" or not t.is_contiguous():
-            return None
-        offset = t.data_ptr() - mapping.base
-        if not 0 <= offset <= mapping.size - nbytes:
-            return None
-        return ShardRef(name, offset, nbytes, dtype_name(t.dtype), tuple(t.shape))
-
-    def _pack_extra(
-        self, namespace: str, name: str, pending: list[tuple[MetadataIndex, Any]], *, direct: bool
-    ) -> tuple[torch.Tensor | None, str | None, list[WriteResult], int]:
-        """Copy bytes items and unstaged tensors into one more file: leased from the daemon, or
-        private memory when the save goes straight to the persistent tier. Returns the file's used
-        bytes, its lease id, the write results and the tensor bytes copied."""
-        if not pending:
-            return None, None, [], 0
-        sizes = [
-            v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v)
-            for _, v in pending
-        ]
-        total = max(sum(align(n) for n in sizes), 1)
-        lease_id = None
-        if direct:
-            mapping = _private_buffer(total)
-        else:
-            lease = self._daemon.lease(namespace, self.rank, total)
-            lease_id = lease.lease_id
-            mapping = _arena.map_file(lease.path)
-        results = []
-        offset = 0
-        copied = 0
-        for (index, value), n in zip(pending, sizes, strict=True):
-            dst = mapping.view(offset, n)
-            if isinstance(value, torch.Tensor):
-                if n:
-                    dst.view(value.dtype).view(value.shape).copy_(value)
-                copied += n
-                ref = ShardRef(name, offset, n, dtype_name(value.dtype), tuple(value.shape))
-            else:
-                if n:
-                    dst.copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
-                ref = ShardRef(name, offset, n)
-            results.append(WriteResult(index=index, size_in_bytes=n, storage_data=ref))
-            offset += align(n)
-        return mapping.buffer[:offset], lease_id, results, copied
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         namespace, step = self._require_target()
@@ -512,17 +372,6 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         data = self._plan_data
         if data is None:
             raise StepStateError(f"{namespace}/step {step}: finish() without write_data()")
-        if data.direct:
-            self._direct_tier(namespace, step).commit(
-                namespace,
-                step,
-                sorted(files),
-                encode_metadata(metadata),
-                world_size=len(results),
-                committed_at=time.time(),
-            )
-            return
-        attempt = data.attempt
         nodes = None
         if self._rank_nodes is not None:  # rank i's files are on the daemon rank i used
             nodes = {
@@ -537,4 +386,4 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             persist=self.persist,
             nodes=nodes,
         )
-        self._daemon.commit(namespace, step, attempt, req)
+        self._target(namespace, step, data).commit(namespace, step, data.attempt, req)

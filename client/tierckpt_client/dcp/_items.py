@@ -1,0 +1,108 @@
+"""How a rank lays out its save items in files: where a staged tensor already lives, and one more
+file for bytes items and tensors that were not staged.
+
+Kept apart from ``writer`` so that the writer reads as the DCP call order and this module as the
+byte layout (64-byte aligned, raw tensor bytes with dtype and shape in the ``ShardRef``).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._metadata_codec import ShardRef, dtype_name
+from tierckpt_client.dcp._staging import align
+from tierckpt_client.dcp._targets import OutFile, SaveTarget
+from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.integrity import block_digest
+
+SEGMENT_MAX = 64 << 10  # items up to this size get a checksum of their own (see segments)
+
+
+def segments(
+    results: list[WriteResult], mapping: _arena.FileMapping, name: str
+) -> list[tuple[int, int, str]]:
+    """Checksums of the small items of the staged file (a save across nodes): a rank on another
+    node that needs one of them (a replicated value DCP had this rank write) then fetches it
+    alone, verified, instead of the whole file."""
+    out = []
+    for r in results:
+        ref = r.storage_data
+        if ref.file == name and 0 < ref.length <= SEGMENT_MAX:
+            data = mapping.view(ref.offset, ref.length).numpy().tobytes()
+            out.append((ref.offset, ref.length, block_digest(data)))
+    return out
+
+
+def resolve(item: Any, planner: SavePlanner) -> torch.Tensor | bytes:
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise CheckpointFormatError(
+                f"{item.index.fqn}: the planner resolved a bytes item to "
+                f"{type(data).__name__}, not io.BytesIO"
+            )
+        return data.getvalue()
+    if not isinstance(data, torch.Tensor):
+        raise CheckpointFormatError(
+            f"{item.index.fqn}: the planner resolved a tensor item to {type(data).__name__}"
+        )
+    return data.detach()
+
+
+def staged_ref(t: torch.Tensor, mapping: _arena.FileMapping, name: str) -> ShardRef | None:
+    """Where ``t`` lives in the staged file, if stage() put it there (no copy needed)."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    offset = t.data_ptr() - mapping.base
+    if not 0 <= offset <= mapping.size - nbytes:
+        return None
+    return ShardRef(name, offset, nbytes, dtype_name(t.dtype), tuple(t.shape))
+
+
+def pack_extra(
+    target: SaveTarget,
+    namespace: str,
+    rank: int,
+    pending: list[tuple[MetadataIndex, Any]],
+    discard: Any,
+) -> tuple[OutFile | None, list[WriteResult], int]:
+    """Copy bytes items and unstaged tensors into one more file of the target. Returns the
+    file (its length the bytes used), the write results and the tensor bytes copied."""
+    if not pending:
+        return None, [], 0
+    name = f"r{rank:05d}.extra"
+    sizes = [
+        v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v) for _, v in pending
+    ]
+    out = target.new_file(namespace, rank, name, max(sum(align(n) for n in sizes), 1))
+    try:
+        mapping = out.mapping()
+        results = []
+        offset = 0
+        copied = 0
+        for (index, value), n in zip(pending, sizes, strict=True):
+            dst = mapping.view(offset, n)
+            if isinstance(value, torch.Tensor):
+                if n:
+                    dst.view(value.dtype).view(value.shape).copy_(value)
+                copied += n
+                ref = ShardRef(name, offset, n, dtype_name(value.dtype), tuple(value.shape))
+            else:
+                if n:
+                    dst.copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
+                ref = ShardRef(name, offset, n)
+            results.append(WriteResult(index=index, size_in_bytes=n, storage_data=ref))
+            offset += align(n)
+    except BaseException:
+        discard(namespace, out)
+        raise
+    out.length = offset
+    return out, results, copied
