@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tierckpt_client.dcp import _arena
-from tierckpt_client.dcp._metadata_codec import ShardRef, dtype_name
+from tierckpt_client.dcp._metadata_codec import ShardRef, copy_tensor, dtype_name
 from tierckpt_client.dcp._staging import align
 from tierckpt_client.dcp._targets import OutFile, SaveTarget
 from tierckpt_core.errors import CheckpointFormatError
@@ -91,10 +91,10 @@ def pack_extra(
         for (index, value), n in zip(pending, sizes, strict=True):
             dst = mapping.view(offset, n)
             if isinstance(value, torch.Tensor):
-                if n:
-                    dst.view(value.dtype).view(value.shape).copy_(value)
-                copied += n
                 ref = ShardRef(name, offset, n, dtype_name(value.dtype), tuple(value.shape))
+                if n:
+                    copy_tensor(dst.view(value.dtype).view(value.shape), value)
+                copied += n
             else:
                 if n:
                     dst.copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))

@@ -25,16 +25,15 @@ from tierckpt_client.errors import CheckpointFormatError
 
 FORMAT = "tierckpt-dcp-metadata/1"
 
+# Quantized dtypes carry a scale and zero point besides their bytes: raw bytes cannot hold them.
+_QUANTIZED = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+# Every other dtype torch has is stored as raw bytes plus its name (complex32, the float8 and
+# float4 formats, the sub-byte ints, the bits types), as torch's own writer stores them.
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.uint16, torch.uint32, torch.uint64,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    )
-}  # fmt: skip
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype) and str(d).removeprefix("torch.") not in _QUANTIZED
+}
 _MEMORY_FORMATS = {
     "contiguous_format": torch.contiguous_format,
     "channels_last": torch.channels_last,
@@ -58,9 +57,23 @@ class ShardRef:
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
+    if name in _QUANTIZED:
+        raise CheckpointFormatError(
+            f"dtype {dtype} cannot be stored by tierckpt: a quantized tensor's scale and zero point "
+            "are not in its bytes; save its int_repr() and quantization parameters instead"
+        )
     if name not in DTYPES:
         raise CheckpointFormatError(f"dtype {dtype} is not supported by tierckpt")
     return name
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for every storable dtype: one-byte dtypes (the sub-byte ints have no
+    copy kernel) are copied as their bytes, which is the same copy."""
+    if dst.dtype == src.dtype and dst.dtype.itemsize == 1 and dst.dtype != torch.uint8:
+        dst = dst.view(torch.uint8)
+        src = src.view(torch.uint8)
+    dst.copy_(src, non_blocking=non_blocking)
 
 
 def dtype_from_name(name: object, where: str) -> torch.dtype:

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tierckpt_client.dcp._arena import FileMapping
+from tierckpt_client.dcp._metadata_codec import copy_tensor, dtype_name
 from tierckpt_client.errors import CheckpointFormatError
 
 ALIGN = 64
@@ -46,6 +47,7 @@ def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def _check(t: torch.Tensor) -> None:
     if t.layout != torch.strided:
         raise CheckpointFormatError(f"cannot stage a tensor with layout {t.layout}; only strided")
+    dtype_name(t.dtype)  # a dtype tierckpt cannot store fails here, before anything is copied
 
 
 def staging_size(state_dict: dict[str, Any]) -> int:
@@ -96,9 +98,9 @@ def stage_into(state_dict: dict[str, Any], mapping: FileMapping | None) -> Stage
         dst = mapping.view(offset, n).view(t.dtype).view(t.shape)
         offset += align(n)
         if t.device.type == "cpu":
-            dst.copy_(t)
+            copy_tensor(dst, t)
         else:
-            dst.copy_(t, non_blocking=True)
+            copy_tensor(dst, t, non_blocking=True)
             device_copies += 1
         return dst
 

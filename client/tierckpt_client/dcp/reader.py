@@ -24,7 +24,7 @@ from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
-from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, decode_metadata
+from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, copy_tensor, decode_metadata
 from tierckpt_client.dcp._targets import RANGED_READ_MAX, MemoryTier, ReadSource
 from tierckpt_client.errors import (
     CheckpointFormatError,
@@ -267,7 +267,7 @@ class TieredStorageReader(StorageReader):
                     f"{where}: {item.storage_index.fqn} region has shape {list(src.size())}, the "
                     f"destination {list(target.size())}"
                 )
-            target.copy_(src)
+            copy_tensor(target, src)
             planner.commit_tensor(item, target)
 
     def __getstate__(self) -> dict[str, Any]:
