@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
@@ -40,6 +41,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["RANGED_READ_MAX", "TieredStorageReader"]
 
 
+def _dcp_load_without_dist() -> bool:
+    """Whether the ``dcp.load`` calling this reader runs with ``no_dist=True``.
+
+    DCP does not tell a storage reader (``read_metadata`` comes before ``set_up_storage_reader``,
+    and neither says it), yet a one-rank ``no_dist`` load on a job with a process group must not
+    wait in a broadcast that the other ranks never join. So look at the loader's frame."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_load_state_dict" and code.co_filename.endswith("state_dict_loader.py"):
+            return bool(frame.f_locals.get("no_dist", False))
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 class TieredStorageReader(StorageReader):
     """Load DCP checkpoints through the node's daemon: from memory, or from the persistent tier.
 
@@ -48,7 +64,8 @@ class TieredStorageReader(StorageReader):
         step: the step to load; ``None`` loads the newest step that is committed in memory or
             durable in the persistent tier and verifies (older ones are tried, with a warning, when
             a newer one is corrupt or incomplete). Rank 0 of ``process_group`` decides and
-            broadcasts it, so all ranks load the same step.
+            broadcasts it, so all ranks load the same step; a ``dcp.load(..., no_dist=True)``, or
+            one without a process group, decides it alone.
         config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
         process_group: the group ``dcp.load`` runs on (default: the default group); only used to
             agree on the step when ``step`` is ``None``.
@@ -134,8 +151,8 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         if self.step is not None:
             return self.step
-        if not (dist.is_available() and dist.is_initialized()):
-            return self._newest_good_step(namespace)
+        if not (dist.is_available() and dist.is_initialized()) or _dcp_load_without_dist():
+            return self._newest_good_step(namespace)  # this process loads alone: no one to agree with
         group = self.process_group
         src = dist.get_global_rank(group, 0) if group is not None else 0
         box: list[Any] = [None]

@@ -255,7 +255,17 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
-        self._require_target()
+        namespace, step = self._require_target()
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if kwargs.get("use_collectives") is False and world > 1:
+            # Each rank would commit the step alone, each commit replacing the last: a step
+            # holding one rank's part, reported as saved. There is no rank-local commit.
+            raise StepStateError(
+                f"{namespace}/step {step}: dcp.save(..., use_collectives=False) is not supported "
+                f"by TieredStorageWriter with {world} ranks: a step is committed once, with every "
+                "rank's part; save with use_collectives=True (the default), or give each rank its "
+                "own namespace and save without a process group (no_dist=True)"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         direct = self._degraded
