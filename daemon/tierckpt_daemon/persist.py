@@ -116,7 +116,8 @@ class Persister:
                 url=self.store.url,
                 healthy=self._healthy,
                 last_error=self._last_error,
-                queued_steps=len(self._queue) + (1 if self._busy else 0),
+                # The step being uploaded stays at the head of the queue until it is durable.
+                queued_steps=len(self._queue),
                 uploaded_bytes=self._uploaded_bytes,
                 uploaded_steps=self._uploaded_steps,
                 failed_uploads=self._failed,
@@ -166,6 +167,11 @@ class Persister:
                 )
                 with self._cv:
                     self._busy = False
+                    # To the back of the queue: a step that keeps failing must not hold up the
+                    # steps committed after it.
+                    if len(self._queue) > 1 and self._queue[0] is rec:
+                        self._queue.popleft()
+                        self._queue.append(rec)
                     self._cv.wait(delay)
                 delay = min(delay * 2, RETRY_MAX_S)
                 continue
