@@ -161,7 +161,8 @@ class S3Store:
                     s3={"addressing_style": "path" if self.force_path_style else "auto"},
                     connect_timeout=min(self.timeout_s, 10.0),
                     read_timeout=self.timeout_s,
-                    retries={"max_attempts": self.max_attempts, "mode": "standard"},
+                    # total_max_attempts counts the first try; botocore's max_attempts would not.
+                    retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
                     # We checksum every byte ourselves (xxh3); S3-compatible servers vary in
                     # their support of the newer flexible checksums.
                     request_checksum_calculation="when_required",
@@ -242,7 +243,11 @@ class S3Store:
                 )
             try:
                 return run_with_deadline(
-                    fn, "starting", self.timeout_s, name="tierckpt-s3", on_exit=self._helper_exit
+                    fn,
+                    "opening the request",
+                    self.timeout_s,
+                    name="tierckpt-s3",
+                    on_exit=self._helper_exit,
                 )
             except S3Exception as e:
                 raise self._map_crt(what, key, e) from e
@@ -280,7 +285,9 @@ class S3Store:
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
+            ConnectTimeoutError,
             NoCredentialsError,
+            ReadTimeoutError,
         )
 
         where = self._where(key) if key is not None else self.url
@@ -312,6 +319,11 @@ class S3Store:
             return PersistentTierError(
                 f"{what} {where} failed: no S3 credentials found (set AWS_ACCESS_KEY_ID/"
                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or attach a role)"
+            )
+        if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
+            return PersistentTierError(
+                f"{what} {where} timed out: {exc} (TIERCKPT_S3_TIMEOUT={self.timeout_s:g}s, "
+                f"{self.max_attempts} attempt(s))"
             )
         if isinstance(exc, BotoCoreError):
             return PersistentTierError(f"{what} {where} failed: {exc}")

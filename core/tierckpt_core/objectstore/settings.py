@@ -22,10 +22,10 @@ class StoreSettings:
     force_path_style: bool = False
     timeout_s: float = 60.0
     max_attempts: int = 5
+    upload_max_rate: float | None = None  # bytes/s over all uploads of the store; None: no cap
     # The slowest transfer that is not a stall: the CRT client buffers a whole upload and sends it
     # at close, so completing an upload of n bytes may take timeout_s + n / min_rate seconds.
     min_rate: float = 4 * 1024 * 1024
-    upload_max_rate: float | None = None  # bytes/s over all uploads of the store; None: no cap
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StoreSettings:
