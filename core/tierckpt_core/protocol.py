@@ -119,6 +119,7 @@ class FileInfo(BaseModel):
     rank: int
     size: int
     length: int
+    checksum: str | None = None  # once the daemon knows it (uploaded, replicated or hydrated)
 
 
 class StepInfo(BaseModel):
@@ -162,6 +163,7 @@ class PersistentStatus(BaseModel):
     uploaded_steps: int
     failed_uploads: int
     hydrations: list[HydrationProgress] = []
+    uploads: list[HydrationProgress] = []  # the step being uploaded: bytes of its finished files
 
 
 class ReplicationStatus(BaseModel):

@@ -70,7 +70,10 @@ class StepRecord:
             step=self.step,
             state=self.state,
             bytes=self.bytes,
-            files=[f.info() for f in sorted(self.files.values(), key=lambda f: f.name)],
+            files=[
+                f.info().model_copy(update={"checksum": self.checksums.get(f.name)})
+                for f in sorted(self.files.values(), key=lambda f: f.name)
+            ],
             created_at=self.created_at,
             committed_at=self.committed_at,
             world_size=self.world_size,

@@ -42,7 +42,7 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.background import background_pool, lower_priority
 from tierckpt_daemon.hydration import fill_step
-from tierckpt_daemon.index import StepRecord, read_manifest
+from tierckpt_daemon.index import FileRecord, StepRecord, read_manifest
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class Persister:
         self._hydrate_locks: dict[tuple[str, int], threading.Lock] = {}
         self._hydrate_guard = threading.Lock()
         self._hydrating: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
+        self._uploading: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
         self._thread = threading.Thread(target=self._run, name="tierckpt-persister", daemon=True)
 
     # -- life cycle -------------------------------------------------------------------------
@@ -123,6 +124,10 @@ class Persister:
                 hydrations=[
                     HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
                     for (ns, st), p in sorted(self._hydrating.items())
+                ],
+                uploads=[
+                    HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
+                    for (ns, st), p in sorted(self._uploading.items())
                 ],
             )
 
@@ -185,14 +190,26 @@ class Persister:
         # A re-upload of the step (a newer attempt) must never leave an old marker over new files.
         self.store.delete([marker_key(ns, step)])
         files = sorted(rec.files.values(), key=lambda f: f.name)
-        futures = {
-            f.name: self._pool.submit(
-                self.store.put_file, file_key(ns, step, f.name), str(rec.dir / f.name), f.length
+        # Progress for `tierckpt persist --wait`, in bytes of the files finished so far.
+        progress = [0, sum(f.length for f in files)]
+        with self._cv:
+            self._uploading[(ns, step)] = progress
+
+        def upload(f: FileRecord) -> str:
+            digest = self.store.put_file(
+                file_key(ns, step, f.name), str(rec.dir / f.name), f.length
             )
-            for f in files
-        }
+            with self._cv:
+                progress[0] += f.length
+            return digest
+
+        futures = {f.name: self._pool.submit(upload, f) for f in files}
         # Let every upload end before raising: a retry must not race a still-running one.
-        concurrent.futures.wait(futures.values())
+        try:
+            concurrent.futures.wait(futures.values())
+        finally:
+            with self._cv:
+                self._uploading.pop((ns, step), None)
         checksums = {name: fut.result() for name, fut in futures.items()}
         manifest = StepManifest(
             namespace=ns,
