@@ -131,20 +131,16 @@ def test_export_without_torch_names_the_extra(client_env: DaemonProcess, tmp_pat
 def test_json_into_a_closed_pipe_exits_quietly(client_env: DaemonProcess) -> None:
     _save("job", 1)
     # The reader is gone before the CLI writes (what `| head` does after its first lines).
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        proc = subprocess.run(
-            [*CLI, "--json", "ls"],
-            stdout=write_end,
-            capture_output=False,
-            stderr=subprocess.PIPE,
-            timeout=60,
-        )
-    finally:
-        os.close(write_end)
-    assert proc.returncode == 141
-    assert proc.stderr == b""
+    for args in (["--json", "ls"], ["--json", "ls", "job"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            proc = subprocess.run(
+                [*CLI, *args], stdout=write_end, stderr=subprocess.PIPE, timeout=60
+            )
+        finally:
+            os.close(write_end)
+        assert (proc.returncode, proc.stderr) == (141, b""), args
 
 
 # -- ls / inspect see the persistent tier --------------------------------------------------------

@@ -180,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # (argparse itself ignores a closed stdout for --help)
     args.socket, args.json = getattr(args, "socket", None), getattr(args, "json", False)
     try:
         config = ClientConfig.from_env(socket=args.socket)
@@ -194,9 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 tier.close()
     except _render.StdoutClosed:
-        # Point stdout at /dev/null so that the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_STDOUT_CLOSED
+        return _stdout_closed()
     except InvalidNameError as e:
         return _fail(EXIT_USAGE, e)
     except NotFoundError as e:
@@ -210,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TierCkptError, OSError) as e:
         return _fail(EXIT_ERROR, e)
     return EXIT_OK
+
+
+def _stdout_closed() -> int:
+    # Point stdout at /dev/null so that the interpreter's final flush does not fail again.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_STDOUT_CLOSED
 
 
 def _fail(code: int, error: BaseException) -> int:
