@@ -392,7 +392,7 @@ class Persister(QueueWorker[StepRecord]):
         else:
             # pwrite, not a mapping: the file's pages are fresh (no pre-faulting), and tmpfs
             # allocates them about twice as fast on write() as on a page fault per 4 KiB.
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 got = self.store.get_to_file(key, fd, f.length)
             finally:

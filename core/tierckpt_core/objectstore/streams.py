@@ -92,7 +92,7 @@ def copy_stream(
 ) -> str:
     """Stream the first ``length`` bytes of ``path`` to ``write`` in chunks; return the checksum."""
     h = Hasher()
-    with open(path, "rb", buffering=0) as src:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as src:
         remaining = os.fstat(src.fileno()).st_size if length is None else length
         if remaining < 0:
             raise ValueError(f"length must be >= 0, got {length}")
