@@ -59,6 +59,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "serviceMonitor": {"enabled": True},
         "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
         "prometheusRule": {"enabled": True, "noDurableStepMinutes": 30},
+        "webhook": {
+            "enabled": True,
+            "tls": {"existingSecret": "webhook-tls", "caBundle": "LS0tLS1CRUdJTi0tLS0t"},
+            "namespaceSelector": {"matchLabels": {"tierckpt.io/training": "enabled"}},
+        },
     },
     "fsx-shared-fs": {
         "persist": {"url": "file:///mnt/fsx/checkpoints"},
@@ -80,8 +85,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "initContainer": {"resources": {"limits": {"cpu": "100m", "memory": "32Mi"}}},
         "revisionHistoryLimit": 3,
     },
-    "existing-secret": {
+    "existing-secret-webhook": {
         "replication": {"enabled": True, "existingSecret": "my-token", "existingSecretKey": "peer"},
+        "webhook": {"enabled": True, "certManager": {"enabled": True}},
         "prometheusRule": {"enabled": True},
     },
 }
@@ -113,9 +119,9 @@ def test_every_object_validates_strictly(name: str) -> None:
     objs = _objects(VALUE_SETS[name])
     assert any(o["kind"] == "DaemonSet" for o in objs)
     for obj in objs:
-        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-            # No schema for the Prometheus operator's CRDs offline: check the metadata as
-            # ObjectMeta and the spec's shape below.
+        if obj["apiVersion"].split("/")[0] in ("monitoring.coreos.com", "cert-manager.io"):
+            # No schema for the Prometheus operator's or cert-manager's CRDs offline: check the
+            # metadata as ObjectMeta (and the specs' content in the tests below).
             meta_only = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}
             kubernetes_validate.validate(meta_only, K8S_VERSION, strict=True)
             assert isinstance(obj["spec"], dict) and obj["spec"]
@@ -172,7 +178,7 @@ def test_generated_token_is_stable_across_renders_and_rolls_pods_when_it_changes
 
 
 def test_existing_secret_is_mounted_and_no_secret_is_made() -> None:
-    objs = _objects(VALUE_SETS["existing-secret"])
+    objs = _objects(VALUE_SETS["existing-secret-webhook"])
     assert not [o for o in objs if o["kind"] == "Secret" and "peer" in o["metadata"]["name"]]
     pod, container = _daemon(objs)
     (vol,) = [v for v in pod["volumes"] if v["name"] == "peer-token"]
@@ -191,7 +197,7 @@ def test_multi_node_settings() -> None:
     assert env["TIERCKPT_REPLICAS"] == "2"
     names = [e["name"] for e in container["env"]]
     assert names.index("POD_IP") < names.index("TIERCKPT_NODE_NAME")  # $(POD_IP) expands
-    service = _one(objs, "Service")
+    (service,) = [o for o in objs if o["metadata"]["name"] == "tierckpt-peers"]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
 
 
@@ -283,3 +289,38 @@ def test_prometheus_rule_alerts_use_exported_metrics() -> None:
 def test_schema_rejects_unknown_values() -> None:
     with pytest.raises(helm_python.HelmValuesError, match="extraVolume"):
         render_mod.render({"extraVolume": []})
+
+
+def test_webhook_render() -> None:
+    objs = _objects(VALUE_SETS["multi-node-gitops"])
+    (config,) = [o for o in objs if o["kind"] == "MutatingWebhookConfiguration"]
+    (hook,) = config["webhooks"]
+    assert hook["objectSelector"] == {"matchLabels": {"tierckpt.io/inject": "true"}}
+    assert hook["namespaceSelector"]["matchLabels"] == {"tierckpt.io/training": "enabled"}
+    (never,) = hook["namespaceSelector"]["matchExpressions"]
+    assert never["operator"] == "NotIn" and set(never["values"]) == {"tierckpt", "kube-system"}
+    assert hook["rules"][0]["resources"] == ["pods"] and hook["rules"][0]["operations"] == [
+        "CREATE"
+    ]
+    assert hook["clientConfig"]["caBundle"] == "LS0tLS1CRUdJTi0tLS0t"
+    deployment = _one(objs, "Deployment")
+    pod = deployment["spec"]["template"]
+    assert pod["spec"]["containers"][0]["command"] == ["tierckpt-webhook"]
+    assert pod["spec"]["volumes"][0]["secret"]["secretName"] == "webhook-tls"
+    # The webhook's pods are neither daemons (DaemonSet, peers Service) nor admitted as peers.
+    selector = _one(objs, "DaemonSet")["spec"]["selector"]["matchLabels"]
+    assert not selector.items() <= pod["metadata"]["labels"].items()
+    # The webhook onboards with the daemon's own path and group.
+    args = pod["spec"]["containers"][0]["args"]
+    assert "--shm-dir=/dev/shm/tierckpt" in args and "--group=10001" in args
+    with_cm = _objects(VALUE_SETS["existing-secret-webhook"])
+    config = _one(with_cm, "MutatingWebhookConfiguration")
+    assert (
+        config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+        == "tierckpt/tierckpt-webhook"
+    )
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    cert = _one(with_cm, "Certificate")
+    assert "tierckpt-webhook.tierckpt.svc" in cert["spec"]["dnsNames"]
+    with pytest.raises(helm_python.HelmRenderError, match=r"webhook\.enabled needs TLS"):
+        render_mod.render({"webhook": {"enabled": True}})
