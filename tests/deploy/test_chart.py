@@ -20,6 +20,7 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30.0"
@@ -324,3 +325,13 @@ def test_webhook_render() -> None:
     assert "tierckpt-webhook.tierckpt.svc" in cert["spec"]["dnsNames"]
     with pytest.raises(helm_python.HelmRenderError, match=r"webhook\.enabled needs TLS"):
         render_mod.render({"webhook": {"enabled": True}})
+
+
+def test_one_version_everywhere() -> None:
+    from tierckpt_core import __version__
+
+    chart = yaml.safe_load((render_mod.CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == __version__
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"ARG VERSION={__version__}\n" in dockerfile
+    assert f"## [{__version__}]" in (ROOT / "CHANGELOG.md").read_text()
