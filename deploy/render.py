@@ -122,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     values = yaml.safe_load(args.values.read_text()) if args.values else {}
     for key, value in _parse_set(args.set).items():
         values[key] = value
-    for name, text in render(values).items():
+    try:
+        rendered = render(values)
+    except helm_python.HelmError as e:
+        print(f"render.py: {e}", file=sys.stderr)
+        return 2
+    for name, text in rendered.items():
         sys.stdout.write(f"---\n# Source: {name}\n{text}")
     return 0
 
