@@ -279,3 +279,17 @@ def test_webhook_server_end_to_end(tmp_path: Path) -> None:
         proc.terminate()
         out = proc.communicate(timeout=10)[0].decode()
     assert "patched" in out and "left alone" in out
+
+
+def test_null_fields_are_filled_not_appended_to() -> None:
+    # What some generators emit: keys present with null values.
+    pod = copy.deepcopy(PODS["job"])
+    pod["spec"]["volumes"] = None
+    pod["spec"]["securityContext"] = {"supplementalGroups": None}
+    pod["spec"]["containers"][0]["env"] = None
+    pod["spec"]["containers"][0]["volumeMounts"] = None
+    pod["metadata"]["annotations"] = None
+    after = _mutated(pod)
+    assert after["spec"]["securityContext"]["supplementalGroups"] == [10001]
+    assert _injected_containers(after) == ["trainer"]
+    assert after["spec"]["volumes"][0]["name"] == "tierckpt"

@@ -107,12 +107,13 @@ def mutate_pod(pod: Pod, settings: InjectSettings) -> Patch:
         new = {"name": volume, "hostPath": {"path": shm_dir, "type": "Directory"}}
         ops.append(
             {"op": "add", "path": "/spec/volumes/-", "value": new}
-            if "volumes" in spec
+            if spec.get("volumes") is not None
             else {"op": "add", "path": "/spec/volumes", "value": [new]}
         )
 
-    # The group.
+    # The group. (A key present with null counts as missing: "add" replaces it.)
     security = spec.get("securityContext")
+    groups = (security or {}).get("supplementalGroups")
     if security is None:
         ops.append(
             {
@@ -121,7 +122,7 @@ def mutate_pod(pod: Pod, settings: InjectSettings) -> Patch:
                 "value": {"supplementalGroups": [settings.group]},
             }
         )
-    elif "supplementalGroups" not in security:
+    elif groups is None:
         ops.append(
             {
                 "op": "add",
@@ -129,7 +130,7 @@ def mutate_pod(pod: Pod, settings: InjectSettings) -> Patch:
                 "value": [settings.group],
             }
         )
-    elif settings.group not in security["supplementalGroups"]:
+    elif settings.group not in groups:
         ops.append(
             {
                 "op": "add",
