@@ -3,6 +3,7 @@
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_core import __version__
 from tierckpt_core.errors import (
     CapacityExceededError,
     CheckpointFormatError,
@@ -18,8 +19,6 @@ from tierckpt_core.errors import (
     TierCkptError,
     UnavailableError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CapacityExceededError",
