@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--persist-every", type=int, default=None)
     p.add_argument("--async-mode", choices=["thread", "process"], default="thread")
     p.add_argument("--preempt-signal", default=None, help="e.g. USR1 (SIGTERM is always handled)")
+    p.add_argument("--preempt-deadline", type=float, default=300.0, help="seconds to durable")
     p.add_argument("--step-time", type=float, default=0.0, help="seconds to sleep per step")
     args = p.parse_args()
 
@@ -103,6 +104,7 @@ def main() -> None:
         persist_every=args.persist_every,
         async_mode=args.async_mode,
         preempt_signal=extra,
+        preempt_deadline_s=args.preempt_deadline,
     ) as ckpt:
         start = ckpt.restore({"train": state}) or 0
         if rank == 0:

@@ -60,3 +60,57 @@ def test_fsdp2_checkpointer_resumes_bit_exact(
     assert killed.start == 0
     resumed = run_loop(script, args, daemon.client_env, log_dir=tmp_path)
     assert_resumed(fsdp2_reference, killed, resumed, 8)
+
+
+def test_sigterm_saves_a_durable_step_exits_0_and_resumes(
+    fsdp2_reference: LoopRun, tmp_path: Path
+) -> None:
+    """SIGTERM to one rank: all ranks save that step, it becomes durable in the persistent tier,
+    both exit 0 within the deadline; the node then loses its memory, and the restart resumes from
+    the persistent tier at exactly that step."""
+    import shutil
+    import signal
+    import time
+
+    from tierckpt_client import DaemonClient
+    from tierckpt_client.config import ClientConfig
+
+    from helpers import new_shm_dir
+
+    store = tmp_path / "store"
+    node = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}").start()
+    script = EXAMPLES / "fsdp2_checkpointer.py"
+    # Regular steps stay in memory: only the preemption asks for the persistent tier.
+    args = ["--namespace", "job", "--steps", "8", "--persist-every", "1000"]
+    try:
+        t0 = time.monotonic()
+        stopped = run_loop(
+            script,
+            [*args, "--step-time", "0.5", "--preempt-deadline", "60"],
+            node.client_env,
+            log_dir=tmp_path,
+            stop_after=3,
+            stop_signal=signal.SIGTERM,
+            signal_ranks=[1],
+        )
+        assert stopped.returncodes == [0, 0], stopped.lines
+        assert time.monotonic() - t0 < 60 + 30
+        final = max(stopped.losses)
+        assert final < 8, "the run was not preempted"
+        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+            states = {s.step: s.state.value for s in c.steps("job")}
+        assert states[final] == "durable", states
+        assert all(v != "durable" for k, v in states.items() if k != final), states
+        assert (store / "job" / f"step_{final:012d}").is_dir()
+
+        node.kill()
+        shutil.rmtree(node.shm_dir)  # the node lost its memory: only the persistent tier is left
+        node.start()
+        resumed = run_loop(script, args, node.client_env, log_dir=tmp_path)
+    finally:
+        node.cleanup()
+    assert resumed.returncodes == [0, 0], resumed.lines
+    assert resumed.start == final
+    assert sorted(resumed.losses) == list(range(final + 1, 9))
+    for step, loss in resumed.losses.items():
+        assert loss == fsdp2_reference.losses[step], step
