@@ -114,3 +114,14 @@ def test_sigterm_saves_a_durable_step_exits_0_and_resumes(
     assert sorted(resumed.losses) == list(range(final + 1, 9))
     for step, loss in resumed.losses.items():
         assert loss == fsdp2_reference.losses[step], step
+
+
+def test_ddp_loop_resumes_bit_exact(daemon: DaemonProcess, tmp_path: Path) -> None:
+    script = EXAMPLES / "ddp_loop.py"
+    args = ["--namespace", "ddp", "--steps", "7"]
+    killed = run_loop(
+        script, [*args, "--step-time", "0.5"], daemon.client_env, log_dir=tmp_path, stop_after=4
+    )
+    resumed = run_loop(script, args, daemon.client_env, log_dir=tmp_path)
+    # The steps both runs printed compare the resumed run with an uninterrupted one.
+    assert_resumed(killed, killed, resumed, 7)
