@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from seaweed import SeaweedS3
 
 from helpers import DaemonProcess, LoopRun, run_loop
 
@@ -125,3 +126,51 @@ def test_ddp_loop_resumes_bit_exact(daemon: DaemonProcess, tmp_path: Path) -> No
     resumed = run_loop(script, args, daemon.client_env, log_dir=tmp_path)
     # The steps both runs printed compare the resumed run with an uninterrupted one.
     assert_resumed(killed, killed, resumed, 7)
+
+
+def test_sagemaker_loop_resumes_and_save_to_s3_steps_are_durable(
+    s3_env: SeaweedS3, tmp_path: Path
+) -> None:
+    """The AWS docs loop with only its import line changed: saves every 2 steps, save_to_s3
+    every 4; killed after step 6 and run again, it resumes bit-exact, and exactly the
+    save_to_s3 steps are durable in a real S3 server."""
+    import time
+
+    from tierckpt_client import DaemonClient
+    from tierckpt_client.config import ClientConfig
+
+    from helpers import new_shm_dir
+
+    url = f"s3://{s3_env.bucket}/sagemaker-loop"
+    node = DaemonProcess(new_shm_dir(), persist_url=url).start()
+    env = {
+        **node.client_env,
+        "CHECKPOINT_S3_PATH": url,
+        "TRAINING_JOB_NAME": "sm-job",
+        "CKPT_EVERY": "2",
+        "S3_EVERY": "4",
+        "TOTAL_STEPS": "9",
+    }
+    script = EXAMPLES / "sagemaker_loop.py"
+    try:
+        killed = run_loop(script, [], {**env, "STEP_TIME": "0.5"}, log_dir=tmp_path, stop_after=6)
+        resumed = run_loop(script, [], env, log_dir=tmp_path)
+        assert_resumed(killed, killed, resumed, 9)
+        deadline = time.monotonic() + 60
+        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+            while True:
+                states = {s.step: s.state.value for s in c.steps("sm-job")}
+                if states.get(8) == "durable" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+    finally:
+        node.cleanup()
+    assert states[8] == "durable" and states[6] == "committed", states
+    s3 = s3_env.boto3_client()
+    try:
+        listed = s3.list_objects_v2(Bucket=s3_env.bucket, Prefix="sagemaker-loop/sm-job/")
+    finally:
+        s3.close()
+    steps = {k["Key"].split("/")[2] for k in listed.get("Contents", [])}
+    assert "step_000000000008" in steps and "step_000000000004" in steps, steps
+    assert not steps & {"step_000000000002", "step_000000000006"}, steps
