@@ -174,3 +174,17 @@ def test_sagemaker_loop_resumes_and_save_to_s3_steps_are_durable(
     steps = {k["Key"].split("/")[2] for k in listed.get("Contents", [])}
     assert "step_000000000008" in steps and "step_000000000004" in steps, steps
     assert not steps & {"step_000000000002", "step_000000000006"}, steps
+
+
+def test_slurm_sbatch_parses_and_names_the_example_options() -> None:
+    """No Slurm here: check the script parses and passes only options the example has."""
+    import re
+    import subprocess
+
+    script = EXAMPLES / "slurm.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    used = set(re.findall(r"(--[a-z-]+)", script.read_text().split("fsdp2_checkpointer.py")[1]))
+    known = set(
+        re.findall(r'add_argument\("(--[a-z-]+)"', (EXAMPLES / "fsdp2_checkpointer.py").read_text())
+    )
+    assert used <= known, used - known
