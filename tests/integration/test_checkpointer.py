@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import pytest
 import torch
 
 from tierckpt_client import Checkpointer, DaemonClient, SaveFailedError
+from tierckpt_client.config import ClientConfig
 
-from helpers import DaemonProcess
+from helpers import DaemonProcess, new_shm_dir
 
 
 class _Counter:
@@ -77,3 +82,38 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         Checkpointer("x", async_mode="fork")
     with pytest.raises(ValueError, match="every"):
         Checkpointer("x", every=0)
+
+
+def test_extra_signal_saves_durable_step_and_exits_0(tmp_path: Path) -> None:
+    """SIGUSR1 (the configured extra signal) only marks the process; the next save takes this
+    step to the persistent tier, waits until it is durable, and exits with status 0."""
+    store = tmp_path / "store"
+    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}").start()
+    try:
+        config = ClientConfig.from_env(socket=d.socket)
+        ckpt = Checkpointer("pre", persist_every=1000, config=config, preempt_signal=signal.SIGUSR1)
+        w = torch.arange(1000.0)
+        ckpt.save(1, {"w": w})
+        os.kill(os.getpid(), signal.SIGUSR1)  # would end the process without the handler
+        w += 1
+        with pytest.raises(SystemExit) as exited:
+            ckpt.save(2, {"w": w})
+        assert exited.value.code == 0
+        with DaemonClient(config) as c:
+            states = {s.step: s.state.value for s in c.steps("pre")}
+        assert states == {1: "committed", 2: "durable"}
+        assert (store / "pre" / "step_000000000002").is_dir()
+        # The handlers are gone with the Checkpointer: the default action is back.
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        d.cleanup()
+
+
+def test_preemption_without_a_persistent_tier_exits_1(client_env: DaemonProcess) -> None:
+    ckpt = Checkpointer("pre-mem")
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        ckpt.save(5, {"w": torch.ones(10)})
+    assert exited.value.code == 1  # saved, but only in this node's memory
+    with DaemonClient() as c:
+        assert c.step("pre-mem", 5).state.value == "committed"
