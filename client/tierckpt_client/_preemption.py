@@ -65,7 +65,10 @@ class PreemptionWatcher:
         return ", ".join(names) if names else "on another rank"
 
     def agreed(self, group: dist.ProcessGroup | None) -> bool:
-        """Whether any rank of ``group`` recorded a signal (every rank must call this)."""
+        """Whether any rank of ``group`` recorded a signal (every rank must call this; with no
+        signals watched, as on every rank of a job that turned handling off, no collective)."""
+        if not self.signals:
+            return False
         flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
         if group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

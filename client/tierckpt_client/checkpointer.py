@@ -88,11 +88,13 @@ class Checkpointer:
 
     ``save(step, state)`` returns once the state is copied into the node's memory tier; the rest
     of the save runs in the background. The next save first waits for it and raises its error
-    (:class:`SaveFailedError`) rather than dropping it. ``state`` maps names to tensors, dicts,
+    (:class:`SaveFailedError`) rather than dropping it; that call does not start its own save (call
+    it again to save that step). ``state`` maps names to tensors, dicts,
     or ``Stateful`` objects (their ``state_dict``/``load_state_dict`` are called), as DCP takes it.
 
-    Every rank calls ``save`` with the same steps: each call all-reduces a one-element flag (a
-    signal arrived on some rank), so a preemption is acted on at the same step everywhere.
+    Every rank calls ``save`` with the same steps: each call (off-cadence ones too) all-reduces a
+    one-element flag (a signal arrived on some rank), so a preemption is acted on at the same step
+    everywhere; ``handle_signals=False`` drops the handlers and this collective.
     """
 
     def __init__(
