@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-s3", action="store_true", help="skip the persistent tier (S3)")
     p.add_argument("--peer-size-mb", type=int, help="peer_tier.py --size-mb (its default)")
     p.add_argument("--no-peer", action="store_true", help="skip the peer tier (replication)")
+    p.add_argument("--multi-size-mb", type=int, help="multi_node.py --size-mb (its default)")
+    p.add_argument("--no-multi", action="store_true", help="skip the two-node scenario")
     p.add_argument("--out", type=Path, default=Path("bench/results/all.json"))
     p.add_argument("--plot", type=Path, default=Path("bench/results/throughput.png"))
     p.add_argument(
@@ -290,6 +292,13 @@ def run_scenarios(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict
             "peer_tier",
             "peer tier (two daemons, replication)",
             args.peer_size_mb,
+        ),
+        (
+            "no_multi",
+            "multi_node.py",
+            "multi_node",
+            "two nodes (commit across nodes, node loss)",
+            args.multi_size_mb,
         ),
     ):
         if getattr(args, flag):

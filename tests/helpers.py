@@ -11,7 +11,7 @@ from typing import Any
 from tierckpt_daemon import launcher
 from tierckpt_daemon.launcher import DaemonProcess, free_port, ring
 
-__all__ = ["DaemonProcess", "free_port", "new_shm_dir", "ring", "run_ranks"]
+__all__ = ["DaemonProcess", "free_port", "launch_script", "new_shm_dir", "ring", "run_ranks"]
 
 
 def new_shm_dir() -> Path:
@@ -41,3 +41,114 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_rank_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def launch_script(
+    script: str | os.PathLike[str],
+    args: list[str],
+    world_size: int,
+    env: dict[str, str],
+    *,
+    log_dir: Path,
+) -> list[Any]:
+    """Start ``world_size`` ranks of a training script as plain processes (the environment
+    torchrun would give them, on one gloo rendezvous); rank 0's stdout is a pipe, each rank's
+    stderr goes to ``log_dir/rank<N>.log``. The caller waits for (or kills) the processes."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {
+            **os.environ,
+            **env,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "PYTHONUNBUFFERED": "1",
+        }
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log_dir / f"rank{rank}.log", "ab") as err:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, os.fspath(script), *args],
+                    env=rank_env,
+                    stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                    stderr=err,
+                    text=True,
+                    start_new_session=True,  # killpg reaches the rank's own helper processes
+                )
+            )
+    return procs
+
+
+class LoopRun:
+    """What a training script's rank 0 printed: ``start <step>`` and ``step <n> loss <hex>``."""
+
+    def __init__(self, lines: list[str], returncodes: list[int | None]) -> None:
+        self.lines = lines
+        self.returncodes = returncodes
+        self.start = next((int(x.split()[1]) for x in lines if x.startswith("start ")), None)
+        self.losses = {
+            int(x.split()[1]): x.split()[3]
+            for x in lines
+            if x.startswith("step ") and " loss " in x
+        }
+
+
+def run_loop(
+    script: str | os.PathLike[str],
+    args: list[str],
+    env: dict[str, str],
+    *,
+    log_dir: Path,
+    world_size: int = 2,
+    stop_after: int | None = None,
+    stop_signal: int = 9,
+    signal_ranks: list[int] | None = None,
+    timeout: float = 150.0,
+) -> LoopRun:
+    """Run a training script on ``world_size`` ranks to the end, or until rank 0 prints step
+    ``stop_after``; then send ``stop_signal`` (SIGKILL: to each rank's process group, helpers
+    included; another signal: to the ``signal_ranks`` only) and wait for the ranks to exit."""
+    import signal
+    import threading
+
+    procs = launch_script(script, args, world_size, env, log_dir=log_dir)
+    # A hung run is killed (its ranks then exit with -9, which the caller's asserts show).
+    timer = threading.Timer(timeout, lambda: [_killpg(p.pid) for p in procs])
+    timer.start()
+    lines: list[str] = []
+    try:
+        out = procs[0].stdout
+        assert out is not None
+        for line in out:
+            lines.append(line.strip())
+            if stop_after is not None and line.startswith(f"step {stop_after} "):
+                if stop_signal == signal.SIGKILL:
+                    for p in procs:
+                        _killpg(p.pid)
+                else:
+                    for r in signal_ranks if signal_ranks is not None else range(world_size):
+                        os.kill(procs[r].pid, stop_signal)
+                stop_after = None
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        timer.cancel()
+        for p in procs:
+            _killpg(p.pid)
+            if p.stdout is not None:
+                p.stdout.close()
+    return LoopRun(lines, list(codes))
+
+
+def _killpg(pid: int) -> None:
+    import contextlib
+    import signal
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
+        os.killpg(pid, signal.SIGKILL)

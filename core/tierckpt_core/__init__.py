@@ -5,3 +5,9 @@ object stores behind it (``objectstore``), and the decoding of a daemon's HTTP a
 Torch-free and free of both sides' code: the daemon imports this package, never
 :mod:`tierckpt_client`, and the client never imports :mod:`tierckpt_daemon`.
 """
+
+from __future__ import annotations
+
+# The one version of the project: pyproject.toml reads it ([tool.hatch.version]), the daemon and
+# the client re-export it, and tests/deploy checks the chart's appVersion and the image's label.
+__version__ = "0.1.0"

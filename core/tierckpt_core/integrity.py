@@ -3,6 +3,7 @@ verifying every byte read from the persistent tier or a peer costs little next t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import xxhash
@@ -34,7 +35,9 @@ READ_CHUNK = 8 * 1024 * 1024
 
 def read_chunks(path: str, length: int, chunk_size: int = READ_CHUNK) -> Iterator[bytes]:
     """The first ``length`` bytes of the file at ``path``, in chunks; OSError if it is shorter."""
-    with open(path, "rb", buffering=0) as f:
+    # O_NOFOLLOW: the daemon reads tier files, which others in its group could swap for links.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as f:
         remaining = length
         while remaining > 0:
             chunk = f.read(min(chunk_size, remaining))

@@ -135,6 +135,7 @@ class PersistentStatus(BaseModel):
     uploaded_steps: int
     failed_uploads: int
     hydrations: list[HydrationProgress] = []
+    uploads: list[HydrationProgress] = []  # the step being uploaded: bytes of its finished files
 
 
 class ReplicationStatus(BaseModel):

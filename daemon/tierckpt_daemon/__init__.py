@@ -1,3 +1,7 @@
 """tierckpt daemon: keeps DCP shards in a node-local shared-memory tier (no torch in here)."""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from tierckpt_core import __version__
+
+__all__ = ["__version__"]

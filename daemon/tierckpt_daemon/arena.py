@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ class Arena:
         self.lease_dir = root / "leases"
         self.ns_dir = root / "ns"
         for d in (self.root, self.pool_dir, self.lease_dir, self.ns_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            make_dir(d)
         self._pool: dict[Path, PoolFile] = {}
         self._sizes: dict[Path, int] = {}  # every file the arena accounts for, pool included
         self._reserved = 0
@@ -77,12 +78,17 @@ class Arena:
 
     # -- pool -------------------------------------------------------------------------------
     def adopt_into_pool(self, path: Path) -> None:
-        """Move a file (known or found on disk) into the pool for reuse."""
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+        """Move a file (known or found on disk) into the pool for reuse. Anything but a regular
+        file (a link planted in the tier directory, say) is removed, never followed."""
+        st = _lstat(path)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            if st is not None:
+                logger.warning("removing %s from the tier directory: not a regular file", path)
+                _remove(path)
             self._sizes.pop(path, None)
+            self._pool.pop(path, None)
             return
+        size = st.st_size
         dst = self.pool_dir / f"{uuid.uuid4().hex}.bin"
         os.rename(path, dst)
         self._sizes.pop(path, None)
@@ -98,10 +104,10 @@ class Arena:
 
     def scan_pool(self) -> None:
         for p in self.pool_dir.iterdir():
-            if p.suffix == ".bin" and p.is_file():
-                size = p.stat().st_size
-                self._sizes[p] = size
-                self._pool[p] = PoolFile(p, size, time.monotonic())
+            st = _lstat(p)
+            if st is not None and p.suffix == ".bin" and stat.S_ISREG(st.st_mode):
+                self._sizes[p] = st.st_size
+                self._pool[p] = PoolFile(p, st.st_size, time.monotonic())
             else:
                 _remove(p)
 
@@ -122,7 +128,11 @@ class Arena:
         del self._sizes[best.path]
         os.rename(best.path, dst)
         if best.size != size:
-            os.truncate(dst, size)
+            fd = os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
         self._sizes[dst] = size
         return True
 
@@ -153,7 +163,7 @@ class Arena:
 
     def allocate(self, path: Path, size: int, *, prefault: bool | None = None) -> None:
         """Create ``path`` with ``size`` bytes, pre-faulted if configured. Call without the lock."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o660)
         try:
             os.fchmod(fd, 0o660)  # not cut by the umask: trainers of the daemon's group write it
             if size and (self.prefault if prefault is None else prefault):
@@ -193,9 +203,40 @@ def _write_zeros(fd: int, size: int) -> None:
         off += os.pwrite(fd, view[: min(len(view), size - off)], off)
 
 
-def _remove(path: Path) -> None:
+DIR_MODE = 0o770  # the daemon and the node's training processes (its group); nobody else
+
+
+def make_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents) with DIR_MODE whatever the umask; refuse a link."""
+    st = _lstat(path)
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(f"{path} exists and is not a directory (a link?)")
+        return
+    if path.parent != path:
+        make_dir(path.parent)
     try:
-        if path.is_dir():
+        os.mkdir(path, DIR_MODE)
+    except FileExistsError:
+        return
+    os.chmod(path, DIR_MODE, follow_symlinks=False)
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path``: a directory with its contents, anything else (a link included) itself;
+    never what a link points to."""
+    st = _lstat(path)
+    if st is None:
+        return
+    try:
+        if stat.S_ISDIR(st.st_mode):
             for child in path.iterdir():
                 _remove(child)
             path.rmdir()

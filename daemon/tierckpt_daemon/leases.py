@@ -178,6 +178,20 @@ class Leases:
         arena = self.arena
         if arena.capacity_bytes - arena.used_bytes >= size:
             return
+        # Evict nothing for a request that cannot fit even with everything evictable gone.
+        evictable = sum(
+            r.bytes
+            for steps in self.index.committed.values()
+            for r in self.index.policy.under_pressure(list(steps.values()))
+        )
+        if arena.capacity_bytes - arena.used_bytes + arena.pool_bytes + evictable < size:
+            self.metrics.capacity_rejections.inc()
+            raise CapacityExceededError(
+                f"namespace {namespace}: a lease of {size} bytes does not fit in the memory tier "
+                f"even with every evictable step gone (capacity {arena.capacity_bytes} bytes, of "
+                f"which {arena.used_bytes} in use and {arena.pool_bytes + evictable} could be "
+                "freed), so nothing was evicted. Raise TIERCKPT_CAPACITY or save smaller files."
+            )
         arena.trim_pool(size)
         while arena.capacity_bytes - arena.used_bytes < size:
             victim = self.index.pressure_victim()

@@ -116,7 +116,7 @@ class PeerClient:
             h = Hasher()
             buf = memoryview(bytearray(GET_CHUNK))
             conn = http.client.HTTPConnection(peer, timeout=self.timeout_s)
-            fd = os.open(path, os.O_WRONLY)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 conn.request("GET", url, headers={"Authorization": self._auth})
                 resp = conn.getresponse()

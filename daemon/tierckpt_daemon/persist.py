@@ -83,6 +83,7 @@ class Persister(QueueWorker[StepRecord]):
         self._hydrate_locks: dict[tuple[str, int], threading.Lock] = {}
         self._hydrate_guard = threading.Lock()
         self._hydrating: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
+        self._uploading: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -111,10 +112,13 @@ class Persister(QueueWorker[StepRecord]):
         m = self.service.metrics
         with self._cv:
             healthy, last_error = self._healthy, self._last_error
-            hydrations = [
-                HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
-                for (ns, st), p in sorted(self._hydrating.items())
-            ]
+            hydrations, uploads = (
+                [
+                    HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
+                    for (ns, st), p in sorted(table.items())
+                ]
+                for table in (self._hydrating, self._uploading)
+            )
         return PersistentStatus(
             url=self.store.url,
             healthy=healthy,
@@ -124,6 +128,7 @@ class Persister(QueueWorker[StepRecord]):
             uploaded_steps=m.total(m.uploaded_steps),
             failed_uploads=m.total(m.upload_failures),
             hydrations=hydrations,
+            uploads=uploads,
         )
 
     def check_health(self) -> None:
@@ -176,14 +181,26 @@ class Persister(QueueWorker[StepRecord]):
         files = [
             f for f in rec.sorted_files() if not rec.spans_nodes or f.node == self.service.node
         ]
-        futures = {
-            f.name: self._pool.submit(
-                self.store.put_file, file_key(ns, step, f.name), str(rec.dir / f.name), f.length
+        # Progress for `tierckpt persist --wait`, in bytes of the files finished so far.
+        progress = [0, sum(f.length for f in files)]
+        with self._cv:
+            self._uploading[(ns, step)] = progress
+
+        def upload(f: FileRecord) -> str:
+            digest = self.store.put_file(
+                file_key(ns, step, f.name), str(rec.dir / f.name), f.length
             )
-            for f in files
-        }
+            with self._cv:
+                progress[0] += f.length
+            return digest
+
+        futures = {f.name: self._pool.submit(upload, f) for f in files}
         # Let every upload end before raising: a retry must not race a still-running one.
-        concurrent.futures.wait(futures.values())
+        try:
+            concurrent.futures.wait(futures.values())
+        finally:
+            with self._cv:
+                self._uploading.pop((ns, step), None)
         checksums = {name: fut.result() for name, fut in futures.items()}
         for f in files:
             if f.checksum is not None and checksums[f.name] != f.checksum:
@@ -375,7 +392,7 @@ class Persister(QueueWorker[StepRecord]):
         else:
             # pwrite, not a mapping: the file's pages are fresh (no pre-faulting), and tmpfs
             # allocates them about twice as fast on write() as on a page fault per 4 KiB.
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 got = self.store.get_to_file(key, fd, f.length)
             finally:

@@ -141,11 +141,7 @@ def write_manifest(record: StepRecord, metadata: dict[str, Any]) -> None:
 
 def write_prepared(record: StepRecord) -> None:
     """A participant's prepare: its share and the decider, before it acknowledges."""
-    tmp = record.dir / (PREPARED + ".tmp")
-    doc = record.manifest({})
-    with open(tmp, "wb") as fh:
-        fh.write(doc.encode())
-    os.rename(tmp, record.prepared_path())
+    _write_atomically(record.prepared_path(), record.manifest({}).encode())
 
 
 def update_manifest(record: StepRecord) -> None:
@@ -154,15 +150,32 @@ def update_manifest(record: StepRecord) -> None:
 
 
 def _write(record: StepRecord, manifest: StepManifest) -> None:
-    tmp = record.dir / (MANIFEST + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(manifest.encode())
-    os.rename(tmp, record.manifest_path())
+    _write_atomically(record.manifest_path(), manifest.encode())
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``path`` all or nothing: a new temporary file (never one found there, never through
+    a link: the directory is writable by the node's training processes), then a rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # removes a link itself, not its target
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
 
 
 def read_manifest(path: Path) -> StepManifest:
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                data = fh.read()
+        finally:
+            os.close(fd)
     except OSError as e:
         raise CheckpointFormatError(f"cannot read commit record {path}: {e}") from e
     return StepManifest.decode(data, where=str(path))

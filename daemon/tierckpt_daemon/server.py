@@ -14,6 +14,7 @@ from pathlib import Path
 import uvicorn
 
 from tierckpt_daemon.api import create_app
+from tierckpt_daemon.arena import make_dir
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import build_node
 
@@ -25,7 +26,15 @@ class DaemonStartError(RuntimeError):
 
 
 def _lock_tier(shm_dir: Path) -> int:
-    fd = os.open(shm_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(shm_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o640)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DaemonStartError(
+                f"{shm_dir / 'daemon.lock'} is a symbolic link; the daemon does not follow links "
+                "in its tier directory: remove it"
+            ) from None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -44,8 +53,11 @@ def _bind_unix(path: Path) -> socket.socket:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # stale socket of a dead daemon: the tier lock says nobody else serves it
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
-    os.chmod(path, 0o660)
+    old = os.umask(0o117)  # the socket is 0660 from its creation on, not after a chmod
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
     sock.listen(128)
     return sock
 
@@ -66,7 +78,7 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
 
 
 def serve(settings: DaemonSettings) -> None:
-    settings.shm_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(settings.shm_dir)
     lock_fd = _lock_tier(settings.shm_dir)
     try:
         node = build_node(settings)

@@ -28,7 +28,6 @@ from typing import Any, Protocol
 from tierckpt_core.errors import (
     LeaseNotFoundError,
     NamespaceNotFoundError,
-    PersistentTierError,
     StepNotFoundError,
     StepStateError,
 )
@@ -313,8 +312,9 @@ class TierService:
     def persist_now(self, namespace: str, step: int) -> StepInfo:
         """Queue a committed step for upload now, whatever the policy said at commit."""
         if not self.persistent:
-            raise PersistentTierError(
-                "no persistent tier is configured on this daemon (TIERCKPT_PERSIST_URL)"
+            raise StepStateError(
+                f"{namespace}/step {step} cannot be persisted: no persistent tier is configured "
+                "on this daemon (set TIERCKPT_PERSIST_URL on the daemon)"
             )
         with self.lock:
             rec = self.index.get(namespace, step)

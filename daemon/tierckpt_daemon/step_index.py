@@ -14,13 +14,20 @@ every call.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tierckpt_core.errors import CheckpointFormatError, NamespaceNotFoundError, StepNotFoundError
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    NamespaceNotFoundError,
+    StepNotFoundError,
+    StepStateError,
+)
 from tierckpt_core.protocol import NamespaceInfo, StepState, validate_namespace, validate_step
-from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.arena import DIR_MODE, Arena, make_dir
 from tierckpt_daemon.eviction import EvictionPolicy, safe_to_evict
 from tierckpt_daemon.records import (
     MANIFEST,
@@ -53,9 +60,12 @@ class StepIndex:
             self.arena.adopt_into_pool(p)
             reclaimed += 1
         for ns_dir in sorted(self.arena.ns_dir.iterdir()):
-            for step_dir in sorted(ns_dir.iterdir()) if ns_dir.is_dir() else []:
+            if not _is_real_dir(ns_dir):  # a link or a file planted in ns/: removed, not followed
+                self.arena.delete(ns_dir)
+                continue
+            for step_dir in sorted(ns_dir.iterdir()):
                 reclaimed += self._rebuild_step(ns_dir.name, step_dir)
-            if ns_dir.is_dir() and not any(ns_dir.iterdir()):
+            if not any(ns_dir.iterdir()):
                 ns_dir.rmdir()
         retired = []
         for ns, steps in self.committed.items():
@@ -74,7 +84,8 @@ class StepIndex:
 
     def _rebuild_step(self, namespace: str, step_dir: Path) -> int:
         manifest = step_dir / MANIFEST
-        if step_dir.is_dir() and manifest.exists() and parse_step_dir_name(step_dir.name):
+        real = _is_real_dir(step_dir)
+        if real and _is_real_file(manifest) and parse_step_dir_name(step_dir.name):
             try:
                 rec = record_from_manifest(namespace, step_dir, read_manifest(manifest))
             except CheckpointFormatError as e:
@@ -93,7 +104,7 @@ class StepIndex:
                     self.drop(rec)
                 return 0
         prepared = step_dir / PREPARED
-        if step_dir.is_dir() and prepared.exists() and parse_step_dir_name(step_dir.name):
+        if real and _is_real_file(prepared) and parse_step_dir_name(step_dir.name):
             try:
                 rec = record_from_manifest(namespace, step_dir, read_manifest(prepared))
             except CheckpointFormatError as e:
@@ -124,16 +135,16 @@ class StepIndex:
     def reclaim_dir(self, step_dir: Path) -> int:
         """Give the files of an uncommitted step directory to the pool and remove it."""
         n = 0
-        if step_dir.is_dir():
+        if _is_real_dir(step_dir):
             for p in list(step_dir.iterdir()):
                 if p.name.startswith(MANIFEST):
                     p.unlink()
                 else:
-                    self.arena.adopt_into_pool(p)
+                    self.arena.adopt_into_pool(p)  # removes anything that is not a plain file
                     n += 1
             step_dir.rmdir()
         else:
-            step_dir.unlink(missing_ok=True)
+            step_dir.unlink(missing_ok=True)  # a link itself, never its target
         return n
 
     # -- writing ----------------------------------------------------------------------------
@@ -143,6 +154,12 @@ class StepIndex:
         key = (namespace, step, attempt)
         rec = self.writing.get(key)
         if rec is None:
+            done = self.committed.get(namespace, {}).get(step)
+            if done is not None and done.attempt == attempt:
+                raise StepStateError(
+                    f"{namespace}/step {step}: attempt {attempt} is already committed; a new save "
+                    "of the step needs a new attempt"
+                )
             for other in [k for k in self.writing if k[0] == namespace and k[1] == step]:
                 old = self.writing.pop(other)
                 logger.warning(
@@ -153,7 +170,9 @@ class StepIndex:
                 )
                 self.reclaim_dir(old.dir)
             step_dir = self.arena.ns_dir / namespace / step_dir_name(step, attempt)
-            step_dir.mkdir(parents=True, exist_ok=False)
+            make_dir(step_dir.parent)
+            os.mkdir(step_dir, DIR_MODE)
+            os.chmod(step_dir, DIR_MODE)
             rec = StepRecord(namespace=namespace, step=step, attempt=attempt, dir=step_dir)
             self.writing[key] = rec
         return rec
@@ -178,6 +197,9 @@ class StepIndex:
         steps = self.committed.get(rec.namespace, {})
         if steps.get(rec.step) is rec:
             del steps[rec.step]
+        # No longer committed from now on, also across a restart (its files may stay a while
+        # for the readers that pin it).
+        rec.manifest_path().unlink(missing_ok=True)
         if safe_to_evict(rec):
             self.drop(rec)
         else:
@@ -256,3 +278,17 @@ class StepIndex:
             bytes=sum(r.bytes for r in committed.values()) + sum(r.bytes for r in writing),
             latest_committed=max(committed) if committed else None,
         )
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _is_real_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False

@@ -3,6 +3,12 @@
 The CRT client (``s3torchconnectorclient``, the native half of s3torchconnector, which unlike
 ``s3torchconnector`` itself does not import torch) and boto3 are imported lazily, so importing this
 module is cheap and a ``file://`` store needs neither.
+
+Every call is bounded by ``TIERCKPT_S3_TIMEOUT``: boto3 has connect and read timeouts; the CRT client
+has none, so its data calls run under a :mod:`~tierckpt_core.objectstore.watchdog` deadline per
+step (starting, each chunk written or read, completing an upload, which may also take the upload's
+size at ``TIERCKPT_S3_MIN_RATE``). A step that overruns is abandoned and retried on a fresh client;
+the abandoned request never completes an upload nor writes into the caller's buffer.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tierckpt_core.errors import (
+    IntegrityError,
     InvalidNameError,
     NotFoundError,
     PersistentTierError,
@@ -32,6 +40,7 @@ from tierckpt_core.objectstore.streams import (
     drain,
     pwriter,
 )
+from tierckpt_core.objectstore.watchdog import Deadline, Expired, run_with_deadline
 
 if TYPE_CHECKING:
     from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
@@ -39,6 +48,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DELETE_BATCH = 1000  # the S3 DeleteObjects limit
+# Abandoned CRT requests still blocked (each may hold an upload's buffers) beyond which new data
+# calls fail at once instead of piling up more.
+_MAX_STUCK = 16
 
 _T = TypeVar("_T")
 
@@ -90,11 +102,13 @@ class S3Store:
         self.force_path_style = settings.force_path_style
         self.timeout_s = settings.timeout_s
         self.max_attempts = max(1, settings.max_attempts)
+        self.min_rate = settings.min_rate
         self._limiter = RateLimiter(settings.upload_max_rate) if settings.upload_max_rate else None
         self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
         self._lock = threading.Lock()
         self._crt: MountpointS3Client | None = None
         self._boto: Any = None
+        self._stuck = 0  # abandoned CRT requests whose helper thread has not returned yet
         self._pid = os.getpid()
 
     def __repr__(self) -> str:
@@ -102,7 +116,7 @@ class S3Store:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_lock=None, _crt=None, _boto=None)
+        state.update(_lock=None, _crt=None, _boto=None, _stuck=0)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -117,6 +131,7 @@ class S3Store:
             self._crt = None
             self._boto = None
             self._lock = threading.Lock()
+            self._stuck = 0
             self._pid = os.getpid()
 
     def _crt_client(self) -> MountpointS3Client:
@@ -147,7 +162,8 @@ class S3Store:
                     s3={"addressing_style": "path" if self.force_path_style else "auto"},
                     connect_timeout=min(self.timeout_s, 10.0),
                     read_timeout=self.timeout_s,
-                    retries={"max_attempts": self.max_attempts, "mode": "standard"},
+                    # total_max_attempts counts the first try; botocore's max_attempts would not.
+                    retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
                     # We checksum every byte ourselves (xxh3); S3-compatible servers vary in
                     # their support of the newer flexible checksums.
                     request_checksum_calculation="when_required",
@@ -203,16 +219,54 @@ class S3Store:
             return PersistentTierError(f"{what} {where} failed: {msg}")
         return _RetryableS3Error(f"{what} {where} failed: {msg}")
 
-    def _data_call(self, what: str, key: str, fn: Callable[[], _T]) -> _T:
-        """Run one data-path operation, mapping CRT errors and retrying transient ones."""
+    def _allow(self, nbytes: int) -> float:
+        """Seconds a blocking step that moves ``nbytes`` over the network may take."""
+        return self.timeout_s + nbytes / self.min_rate
+
+    def _data_call(self, what: str, key: str, fn: Callable[[Deadline], _T]) -> _T:
+        """Run one data-path operation under a deadline, mapping CRT errors and retrying
+        transient ones (timeouts included)."""
         import tenacity
         from s3torchconnectorclient import S3Exception
 
+        tries = 0
+
         def attempt() -> _T:
+            nonlocal tries
+            tries += 1
+            with self._lock:
+                stuck = self._stuck
+            if stuck >= _MAX_STUCK:
+                raise PersistentTierError(
+                    f"{what} {self._where(key)}: {stuck} earlier S3 requests to "
+                    f"{self.endpoint or 'S3'} are still hanging after their timeout "
+                    f"(TIERCKPT_S3_TIMEOUT={self.timeout_s:g}s); not sending more until they end"
+                )
             try:
-                return fn()
+                return run_with_deadline(
+                    fn,
+                    "opening the request",
+                    self.timeout_s,
+                    name="tierckpt-s3",
+                    on_exit=self._helper_exit,
+                )
             except S3Exception as e:
                 raise self._map_crt(what, key, e) from e
+            except IntegrityError as e:
+                # A body of the wrong size: a cut-short transfer is worth another try; a stored
+                # object of the wrong size stays wrong, and says so after the last one.
+                if tries >= self.max_attempts:
+                    raise
+                raise _RetryableS3Error(f"{what} {self._where(key)}: {e}") from e
+            except Expired as e:
+                with self._lock:
+                    self._stuck += 1
+                    self._crt = None  # the next attempt gets fresh connections
+                raise _RetryableS3Error(
+                    f"{what} {self._where(key)} timed out: {e} (TIERCKPT_S3_TIMEOUT="
+                    f"{self.timeout_s:g}s, plus the bytes in flight at TIERCKPT_S3_MIN_RATE="
+                    f"{self.min_rate:.0f} B/s); the request was abandoned"
+                ) from None
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(_RetryableS3Error),
@@ -223,11 +277,18 @@ class S3Store:
         )
         return retrying(attempt)
 
+    def _helper_exit(self, abandoned: bool) -> None:
+        if abandoned:
+            with self._lock:
+                self._stuck -= 1
+
     def _map_boto(self, what: str, key: str | None, exc: Exception) -> Exception:
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
+            ConnectTimeoutError,
             NoCredentialsError,
+            ReadTimeoutError,
         )
 
         where = self._where(key) if key is not None else self.url
@@ -260,6 +321,11 @@ class S3Store:
                 f"{what} {where} failed: no S3 credentials found (set AWS_ACCESS_KEY_ID/"
                 "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or attach a role)"
             )
+        if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
+            return PersistentTierError(
+                f"{what} {where} timed out: {exc} (TIERCKPT_S3_TIMEOUT={self.timeout_s:g}s, "
+                f"{self.max_attempts} attempt(s))"
+            )
         if isinstance(exc, BotoCoreError):
             return PersistentTierError(f"{what} {where} failed: {exc}")
         return exc
@@ -278,9 +344,22 @@ class S3Store:
     def put_file(self, key: str, path: str, length: int | None = None) -> str:
         full = self._full(key)
 
-        def upload() -> str:
+        def upload(d: Deadline) -> str:
             stream = self._crt_client().put_object(self.bucket, full)
-            digest = copy_stream(path, length, stream.write, key, self._limiter)
+            sent = 0
+
+            def write(chunk: bytes) -> None:
+                nonlocal sent
+                if self._limiter is not None:
+                    wait = self._limiter.reserve(len(chunk))
+                    d.extend("waiting for the upload rate cap", wait + self.timeout_s)
+                    time.sleep(max(wait, 0.0))
+                d.extend(f"writing bytes {sent}-{sent + len(chunk)}", self._allow(len(chunk)))
+                stream.write(chunk)
+                sent += len(chunk)
+
+            digest = copy_stream(path, length, write, key)
+            d.extend(f"completing the upload of {sent} bytes", self._allow(sent))
             stream.close()
             return digest
 
@@ -293,35 +372,30 @@ class S3Store:
         full = self._full(key)
         data = bytes(data)  # the CRT stream accepts only bytes (not memoryview/bytearray)
 
-        def upload() -> str:
+        def upload(d: Deadline) -> str:
             h = Hasher()
             stream = self._crt_client().put_object(self.bucket, full)
-            if len(data) <= CHUNK_SIZE:
-                h.update(data)
-                stream.write(data)
-            else:
-                view = memoryview(data)
-                for off in range(0, len(data), CHUNK_SIZE):
-                    chunk = view[off : off + CHUNK_SIZE]
-                    h.update(chunk)
-                    stream.write(chunk.tobytes())
+            view = memoryview(data)
+            for off in range(0, len(data), CHUNK_SIZE):
+                chunk = view[off : off + CHUNK_SIZE]
+                h.update(chunk)
+                d.extend(f"writing bytes {off}-{off + len(chunk)}", self._allow(len(chunk)))
+                stream.write(data if len(chunk) == len(data) else chunk.tobytes())
+            d.extend(f"completing the upload of {len(data)} bytes", self._allow(len(data)))
             stream.close()
             return h.hexdigest()
 
         return self._data_call("uploading", key, upload)
 
     def get_bytes(self, key: str) -> bytes:
+        # The size comes first from a HEAD: a server (or a middlebox) that ends a small response
+        # early with a matching Content-Length gets a short body past the CRT client.
         full = self._full(key)
-
-        def download() -> bytes:
-            return b"".join(self._crt_client().get_object(self.bucket, full))
-
-        try:
-            return self._data_call("downloading", key, download)
-        except PersistentTierError as e:
-            if self._is_empty_object(key, e):
-                return b""
-            raise
+        head = self._control("checking", key, lambda c: c.head_object(Bucket=self.bucket, Key=full))
+        buf = bytearray(int(head["ContentLength"]))
+        if buf:
+            self.get_into(key, memoryview(buf))
+        return bytes(buf)
 
     def get_into(self, key: str, dst: memoryview) -> str:
         out = as_bytes_view(dst)
@@ -337,9 +411,13 @@ class S3Store:
     def _download(self, key: str, size: int, put: Callable[[memoryview, int], None]) -> str:
         full = self._full(key)
 
-        def download() -> str:
-            chunks = self._crt_client().get_object(self.bucket, full)
-            return drain(chunks, size, put, self._where(key))
+        def download(d: Deadline) -> str:
+            def guarded(view: memoryview, off: int) -> None:
+                # Never write into the caller's buffer or file once the caller gave up on us.
+                with d.exclusive():
+                    put(view, off)
+
+            return drain(self._chunks(d, full), size, guarded, self._where(key))
 
         try:
             return self._data_call("downloading", key, download)
@@ -347,6 +425,18 @@ class S3Store:
             if size == 0 and self._is_empty_object(key, e):
                 return Hasher().hexdigest()
             raise
+
+    def _chunks(self, d: Deadline, full: str) -> Iterator[Any]:
+        """The chunks of a GET, each under its own deadline."""
+        chunks = iter(self._crt_client().get_object(self.bucket, full))
+        got = 0
+        while True:
+            d.extend(f"reading from byte {got}", self._allow(CHUNK_SIZE))
+            chunk = next(chunks, None)
+            if chunk is None:
+                return
+            got += len(chunk)
+            yield chunk
 
     def _is_empty_object(self, key: str, exc: PersistentTierError) -> bool:
         """The CRT reads objects with ranged GETs, which some servers (SeaweedFS) answer with

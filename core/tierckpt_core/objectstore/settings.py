@@ -23,12 +23,15 @@ class StoreSettings:
     timeout_s: float = 60.0
     max_attempts: int = 5
     upload_max_rate: float | None = None  # bytes/s over all uploads of the store; None: no cap
+    # The slowest transfer that is not a stall: the CRT client buffers a whole upload and sends it
+    # at close, so completing an upload of n bytes may take timeout_s + n / min_rate seconds.
+    min_rate: float = 4 * 1024 * 1024
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StoreSettings:
         """Read ``TIERCKPT_S3_ENDPOINT``, ``TIERCKPT_S3_REGION`` (else ``AWS_REGION``,
-        ``AWS_DEFAULT_REGION``), ``TIERCKPT_S3_FORCE_PATH_STYLE``, ``TIERCKPT_S3_TIMEOUT`` and
-        ``TIERCKPT_S3_MAX_ATTEMPTS``."""
+        ``AWS_DEFAULT_REGION``), ``TIERCKPT_S3_FORCE_PATH_STYLE``, ``TIERCKPT_S3_TIMEOUT``,
+        ``TIERCKPT_S3_MAX_ATTEMPTS`` and ``TIERCKPT_S3_MIN_RATE`` (bytes/s, K/M/G suffixes)."""
         env = os.environ if env is None else env
         region = (
             env.get("TIERCKPT_S3_REGION")
@@ -44,6 +47,7 @@ class StoreSettings:
             raise PersistentTierError(
                 f"invalid TIERCKPT_S3_TIMEOUT / TIERCKPT_S3_MAX_ATTEMPTS: {e}"
             ) from e
+        min_rate = _parse_rate(env.get("TIERCKPT_S3_MIN_RATE"), cls.min_rate)
         if timeout_s <= 0 or max_attempts < 1:
             raise PersistentTierError(
                 "TIERCKPT_S3_TIMEOUT must be > 0 and TIERCKPT_S3_MAX_ATTEMPTS >= 1, got "
@@ -55,4 +59,24 @@ class StoreSettings:
             force_path_style=path_style in ("1", "true", "yes", "on"),
             timeout_s=timeout_s,
             max_attempts=max_attempts,
+            min_rate=min_rate,
         )
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _parse_rate(text: str | None, default: float) -> float:
+    if not text:
+        return default
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise PersistentTierError(
+            f"invalid TIERCKPT_S3_MIN_RATE {text!r}: bytes per second > 0, e.g. 4M or 500K"
+        )
+    return value

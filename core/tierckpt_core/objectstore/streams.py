@@ -69,13 +69,18 @@ class RateLimiter:
         self._lock = threading.Lock()
         self._next = time.monotonic()
 
-    def acquire(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int) -> float:
+        """Book ``nbytes``; return how long to wait before sending them."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._next)
             self._next = start + nbytes / self.bytes_per_s
-        if start > now:
-            time.sleep(start - now)
+        return start - now
+
+    def acquire(self, nbytes: int) -> None:
+        wait = self.reserve(nbytes)
+        if wait > 0:
+            time.sleep(wait)
 
 
 def copy_stream(
@@ -87,7 +92,7 @@ def copy_stream(
 ) -> str:
     """Stream the first ``length`` bytes of ``path`` to ``write`` in chunks; return the checksum."""
     h = Hasher()
-    with open(path, "rb", buffering=0) as src:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as src:
         remaining = os.fstat(src.fileno()).st_size if length is None else length
         if remaining < 0:
             raise ValueError(f"length must be >= 0, got {length}")

@@ -30,6 +30,38 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{- define "tierckpt.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* The Secret that holds the peer token: the user's existingSecret, else the chart's own. */}}
 {{- define "tierckpt.peerTokenSecret" -}}
-{{- default (printf "%s-peer-token" (include "tierckpt.fullname" .)) .Values.existingPeerTokenSecret -}}
+{{- default (printf "%s-peer-token" (include "tierckpt.fullname" .)) .Values.replication.existingSecret -}}
+{{- end -}}
+
+{{- define "tierckpt.peerTokenKey" -}}
+{{- if .Values.replication.existingSecret -}}
+{{- .Values.replication.existingSecretKey -}}
+{{- else -}}
+token
+{{- end -}}
+{{- end -}}
+
+{{/*
+The peer token when the chart makes the Secret. Deterministic on purpose: `helm template` (Argo CD,
+Flux) renders the same Secret every time, so GitOps tools see no drift and pods do not roll for
+nothing. randAlphaNum would change on every render, and `lookup` returns nothing offline.
+*/}}
+{{- define "tierckpt.peerToken" -}}
+{{- $r := .Values.replication -}}
+{{- if $r.token -}}
+{{- if lt (len $r.token) 32 -}}
+{{- fail "replication.token must be at least 32 characters" -}}
+{{- end -}}
+{{- $r.token -}}
+{{- else if $r.tokenSeed -}}
+{{- sha256sum (printf "tierckpt-peer-token/%s/%s/%s" $r.tokenSeed .Release.Namespace .Release.Name) -}}
+{{- else -}}
+{{- fail "replication.enabled needs a peer token: set replication.existingSecret (a Secret you manage), replication.token, or replication.tokenSeed (e.g. the output of `openssl rand -hex 16`; the chart derives a stable token from it)" -}}
+{{- end -}}
 {{- end -}}

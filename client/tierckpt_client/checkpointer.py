@@ -1,0 +1,282 @@
+"""``Checkpointer``: the training-loop glue every team otherwise re-writes around DCP.
+
+A loop needs more than a storage writer: one save in flight at a time whose failure is never
+dropped, a cadence, "latest" restored on start and agreed by all ranks, a process group of its own
+for checkpoint collectives (a THREAD-mode save that shares the training group with FSDP's
+collectives deadlocks), and a last durable save when the scheduler preempts the job (see
+:mod:`tierckpt_client._preemption`). This module is that glue, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from tierckpt_client._preemption import PreemptionWatcher, wait_durable
+from tierckpt_client.config import ClientConfig
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
+from tierckpt_core.protocol import validate_namespace
+
+logger = logging.getLogger(__name__)
+
+_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+# Groups created for checkpointing, keyed by the ranks of the group they serve: created once per
+# process (creating a group is a collective every rank must join), reused by every Checkpointer.
+_GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+class SaveFailedError(TierCkptError):
+    """A background save failed; raised by the next ``save`` or ``wait``. ``__cause__`` is the
+    original error."""
+
+    code = "save_failed"
+
+
+def _groups(
+    process_group: dist.ProcessGroup | None,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """The group for DCP's collectives and a second one for the preemption flag.
+
+    The flag is all-reduced from the training thread while a THREAD-mode save may be running
+    DCP's collectives on the checkpoint group in a background thread; two threads issuing
+    collectives on one group interleave differently on each rank, so the flag has its own group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    with _GROUPS_LOCK:
+        if ranks not in _GROUPS:
+            ckpt = process_group or dist.new_group(ranks=list(ranks), backend="gloo")
+            flag = dist.new_group(ranks=list(ranks), backend="gloo")
+            _GROUPS[ranks] = (ckpt, flag)
+        ckpt, flag = _GROUPS[ranks]
+    return (process_group or ckpt), flag
+
+
+class Checkpointer:
+    """Save a training loop's state every ``every`` steps and restore the newest on start.
+
+    Args:
+        namespace: the job's namespace (letters, digits, ``.``, ``_``, ``-``).
+        every: save when ``step % every == 0``; other steps return at once.
+        persist_every: steps with ``step % persist_every == 0`` are saved with ``persist=True``
+            (the daemon uploads them to the persistent tier), the others with ``persist=False``;
+            ``None`` leaves every step to the daemon's policy (``TIERCKPT_PERSIST_EVERY``).
+        process_group: the group for checkpoint collectives; by default a dedicated gloo group
+            over all ranks, created once per process. Never pass the group FSDP trains on.
+        async_mode: ``"thread"`` (the save runs in a thread of this process) or ``"process"``
+            (DCP's helper process: no GIL contention with the training step).
+        config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
+        on_unavailable: what a save does without a daemon (see :class:`TieredStorageWriter`).
+        preempt_signal: a signal besides SIGTERM that means "save and exit" (e.g.
+            ``signal.SIGUSR1`` with Slurm's ``--signal``); ``None``: SIGTERM only.
+        handle_signals: install the handlers (only possible from the main thread).
+        preempt_deadline_s: how long a preempted save may take to become durable before the
+            process exits anyway (with status 1).
+
+    ``save(step, state)`` returns once the state is copied into the node's memory tier; the rest
+    of the save runs in the background. The next save first waits for it and raises its error
+    (:class:`SaveFailedError`) rather than dropping it; that call does not start its own save (call
+    it again to save that step). ``state`` maps names to tensors, dicts,
+    or ``Stateful`` objects (their ``state_dict``/``load_state_dict`` are called), as DCP takes it.
+
+    Every rank calls ``save`` with the same steps: each call (off-cadence ones too) all-reduces a
+    one-element flag (a signal arrived on some rank), so a preemption is acted on at the same step
+    everywhere; ``handle_signals=False`` drops the handlers and this collective.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        every: int = 1,
+        persist_every: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        async_mode: str = "thread",
+        config: ClientConfig | None = None,
+        on_unavailable: str = "persist",
+        preempt_signal: int | None = None,
+        handle_signals: bool = True,
+        preempt_deadline_s: float = 300.0,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if persist_every is not None and persist_every < 1:
+            raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
+        if async_mode not in _MODES:
+            raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        if preempt_deadline_s <= 0:
+            raise ValueError(f"preempt_deadline_s must be > 0, got {preempt_deadline_s}")
+        self.namespace = validate_namespace(namespace)
+        self.every = every
+        self.persist_every = persist_every
+        self.async_mode = async_mode
+        self.config = config or ClientConfig.from_env()
+        self.on_unavailable = on_unavailable
+        self.preempt_deadline_s = preempt_deadline_s
+        self.process_group, self._flag_group = _groups(process_group)
+        self._inflight: tuple[int, Future[Any]] | None = None
+        self.last_saved_step: int | None = None  # the newest step whose save has been started
+        self._closed = False
+        signals: list[int] = [signal.SIGTERM]
+        if preempt_signal is not None and preempt_signal != signal.SIGTERM:
+            signals.append(preempt_signal)
+        self._watcher = PreemptionWatcher(signals if handle_signals else [])
+        self._watcher.install()
+
+    # -- context manager -----------------------------------------------------------------
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc is None:
+            self.close()
+        else:
+            # Do not mask the loop's own error with a save's; still let the save finish.
+            try:
+                self.close()
+            except Exception:
+                logger.exception("%s: the last save failed while another error unwound", self)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.namespace!r}, every={self.every})"
+
+    # -- saving --------------------------------------------------------------------------
+    @property
+    def no_dist(self) -> bool:
+        return self.process_group is None
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        """Start saving ``state`` as ``step`` if the step is on the cadence (see the class)."""
+        self._check_open()
+        if self.preempt_requested():
+            self._preempt(step, state)
+        if step % self.every != 0:
+            return
+        self._start(step, state, persist=self._persist(step))
+
+    def _persist(self, step: int) -> bool | None:
+        if self.persist_every is None:
+            return None
+        return step % self.persist_every == 0
+
+    def _start(self, step: int, state: dict[str, Any], *, persist: bool | None) -> None:
+        self.wait()
+        writer = TieredStorageWriter(
+            self.namespace,
+            step,
+            persist=persist,
+            config=self.config,
+            on_unavailable=self.on_unavailable,
+        )
+        result = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=self.process_group,
+            async_checkpointer_type=_MODES[self.async_mode],
+            no_dist=self.no_dist,
+        )
+        fut = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+        self._inflight = (step, fut)
+        self.last_saved_step = step
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
+        if self._inflight is None:
+            return
+        step, fut = self._inflight
+        self._inflight = None
+        try:
+            fut.result()
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise SaveFailedError(
+                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
+                "checkpointed (the newest good step before it still is)"
+            ) from e
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error) and remove the signal handlers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._watcher.uninstall()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierCkptError(f"{self.namespace}: this Checkpointer is closed")
+
+    # -- restoring -----------------------------------------------------------------------
+    def restore(self, state: dict[str, Any]) -> int | None:
+        """Load the newest step in any tier into ``state`` (in place; ``Stateful`` values get
+        ``load_state_dict``); all ranks load the same step. Returns it, or None when the
+        namespace has no step yet (a fresh start: ``state`` is left as it is)."""
+        self._check_open()
+        self.wait()
+        probe = TieredStorageReader(
+            self.namespace, config=self.config, process_group=self.process_group
+        )
+        try:
+            probe.read_metadata()  # resolves "latest" on rank 0 and broadcasts it
+        except (NamespaceNotFoundError, StepNotFoundError) as e:
+            logger.info("%s: no step to restore, starting fresh (%s)", self.namespace, e)
+            return None
+        step = probe.resolved_step
+        assert step is not None
+        reader = TieredStorageReader(
+            self.namespace, step, config=self.config, process_group=self.process_group
+        )
+        dcp.load(
+            state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
+        )
+        self.last_saved_step = step
+        logger.info("%s: restored step %d", self.namespace, step)
+        return step
+
+    # -- preemption ----------------------------------------------------------------------
+    def preempt_requested(self) -> bool:
+        """Whether any rank received a preemption signal (a collective on every rank)."""
+        return self._watcher.agreed(self._flag_group)
+
+    def _preempt(self, step: int, state: dict[str, Any]) -> None:
+        """Finish the save in flight, save this step for the persistent tier, wait until it is
+        durable (within the deadline), and exit."""
+        logger.warning(
+            "%s: preemption signal received (%s); saving step %d and exiting",
+            self.namespace,
+            self._watcher.describe(),
+            step,
+        )
+        try:
+            self.wait()
+        except SaveFailedError:
+            logger.exception("%s: the save before the preemption failed", self.namespace)
+        code = 0
+        try:
+            if self.last_saved_step != step:
+                self._start(step, state, persist=True)
+            self.wait()
+            if not wait_durable(
+                self.namespace, step, self.config, self.preempt_deadline_s, self._flag_group
+            ):
+                code = 1
+        except Exception:
+            logger.exception("%s: the save at preemption (step %d) failed", self.namespace, step)
+            code = 1
+        self._closed = True
+        self._watcher.uninstall()
+        sys.exit(code)

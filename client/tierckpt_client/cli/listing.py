@@ -1,0 +1,294 @@
+"""``status``, ``ls`` and ``inspect``: what this node's memory tier and the persistent tier hold.
+
+Every step is shown with the tiers that hold it (``memory``, ``peers``, ``persistent``), including
+steps and whole namespaces that only the persistent tier holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from tierckpt_client.cli import _render as r
+from tierckpt_client.cli._tiers import Persistent
+from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_core.errors import NotFoundError, StepNotFoundError, TierCkptError
+from tierckpt_core.layout import StepManifest
+from tierckpt_core.protocol import (
+    PersistentStatus,
+    ReplicationStatus,
+    StepCandidate,
+    StepInfo,
+    StepState,
+    validate_namespace,
+    validate_step,
+)
+
+
+def cmd_status(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    st = client.status()
+    pct = 100.0 * st.used_bytes / st.capacity_bytes if st.capacity_bytes else 0.0
+    lines = [
+        f"daemon      {st.version} (API {st.api_version}) at {client.config.socket}",
+        f"tier dir    {st.shm_dir}",
+        f"capacity    {r.size(st.capacity_bytes)}",
+        f"used        {r.size(st.used_bytes)} ({pct:.1f}%)",
+        f"leased      {r.size(st.leased_bytes)}",
+        f"pool        {st.pool_files} files, {r.size(st.pool_bytes)} (recycled for new leases)",
+        f"keep last   {st.keep_last} committed steps per namespace",
+        f"persistent  {_persistent_line(st.persistent)}",
+        f"replication {_replication_line(st.replication)}",
+    ]
+    if st.persistent is not None:
+        lines += [
+            f"            {what} {h.namespace} step {h.step}: "
+            f"{r.size(h.done_bytes)} of {r.size(h.total_bytes)}"
+            for what, progress in (
+                ("uploading", st.persistent.uploads),
+                ("hydrating", st.persistent.hydrations),
+            )
+            for h in progress
+        ]
+    lines += ["", _namespaces_table([ns.model_dump(mode="json") for ns in st.namespaces])]
+    r.emit(args.json, st.model_dump(mode="json"), "\n".join(lines))
+
+
+def _persistent_line(p: PersistentStatus | None) -> str:
+    if p is None:
+        return "none (memory tier only; TIERCKPT_PERSIST_URL is not set)"
+    health = {True: "healthy", False: "UNHEALTHY", None: "health unknown"}[p.healthy]
+    return (
+        f"{p.url}, {health}, {p.queued_steps} step(s) queued, {p.uploaded_steps} uploaded "
+        f"({r.size(p.uploaded_bytes)}), {p.failed_uploads} failed upload(s), "
+        f"last error: {p.last_error or '-'}"
+    )
+
+
+def _replication_line(rep: ReplicationStatus | None) -> str:
+    if rep is None:
+        return "off (TIERCKPT_PEERS is not set)"
+    down = f", UNREACHABLE: {', '.join(rep.unreachable)}" if rep.unreachable else ""
+    others = ", ".join(p for p in rep.peers if p != rep.node) or "-"
+    return (
+        f"as {rep.node} to {rep.replicas} of peers {others}{down}, {rep.queued_steps} step(s) "
+        f"queued, {rep.replicated_steps} pushed ({r.size(rep.replicated_bytes)}), "
+        f"{rep.received_steps} received, {rep.failed_pushes} failed round(s), "
+        f"last error: {rep.last_error or '-'}"
+    )
+
+
+def _namespaces_table(docs: list[dict[str, Any]]) -> str:
+    if not docs:
+        return "no namespaces"
+    rows = [
+        (
+            d["namespace"],
+            d["steps"],
+            d["committed_steps"],
+            r.opt(d.get("durable_steps")),
+            r.opt(d["latest_committed"]),
+            r.size(d["bytes"]),
+            ",".join(d.get("tiers", ["memory"])),
+        )
+        for d in docs
+    ]
+    return r.table(("NAMESPACE", "STEPS", "COMMITTED", "DURABLE", "LATEST", "SIZE", "TIERS"), rows)
+
+
+def cmd_ls(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    if args.namespace is None:
+        _ls_namespaces(client, tier, args)
+    else:
+        _ls_steps(client, tier, validate_namespace(args.namespace), args)
+
+
+def _ls_namespaces(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    """Namespaces in memory and in the persistent tier. ``steps``/``committed_steps``/``bytes``
+    count the memory tier; ``durable_steps`` the persistent tier (None: no persistent tier)."""
+    docs: dict[str, dict[str, Any]] = {}
+    for ns in client.namespaces():
+        docs[ns.namespace] = {**ns.model_dump(mode="json"), "tiers": ["memory"]}
+    try:
+        persisted = tier.namespaces()
+        unreadable: TierCkptError | None = None
+    except TierCkptError as e:  # show what memory holds, then fail (exit 1)
+        persisted, unreadable = {}, e
+    for name, steps in persisted.items():
+        doc = docs.setdefault(
+            name,
+            {
+                "namespace": name,
+                "steps": 0,
+                "committed_steps": 0,
+                "bytes": 0,
+                "latest_committed": None,
+                "tiers": [],
+            },
+        )
+        doc["tiers"].append("persistent")
+        doc["durable_steps"] = len(steps)
+        doc["latest_committed"] = max(steps[-1], doc["latest_committed"] or -1)
+    for doc in docs.values():
+        doc.setdefault("durable_steps", 0 if tier.url and unreadable is None else None)
+    ordered = [docs[k] for k in sorted(docs)]
+    r.emit(args.json, ordered, _namespaces_table(ordered))
+    if unreadable is not None:
+        raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}")
+
+
+def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Namespace) -> None:
+    try:
+        steps = client.steps(ns)
+    except NotFoundError:
+        steps = []  # nothing in memory; the persistent tier may still hold steps
+    try:
+        candidates = {c.step: c for c in client.candidates(ns)}
+    except NotFoundError:
+        candidates = {}
+    except TierCkptError:
+        if not steps and tier.url is None:
+            raise  # the daemon's persistent tier is broken and there is nothing else to show
+        candidates = {}  # the memory tier's answer stands on its own
+    if not tier.is_daemons:  # a store the daemon does not use: read it here
+        for step in tier.steps(ns):
+            c = candidates.get(step)
+            candidates[step] = StepCandidate(
+                step=step,
+                in_memory=c.in_memory if c else False,
+                durable=True,
+                peers=c.peers if c else [],
+            )
+    docs: dict[int, dict[str, Any]] = {}
+    for s in steps:
+        docs[s.step] = {**s.model_dump(mode="json"), "tiers": _tiers(s, candidates.get(s.step))}
+    for c in candidates.values():
+        if c.step not in docs and (c.durable or c.peers):
+            docs[c.step] = _not_in_memory(ns, c)
+    if not docs:
+        raise NotFoundError(f"namespace {ns!r} has no steps in memory" + _where(tier))
+    now = time.time()
+    rows = [
+        (
+            d["step"],
+            d["state"],
+            "-" if d["bytes"] is None else r.size(d["bytes"]),
+            len(d["files"]) if d["in_memory"] else "-",
+            r.age(d["committed_at"] or d["created_at"], now),
+            ",".join(d["tiers"]),
+            _replicas_cell(d),
+        )
+        for _, d in sorted(docs.items())
+    ]
+    text = r.table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"), rows)
+    r.emit(args.json, [d for _, d in sorted(docs.items())], text)
+
+
+def _where(tier: Persistent) -> str:
+    return f" or in {tier.url}" if tier.url else " (no persistent tier is configured)"
+
+
+def _tiers(info: StepInfo, cand: StepCandidate | None) -> list[str]:
+    durable = info.state == StepState.DURABLE or (cand is not None and cand.durable)
+    on_peers = bool(info.replicated_to) or (cand is not None and bool(cand.peers))
+    return ["memory"] + (["peers"] if on_peers else []) + (["persistent"] if durable else [])
+
+
+def _replicas_cell(doc: dict[str, Any]) -> str:
+    if doc.get("origin"):
+        return f"replica of {doc['origin']}"
+    held = ",".join(doc.get("replicated_to") or [])
+    if doc.get("replication_pending"):
+        return f"{held} (pending)" if held else "pending"
+    return held or "-"
+
+
+def _not_in_memory(ns: str, cand: StepCandidate) -> dict[str, Any]:
+    """A step this node does not hold but a peer or the persistent tier does (``tierckpt
+    prefetch`` brings it back)."""
+    return {
+        "namespace": ns,
+        "step": cand.step,
+        "state": StepState.DURABLE.value if cand.durable else StepState.COMMITTED.value,
+        "bytes": None,
+        "files": [],
+        "created_at": None,
+        "committed_at": None,
+        "world_size": None,
+        "persist": None,
+        "in_memory": False,
+        "replicated_to": list(cand.peers),
+        "replication_pending": False,
+        "origin": None,
+        "tiers": (["peers"] if cand.peers else []) + (["persistent"] if cand.durable else []),
+    }
+
+
+def _manifest_doc(m: StepManifest) -> dict[str, Any]:
+    """A step only the persistent tier holds, in the shape of a StepInfo document."""
+    return {
+        "namespace": m.namespace,
+        "step": m.step,
+        "state": StepState.DURABLE.value,
+        "bytes": sum(f.length for f in m.files),
+        "files": [
+            {
+                "name": f.name,
+                "rank": f.rank,
+                "size": f.length,
+                "length": f.length,
+                "checksum": f.checksum,
+            }
+            for f in m.files
+        ],
+        "created_at": None,
+        "committed_at": m.committed_at,
+        "world_size": m.world_size,
+        "persist": None,
+        "in_memory": False,
+        "replicated_to": [],
+        "replication_pending": False,
+        "origin": None,
+        "tiers": ["persistent"],
+    }
+
+
+def cmd_inspect(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    ns, step = validate_namespace(args.namespace), validate_step(args.step)
+    try:
+        info = client.step(ns, step)
+    except NotFoundError:
+        manifest = tier.manifest(ns, step)
+        if manifest is None:
+            raise StepNotFoundError(f"{ns}/step {step} is not in memory{_where(tier)}") from None
+        doc = _manifest_doc(manifest)
+    else:
+        durable = info.state == StepState.DURABLE
+        if not durable and tier.url is not None and not tier.is_daemons:
+            durable = tier.manifest(ns, step) is not None
+        doc = {**info.model_dump(mode="json")}
+        doc["tiers"] = ["memory"] + (["peers"] if info.replicated_to else [])
+        doc["tiers"] += ["persistent"] if durable else []
+    r.emit(args.json, doc, _step_text(doc))
+
+
+def _step_text(d: dict[str, Any]) -> str:
+    now = time.time()
+    lines = [
+        f"namespace   {d['namespace']}",
+        f"step        {d['step']}",
+        f"state       {d['state']}",
+        f"tiers       {', '.join(d['tiers'])}",
+        f"world size  {r.opt(d['world_size'])}",
+        f"size        {r.size(d['bytes'])} in {len(d['files'])} file(s)",
+        f"created     {r.age(d['created_at'], now) + ' ago' if d['created_at'] else '-'}",
+        f"committed   {r.age(d['committed_at'], now) + ' ago' if d['committed_at'] else '-'}",
+        f"replicas    {_replicas_cell(d)}",
+        "",
+    ]
+    rows = [
+        (f["rank"], f["name"], r.size(f["size"]), f["length"], f.get("checksum") or "-")
+        for f in sorted(d["files"], key=lambda f: (f["rank"], f["name"]))
+    ]
+    lines.append(r.table(("RANK", "FILE", "SIZE", "LENGTH", "CHECKSUM"), rows))
+    return "\n".join(lines)

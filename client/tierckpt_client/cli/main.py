@@ -1,0 +1,221 @@
+"""The ``tierckpt`` argument parser and entry point: one function per subcommand, mapped from
+errors to the documented exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from tierckpt_client import __version__
+from tierckpt_client.cli import _render, listing, manage, verify
+from tierckpt_client.cli._tiers import Persistent
+from tierckpt_client.config import ClientConfig
+from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_core.errors import (
+    DaemonUnavailableError,
+    InvalidNameError,
+    NotFoundError,
+    TierCkptError,
+)
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_UNAVAILABLE = 4
+EXIT_VERIFY_FAILED = 5
+EXIT_NOT_VERIFIED = 6
+EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `cat big | head`
+
+DESCRIPTION = """\
+Look at and manage the checkpoints that this node's tierckpt daemon holds in memory and that the
+persistent tier holds. Talks to the daemon over its Unix socket (TIERCKPT_SOCKET or --socket);
+reads the persistent tier directly (TIERCKPT_PERSIST_URL, else the tier the daemon uses). Tables by
+default, --json for scripts; progress goes to stderr."""
+
+EPILOG = """\
+exit codes:
+  0    success
+  1    error reported by the daemon or the persistent tier (also: persist --wait timed out,
+       export without torch installed)
+  2    usage error: bad argument, invalid namespace or step, missing --yes
+  3    not found: no such namespace or step in any tier
+  4    the daemon cannot be reached
+  5    verify: a file is corrupt or missing
+  6    verify: nothing corrupt, but some files have no checksum yet (not verified)
+  141  stdout was closed early (e.g. `tierckpt --json ls | head`); nothing is printed
+"""
+
+Command = Callable[[DaemonClient, Persistent, argparse.Namespace], None]
+
+
+def _parser() -> argparse.ArgumentParser:
+    # The common options work before and after the subcommand; SUPPRESS keeps a subcommand's
+    # default from overwriting a value given before it (main() fills in the defaults).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--socket",
+        default=argparse.SUPPRESS,
+        metavar="PATH",
+        help="the daemon's Unix socket (default: $TIERCKPT_SOCKET, or $TIERCKPT_SHM_DIR/daemon.sock)",
+    )
+    common.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print the result as JSON on stdout (for scripts)",
+    )
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="tierckpt",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        parents=[common],
+        formatter_class=fmt,
+    )
+    p.add_argument("--version", action="version", version=f"tierckpt {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, func: Command, summary: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(
+            name,
+            parents=[common],
+            help=summary,
+            description=summary,
+            epilog=EPILOG,
+            formatter_class=fmt,
+        )
+        s.set_defaults(func=func)
+        return s
+
+    def namespace(s: argparse.ArgumentParser) -> None:
+        s.add_argument("namespace", metavar="NAMESPACE", help="the job's namespace, e.g. llama-7b")
+
+    def step(s: argparse.ArgumentParser, latest: bool = False) -> None:
+        if latest:
+            s.add_argument(
+                "step",
+                metavar="STEP",
+                help="a step number, or 'latest' (what a restore would pick)",
+            )
+        else:
+            s.add_argument("step", type=int, metavar="STEP", help="the step number")
+
+    command(
+        "status",
+        listing.cmd_status,
+        "capacity, usage, pool, persistent tier, replication and namespaces of this node",
+    )
+    s = command(
+        "ls", listing.cmd_ls, "list namespaces, or the steps of one namespace, in every tier"
+    )
+    s.add_argument(
+        "namespace",
+        nargs="?",
+        metavar="NAMESPACE",
+        help="list this namespace's steps (default: list every namespace)",
+    )
+    s = command(
+        "inspect",
+        listing.cmd_inspect,
+        "state, tiers and files of one step (from memory, else the persistent tier)",
+    )
+    namespace(s)
+    step(s)
+    s = command(
+        "verify",
+        verify.cmd_verify,
+        "read every file of a step in every tier that holds it and check its checksum",
+    )
+    namespace(s)
+    step(s)
+    s = command(
+        "rm",
+        manage.cmd_rm,
+        "remove one step from memory (with --persistent --yes: also from the persistent tier)",
+    )
+    namespace(s)
+    step(s)
+    s.add_argument(
+        "--persistent",
+        action="store_true",
+        help="also delete the step from the persistent tier (needs --yes)",
+    )
+    s.add_argument(
+        "--yes", action="store_true", help="confirm --persistent: the deletion cannot be undone"
+    )
+    s = command(
+        "export",
+        manage.cmd_export,
+        "write a step as a plain torch DCP checkpoint directory (needs torch)",
+    )
+    namespace(s)
+    step(s, latest=True)
+    s.add_argument("dest", metavar="DIR", help="an empty or new directory to write into")
+    s = command("persist", manage.cmd_persist, "upload a committed step to the persistent tier now")
+    namespace(s)
+    step(s)
+    s.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until the step is durable, with a progress bar on stderr",
+    )
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="with --wait: give up (exit 1) after this long (default 3600)",
+    )
+    s = command(
+        "prefetch",
+        manage.cmd_prefetch,
+        "bring a durable step from the persistent tier into memory ahead of a restart",
+    )
+    namespace(s)
+    step(s, latest=True)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)  # (argparse itself ignores a closed stdout for --help)
+    args.socket, args.json = getattr(args, "socket", None), getattr(args, "json", False)
+    try:
+        config = ClientConfig.from_env(socket=args.socket)
+    except ValueError as e:  # a malformed TIERCKPT_* variable
+        return _fail(EXIT_USAGE, e)
+    try:
+        with DaemonClient(config) as client:
+            tier = Persistent(client)
+            try:
+                args.func(client, tier, args)
+            finally:
+                tier.close()
+    except _render.StdoutClosed:
+        return _stdout_closed()
+    except InvalidNameError as e:
+        return _fail(EXIT_USAGE, e)
+    except NotFoundError as e:
+        return _fail(EXIT_NOT_FOUND, e)
+    except DaemonUnavailableError as e:
+        return _fail(EXIT_UNAVAILABLE, e)
+    except verify.VerifyFailedError as e:
+        return _fail(EXIT_VERIFY_FAILED, e)
+    except verify.NotVerifiedError as e:
+        return _fail(EXIT_NOT_VERIFIED, e)
+    except (TierCkptError, OSError) as e:
+        return _fail(EXIT_ERROR, e)
+    return EXIT_OK
+
+
+def _stdout_closed() -> int:
+    # Point stdout at /dev/null so that the interpreter's final flush does not fail again.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_STDOUT_CLOSED
+
+
+def _fail(code: int, error: BaseException) -> int:
+    print(f"tierckpt: {error}", file=sys.stderr)
+    return code

@@ -1,0 +1,173 @@
+"""``rm``, ``persist``, ``prefetch`` and ``export``: commands that move or remove a step."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+
+from tierckpt_client.cli import _render as r
+from tierckpt_client.cli._tiers import Persistent
+from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_core.errors import (
+    InvalidNameError,
+    NotFoundError,
+    StepNotFoundError,
+    TierCkptError,
+)
+from tierckpt_core.protocol import StepInfo, StepState, validate_namespace, validate_step
+
+
+class MissingExtraError(TierCkptError):
+    """A command needs an optional dependency that is not installed."""
+
+
+def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    ns, step = validate_namespace(args.namespace), validate_step(args.step)
+    if not args.persistent:
+        client.delete(ns, step)
+        r.emit(
+            args.json,
+            {"namespace": ns, "step": step, "removed": ["memory"]},
+            f"removed {ns} step {step}",
+        )
+        return
+    if not args.yes:
+        raise InvalidNameError(
+            f"removing {ns} step {step} from the persistent tier cannot be undone; "
+            "add --yes to confirm"
+        )
+    if tier.url is None:
+        raise TierCkptError("no persistent tier is configured (TIERCKPT_PERSIST_URL is not set)")
+    removed = []
+    try:
+        client.delete(ns, step)  # first: the daemon must not keep calling a deleted step durable
+        removed.append("memory")
+    except NotFoundError:
+        pass
+    if tier.remove(ns, step):
+        removed.append("persistent")
+    if not removed:
+        raise StepNotFoundError(f"{ns}/step {step} is neither in memory nor in {tier.url}")
+    doc = {"namespace": ns, "step": step, "removed": removed}
+    r.emit(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
+
+
+def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    try:
+        from tierckpt_client.dcp.export import export_step  # needs torch, the others do not
+    except ModuleNotFoundError as e:
+        raise MissingExtraError(
+            f"tierckpt export needs {e.name or 'torch'}, which is not installed: "
+            "pip install 'tierckpt[client]'"
+        ) from None
+    ns = validate_namespace(args.namespace)
+    step = None if args.step == "latest" else validate_step(parse_step(args.step))
+    written = export_step(ns, step, args.dest, config=client.config)
+    doc = {"namespace": ns, "step": written, "path": str(args.dest)}
+    r.emit(
+        args.json,
+        doc,
+        f"exported {ns} step {written} to {args.dest} (torch FileSystemReader format)",
+    )
+
+
+def cmd_persist(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    ns, step = validate_namespace(args.namespace), validate_step(args.step)
+    info = client.persist(ns, step)
+    if args.wait and info.state != StepState.DURABLE:
+        info = _wait_durable(client, info, args.timeout)
+    if info.state == StepState.DURABLE:
+        text = f"{ns} step {step} is durable"
+    else:
+        text = f"{ns} step {step} queued for upload (tierckpt ls {ns} shows when it is durable)"
+    r.emit(args.json, info.model_dump(mode="json"), text)
+
+
+def _wait_durable(client: DaemonClient, info: StepInfo, timeout_s: float) -> StepInfo:
+    """Poll until the step is durable, with a bar of the bytes of its files uploaded so far (the
+    daemon counts a file when its upload finished)."""
+    ns, step = info.namespace, info.step
+    total = sum(f.length for f in info.files)
+    t0 = time.monotonic()
+    error: str | None = None
+    with r.byte_progress() as bar:
+        task = bar.add_task(f"{ns} step {step}: queued", total=total)
+        while True:
+            info = client.step(ns, step)
+            elapsed = time.monotonic() - t0
+            if info.state == StepState.DURABLE:
+                bar.update(task, completed=total, description=f"{ns} step {step}: durable")
+                break
+            p = client.status().persistent
+            error = p.last_error if p is not None else None
+            done = [u for u in (p.uploads if p else []) if (u.namespace, u.step) == (ns, step)]
+            if done:
+                bar.update(
+                    task, completed=done[0].done_bytes, description=f"{ns} step {step}: uploading"
+                )
+            if elapsed > timeout_s:
+                why = f": {error}" if error else " (still queued behind other uploads)"
+                raise TierCkptError(f"{ns} step {step} is not durable after {timeout_s:.0f}s{why}")
+            time.sleep(0.2)
+    rate = total / elapsed / 1e6 if elapsed > 0 else 0.0
+    print(
+        f"{ns} step {step}: durable after {elapsed:.1f}s ({r.size(total)}, {rate:.0f} MB/s)",
+        file=sys.stderr,
+    )
+    return info
+
+
+def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    ns = validate_namespace(args.namespace)
+    if args.step == "latest":
+        step = client.candidates(ns)[0].step  # what a restore's "latest" would pick
+    else:
+        step = validate_step(parse_step(args.step))
+    result: list[StepInfo] = []
+    failure: list[BaseException] = []
+
+    def hydrate() -> None:
+        try:
+            # A client of its own: the main thread keeps polling status on the other one.
+            with DaemonClient(client.config) as own:
+                result.append(own.hydrate(ns, step))
+        except BaseException as e:  # re-raised in the main thread
+            failure.append(e)
+
+    worker = threading.Thread(target=hydrate, name="tierckpt-prefetch", daemon=True)
+    print(f"prefetch {ns} step {step}: starting", file=sys.stderr)
+    t0 = time.monotonic()
+    with r.byte_progress() as bar:
+        task = bar.add_task(f"prefetch {ns} step {step}", total=None)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+            try:
+                p = client.status().persistent
+            except TierCkptError:
+                continue  # a slow status answer must not end the prefetch
+            for h in p.hydrations if p is not None else []:
+                if (h.namespace, h.step) == (ns, step):
+                    bar.update(task, completed=h.done_bytes, total=h.total_bytes)
+        if result:
+            total = sum(f.length for f in result[0].files)
+            bar.update(task, completed=total, total=total)
+    if failure:
+        raise failure[0]
+    info = result[0]
+    total = sum(f.length for f in info.files)
+    print(
+        f"prefetch {ns} step {step}: {r.size(total)} in memory after {time.monotonic() - t0:.1f}s",
+        file=sys.stderr,
+    )
+    text = f"{ns} step {step} is in memory ({info.state.value}, {r.size(info.bytes)})"
+    r.emit(args.json, info.model_dump(mode="json"), text)
+
+
+def parse_step(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidNameError(f"step must be a number or 'latest', got {text!r}") from None

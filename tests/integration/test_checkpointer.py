@@ -1,0 +1,119 @@
+"""``Checkpointer`` in one process against a real daemon: cadence, restore, errors surfacing."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierckpt_client import Checkpointer, DaemonClient, SaveFailedError
+from tierckpt_client.config import ClientConfig
+
+from helpers import DaemonProcess, new_shm_dir
+
+
+class _Counter:
+    """A ``Stateful`` object: DCP calls its state_dict/load_state_dict."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.n = sd["n"]
+
+
+def test_cadence_restore_and_stateful(client_env: DaemonProcess) -> None:
+    counter = _Counter()
+    w = torch.zeros(1000)
+    with Checkpointer("ck", every=2, persist_every=4) as ckpt:
+        assert ckpt.restore({"w": w, "counter": counter}) is None  # fresh start
+        for step in range(1, 6):
+            w += step
+            counter.n = step
+            ckpt.save(step, {"w": w, "counter": counter})
+    with DaemonClient() as c:
+        infos = {s.step: s for s in c.steps("ck")}
+    assert sorted(infos) == [2, 4]  # only steps on the cadence were saved
+    assert infos[4].persist is True and infos[2].persist is False
+
+    w2, counter2 = torch.zeros(1000), _Counter()
+    with Checkpointer("ck") as again:
+        assert again.restore({"w": w2, "counter": counter2}) == 4
+    assert counter2.n == 4
+    assert torch.equal(w2, torch.full((1000,), float(1 + 2 + 3 + 4)))
+
+
+class _Unpicklable:
+    """Non-tensor state is pickled by the save's background half (DCP bytes items): this object's
+    pickling fails there, after ``save`` has returned."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Unpicklable:
+        return _Unpicklable()  # staging copies it
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("this object cannot be pickled")
+
+
+def test_failed_save_surfaces_at_next_save_and_wait(client_env: DaemonProcess) -> None:
+    good = {"w": torch.ones(100)}
+    bad = {"w": torch.ones(100), "extra": {"obj": _Unpicklable()}}
+    ckpt = Checkpointer("fail")
+    ckpt.save(1, bad)  # returns: the failure happens in the background
+    with pytest.raises(SaveFailedError, match="save of step 1 failed") as err:
+        ckpt.save(2, good)
+    assert "cannot be pickled" in str(err.value)
+    ckpt.save(3, good)  # the error was reported once; the next save goes ahead
+    ckpt.save(4, bad)
+    with pytest.raises(SaveFailedError, match="step 4"):
+        ckpt.wait()
+    ckpt.close()
+    with DaemonClient() as c:
+        assert [s.step for s in c.steps("fail")] == [3]
+
+
+def test_bad_arguments_say_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="async_mode"):
+        Checkpointer("x", async_mode="fork")
+    with pytest.raises(ValueError, match="every"):
+        Checkpointer("x", every=0)
+
+
+def test_extra_signal_saves_durable_step_and_exits_0(tmp_path: Path) -> None:
+    """SIGUSR1 (the configured extra signal) only marks the process; the next save takes this
+    step to the persistent tier, waits until it is durable, and exits with status 0."""
+    store = tmp_path / "store"
+    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}").start()
+    try:
+        config = ClientConfig.from_env(socket=d.socket)
+        ckpt = Checkpointer("pre", persist_every=1000, config=config, preempt_signal=signal.SIGUSR1)
+        w = torch.arange(1000.0)
+        ckpt.save(1, {"w": w})
+        os.kill(os.getpid(), signal.SIGUSR1)  # would end the process without the handler
+        w += 1
+        with pytest.raises(SystemExit) as exited:
+            ckpt.save(2, {"w": w})
+        assert exited.value.code == 0
+        with DaemonClient(config) as c:
+            states = {s.step: s.state.value for s in c.steps("pre")}
+        assert states == {1: "committed", 2: "durable"}
+        assert (store / "pre" / "step_000000000002").is_dir()
+        # The handlers are gone with the Checkpointer: the default action is back.
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        d.cleanup()
+
+
+def test_preemption_without_a_persistent_tier_exits_1(client_env: DaemonProcess) -> None:
+    ckpt = Checkpointer("pre-mem")
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        ckpt.save(5, {"w": torch.ones(10)})
+    assert exited.value.code == 1  # saved, but only in this node's memory
+    with DaemonClient() as c:
+        assert c.step("pre-mem", 5).state.value == "committed"

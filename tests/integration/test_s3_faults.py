@@ -1,0 +1,300 @@
+"""The persistent tier under S3 faults: a real daemon uploads to real SeaweedFS through a loopback
+proxy (tests/s3proxy.py) that throttles, fails, resets, truncates, corrupts, delays and stalls
+requests. What a user must see: every committed step becomes durable within the retry budget;
+restore is bit-exact or fails loudly, never wrong bytes; a failure that outlasts the budget (or a
+server that stops answering) shows in status and metrics within the S3 timeout while the step
+stays in memory; and the upload queue moves on.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import httpx
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from prometheus_client.parser import text_string_to_metric_families
+from s3proxy import Fault, S3FaultProxy
+from seaweed import SeaweedS3
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tierckpt_client import DaemonClient
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_core.protocol import PersistentStatus
+
+from helpers import DaemonProcess, free_port, new_shm_dir
+
+N = 1 << 16
+BIG = 5 << 20  # floats: 20 MiB, three multipart parts of 8 MiB
+
+_T = TypeVar("_T")
+
+
+def _state(step: int, n: int = N) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "meta": {"step": step}}
+
+
+def _save(ns: str, step: int, n: int = N) -> None:
+    writer = TieredStorageWriter(ns, step)
+    dcp.async_save(_state(step, n), storage_writer=writer, no_dist=True).result()
+
+
+def _load(ns: str, step: int | None = None, n: int = N) -> tuple[int | None, dict[str, object]]:
+    out: dict[str, object] = {"w": torch.zeros(n), "meta": {"step": -1}}
+    reader = TieredStorageReader(ns, step)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return reader.resolved_step, out
+
+
+def _assert_state(out: dict[str, object], step: int, n: int = N) -> None:
+    ref = _state(step, n)
+    assert torch.equal(out["w"], ref["w"])  # type: ignore[arg-type]
+    assert out["meta"] == {"step": step}
+
+
+def _persistent() -> PersistentStatus:
+    with DaemonClient() as c:
+        st = c.status().persistent
+    assert st is not None
+    return st
+
+
+def _states(ns: str) -> dict[int, str]:
+    with DaemonClient() as c:
+        return {s.step: s.state.value for s in c.steps(ns)}
+
+
+def _wait(what: str, probe: Callable[[], _T | None], timeout: float) -> _T:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {timeout}s; persistent: {_persistent()}")
+        time.sleep(0.05)
+
+
+def _wait_durable(ns: str, steps: set[int], timeout: float = 60.0) -> None:
+    _wait(
+        f"{ns} steps {steps} durable",
+        lambda: all(_states(ns).get(s) == "durable" for s in steps),
+        timeout,
+    )
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if not s.labels
+    }
+
+
+@pytest.fixture
+def proxy(seaweed: SeaweedS3) -> Iterator[S3FaultProxy]:
+    with S3FaultProxy(seaweed.endpoint) as p:
+        yield p
+
+
+@pytest.fixture
+def start_node(
+    s3_env: SeaweedS3,
+    proxy: S3FaultProxy,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start a daemon whose persistent tier is SeaweedFS behind ``proxy``."""
+    started: list[DaemonProcess] = []
+    prefix = request.node.name
+
+    def start(**settings: object) -> DaemonProcess:
+        d = DaemonProcess(
+            new_shm_dir(),
+            persist_url=f"s3://{s3_env.bucket}/{prefix}",
+            s3_endpoint=proxy.endpoint,
+            port=free_port(),
+            host="127.0.0.1",
+            keep_last=4,  # every step of a test stays in memory (retention is not tested here)
+            **settings,
+        )
+        started.append(d)
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        return d.start()
+
+    try:
+        yield start
+    finally:
+        for d in started:
+            d.cleanup()
+
+
+def _reboot(node: DaemonProcess) -> None:
+    """A node that lost its memory: kill the daemon, wipe the tmpfs tier, start again."""
+    node.kill()
+    shutil.rmtree(node.shm_dir)
+    node.start()
+
+
+@pytest.mark.slow
+def test_transient_faults_every_step_becomes_durable_and_restores_bit_exact(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    node = start_node(s3_timeout=10, s3_max_attempts=4)
+    # Uploads: throttling, internal errors, resets before and in the middle of a body, latency.
+    proxy.add("503", op="UploadPart", times=3)
+    proxy.add("500", op="CompleteMultipartUpload", times=2)
+    proxy.add("reset", op="CreateMultipartUpload", times=2)
+    proxy.add("reset_body", op="UploadPart", times=2)
+    proxy.add(Fault("delay", 0.5), op="UploadPart", times=3)
+    proxy.add("503", op="DeleteObjects", times=1)
+    for step in (1, 2, 3):
+        _save("job", step, BIG if step == 2 else N)
+    _wait_durable("job", {1, 2, 3})
+    st = _persistent()
+    assert st.uploaded_steps == 3 and st.healthy is True and st.last_error is None
+    assert st.queued_steps == 0
+    upload_faults = proxy.injected()
+    assert upload_faults == 13, proxy.faults
+
+    # Restore after a node loss, through failed, cut-short and lying downloads.
+    proxy.clear()
+    proxy.add("503", op="GetObject", times=2)
+    proxy.add("reset", op="GetObject", times=2)
+    proxy.add("truncate", op="GetObject", times=2)
+    proxy.add("short", op="GetObject", times=2)
+    proxy.add("503", op="ListObjects", times=1)
+    _reboot(node)
+    step, out = _load("job", n=N)
+    assert step == 3
+    _assert_state(out, 3)
+    _step, out = _load("job", 2, n=BIG)
+    _assert_state(out, 2, BIG)
+    _step, out = _load("job", 1)
+    _assert_state(out, 1)
+    assert proxy.injected() - upload_faults == 9, proxy.faults
+    print(f"faults injected: {dict(proxy.faults)}; requests: {dict(proxy.requests)}")
+
+
+@pytest.mark.slow
+def test_corrupted_transfers_are_never_restored(
+    start_node: Callable[..., DaemonProcess],
+    proxy: S3FaultProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    node = start_node(s3_timeout=10, s3_max_attempts=2)
+    _save("job", 10)
+    _wait_durable("job", {10})
+    # Step 20's data is corrupted on its way up (plain HTTP, unsigned payload: S3 stores it).
+    proxy.add("flip_body", op="UploadPart", key=r"step_000000000020/r\d+\.data")
+    _save("job", 20)
+    _save("job", 30)
+    _wait_durable("job", {20, 30})
+    # Step 30 is stored intact, but every download of its data is corrupted on the way back.
+    proxy.clear()
+    proxy.add("flip", op="GetObject", key=r"step_000000000030/r\d+\.data")
+    _reboot(node)
+    with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
+        step, out = _load("job")
+    assert step == 10
+    _assert_state(out, 10)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("skipping step 30" in w and "corrupt" in w for w in warnings), warnings
+    assert any("skipping step 20" in w and "corrupt" in w for w in warnings), warnings
+    for bad in (20, 30):
+        with pytest.raises(CheckpointException, match=r"r00000\.data .* is corrupt"):
+            _load("job", bad)
+    assert proxy.faults["flip GetObject"] >= 1 and proxy.faults["flip_body UploadPart"] >= 1
+    assert _scrape(node.settings["port"])["tierckpt_verification_failures_total"] >= 2
+
+
+@pytest.mark.slow
+def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memory(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    node = start_node(s3_timeout=5, s3_max_attempts=2)
+    port = node.settings["port"]
+    rule = proxy.add("503", op="UploadPart")  # S3 throttles every upload, for as long as it takes
+    _save("job", 1)
+    st = _wait("a failed upload", lambda: (s := _persistent()).failed_uploads and s, 30)
+    assert st.healthy is False
+    assert "job/step 1: upload to s3://" in (st.last_error or "")
+    assert "throttled" in (st.last_error or "")  # the CRT client's words for 503 SlowDown
+    assert st.queued_steps == 1
+    metrics = _scrape(port)
+    assert metrics["tierckpt_persistent_healthy"] == 0
+    assert metrics["tierckpt_upload_failures_total"] >= 1
+    assert metrics["tierckpt_upload_queue_steps"] == 1
+    assert _states("job") == {1: "committed"}
+    _step, out = _load("job")  # the memory tier keeps serving it
+    _assert_state(out, 1)
+    assert rule.hits >= 2
+
+    proxy.clear()  # S3 recovers: the step becomes durable, and status healthy again
+    _wait_durable("job", {1})
+    st = _persistent()
+    assert st.healthy is True and st.last_error is None and st.queued_steps == 0
+    assert _scrape(port)["tierckpt_persistent_healthy"] == 1
+
+
+@pytest.mark.slow
+def test_a_stalled_upload_is_bounded_by_the_timeout_and_the_queue_moves_on(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    timeout = 3.0
+    node = start_node(s3_timeout=timeout, s3_max_attempts=1)
+    # The server stops answering the upload of step 1's data (as if stopped with SIGSTOP).
+    proxy.add("stall", op="UploadPart", key=r"step_000000000001/")
+    _save("job", 1)
+    t0 = time.monotonic()
+    assert _wait("the upload to start", lambda: proxy.faults["stall UploadPart"], 10)
+    st = _persistent()
+    assert st.queued_steps == 1 and st.failed_uploads == 0  # one step, in flight
+    st = _wait("the stalled upload to fail", lambda: (s := _persistent()).failed_uploads and s, 30)
+    elapsed = time.monotonic() - t0
+    print(f"stalled upload reported after {elapsed:.1f}s (TIERCKPT_S3_TIMEOUT={timeout:g})")
+    assert elapsed < 3 * timeout, f"a stalled upload took {elapsed:.1f}s to fail"
+    assert st.healthy is False and "TIERCKPT_S3_TIMEOUT=3s" in (st.last_error or "")
+    assert _scrape(node.settings["port"])["tierckpt_persistent_healthy"] == 0
+
+    _save("job", 2)  # committed behind the stuck step: it must not wait for it
+    _wait_durable("job", {2}, timeout=30)
+    assert _states("job")[1] == "committed"
+    _step, out = _load("job", 1)
+    _assert_state(out, 1)
+
+    proxy.clear()
+    proxy.release()  # the server answers again: step 1 follows
+    _wait_durable("job", {1}, timeout=60)
+    assert _persistent().queued_steps == 0
+
+
+@pytest.mark.slow
+def test_a_server_that_stops_answering_everything_is_reported_within_the_timeout(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    timeout = 4.0
+    start_node(s3_timeout=timeout, s3_max_attempts=1)
+    _wait("the start-up health check", lambda: _persistent().healthy, 30)
+    proxy.add("stall")  # control calls (boto3) and data calls (CRT) alike
+    _save("job", 1)
+    t0 = time.monotonic()
+    st = _wait("the stalled upload to fail", lambda: (s := _persistent()).failed_uploads and s, 30)
+    elapsed = time.monotonic() - t0
+    print(f"stalled server reported after {elapsed:.1f}s (TIERCKPT_S3_TIMEOUT={timeout:g})")
+    # One attempt (TIERCKPT_S3_MAX_ATTEMPTS=1) of one timeout, not one per boto3 retry on top.
+    assert elapsed < 2 * timeout, f"a stalled server took {elapsed:.1f}s to be reported"
+    assert st.healthy is False and st.queued_steps == 1
+    assert "TIERCKPT_S3_TIMEOUT=4s" in (st.last_error or "")
+    assert _states("job") == {1: "committed"}
+    proxy.clear()
+    proxy.release()
+    _wait_durable("job", {1}, timeout=60)
