@@ -28,7 +28,9 @@ def _rows(rank: int, value: float) -> dict[str, Any]:
 def _collectives_worker(rank: int, world: int, socket: str) -> None:
     os.environ["TIERCKPT_SOCKET"] = socket
     with pytest.raises(StepStateError, match=r"use_collectives=False is not supported"):
-        dcp.save(_rows(rank, 1.0), storage_writer=TieredStorageWriter("solo", 1), use_collectives=False)
+        dcp.save(
+            _rows(rank, 1.0), storage_writer=TieredStorageWriter("solo", 1), use_collectives=False
+        )
 
 
 def test_use_collectives_false_is_refused_and_commits_nothing(daemon: DaemonProcess) -> None:

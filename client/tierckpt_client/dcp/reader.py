@@ -152,7 +152,9 @@ class TieredStorageReader(StorageReader):
         if self.step is not None:
             return self.step
         if not (dist.is_available() and dist.is_initialized()) or _dcp_load_without_dist():
-            return self._newest_good_step(namespace)  # this process loads alone: no one to agree with
+            return self._newest_good_step(
+                namespace
+            )  # this process loads alone: no one to agree with
         group = self.process_group
         src = dist.get_global_rank(group, 0) if group is not None else 0
         box: list[Any] = [None]
