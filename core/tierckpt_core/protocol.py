@@ -80,6 +80,9 @@ class CommitRequest(BaseModel):
     # A step whose ranks used several daemons: file name -> the node (TIERCKPT_NODE_NAME) of the
     # daemon the writing rank sealed it with. The coordinator's daemon commits it on every node.
     nodes: dict[str, str] | None = None
+    # False: refuse to replace a committed step of the same number (torch's
+    # FileSystemWriter(overwrite=False)); the daemon checks it in the commit itself.
+    overwrite: bool = True
 
 
 class StepInfo(BaseModel):

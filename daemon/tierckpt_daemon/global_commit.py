@@ -92,6 +92,8 @@ class GlobalCommitter:
             shares.setdefault(nodes[name], []).append(name)
         participants = sorted(shares)
         self.service.writing_record(namespace, step, attempt)  # the decider's own part exists
+        # The decider's index is the one that decides "latest": a committed step is on it.
+        self.service.refuse_overwrite(namespace, step, req)
         persist = self.service.wants_persist(namespace, step, req.persist)
         t0 = time.monotonic()
 

@@ -202,6 +202,7 @@ class TierService:
     ) -> StepRecord:
         with self.lock:
             rec = self.writing_record(namespace, step, attempt)
+            self.refuse_overwrite(namespace, step, req)
             self.keep_only(rec, req.files)
             rec.world_size = req.world_size
             rec.persist = req.persist
@@ -214,6 +215,15 @@ class TierService:
                 origin=origin,
                 checksums=checksums,
             )
+
+    def refuse_overwrite(self, namespace: str, step: int, req: CommitRequest) -> None:
+        """With ``req.overwrite`` False, a committed step of this number is not replaced."""
+        with self.lock:
+            if not req.overwrite and step in self.index.committed.get(namespace, {}):
+                raise StepStateError(
+                    f"{namespace}/step {step} is already committed and the save asked not to "
+                    "replace it (overwrite=False); save under a new step, or pass overwrite=True"
+                )
 
     def writing_record(self, namespace: str, step: int, attempt: str) -> StepRecord:
         """The record of a save attempt in progress (its ranks' sealed files)."""

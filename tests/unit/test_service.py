@@ -188,3 +188,21 @@ def test_rebuild_applies_retention(root: Path) -> None:
     svc2 = make(root, keep_last=2)  # restarted with a smaller TIERCKPT_KEEP_LAST
     assert [s.step for s in svc2.list_steps("job")] == [2, 3]
     assert svc2.arena.pool_files == 1
+
+
+def test_overwrite_false_refuses_to_replace_a_committed_step(root: Path) -> None:
+    svc = make(root)
+    save(svc, "job", 4, attempt="first")
+    lease = svc.lease("job", 0, 100)
+    svc.seal(
+        "job",
+        4,
+        "second",
+        SealRequest(rank=0, files=[SealFile(lease_id=lease.lease_id, name="r0", length=100)]),
+    )
+    req = CommitRequest(files=["r0"], metadata={"step": "new"}, world_size=1, overwrite=False)
+    with pytest.raises(StepStateError, match=r"job/step 4 is already committed.*overwrite=False"):
+        svc.commit("job", 4, "second", req)
+    assert svc.metadata("job", 4) == {"step": 4}  # the committed step is untouched
+    svc.commit("job", 4, "second", req.model_copy(update={"overwrite": True}))
+    assert svc.metadata("job", 4) == {"step": "new"}

@@ -21,7 +21,7 @@ import torch
 
 from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.dcp._targets import OutFile, private_file
+from tierckpt_client.dcp._targets import OutFile, overwrite_refused, private_file
 from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
 from tierckpt_core.layout import (
     delete_sidecars,
@@ -58,8 +58,10 @@ class PersistentTier:
         settings: StoreSettings | None = None,
         *,
         discard: Callable[[str, OutFile], None] | None = None,
+        overwrite: bool = True,
     ) -> None:
         self.url = url
+        self.overwrite = overwrite
         self.store: ObjectStore = open_store(url, settings or StoreSettings.from_env())
         self._manifests: dict[tuple[str, int], StepManifest] = {}
         self._discard = discard
@@ -106,7 +108,10 @@ class PersistentTier:
 
     # -- writes -----------------------------------------------------------------------------
     def begin(self, namespace: str, step: int) -> None:
-        """Before any rank writes: an old commit marker of this step must not cover new files."""
+        """Before any rank writes: an old commit marker of this step must not cover new files
+        (with ``overwrite=False``, an existing one refuses the save)."""
+        if not self.overwrite and self.store.exists(marker_key(namespace, step)):
+            raise overwrite_refused(namespace, step)
         self.store.delete([marker_key(namespace, step)])
 
     def new_file(self, namespace: str, rank: int, name: str, size: int) -> OutFile:

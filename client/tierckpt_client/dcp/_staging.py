@@ -3,7 +3,8 @@
 :func:`stage_into` walks the state dict like DCP does (mappings and lists; other values are leaves),
 lays every tensor's bytes out back to back (64-byte aligned) and copies each one into its place. It
 returns a state dict of the same shape whose tensors alias the file; DTensors keep their spec with the
-local tensor replaced. Non-tensor leaves are deep-copied so that training may change the originals.
+local tensor replaced, and ShardedTensors are rebuilt around their staged local shards with the same
+global metadata. Non-tensor leaves are deep-copied so that training may change the originals.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from tierckpt_client.dcp._arena import FileMapping
@@ -32,6 +34,12 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, ShardedTensor):
+        # Before Tensor: a ShardedTensor is a tensor subclass with no storage of its own.
+        shards = [Shard(on_tensor(s.tensor.detach()), s.metadata) for s in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group
+        )
     if isinstance(obj, DTensor):
         local = on_tensor(obj._local_tensor.detach())
         return DTensor(local, obj._spec, requires_grad=False)
@@ -65,7 +73,10 @@ def staging_size(state_dict: dict[str, Any]) -> int:
 
 
 def _walk_tensors_only(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    if isinstance(obj, DTensor):
+    if isinstance(obj, ShardedTensor):
+        for shard in obj.local_shards():
+            fn(shard.tensor)
+    elif isinstance(obj, DTensor):
         fn(obj._local_tensor)
     elif isinstance(obj, torch.Tensor):
         fn(obj)

@@ -30,6 +30,7 @@ from tierckpt_client.errors import (
     CheckpointFormatError,
     NotFoundError,
     StepNotFoundError,
+    StepStateError,
     TierCkptError,
 )
 from tierckpt_core.protocol import CommitRequest, SealFile
@@ -83,6 +84,13 @@ class SaveTarget(Protocol):
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> None: ...
 
 
+def overwrite_refused(namespace: str, step: int) -> StepStateError:
+    return StepStateError(
+        f"{namespace}/step {step} is already committed and the save asked not to replace it "
+        "(overwrite=False); save under a new step, or pass overwrite=True"
+    )
+
+
 class ReadSource(Protocol):
     def newest_good_step(self, namespace: str) -> int: ...
 
@@ -97,12 +105,23 @@ class MemoryTier:
     """The node's memory tier, through its daemon: files are leased tmpfs files, sealed into a save
     attempt and committed by the coordinator; reads map pinned files."""
 
-    def __init__(self, daemon: DaemonClient) -> None:
+    def __init__(self, daemon: DaemonClient, *, overwrite: bool = True) -> None:
         self.daemon = daemon
+        self.overwrite = overwrite
 
     # -- save -------------------------------------------------------------------------------
     def begin(self, namespace: str, step: int) -> None:
-        """Nothing to prepare: the daemon keeps each save attempt apart until its commit."""
+        """The daemon keeps each save attempt apart until its commit. With ``overwrite=False`` a
+        step that exists in any tier is refused here, before any rank writes; the daemon checks
+        again in the commit itself, so two racing saves cannot both replace it."""
+        if self.overwrite:
+            return
+        try:
+            candidates = self.daemon.candidates(namespace)
+        except NotFoundError:  # the namespace's first save
+            return
+        if any(c.step == step for c in candidates):
+            raise overwrite_refused(namespace, step)
 
     def new_file(self, namespace: str, rank: int, name: str, size: int) -> OutFile:
         lease = self.daemon.lease(namespace, rank, size)

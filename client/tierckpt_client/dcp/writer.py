@@ -21,7 +21,13 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _items
 from tierckpt_client.dcp._direct import PersistentTier
-from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp._ids import (
+    attempt_base,
+    format_checkpoint_id,
+    is_checkpoint_id,
+    next_attempt,
+    parse_checkpoint_id,
+)
 from tierckpt_client.dcp._metadata_codec import encode_metadata
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_client.dcp._targets import MemoryTier, OutFile, SaveTarget
@@ -48,14 +54,20 @@ class _LocalPlanData:
 
 @dataclass(frozen=True)
 class _PlanData:
-    """What the coordinator hands every rank in its plan."""
+    """What the coordinator hands every rank in its plan. With plan caching, DCP hands a rank its
+    cached plan from an earlier save instead, so nothing here may belong to one save: the attempt
+    id is derived from ``attempt_base`` by each rank (``_ids.next_attempt``)."""
 
-    attempt: str
+    attempt_base: str
     direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
     across: bool = False  # the ranks use several daemons: a commit across nodes
 
 
 _warned: set[str] = set()
+
+# Coordinator: the last layout each rank reported, per (namespace, world size). With plan
+# caching, the plans of ranks whose plan did not change reach the coordinator without writer data.
+_layouts: dict[tuple[str, int], list[_LocalPlanData]] = {}
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             writes the step straight to the persistent tier (``config.persist_url``) and logs one
             WARNING; ``"raise"`` fails the save. Training never hangs on the daemon: every call
             has a timeout.
+        overwrite: ``True`` (default, as torch's ``FileSystemWriter``): saving a step that is
+            already committed replaces it. ``False``: such a save fails with ``StepStateError``
+            before any rank writes, and the committed step stays (the daemon checks again in the
+            commit itself, so two racing saves cannot both replace it).
 
     Call order, as DCP drives it (``async_save`` adds ``stage`` in the trainer first)::
 
@@ -121,6 +137,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         persist: bool | None = None,
         config: ClientConfig | None = None,
         on_unavailable: str = "persist",
+        overwrite: bool = True,
     ) -> None:
         super().__init__()
         if on_unavailable not in ("persist", "raise"):
@@ -134,11 +151,13 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.namespace = validate_namespace(namespace) if namespace is not None else None
         self.step = validate_step(step) if step is not None else None
         self.persist = persist
+        self.overwrite = overwrite
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient.shared(self.config)
-        self._memory = MemoryTier(self._daemon)
+        self._memory = MemoryTier(self._daemon, overwrite=overwrite)
         self._staged: OutFile | None = None
         self._plan_data: _PlanData | None = None
+        self._attempt: str | None = None
         self._rank_nodes: list[str | None] | None = None  # coordinator: the node of each rank
         self.rank = 0
         self.is_coordinator = True
@@ -189,7 +208,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         state["_daemon"] = DaemonClient.shared(
             self.config
         )  # a fresh connection in the other process
-        state["_memory"] = MemoryTier(state["_daemon"])
+        state["_memory"] = MemoryTier(state["_daemon"], overwrite=self.overwrite)
         state["_persistent"] = None  # re-opened (with its one warning) where it is needed
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
         # helper process: the staged file belongs to that copy from now on, so this one can stage
@@ -238,7 +257,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             logger.warning("%s; saving straight to the persistent tier %s", cause, url)
         self._degraded = True
         if self._persistent is None:
-            self._persistent = PersistentTier(url, discard=self._memory.discard)
+            self._persistent = PersistentTier(
+                url, discard=self._memory.discard, overwrite=self.overwrite
+            )
         return self._persistent
 
     def synchronize_staging(self) -> None:
@@ -280,9 +301,18 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         namespace, step = self._require_target()
-        local = [p.storage_data for p in plans]
-        if not all(isinstance(x, _LocalPlanData) for x in local):
-            raise StepStateError(f"{namespace}/step {step}: a rank's plan carries no writer data")
+        known = _layouts.get((namespace, len(plans)))
+        local: list[_LocalPlanData] = []
+        for rank, p in enumerate(plans):
+            if isinstance(p.storage_data, _LocalPlanData):
+                local.append(p.storage_data)
+            elif not p.usable and known is not None:  # plan caching: the rank's plan is unchanged
+                local.append(known[rank])
+            else:
+                raise StepStateError(
+                    f"{namespace}/step {step}: rank {rank}'s plan carries no writer data"
+                )
+        _layouts[(namespace, len(plans))] = local
         daemons = {x.daemon for x in local}
         nodes = [x.node for x in local]
         # Ranks on several daemons: each keeps its files on its own node, and the coordinator's
@@ -299,7 +329,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
         direct = (len(daemons) > 1 and not across) or any(x.direct for x in local)
         data = _PlanData(
-            attempt=uuid.uuid4().hex[:16], direct=direct, across=self._rank_nodes is not None
+            attempt_base=attempt_base(), direct=direct, across=self._rank_nodes is not None
         )
         self._target(namespace, step, data).begin(namespace, step)
         return [replace(p, storage_data=data) for p in plans]
@@ -322,8 +352,18 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         data = plan.storage_data
         if not isinstance(data, _PlanData):
             raise StepStateError(f"{namespace}/step {step}: the save plan carries no attempt id")
+        attempt = next_attempt(data.attempt_base, namespace, step)  # first: the same on all ranks
         target = self._target(namespace, step, data)
         staged, self._staged = self._staged, None
+        if staged is not None and staged.lease_id is None and not data.direct:
+            # Only with plan caching: the coordinator could not learn that this rank lost its
+            # daemon, and the cached plan sends the save to the memory tier.
+            self._memory.discard(namespace, staged)
+            raise DaemonUnavailableError(
+                f"{namespace}/step {step}: rank {self.rank} cannot use its daemon, and the save "
+                "plan (cached from an earlier save: enable_plan_caching) sends this save to the "
+                "memory tier; retry the save, or save without plan caching"
+            )
         staged_mapping = staged.mapping() if staged is not None else None
         results: list[WriteResult] = []
         pending: list[tuple[MetadataIndex, Any]] = []  # items to copy into the extra file
@@ -355,8 +395,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             if extra is not None:
                 files.append(extra)
             results.extend(extra_results)
-            target.write(namespace, step, data.attempt, self.rank, files)
-            self._plan_data = data
+            target.write(namespace, step, attempt, self.rank, files)
+            self._plan_data, self._attempt = data, attempt
         except BaseException:
             for f in files:
                 self._memory.discard(namespace, f)
@@ -379,8 +419,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 storage[r.index] = r.storage_data
                 files.add(r.storage_data.file)
         metadata.storage_data = storage
-        data = self._plan_data
-        if data is None:
+        data, attempt = self._plan_data, self._attempt
+        if data is None or attempt is None:
             raise StepStateError(f"{namespace}/step {step}: finish() without write_data()")
         nodes = None
         if self._rank_nodes is not None:  # rank i's files are on the daemon rank i used
@@ -395,5 +435,6 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             world_size=len(results),
             persist=self.persist,
             nodes=nodes,
+            overwrite=self.overwrite,
         )
-        self._target(namespace, step, data).commit(namespace, step, data.attempt, req)
+        self._target(namespace, step, data).commit(namespace, step, attempt, req)
