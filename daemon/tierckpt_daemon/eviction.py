@@ -9,6 +9,7 @@ step of a namespace, and never a step that is waiting to be persisted or replica
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -35,14 +36,25 @@ class KeepLatestN:
 
     def after_commit(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
         # Pinned steps are included: the service defers their files until the reader unpins.
+        # Steps hydrated for a reader stay until it is done (``StepRecord.hold_until``).
         newest_first = sorted(committed, key=lambda r: r.step, reverse=True)
-        return list(newest_first[self.n :])
+        return [r for r in newest_first[self.n :] if not held(r)]
 
     def under_pressure(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
         oldest_first = sorted(committed, key=lambda r: r.step)
         return [r for r in oldest_first[:-1] if safe_to_evict(r)]
 
 
+def held(record: StepRecord) -> bool:
+    """Whether ``record`` was hydrated for a reader that has not read it yet."""
+    return record.hold_until > time.monotonic()
+
+
 def safe_to_evict(record: StepRecord) -> bool:
     """A step may leave memory only if no reader holds it and no upload or push still needs it."""
-    return not record.pins and not record.persist_pending and not record.replication_pending
+    return (
+        not record.pins
+        and not held(record)
+        and not record.persist_pending
+        and not record.replication_pending
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -23,7 +24,7 @@ from tierckpt_core.errors import (
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.records import StepRecord, update_manifest
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.service import HOLD_S, TierService
 
 Fetch = Callable[[FileRecord, str], None]
 """``fetch(file, path)``: write ``file``'s bytes into the leased ``path`` and verify them (raise
@@ -44,8 +45,12 @@ def fill_step(
     replicate: bool,
     origin: str | None = None,
     spanning: StepManifest | None = None,
+    hold: bool = False,
 ) -> StepRecord:
     """Lease, fill (``fetch`` on ``pool``), seal and commit ``files`` as ``namespace/step``.
+
+    ``hold``: the step is brought in for a reader; retention leaves it until the reader has
+    unpinned it (or ``HOLD_S`` passed), even when it is older than the steps retention keeps.
 
     ``spanning`` is the global record of a step whose files lie on several nodes, of which
     ``files`` are the ones to bring here: they join this node's record of the step if it has one
@@ -56,7 +61,9 @@ def fill_step(
     raised.
     """
     if spanning is not None:
-        return _fill_share(service, spanning, files, fetch=fetch, pool=pool, origin=origin)
+        return _fill_share(
+            service, spanning, files, fetch=fetch, pool=pool, origin=origin, hold=hold
+        )
     attempt = f"{attempt_prefix}{uuid.uuid4().hex[:15]}"
     leases = _lease_and_fetch(service, namespace, files, fetch, pool)
     try:
@@ -72,6 +79,8 @@ def fill_step(
         raise
     if not leases:
         service.seal(namespace, step, attempt, SealRequest(rank=0, files=[]))
+    if hold:
+        service.writing_record(namespace, step, attempt).hold_until = time.monotonic() + HOLD_S
     service.commit(
         namespace,
         step,
@@ -97,6 +106,7 @@ def _fill_share(
     fetch: Fetch,
     pool: Executor,
     origin: str | None,
+    hold: bool,
 ) -> StepRecord:
     ns, step, attempt = manifest.namespace, manifest.step, manifest.attempt
     if attempt is None:
@@ -108,6 +118,8 @@ def _fill_share(
     leases = _lease_and_fetch(service, ns, files, fetch, pool)
     try:
         if current is not None and current.attempt == attempt:
+            if hold:
+                current.hold_until = time.monotonic() + HOLD_S
             add_files(service, current, leases)
             return current
         with service.lock:
@@ -118,6 +130,8 @@ def _fill_share(
             rec.remote = {f.name: f for f in manifest.files if f.name not in rec.files}
             rec.coordinator = manifest.coordinator
             rec.world_size = manifest.world_size
+            if hold:
+                rec.hold_until = time.monotonic() + HOLD_S
             installed = service.install(
                 rec, manifest.metadata, persist=False, replicate=False, origin=origin
             )

@@ -366,6 +366,7 @@ class Persister(QueueWorker[StepRecord]):
                 attempt_prefix="h",
                 replicate=False,  # durable already; peers hydrate it themselves when they need it
                 spanning=spanning,
+                hold=True,  # for a reader: retention must not take it back at once
             )
         finally:
             with self._cv:

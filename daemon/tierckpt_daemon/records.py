@@ -48,6 +48,9 @@ class StepRecord:
     replicated_to: list[str] = field(default_factory=list)  # peers holding a verified copy
     replication_pending: bool = False  # must not leave memory before it is replicated
     pins: dict[str, float] = field(default_factory=dict)  # pin id -> monotonic expiry
+    # Brought into memory for a reader (hydrated from the persistent tier or a peer): retention
+    # leaves it until this monotonic time, or until its readers have unpinned it.
+    hold_until: float = 0.0
     evict_pending: bool = False
     # A step spanning nodes: the files other daemons hold, the daemon that decides, and, on a
     # participant between prepare and decision, that it has prepared (it must ask the decider).

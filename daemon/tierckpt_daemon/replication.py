@@ -317,6 +317,7 @@ class Replicator(QueueWorker[StepRecord]):
             replicate=not replica,
             origin=peer if replica else None,
             spanning=spanning,
+            hold=not replica,  # a restore is for a reader: retention must not take it back at once
         )
         if not replica and spanning is None:
             self.service.mark_replicated(rec, peer, {})

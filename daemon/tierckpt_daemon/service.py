@@ -60,6 +60,9 @@ from tierckpt_daemon.step_index import StepIndex
 logger = logging.getLogger(__name__)
 
 PIN_TTL_S = 600.0
+# How long a step hydrated for a reader stays in memory against retention if no reader pins and
+# unpins it (a reader that died between hydrating and reading).
+HOLD_S = PIN_TTL_S
 POOL_IDLE_S = 900.0
 
 
@@ -401,6 +404,8 @@ class TierService:
         with self.lock:
             for rec in self.index.records_of(namespace, step):
                 if rec.pins.pop(pin_id, None) is not None:
+                    if not rec.pins:
+                        rec.hold_until = 0.0  # its reader is done: retention applies again
                     self.index.drop_if_retired(rec)
                     return
             raise LeaseNotFoundError(f"{namespace}/step {step}: no pin {pin_id}")

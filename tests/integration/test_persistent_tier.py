@@ -119,6 +119,22 @@ def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
         assert {s.step: s.state.value for s in c.steps("job")} == {10: "durable", 20: "durable"}
 
 
+def test_an_older_durable_step_stays_hydrated_until_its_reader_is_done(node: DaemonProcess) -> None:
+    """Retention (keep_last=2) must not evict a step the moment it is hydrated for a reader."""
+    for step in (10, 20, 30):
+        _save("job", step)
+        _wait_durable("job", {step})
+    with DaemonClient() as c:
+        assert sorted(s.step for s in c.steps("job") if s.in_memory) == [20, 30]
+        assert {x.step for x in c.candidates("job") if x.durable} == {10, 20, 30}
+    step, out = _load("job", 10)
+    assert step == 10
+    _assert_state(out, 10)
+    _save("job", 40)  # the next commit applies retention again: step 10 leaves memory
+    with DaemonClient() as c:
+        assert sorted(s.step for s in c.steps("job") if s.in_memory) == [30, 40]
+
+
 def test_corrupt_object_falls_back_to_older_step(
     node: DaemonProcess, tier_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
