@@ -137,6 +137,9 @@ class PersistentStatus(BaseModel):
     uploaded_bytes: int
     uploaded_steps: int
     failed_uploads: int
+    # Queued steps that were not uploaded: superseded by a new save of the step, or retired from
+    # memory first (retention keeps the newest TIERCKPT_KEEP_LAST steps; or deleted).
+    skipped_uploads: int = 0
     hydrations: list[HydrationProgress] = []
     uploads: list[HydrationProgress] = []  # the step being uploaded: bytes of its finished files
 

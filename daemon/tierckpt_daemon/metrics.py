@@ -43,6 +43,12 @@ class Metrics:
         self.upload_failures = Counter(
             "tierckpt_upload_failures", "Failed step uploads (retried)", registry=r
         )
+        self.upload_skips = Counter(
+            "tierckpt_upload_skips",
+            "Steps queued for the persistent tier that left memory before their upload started",
+            ["reason"],
+            registry=r,
+        )
         self.upload_seconds = Histogram(
             "tierckpt_upload_seconds",
             "Time to make one step durable",

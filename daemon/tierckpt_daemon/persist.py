@@ -127,6 +127,7 @@ class Persister(QueueWorker[StepRecord]):
             uploaded_bytes=m.total(m.uploaded_bytes),
             uploaded_steps=m.total(m.uploaded_steps),
             failed_uploads=m.total(m.upload_failures),
+            skipped_uploads=m.total(m.upload_skips),
             hydrations=hydrations,
             uploads=uploads,
         )
@@ -166,10 +167,23 @@ class Persister(QueueWorker[StepRecord]):
             return False
         return True
 
+    def _skip(self, rec: StepRecord) -> None:
+        """A queued step left memory before its upload started: say so, count it, let it go."""
+        reason = "superseded" if self.service.has_step(rec.namespace, rec.step) else "retired"
+        why = {
+            "superseded": "a newer save of the same step replaced it (that one is uploaded)",
+            "retired": "it left memory first: retention keeps only the newest "
+            f"{self.service.keep_last} steps of the namespace (TIERCKPT_KEEP_LAST), and uploads "
+            "did not keep up with the saves; or it was deleted. Newer steps are uploaded",
+        }[reason]
+        logger.warning("%s/step %d is not uploaded: %s", rec.namespace, rec.step, why)
+        self.service.metrics.upload_skips.labels(reason=reason).inc()
+        self.service.cancel_persist(rec)
+
     def _upload(self, rec: StepRecord) -> None:
         ns, step = rec.namespace, rec.step
         if not self.service.is_current(rec):
-            self.service.cancel_persist(rec)
+            self._skip(rec)
             return
         t0 = time.monotonic()
         metadata = read_manifest(rec.manifest_path()).metadata

@@ -416,6 +416,11 @@ class TierService:
             self.metrics.evictions.labels(reason="deleted").inc()
 
     # -- what the uploader and the replicator report back -----------------------------------
+    def has_step(self, namespace: str, step: int) -> bool:
+        """Whether ``namespace``/``step`` is committed in memory here."""
+        with self.lock:
+            return step in self.index.committed.get(namespace, {})
+
     def is_current(self, rec: StepRecord) -> bool:
         with self.lock:
             return self.index.committed.get(rec.namespace, {}).get(rec.step) is rec

@@ -343,3 +343,37 @@ def test_transfer_threads_yield_the_cpu_to_training(
         assert (nices.count(nice) >= 2) if nice else set(nices) == {0}
     finally:
         d.cleanup()
+
+
+def test_every_step_queued_for_upload_is_uploaded_or_reported_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Uploads slower than the saves, keep_last=2: a queued step that retention takes out of memory
+    before its upload starts is not uploaded, and says so (log line, metric, status)."""
+    d = DaemonProcess(
+        new_shm_dir(),
+        persist_url=f"file://{tmp_path / 'store'}",
+        keep_last=2,
+        upload_max_rate="300K",  # ~1 s per step of ~260 KiB
+    )
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    try:
+        d.start()
+        steps = [0, 10, 20, 30]
+        for step in steps:
+            _save("job", step)
+        with DaemonClient() as c:
+            deadline = time.monotonic() + 60
+            while (p := c.status().persistent) is not None and (p.queued_steps or p.uploads):
+                assert time.monotonic() < deadline, p
+                time.sleep(0.1)
+            assert p is not None
+            durable = {x.step for x in c.candidates("job") if x.durable}
+        skipped = set(steps) - durable
+        assert 30 in durable and skipped, (durable, "the test needs uploads slower than saves")
+        assert p.skipped_uploads == len(skipped)
+        log = d.log()
+        for step in skipped:
+            assert f"job/step {step} is not uploaded: it left memory first: retention" in log
+    finally:
+        d.cleanup()

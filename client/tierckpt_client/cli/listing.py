@@ -61,6 +61,7 @@ def _persistent_line(p: PersistentStatus | None) -> str:
     return (
         f"{p.url}, {health}, {p.queued_steps} step(s) queued, {p.uploaded_steps} uploaded "
         f"({r.size(p.uploaded_bytes)}), {p.failed_uploads} failed upload(s), "
+        f"{p.skipped_uploads} skipped, "
         f"last error: {p.last_error or '-'}"
     )
 
