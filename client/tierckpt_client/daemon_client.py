@@ -213,6 +213,10 @@ class DaemonClient:
         path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit"
         return StepInfo.model_validate(self._request("POST", path, req.model_dump()))
 
+    def abort(self, namespace: str, step: int, attempt: str) -> None:
+        """Give up an uncommitted save attempt: the daemon frees its sealed files now."""
+        self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}")
+
     def candidates(self, namespace: str) -> list[StepCandidate]:
         doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates")
         return [StepCandidate.model_validate(x) for x in doc]

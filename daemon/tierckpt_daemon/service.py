@@ -219,6 +219,22 @@ class TierService:
                 checksums=checksums,
             )
 
+    def abort(self, namespace: str, step: int, attempt: str) -> None:
+        """Give up a save attempt its writer saw fail: its sealed files go back to the pool now,
+        not when the attempt stalls (``lease_ttl_s``). An attempt prepared for a commit across
+        nodes is left to its coordinator's decision."""
+        with self.lock:
+            rec = self.writing_record(namespace, step, attempt)
+            if rec.prepared_at is not None:
+                raise StepStateError(
+                    f"{namespace}/step {step}: attempt {attempt} is prepared for a commit across "
+                    "nodes; its coordinator decides how it ends"
+                )
+            logger.info(
+                "%s/step %d: save attempt %s aborted by its writer", namespace, step, attempt
+            )
+            self.index.abandon(rec)
+
     def refuse_overwrite(self, namespace: str, step: int, req: CommitRequest) -> None:
         """With ``req.overwrite`` False, a committed step of this number is not replaced."""
         with self.lock:
@@ -490,7 +506,7 @@ class TierService:
         now = time.monotonic()
         with self.lock:
             self.leases.expire(now)
-            for key, rec in list(self.index.writing.items()):
+            for rec in list(self.index.writing.values()):
                 # A prepared attempt waits for its decider (global_commit resolves it), however long.
                 if rec.prepared_at is None and now - rec.last_activity > self.lease_ttl_s:
                     logger.warning(
@@ -500,8 +516,7 @@ class TierService:
                         rec.attempt,
                         now - rec.last_activity,
                     )
-                    del self.index.writing[key]
-                    self.index.reclaim_dir(rec.dir)
+                    self.index.abandon(rec)
             for rec in self.index.all_committed() + self.index.retiring:
                 for pin_id in [p for p, exp in rec.pins.items() if exp < now]:
                     del rec.pins[pin_id]

@@ -177,6 +177,11 @@ class StepIndex:
             self.writing[key] = rec
         return rec
 
+    def abandon(self, rec: StepRecord) -> None:
+        """Drop the unfinished save attempt ``rec``; its sealed files go to the pool."""
+        del self.writing[(rec.namespace, rec.step, rec.attempt)]
+        self.reclaim_dir(rec.dir)
+
     def install(self, rec: StepRecord) -> tuple[StepRecord | None, list[StepRecord]]:
         """Make the just-committed ``rec`` its step's record; returns the attempt it superseded
         (retired) and the steps retention retired."""

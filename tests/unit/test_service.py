@@ -132,6 +132,25 @@ def test_a_new_attempt_replaces_a_stale_partial_and_a_recommit_supersedes(root: 
     assert len(list((root / "ns" / "job").iterdir())) == 1
 
 
+def test_an_aborted_attempt_frees_its_files_now_and_a_committed_one_stays(root: Path) -> None:
+    svc = make(root)
+    save(svc, "job", 1)
+    lease = svc.lease("job", 0, MiB)
+    svc.seal(
+        "job",
+        2,
+        "failed",
+        SealRequest(rank=0, files=[SealFile(lease_id=lease.lease_id, name="r0", length=1)]),
+    )
+    svc.abort("job", 2, "failed")
+    assert [(s.step, s.state.value) for s in svc.list_steps("job")] == [(1, "committed")]
+    assert svc.arena.pool_files == 1  # the sealed file is free for the next save
+    assert len(list((root / "ns" / "job").iterdir())) == 1
+    with pytest.raises(StepNotFoundError, match="no save in progress with attempt a1"):
+        svc.abort("job", 1, "a1")  # committed: not an attempt in progress, and it stays
+    assert svc.latest("job").step == 1
+
+
 def test_rebuild_keeps_committed_and_reclaims_partial(root: Path) -> None:
     svc = make(root)
     save(svc, "job", 1)

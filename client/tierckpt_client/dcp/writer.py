@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import uuid
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,7 +29,9 @@ from tierckpt_client.dcp._ids import (
     next_attempt,
     parse_checkpoint_id,
 )
+from tierckpt_client.dcp._leftovers import Leftovers
 from tierckpt_client.dcp._metadata_codec import encode_metadata
+from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_client.dcp._targets import MemoryTier, OutFile, SaveTarget
 from tierckpt_client.errors import (
@@ -43,31 +46,11 @@ from tierckpt_client.protocol import CommitRequest, validate_namespace, validate
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _LocalPlanData:
-    """What each rank tells the coordinator."""
-
-    direct: bool  # this rank cannot use its daemon
-    daemon: str  # which daemon (host and socket) holds this rank's files
-    node: str | None = None  # that daemon's node name among its peers (None: it has no peers)
-
-
-@dataclass(frozen=True)
-class _PlanData:
-    """What the coordinator hands every rank in its plan. With plan caching, DCP hands a rank its
-    cached plan from an earlier save instead, so nothing here may belong to one save: the attempt
-    id is derived from ``attempt_base`` by each rank (``_ids.next_attempt``)."""
-
-    attempt_base: str
-    direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
-    across: bool = False  # the ranks use several daemons: a commit across nodes
-
-
 _warned: set[str] = set()
 
 # Coordinator: the last layout each rank reported, per (namespace, world size). With plan
 # caching, the plans of ranks whose plan did not change reach the coordinator without writer data.
-_layouts: dict[tuple[str, int], list[_LocalPlanData]] = {}
+_layouts: dict[tuple[str, int], list[LocalPlanData]] = {}
 
 
 @dataclass(frozen=True)
@@ -155,8 +138,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient.shared(self.config)
         self._memory = MemoryTier(self._daemon, overwrite=overwrite)
-        self._staged: OutFile | None = None
-        self._plan_data: _PlanData | None = None
+        # The file stage() leased and the attempt write_data sealed, until the save uses them;
+        # given back by close() or when the writer is collected after a failed save.
+        self._leftovers = Leftovers(self._daemon)
+        self._track_leftovers()
+        self._plan_data: PlanData | None = None
         self._attempt: str | None = None
         self._rank_nodes: list[str | None] | None = None  # coordinator: the node of each rank
         self.rank = 0
@@ -203,6 +189,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
         return self.namespace
 
+    def _track_leftovers(self) -> None:
+        finalizer = weakref.finalize(self, self._leftovers.give_back)
+        finalizer.atexit = False  # at exit the daemon reclaims them (lease_ttl_s)
+
+    @property
+    def _staged(self) -> OutFile | None:
+        return self._leftovers.staged
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_daemon"] = DaemonClient.shared(
@@ -213,8 +207,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
         # helper process: the staged file belongs to that copy from now on, so this one can stage
         # the next save.
-        self._staged = None
+        moved = state["_leftovers"] = Leftovers(state["_daemon"])
+        moved.namespace, moved.staged = self._leftovers.namespace, self._leftovers.staged
+        self._leftovers.staged = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._track_leftovers()
 
     # -- AsyncStager ------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +237,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         except BaseException:
             self._memory.discard(namespace, staged)
             raise
-        self._staged = staged
+        self._leftovers.namespace, self._leftovers.staged = namespace, staged
         return result.state_dict
 
     def _degrade(self, cause: TierCkptError) -> PersistentTier:
@@ -266,10 +266,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         """Staging is synchronous: nothing to wait for."""
 
     def close(self) -> None:
-        """Give back a staged file that was never written (a save that failed before write_data)."""
-        if self._staged is not None and self.namespace is not None:
-            self._memory.discard(self.namespace, self._staged)
-            self._staged = None
+        """Give back what a failed save left: a staged file that was never written, a save
+        attempt that was never committed (done anyway when the writer is garbage-collected)."""
+        self._leftovers.give_back()
         self._daemon.close()
 
     # -- StorageWriter ----------------------------------------------------------------------
@@ -297,14 +296,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             direct = True
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
-        return replace(plan, storage_data=_LocalPlanData(direct=direct, daemon=daemon, node=node))
+        return replace(plan, storage_data=LocalPlanData(direct=direct, daemon=daemon, node=node))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         namespace, step = self._require_target()
         known = _layouts.get((namespace, len(plans)))
-        local: list[_LocalPlanData] = []
+        local: list[LocalPlanData] = []
         for rank, p in enumerate(plans):
-            if isinstance(p.storage_data, _LocalPlanData):
+            if isinstance(p.storage_data, LocalPlanData):
                 local.append(p.storage_data)
             elif not p.usable and known is not None:  # plan caching: the rank's plan is unchanged
                 local.append(known[rank])
@@ -328,13 +327,13 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 )
             )
         direct = (len(daemons) > 1 and not across) or any(x.direct for x in local)
-        data = _PlanData(
+        data = PlanData(
             attempt_base=attempt_base(), direct=direct, across=self._rank_nodes is not None
         )
         self._target(namespace, step, data).begin(namespace, step)
         return [replace(p, storage_data=data) for p in plans]
 
-    def _target(self, namespace: str, step: int, data: _PlanData) -> SaveTarget:
+    def _target(self, namespace: str, step: int, data: PlanData) -> SaveTarget:
         """The target the coordinator chose for this save, the same on every rank."""
         if not data.direct:
             return self._memory
@@ -350,11 +349,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         namespace, step = self._require_target()
         data = plan.storage_data
-        if not isinstance(data, _PlanData):
+        if not isinstance(data, PlanData):
             raise StepStateError(f"{namespace}/step {step}: the save plan carries no attempt id")
         attempt = next_attempt(data.attempt_base, namespace, step)  # first: the same on all ranks
         target = self._target(namespace, step, data)
-        staged, self._staged = self._staged, None
+        staged, self._leftovers.staged = self._leftovers.staged, None
         if staged is not None and staged.lease_id is None and not data.direct:
             # Only with plan caching: the coordinator could not learn that this rank lost its
             # daemon, and the cached plan sends the save to the memory tier.
@@ -364,12 +363,13 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 "plan (cached from an earlier save: enable_plan_caching) sends this save to the "
                 "memory tier; retry the save, or save without plan caching"
             )
-        staged_mapping = staged.mapping() if staged is not None else None
+        loose = staged  # the staged file, until it is among ``files`` or given back
         results: list[WriteResult] = []
         pending: list[tuple[MetadataIndex, Any]] = []  # items to copy into the extra file
         data_name = f"r{self.rank:05d}.data"
         files: list[OutFile] = []  # what the rank hands the target; given back if the save fails
         try:
+            staged_mapping = staged.mapping() if staged is not None else None
             for item in plan.items:
                 value = _items.resolve(item, planner)
                 ref = None
@@ -389,6 +389,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                     files.append(staged)
                 else:  # every tensor was replaced by the planner: nothing to keep of it
                     self._memory.discard(namespace, staged)
+                loose = None
             extra, extra_results, copied = _items.pack_extra(
                 target, namespace, self.rank, pending, self._memory.discard
             )
@@ -398,9 +399,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             target.write(namespace, step, attempt, self.rank, files)
             self._plan_data, self._attempt = data, attempt
         except BaseException:
-            for f in files:
+            for f in [*files, *([loose] if loose is not None else [])]:
                 self._memory.discard(namespace, f)
             raise
+        if self.is_coordinator and target is self._memory:
+            # Sealed; if the save fails before finish() commits it, the attempt is aborted.
+            self._leftovers.namespace, self._leftovers.attempt = namespace, (step, attempt)
         self.last_stats = SaveStats(
             staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
             copied_bytes=copied,
@@ -437,4 +441,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             nodes=nodes,
             overwrite=self.overwrite,
         )
-        self._target(namespace, step, data).commit(namespace, step, attempt, req)
+        try:
+            self._target(namespace, step, data).commit(namespace, step, attempt, req)
+        except BaseException:
+            self._leftovers.give_back()  # the attempt's memory is free now, not after lease_ttl_s
+            raise
+        self._leftovers.attempt = None

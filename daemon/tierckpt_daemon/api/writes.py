@@ -1,4 +1,5 @@
-"""The write path: leases of shard files, sealing a rank's files into a step, committing a step."""
+"""The write path: leases of shard files, sealing a rank's files into a step, committing a step
+(or aborting a failed save attempt)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def release(namespace: str, lease_id: str, service: Service) -> Response:
 @router.post("/steps/{step}/attempts/{attempt}/seal")
 def seal(namespace: str, step: int, attempt: str, req: SealRequest, service: Service) -> StepInfo:
     return service.seal(namespace, step, attempt, req)
+
+
+@router.delete("/steps/{step}/attempts/{attempt}", status_code=204)
+def abort(namespace: str, step: int, attempt: str, service: Service) -> Response:
+    """A writer gives up a save attempt that failed: its sealed files are freed now."""
+    service.abort(namespace, step, attempt)
+    return Response(status_code=204)
 
 
 @router.post("/steps/{step}/attempts/{attempt}/commit")
