@@ -378,6 +378,13 @@ def memory_rows(size: str, r: dict[str, Any]) -> list[Row]:
         ">= 0.7; >= 5",
         f"{yes(m >= 0.7)}; {yes(f >= 5)}",
     )
+    v = q.get("tier_restore_verified_over_unverified")
+    if v is not None and "restore_tier_unverified" in ms:
+        row(
+            "tierckpt restore, TIERCKPT_VERIFY_READS=0",
+            ms["restore_tier_unverified"],
+            f"verified restore takes {v:.2f}x this",
+        )
     row("FileSystemReader restore", ms["restore_fs"])
     return rows
 

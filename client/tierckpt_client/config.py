@@ -24,6 +24,9 @@ class ClientConfig:
         persist_url: the persistent tier (``TIERCKPT_PERSIST_URL``, the daemon's setting), used
             to restore, and to save in degraded mode, when the daemon cannot be reached. S3
             options come from ``TIERCKPT_S3_*`` and the AWS credential chain.
+        verify_reads: check tensors read from this node's memory against the checksums taken
+            when they were written (``TIERCKPT_VERIFY_READS``, default on; ``0`` turns it off
+            for tensors; bytes items, which are unpickled, are always checked).
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
@@ -31,6 +34,7 @@ class ClientConfig:
     connect_timeout_s: float = 5.0
     hydrate_timeout_s: float = 3600.0
     persist_url: str | None = None
+    verify_reads: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -42,6 +46,11 @@ class ClientConfig:
             values["socket"] = Path(env["TIERCKPT_SHM_DIR"]) / "daemon.sock"
         if env.get("TIERCKPT_PERSIST_URL"):
             values["persist_url"] = env["TIERCKPT_PERSIST_URL"]
+        verify = env.get("TIERCKPT_VERIFY_READS", "").strip().lower()
+        if verify:
+            if verify not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(f"TIERCKPT_VERIFY_READS={verify!r} is not 0 or 1")
+            values["verify_reads"] = verify in ("1", "true", "yes", "on")
         for name, var in (
             ("timeout_s", "TIERCKPT_TIMEOUT"),
             ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT"),

@@ -76,29 +76,67 @@ def block_size(length: int) -> int:
     return size
 
 
+def checksum_blocks(data: memoryview) -> tuple[str, int, list[str]]:
+    """The checksum of ``data``, its block size and the checksum of each block (hex digests), in
+    one pass: each block is hashed for the whole and for itself while it is in the cache."""
+    whole = Hasher()
+    size = block_size(len(data))
+    blocks: list[str] = []
+    for off in range(0, len(data), size):
+        block = data[off : off + size]
+        whole.update(block)
+        blocks.append(block_digest(block))
+    return whole.hexdigest(), size, blocks
+
+
 def checksum_file_blocks(path: str, length: int) -> tuple[str, int, list[str]]:
-    """The checksum of the first ``length`` bytes of ``path``, its block size, and the checksum
-    of each block (hex digests), in one read: a peer can then send any range of the file in
-    whole blocks that the receiver verifies one by one."""
+    """:func:`checksum_blocks` of the first ``length`` bytes of ``path``: a peer can then send any
+    range of the file in whole blocks that the receiver verifies one by one."""
     whole = Hasher()
     size = block_size(length)
     blocks: list[str] = []
-    block = xxhash.xxh3_128()
-    in_block = 0
-    for chunk in read_chunks(path, length):
-        whole.update(chunk)
-        view = memoryview(chunk)
-        while view:
-            n = min(len(view), size - in_block)
-            block.update(view[:n])
-            in_block += n
-            view = view[n:]
-            if in_block == size:
-                blocks.append(block.hexdigest())
-                block, in_block = xxhash.xxh3_128(), 0
-    if in_block:
-        blocks.append(block.hexdigest())
+    buf = bytearray(max(size, READ_CHUNK // size * size))  # whole blocks per read
+    view = memoryview(buf)
+    # O_NOFOLLOW: the daemon reads tier files, which others in its group could swap for links.
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        done = 0
+        while done < length:
+            want = min(len(buf), length - done)
+            got = 0
+            while got < want:
+                n = os.preadv(fd, [view[got:want]], done + got)
+                if n <= 0:
+                    raise OSError(f"{path} ended {length - done - got} bytes short of {length}")
+                got += n
+            for off in range(0, want, size):
+                block = view[off : min(off + size, want)]
+                whole.update(block)
+                blocks.append(block_digest(block))
+            done += want
+    finally:
+        os.close(fd)
     return whole.hexdigest(), size, blocks
+
+
+def check_digests(
+    length: int, whole: str, size: int | None, blocks: list[str] | None
+) -> str | None:
+    """What is wrong with checksums claimed for a file of ``length`` bytes (the block ones may
+    be absent together), or None."""
+    if not whole.startswith(f"{ALGORITHM}:") or len(whole) != len(ALGORITHM) + 33:
+        return f"checksum {whole[:48]!r} is not an {ALGORITHM} digest"
+    if size is None and blocks is None:
+        return None
+    if size is None or blocks is None:
+        return "block_size and blocks go together"
+    if size != block_size(length):
+        return f"block size {size} is not {block_size(length)} for {length} bytes"
+    if len(blocks) != -(-length // size):
+        return f"{len(blocks)} block checksums for {-(-length // size)} blocks"
+    if any(len(b) != 32 for b in blocks):
+        return "a block checksum is not a 32-digit hex digest"
+    return None
 
 
 def block_digest(data: bytes | bytearray | memoryview) -> str:

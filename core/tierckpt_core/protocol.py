@@ -65,6 +65,11 @@ class SealFile(BaseModel):
     name: str
     length: int = Field(ge=0, le=MAX_FILE_BYTES)
     segments: list[tuple[int, int, str]] | None = None  # see FileRecord.segments
+    # The writer's checksums of the bytes it wrote (integrity.checksum_blocks), taken right after
+    # writing them; the daemon takes them itself at commit where a writer sends none.
+    checksum: str | None = None
+    block_size: int | None = None
+    blocks: list[str] | None = None
 
 
 class SealRequest(BaseModel):

@@ -196,7 +196,12 @@ class GlobalCommitter:
         with svc.lock:
             rec = svc.writing_record(namespace, step, attempt)
             svc.keep_only(rec, req.files)
-            todo = [(f.name, str(rec.dir / f.name), f.length) for f in rec.files.values()]
+            # Files the writer sent checksums for keep them (taken right after the copy).
+            todo = [
+                (f.name, str(rec.dir / f.name), f.length)
+                for f in rec.files.values()
+                if f.checksum is None or f.blocks is None
+            ]
         # Checksum the share now, off the trainers' stall and right after their copy: the global
         # record carries every file's checksum to peers and the persistent tier from here on.
         sums = {name: checksum_file_blocks(path, length) for name, path, length in todo}
@@ -205,8 +210,9 @@ class GlobalCommitter:
                 raise StepStateError(
                     f"{namespace}/step {step}: attempt {attempt} ended while it was prepared"
                 )
-            for f in rec.files.values():
-                f.checksum, f.block_size, f.blocks = sums[f.name]
+            for name, (whole, size, blocks) in sums.items():
+                f = rec.files[name]
+                f.checksum, f.block_size, f.blocks = whole, size, blocks
             rec.coordinator = req.coordinator
             rec.participants = list(req.participants)
             rec.world_size = req.world_size

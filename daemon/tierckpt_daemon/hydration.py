@@ -70,7 +70,15 @@ def fill_step(
         by_rank: dict[int, list[SealFile]] = {}
         for f, lease_id in leases:
             by_rank.setdefault(f.rank, []).append(
-                SealFile(lease_id=lease_id, name=f.name, length=f.length)
+                SealFile(
+                    lease_id=lease_id,
+                    name=f.name,
+                    length=f.length,
+                    # The checksums the bytes were verified against as they were fetched.
+                    checksum=f.checksum,
+                    block_size=f.block_size if f.checksum and f.blocks else None,
+                    blocks=f.blocks if f.checksum else None,
+                )
             )
         for rank, seal_files in sorted(by_rank.items()):
             service.seal(namespace, step, attempt, SealRequest(rank=rank, files=seal_files))

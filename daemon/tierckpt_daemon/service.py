@@ -28,9 +28,11 @@ from typing import Any, Protocol
 from tierckpt_core.errors import (
     LeaseNotFoundError,
     NamespaceNotFoundError,
+    ProtocolError,
     StepNotFoundError,
     StepStateError,
 )
+from tierckpt_core.integrity import check_digests, checksum_file_blocks
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import (
     CommitRequest,
@@ -162,6 +164,14 @@ class TierService:
                         f"{namespace}/step {step}: file {f.name} claims {f.length} bytes but its "
                         f"lease holds {lease.size}"
                     )
+                if f.checksum is not None:
+                    problem = check_digests(f.length, f.checksum, f.block_size, f.blocks)
+                    if problem:
+                        raise ProtocolError(f"{namespace}/step {step}: file {f.name}: {problem}")
+                elif f.block_size is not None or f.blocks is not None:
+                    raise ProtocolError(
+                        f"{namespace}/step {step}: file {f.name}: block checksums without a checksum"
+                    )
                 self.leases.take(lease)
                 self.arena.move(lease.path, rec.dir / f.name)
                 rec.files[f.name] = FileRecord(
@@ -170,6 +180,9 @@ class TierService:
                     size=lease.size,
                     length=f.length,
                     segments=f.segments,
+                    checksum=f.checksum,
+                    block_size=f.block_size,
+                    blocks=f.blocks,
                 )
             rec.last_activity = time.monotonic()
             return rec.info()
@@ -189,6 +202,7 @@ class TierService:
         and ``origin`` (a replica received from that peer) keep it from being pushed to peers;
         ``checksums`` are the files' checksums when already known."""
         with self.metrics.commit_seconds.time():
+            self.take_checksums(namespace, step, attempt, req.files, known=checksums or {})
             rec = self._commit(namespace, step, attempt, req, replicate, origin, checksums)
         self.notify_committed(rec)
         return rec.info()
@@ -234,6 +248,26 @@ class TierService:
                 "%s/step %d: save attempt %s aborted by its writer", namespace, step, attempt
             )
             self.index.abandon(rec)
+
+    def take_checksums(
+        self, namespace: str, step: int, attempt: str, names: list[str], known: dict[str, str]
+    ) -> None:
+        """Checksum the attempt's files that the writer sent none for (and that are not
+        ``known``), before it is committed: every committed file has a checksum, taken once,
+        which peers, the persistent tier and readers verify against."""
+        with self.lock:
+            rec = self.writing_record(namespace, step, attempt)
+            todo = [
+                (f.name, str(rec.dir / f.name), f.length)
+                for f in rec.files.values()
+                if f.checksum is None and f.name in names and f.name not in known
+            ]
+        sums = {name: checksum_file_blocks(path, length) for name, path, length in todo}
+        with self.lock:
+            for name, (whole, size, blocks) in sums.items():
+                f = rec.files.get(name)
+                if f is not None and f.checksum is None:
+                    f.checksum, f.block_size, f.blocks = whole, size, blocks
 
     def refuse_overwrite(self, namespace: str, step: int, req: CommitRequest) -> None:
         """With ``req.overwrite`` False, a committed step of this number is not replaced."""

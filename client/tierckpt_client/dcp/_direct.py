@@ -21,7 +21,7 @@ import torch
 
 from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.dcp._targets import OutFile, overwrite_refused, private_file
+from tierckpt_client.dcp._targets import OutFile, bytes_view, overwrite_refused, private_file
 from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
 from tierckpt_core.layout import (
     delete_sidecars,
@@ -40,11 +40,6 @@ from tierckpt_core.objectstore import ObjectStore, StoreSettings, open_store
 from tierckpt_core.protocol import CommitRequest
 
 logger = logging.getLogger(__name__)
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    array: Any = t.numpy()  # a uint8 CPU tensor: no copy
-    return memoryview(array).cast("B")
 
 
 class PersistentTier:
@@ -102,7 +97,7 @@ class PersistentTier:
         if entry is None:
             raise CheckpointFormatError(f"{namespace}/step {step}: the manifest has no file {name}")
         buf = torch.empty(entry.length, dtype=torch.uint8)
-        got = self.store.get_into(file_key(namespace, step, name), _bytes_view(buf))
+        got = self.store.get_into(file_key(namespace, step, name), bytes_view(buf))
         verify_file(got, entry, namespace, step, self.url)
         return buf
 
@@ -122,7 +117,7 @@ class PersistentTier:
     ) -> None:
         for f in files:
             data = f.mapping().buffer[: f.length]
-            digest = self.store.put_bytes(file_key(namespace, step, f.name), _bytes_view(data))
+            digest = self.store.put_bytes(file_key(namespace, step, f.name), bytes_view(data))
             record = FileRecord(name=f.name, rank=rank, length=f.length, checksum=digest)
             write_sidecar(self.store, namespace, step, record)
         for f in files:

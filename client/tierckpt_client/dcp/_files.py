@@ -4,17 +4,26 @@ A ``Files`` is what a read target's ``open_files`` yields: regions of files by n
 length, read from this node's memory (mapped, or read with ``preadv`` when this process has not
 mapped the file yet), from ranges of files other nodes hold (fetched and verified by the daemon),
 or from whole files downloaded and verified from the persistent tier.
+
+Every byte read from this node's memory is checked against the checksum taken when it was written
+(``FileRecord.checksum`` and its per-block ``blocks``), block by block, each block once per load:
+bytes items (which DCP unpickles) always, from a private copy that is verified before it is handed
+on; tensors unless ``verify_tensors`` is off (``TIERCKPT_VERIFY_READS=0``). Ranges fetched from
+other nodes and files downloaded from the persistent tier are verified where they are fetched.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from tierckpt_client.dcp import _arena
-from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_client.errors import CheckpointFormatError, IntegrityError
+from tierckpt_core.integrity import block_digest, checksum
+from tierckpt_core.manifest import FileRecord
 
 
 class Files:
@@ -33,6 +42,8 @@ class Files:
         load: Callable[[str], torch.Tensor],
         paths: dict[str, str],
         ranged: dict[str, dict[tuple[int, int], bytes]] | None = None,
+        records: dict[str, FileRecord] | None = None,
+        verify_tensors: bool = True,
     ) -> None:
         self.where = where
         self._load = load
@@ -40,6 +51,10 @@ class Files:
         self._ranged = ranged or {}  # parts of files other nodes hold, fetched and verified
         self._buffers: dict[str, torch.Tensor] = {}
         self._fds: dict[str, int] = {}
+        self._records = records or {}  # the local files' checksums (required when _paths is set)
+        self._verify_tensors = verify_tensors
+        self._verified: dict[str, set[int]] = {}  # blocks of each file checked so far
+        self.verified_bytes = 0
         # Files of a step spanning nodes that this rank needed and that other nodes held.
         self.fetched: set[str] = set()
 
@@ -66,16 +81,25 @@ class Files:
         buf = self.buffer(name)
         if offset + length > buf.numel():
             raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")
+        if self._verify_tensors:
+            self._verify(name, offset, length, what)
         return buf[offset : offset + length]
 
     def read_bytes(self, name: str, offset: int, length: int, what: str) -> bytes:
-        if name in self._ranged:
+        """A private copy of a region, verified (DCP unpickles bytes items: never unverified
+        bytes, and never bytes that could still change after they were checked)."""
+        if name in self._ranged or not self._paths:  # verified where they were fetched
             return self.region(name, offset, length, what).numpy().tobytes()
-        fd = self._unmapped_fd(name)
-        if fd is None:
-            return self.region(name, offset, length, what).numpy().tobytes()
-        self._check_range(fd, name, offset, length, what)
-        return os.pread(fd, length, offset) if length else b""
+        if not length:
+            return b""
+        rec = self._record(name, offset, length, what)
+        size = rec.block_size if rec.blocks is not None and rec.block_size else rec.length
+        start = offset // size * size
+        end = min(rec.length, -(-(offset + length) // size) * size)
+        data = memoryview(bytes(self._read(name, start, end - start, what)))  # private
+        for at in range(start, end, size):
+            self._check_block(rec, at // size, data[at - start : min(at + size, end) - start])
+        return bytes(data[offset - start : offset - start + length])
 
     def read_into(self, name: str, offset: int, length: int, target: torch.Tensor) -> bool:
         """Read ``length`` bytes at ``offset`` of file ``name`` into ``target`` if that is the
@@ -92,6 +116,8 @@ class Files:
         self._check_range(fd, name, offset, length, "a tensor")
         if not length:
             return True
+        if self._verify_tensors:
+            self._verify(name, offset, length, "a tensor")
         view = memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         done = 0
         while done < length:
@@ -100,6 +126,60 @@ class Files:
                 raise CheckpointFormatError(f"{self.where}: {name} ended early")
             done += n
         return True
+
+    # -- verification ------------------------------------------------------------------------
+    def _record(self, name: str, offset: int, length: int, what: str) -> FileRecord:
+        rec = self._records.get(name)
+        if rec is None or rec.checksum is None:
+            raise IntegrityError(
+                f"{self.where}: {name} has no checksum to verify {what} against (committed by an "
+                "older daemon?); restore the step from the persistent tier or a peer instead"
+            )
+        if offset + length > rec.length:
+            raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")
+        return rec
+
+    def _verify(self, name: str, offset: int, length: int, what: str) -> None:
+        """Check the blocks of ``name`` that ``[offset, offset + length)`` touches, each once."""
+        if not self._paths or not length:
+            return
+        rec = self._record(name, offset, length, what)
+        size = rec.block_size if rec.blocks is not None and rec.block_size else rec.length
+        done = self._verified.setdefault(name, set())
+        for i in range(offset // size, (offset + length - 1) // size + 1):
+            if i not in done:
+                n = min(size, rec.length - i * size)
+                self._check_block(rec, i, memoryview(self._read(name, i * size, n, what)))
+
+    def _check_block(self, rec: FileRecord, i: int, data: memoryview) -> None:
+        """Block ``i`` of ``rec`` (the whole file when it has no block checksums) is ``data``."""
+        if rec.blocks is not None and rec.block_size:
+            good = block_digest(data) == rec.blocks[i]
+        else:
+            good = checksum(data) == rec.checksum
+        if not good:
+            raise IntegrityError(
+                f"{self.where}: {rec.name} does not match the checksum taken when it was written "
+                f"(block {i}, bytes {i * (rec.block_size or rec.length)}+{len(data)}): the copy in "
+                "this node's memory changed; restore the step from the persistent tier or a peer"
+            )
+        self._verified.setdefault(rec.name, set()).add(i)
+        self.verified_bytes += len(data)
+
+    def _read(self, name: str, offset: int, length: int, what: str) -> bytes | memoryview:
+        """Bytes of a local file: a view of this process's mapping, else a private read."""
+        fd = self._unmapped_fd(name)
+        if fd is None:
+            buf = self.buffer(name)
+            if offset + length > buf.numel():
+                raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")
+            array: Any = buf[offset : offset + length].numpy()
+            return memoryview(array).cast("B")
+        self._check_range(fd, name, offset, length, what)
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CheckpointFormatError(f"{self.where}: {name} ended early")
+        return data
 
     def _unmapped_fd(self, name: str) -> int | None:
         """An open descriptor of tier file ``name`` if this process has no mapping of it."""

@@ -33,6 +33,7 @@ from tierckpt_client.errors import (
     StepStateError,
     TierCkptError,
 )
+from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.protocol import CommitRequest, SealFile
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,12 @@ class OutFile:
             return _arena.map_file(self.path)
         assert self.private is not None
         return self.private
+
+
+def bytes_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous uint8 CPU tensor, without a copy."""
+    array: Any = t.numpy()
+    return memoryview(array).cast("B")
 
 
 def private_file(name: str, size: int) -> OutFile:
@@ -105,9 +112,12 @@ class MemoryTier:
     """The node's memory tier, through its daemon: files are leased tmpfs files, sealed into a save
     attempt and committed by the coordinator; reads map pinned files."""
 
-    def __init__(self, daemon: DaemonClient, *, overwrite: bool = True) -> None:
+    def __init__(
+        self, daemon: DaemonClient, *, overwrite: bool = True, verify_reads: bool = True
+    ) -> None:
         self.daemon = daemon
         self.overwrite = overwrite
+        self.verify_reads = verify_reads
 
     # -- save -------------------------------------------------------------------------------
     def begin(self, namespace: str, step: int) -> None:
@@ -139,8 +149,20 @@ class MemoryTier:
         seal = []
         for f in files:
             assert f.lease_id is not None, "the memory tier seals only files it leased"
+            # Checksummed here, right after the copy and off the trainer's stall (write_data
+            # runs in async_save's background): the one checksum that readers, peers and the
+            # persistent tier verify these bytes against from now on.
+            whole, size, blocks = checksum_blocks(bytes_view(f.mapping().buffer[: f.length]))
             seal.append(
-                SealFile(lease_id=f.lease_id, name=f.name, length=f.length, segments=f.segments)
+                SealFile(
+                    lease_id=f.lease_id,
+                    name=f.name,
+                    length=f.length,
+                    segments=f.segments,
+                    checksum=whole,
+                    block_size=size,
+                    blocks=blocks,
+                )
             )
         # Sealed even when empty: the attempt must exist on the daemon for the commit.
         self.daemon.seal(namespace, step, attempt, rank, seal)
@@ -225,7 +247,14 @@ class MemoryTier:
         def mapped(name: str) -> torch.Tensor:
             return _arena.map_file(pin.paths[name]).buffer
 
-        files = Files(f"{namespace}/step {step}", mapped, pin.paths, ranged)
+        files = Files(
+            f"{namespace}/step {step}",
+            mapped,
+            pin.paths,
+            ranged,
+            records={f.name: f for f in pin.step.files if f.name in pin.paths},
+            verify_tensors=self.verify_reads,
+        )
         files.fetched = fetched
         try:
             yield files

@@ -106,7 +106,7 @@ class TieredStorageReader(StorageReader):
         self._daemon = DaemonClient.shared(self.config)
         # Where the step's files come from (see _targets): the memory tier through the daemon,
         # or the persistent tier once the daemon turned out to be unreachable.
-        self._memory = MemoryTier(self._daemon)
+        self._memory = MemoryTier(self._daemon, verify_reads=self.config.verify_reads)
         self._source: ReadSource = self._memory
         self._resolved: int | None = None
         self._storage: dict[Any, ShardRef] = {}
@@ -293,6 +293,6 @@ class TieredStorageReader(StorageReader):
         state = self.__dict__.copy()
         state["_daemon"] = DaemonClient.shared(self.config)
         state["process_group"] = None
-        state["_memory"] = MemoryTier(state["_daemon"])
+        state["_memory"] = MemoryTier(state["_daemon"], verify_reads=self.config.verify_reads)
         state["_source"] = state["_memory"]
         return state
