@@ -9,6 +9,7 @@ collectives deadlocks), and a last durable save when the scheduler preempts the 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
 import sys
@@ -279,4 +280,13 @@ class Checkpointer:
             code = 1
         self._closed = True
         self._watcher.uninstall()
+        # The loop's own destroy_process_group() is never reached; without it gloo's worker
+        # threads outlive the interpreter and can abort the exit (SIGABRT instead of ``code``).
+        # At exit, not here: ``finally`` blocks that unwind first may still use the groups.
+        atexit.register(_destroy_process_groups)
         sys.exit(code)
+
+
+def _destroy_process_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,9 +1,9 @@
 """``verify NS STEP``: read every file of a step in every tier that holds it and check its checksum.
 
 Memory: the step is pinned through the daemon (so eviction cannot pull it away mid-read) and each
-file is checksummed against the checksum the daemon recorded when the step was uploaded, replicated
-or hydrated. A file the daemon has no checksum for yet (committed, neither durable nor replicated)
-is reported as "not yet checksummed", never as passed. Persistent: the commit marker must match the
+file is checksummed against the checksum taken when it was written (by the rank that wrote it, or
+by the daemon at the commit). A file the daemon has no checksum for (a step committed by an older
+daemon) is reported as "not yet checksummed", never as passed. Persistent: the commit marker must match the
 manifest, then every file is streamed from the store and checked against the manifest.
 Replicas on peers are verified by the peer that holds them, when it serves or receives them.
 """
