@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _arena
 from tierckpt_core.errors import ProtocolError
 from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.protocol import CommitRequest, SealFile
@@ -79,6 +79,36 @@ def test_a_flipped_tensor_byte_in_memory_fails_the_load(
     monkeypatch.setenv("TIERCKPT_VERIFY_READS", "0")
     out = _load("job", 1)
     assert not torch.equal(out["w"], _state()["w"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "at", [100, 6000, 100_000], ids=["shared-block-a", "shared-block-w", "whole-block-w"]
+)
+def test_a_flipped_byte_fails_the_first_restore_of_a_process(
+    client_env: DaemonProcess, at: int
+) -> None:
+    """The first restore in a process reads tensors with ``preadv`` straight into the destination
+    (no mapping) and checks each block there; a block two tensors share is read whole and checked
+    privately. A flipped byte anywhere fails the load, and an intact step loads bit-exact."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"a": torch.randn(1000, generator=g), "w": torch.randn(1 << 15, generator=g)}
+
+    def blank() -> dict[str, torch.Tensor]:
+        return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+    dcp.save(sd, storage_writer=TieredStorageWriter("fresh", 1), no_dist=True)
+    _arena.clear_cache()  # as in a new process: the step's file is not mapped
+    out = blank()
+    dcp.load(out, storage_reader=TieredStorageReader("fresh", 1), no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    assert not _arena._by_identity, "the test needs the preadv path"
+
+    # One file holds both: "a" at 0, "w" from 4032; blocks of 16 KiB, block 0 shared.
+    data = max(_files("fresh", 1).values(), key=os.path.getsize)
+    _flip(data, at)
+    _arena.clear_cache()
+    with pytest.raises(CheckpointException, match=r"does not match the checksum taken when"):
+        dcp.load(blank(), storage_reader=TieredStorageReader("fresh", 1), no_dist=True)
 
 
 class _Planted:

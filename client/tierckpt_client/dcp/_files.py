@@ -116,16 +116,40 @@ class Files:
         self._check_range(fd, name, offset, length, "a tensor")
         if not length:
             return True
-        if self._verify_tensors:
-            self._verify(name, offset, length, "a tensor")
         view = memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        if not self._verify_tensors:
+            self._pread_into(fd, name, view, offset)
+            return True
+        # Block by block: each block is checked in the target right after it is read (the bytes
+        # are still in the cache, and the target is this process's own memory, so what was
+        # checked is what the caller gets). A block the tensor covers only in part is read whole
+        # into a private buffer, checked there, and its part copied from it.
+        rec = self._record(name, offset, length, "a tensor")
+        size = rec.block_size if rec.blocks is not None and rec.block_size else rec.length
+        done = self._verified.setdefault(name, set())
+        end = offset + length
+        for i in range(offset // size, (end - 1) // size + 1):
+            lo, hi = i * size, min((i + 1) * size, rec.length)
+            a, b = max(lo, offset), min(hi, end)
+            part = view[a - offset : b - offset]
+            if (a, b) == (lo, hi):
+                self._pread_into(fd, name, part, a)
+                self._check_block(rec, i, part)
+            elif i in done:
+                self._pread_into(fd, name, part, a)
+            else:
+                block = memoryview(self._read(name, lo, hi - lo, "a tensor"))
+                self._check_block(rec, i, block)
+                part[:] = block[a - lo : b - lo]
+        return True
+
+    def _pread_into(self, fd: int, name: str, view: memoryview, offset: int) -> None:
         done = 0
-        while done < length:
+        while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
                 raise CheckpointFormatError(f"{self.where}: {name} ended early")
             done += n
-        return True
 
     # -- verification ------------------------------------------------------------------------
     def _record(self, name: str, offset: int, length: int, what: str) -> FileRecord:
