@@ -102,28 +102,46 @@ class Files:
         return bytes(data[offset - start : offset - start + length])
 
     def read_into(self, name: str, offset: int, length: int, target: torch.Tensor) -> bool:
-        """Read ``length`` bytes at ``offset`` of file ``name`` into ``target`` if that is the
-        faster way (an unmapped tier file, a contiguous CPU target of that size); else False."""
+        """Copy ``length`` bytes at ``offset`` of local file ``name`` into ``target`` (a
+        contiguous CPU tensor of that size), checking them there; else False (the caller copies
+        from :meth:`region`).
+
+        Block by block: each block is checked in ``target`` right after it was copied there (the
+        bytes are still in the cache, and ``target`` is this process's own memory, so what was
+        checked is what the caller gets). A block the tensor covers only in part is copied whole
+        into a private buffer, checked there, and its part copied from it. The copy is ``preadv``
+        from a file this process has not mapped (no page-table cost), else out of the mapping.
+        """
         if (
             target.device.type != "cpu"
             or not target.is_contiguous()
             or target.numel() * target.element_size() != length
+            or name not in self._paths
+            or name in self._ranged
         ):
             return False
         fd = self._unmapped_fd(name)
-        if fd is None:
-            return False
-        self._check_range(fd, name, offset, length, "a tensor")
+        if fd is None and not self._verify_tensors:
+            return False  # DCP's copy out of the mapping is as fast
+        if fd is not None:
+            self._check_range(fd, name, offset, length, "a tensor")
+        elif offset + length > self.buffer(name).numel():
+            raise CheckpointFormatError(f"{self.where}: a tensor lies beyond the end of {name}")
         if not length:
             return True
-        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        flat = target.reshape(-1).view(torch.uint8)
+
+        def fill(at: int, n: int) -> memoryview:  # bytes [at, at + n) of the file -> target
+            dst = flat[at - offset : at - offset + n]
+            if fd is None:
+                dst.copy_(self.buffer(name)[at : at + n])
+            else:
+                self._pread_into(fd, name, memoryview(dst.numpy()), at)  # type: ignore[arg-type]
+            return memoryview(dst.numpy())  # type: ignore[arg-type]
+
         if not self._verify_tensors:
-            self._pread_into(fd, name, view, offset)
+            fill(offset, length)
             return True
-        # Block by block: each block is checked in the target right after it is read (the bytes
-        # are still in the cache, and the target is this process's own memory, so what was
-        # checked is what the caller gets). A block the tensor covers only in part is read whole
-        # into a private buffer, checked there, and its part copied from it.
         rec = self._record(name, offset, length, "a tensor")
         size = rec.block_size if rec.blocks is not None and rec.block_size else rec.length
         done = self._verified.setdefault(name, set())
@@ -131,16 +149,16 @@ class Files:
         for i in range(offset // size, (end - 1) // size + 1):
             lo, hi = i * size, min((i + 1) * size, rec.length)
             a, b = max(lo, offset), min(hi, end)
-            part = view[a - offset : b - offset]
             if (a, b) == (lo, hi):
-                self._pread_into(fd, name, part, a)
-                self._check_block(rec, i, part)
+                self._check_block(rec, i, fill(a, b - a))
             elif i in done:
-                self._pread_into(fd, name, part, a)
+                fill(a, b - a)
             else:
-                block = memoryview(self._read(name, lo, hi - lo, "a tensor"))
+                block = memoryview(bytearray(self._read(name, lo, hi - lo, "a tensor")))  # private
                 self._check_block(rec, i, block)
-                part[:] = block[a - lo : b - lo]
+                flat[a - offset : b - offset].copy_(
+                    torch.frombuffer(block[a - lo : b - lo], dtype=torch.uint8)
+                )
         return True
 
     def _pread_into(self, fd: int, name: str, view: memoryview, offset: int) -> None:
