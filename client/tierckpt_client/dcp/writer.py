@@ -156,6 +156,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._daemon = DaemonClient.shared(self.config)
         self._memory = MemoryTier(self._daemon, overwrite=overwrite)
         self._staged: OutFile | None = None
+        self._reserved: OutFile | None = None  # a plain save's file, leased when it plans
         self._plan_data: _PlanData | None = None
         self._attempt: str | None = None
         self._rank_nodes: list[str | None] | None = None  # coordinator: the node of each rank
@@ -267,9 +268,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
 
     def close(self) -> None:
         """Give back a staged file that was never written (a save that failed before write_data)."""
-        if self._staged is not None and self.namespace is not None:
-            self._memory.discard(self.namespace, self._staged)
-            self._staged = None
+        if self.namespace is not None:
+            for f in (self._staged, self._reserved):
+                if f is not None:
+                    self._memory.discard(self.namespace, f)
+        self._staged = self._reserved = None
         self._daemon.close()
 
     # -- StorageWriter ----------------------------------------------------------------------
@@ -295,9 +298,27 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
+        if not direct and self._staged is None:
+            direct = self._reserve(plan)
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
         return replace(plan, storage_data=_LocalPlanData(direct=direct, daemon=daemon, node=node))
+
+    def _reserve(self, plan: SavePlan) -> bool:
+        """A plain ``save`` (nothing was staged) leases its file now, while the ranks still agree
+        where the save goes: a file that does not fit in the memory tier then sends the whole save
+        to the persistent tier (``on_unavailable="persist"``) rather than failing in write_data,
+        as a staged save does. True if this rank cannot use the memory tier."""
+        namespace = self._require_namespace()
+        size = _items.planned_size(plan)
+        if not size:
+            return False
+        try:
+            self._reserved = self._memory.new_file(namespace, self.rank, "", size)
+        except (DaemonUnavailableError, CapacityExceededError) as e:
+            self._degrade(e)
+            return True
+        return False
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         namespace, step = self._require_target()
@@ -355,6 +376,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         attempt = next_attempt(data.attempt_base, namespace, step)  # first: the same on all ranks
         target = self._target(namespace, step, data)
         staged, self._staged = self._staged, None
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None and target is not self._memory:
+            self._memory.discard(namespace, reserved)  # another rank sent the save elsewhere
+            reserved = None
         if staged is not None and staged.lease_id is None and not data.direct:
             # Only with plan caching: the coordinator could not learn that this rank lost its
             # daemon, and the cached plan sends the save to the memory tier.
@@ -390,15 +415,16 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 else:  # every tensor was replaced by the planner: nothing to keep of it
                     self._memory.discard(namespace, staged)
             extra, extra_results, copied = _items.pack_extra(
-                target, namespace, self.rank, pending, self._memory.discard
+                target, namespace, self.rank, pending, self._memory.discard, reserved
             )
+            reserved = None  # pack_extra used it or gave it back
             if extra is not None:
                 files.append(extra)
             results.extend(extra_results)
             target.write(namespace, step, attempt, self.rank, files)
             self._plan_data, self._attempt = data, attempt
         except BaseException:
-            for f in files:
+            for f in files if reserved is None else [*files, reserved]:
                 self._memory.discard(namespace, f)
             raise
         self.last_stats = SaveStats(
