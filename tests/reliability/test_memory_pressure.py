@@ -199,6 +199,7 @@ def _dcp_save(
         dcp.async_save(_state(step, numel), storage_writer=writer, no_dist=True).result()
 
 
+@pytest.mark.timeout(900)
 def test_saves_under_a_tight_budget_never_exceed_it_nor_drop_a_step_waiting_for_upload(
     tier: tuple[DaemonProcess, Path],
 ) -> None:

@@ -108,6 +108,7 @@ def _cycle(c: DaemonClient, rng: random.Random, i: int, steps: dict[str, int]) -
         c.delete(ns, step - 1)
 
 
+@pytest.mark.timeout(7200 if LONG else 600)
 def test_a_thousand_save_evict_cycles_keep_memory_files_and_threads_flat(
     soak_daemon: tuple[DaemonProcess, Path],
 ) -> None:
