@@ -8,11 +8,13 @@ byte layout (64-byte aligned, raw tensor bytes with dtype and shape in the ``Sha
 from __future__ import annotations
 
 import io
+import math
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from tierckpt_client.dcp import _arena
@@ -67,22 +69,49 @@ def staged_ref(t: torch.Tensor, mapping: _arena.FileMapping, name: str) -> Shard
     return ShardRef(name, offset, nbytes, dtype_name(t.dtype), tuple(t.shape))
 
 
+BYTES_ITEM_ROOM = 4096  # what planned_size allows for each bytes item (its size is not known yet)
+
+
+def planned_size(plan: SavePlan) -> int:
+    """Bytes :func:`pack_extra` will most likely need for ``plan``'s items: the tensors' bytes
+    exactly, and some room for each bytes item (pickled only in write_data)."""
+    size = 0
+    tensors = False
+    for item in plan.items:
+        data = item.tensor_data
+        if data is None:
+            size += BYTES_ITEM_ROOM
+            continue
+        tensors = True
+        size += align(math.prod(data.chunk.sizes) * data.properties.dtype.itemsize)
+    return size if tensors else 0
+
+
 def pack_extra(
     target: SaveTarget,
     namespace: str,
     rank: int,
     pending: list[tuple[MetadataIndex, Any]],
     discard: Any,
+    reserved: OutFile | None = None,
 ) -> tuple[OutFile | None, list[WriteResult], int]:
-    """Copy bytes items and unstaged tensors into one more file of the target. Returns the
-    file (its length the bytes used), the write results and the tensor bytes copied."""
-    if not pending:
-        return None, [], 0
+    """Copy bytes items and unstaged tensors into one more file of the target: ``reserved``
+    (leased when the save was planned) if it is large enough, else a new one. Returns the file
+    (its length the bytes used), the write results and the tensor bytes copied."""
     name = f"r{rank:05d}.extra"
     sizes = [
         v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v) for _, v in pending
     ]
-    out = target.new_file(namespace, rank, name, max(sum(align(n) for n in sizes), 1))
+    need = sum(align(n) for n in sizes)
+    if reserved is not None and (not pending or reserved.length < need):
+        discard(namespace, reserved)
+        reserved = None
+    if not pending:
+        return None, [], 0
+    if reserved is not None:
+        out = replace(reserved, name=name)
+    else:
+        out = target.new_file(namespace, rank, name, max(need, 1))
     try:
         mapping = out.mapping()
         results = []

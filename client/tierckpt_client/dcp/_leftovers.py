@@ -2,7 +2,8 @@
 
 DCP tells a storage writer nothing when a save fails: after an error on any rank (in a storage
 method, the planner or a collective) it raises ``CheckpointException`` and never calls the writer
-again. So the writer notes what it holds while a save is under way: the file ``stage`` leased, and,
+again. So the writer notes what it holds while a save is under way: the file ``stage`` leased (or
+that a plain ``save`` leased while the ranks planned), and,
 on the coordinator, the save attempt the ranks sealed their files into. The save clears each note
 once it has used the thing (``write_data`` seals the staged file, ``finish`` commits the attempt).
 Whatever is still noted when the writer is closed or garbage-collected belongs to a save that
@@ -29,22 +30,26 @@ class Leftovers:
         self.daemon = daemon
         self.namespace: str | None = None
         self.staged: OutFile | None = None  # leased by stage(), not yet sealed
+        self.reserved: OutFile | None = None  # leased by a plain save as it planned, not yet used
         self.attempt: tuple[int, str] | None = None  # (step, attempt): sealed, not yet committed
 
     def give_back(self) -> None:
         """Release the staged file and abort the uncommitted attempt, if any; never raises (it
         runs in finalizers and on error paths, where the save's own error is the one to see)."""
         namespace = self.namespace
-        staged, self.staged = self.staged, None
+        leased = [f for f in (self.staged, self.reserved) if f is not None]
+        self.staged = self.reserved = None
         attempt, self.attempt = self.attempt, None
         if namespace is None:
             return
-        if staged is not None and staged.lease_id is not None:
+        for f in leased:
+            if f.lease_id is None:
+                continue
             try:
-                self.daemon.release(namespace, staged.lease_id)
+                self.daemon.release(namespace, f.lease_id)
             except TierCkptError as e:  # it expires on the daemon by itself
                 logger.warning(
-                    "%s: could not release the file staged for a failed save: %s", namespace, e
+                    "%s: could not release the file leased for a failed save: %s", namespace, e
                 )
         if attempt is not None:
             step, attempt_id = attempt

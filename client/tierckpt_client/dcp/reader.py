@@ -28,6 +28,7 @@ from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, par
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, copy_tensor, decode_metadata
 from tierckpt_client.dcp._targets import RANGED_READ_MAX, MemoryTier, ReadSource
 from tierckpt_client.errors import (
+    CapacityExceededError,
     CheckpointFormatError,
     DaemonUnavailableError,
     StepStateError,
@@ -176,11 +177,13 @@ class TieredStorageReader(StorageReader):
         tried when a newer one is corrupt or incomplete, with a warning naming the step."""
         try:
             return self._source.newest_good_step(namespace)
-        except DaemonUnavailableError as e:
+        except (DaemonUnavailableError, CapacityExceededError) as e:
             return self._go_direct(e).newest_good_step(namespace)
 
-    def _go_direct(self, cause: DaemonUnavailableError) -> PersistentTier:
-        """No daemon: read the persistent tier ourselves, if this process knows where it is."""
+    def _go_direct(self, cause: TierCkptError) -> PersistentTier:
+        """No daemon, or a step too large for its memory tier (saved straight to the persistent
+        tier by a writer's ``on_unavailable="persist"``): read the persistent tier ourselves, if
+        this process knows where it is."""
         url = self.config.persist_url
         if not url:
             raise cause
@@ -199,7 +202,7 @@ class TieredStorageReader(StorageReader):
         self._resolved = step
         try:
             doc = self._source.metadata(namespace, step)
-        except DaemonUnavailableError as e:
+        except (DaemonUnavailableError, CapacityExceededError) as e:
             doc = self._go_direct(e).metadata(namespace, step)
         metadata = decode_metadata(doc)
         if metadata.storage_meta is None:

@@ -294,9 +294,28 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
+        if not direct and self._staged is None:
+            direct = self._reserve(plan)
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
         return replace(plan, storage_data=LocalPlanData(direct=direct, daemon=daemon, node=node))
+
+    def _reserve(self, plan: SavePlan) -> bool:
+        """A plain ``save`` (nothing was staged) leases its file now, while the ranks still agree
+        where the save goes: a file that does not fit in the memory tier then sends the whole save
+        to the persistent tier (``on_unavailable="persist"``) rather than failing in write_data,
+        as a staged save does. True if this rank cannot use the memory tier."""
+        namespace = self._require_namespace()
+        size = _items.planned_size(plan)
+        if not size:
+            return False
+        try:
+            reserved = self._memory.new_file(namespace, self.rank, "", size)
+        except (DaemonUnavailableError, CapacityExceededError) as e:
+            self._degrade(e)
+            return True
+        self._leftovers.namespace, self._leftovers.reserved = namespace, reserved
+        return False
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         namespace, step = self._require_target()
@@ -354,6 +373,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         attempt = next_attempt(data.attempt_base, namespace, step)  # first: the same on all ranks
         target = self._target(namespace, step, data)
         staged, self._leftovers.staged = self._leftovers.staged, None
+        reserved, self._leftovers.reserved = self._leftovers.reserved, None
+        if reserved is not None and target is not self._memory:
+            self._memory.discard(namespace, reserved)  # another rank sent the save elsewhere
+            reserved = None
         if staged is not None and staged.lease_id is None and not data.direct:
             # Only with plan caching: the coordinator could not learn that this rank lost its
             # daemon, and the cached plan sends the save to the memory tier.
@@ -391,15 +414,16 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                     self._memory.discard(namespace, staged)
                 loose = None
             extra, extra_results, copied = _items.pack_extra(
-                target, namespace, self.rank, pending, self._memory.discard
+                target, namespace, self.rank, pending, self._memory.discard, reserved
             )
+            reserved = None  # pack_extra used it or gave it back
             if extra is not None:
                 files.append(extra)
             results.extend(extra_results)
             target.write(namespace, step, attempt, self.rank, files)
             self._plan_data, self._attempt = data, attempt
         except BaseException:
-            for f in [*files, *([loose] if loose is not None else [])]:
+            for f in [*files, *(x for x in (loose, reserved) if x is not None)]:
                 self._memory.discard(namespace, f)
             raise
         if self.is_coordinator and target is self._memory:
