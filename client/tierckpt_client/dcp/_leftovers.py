@@ -3,8 +3,8 @@
 DCP tells a storage writer nothing when a save fails: after an error on any rank (in a storage
 method, the planner or a collective) it raises ``CheckpointException`` and never calls the writer
 again. So the writer notes what it holds while a save is under way: the file ``stage`` leased (or
-that a plain ``save`` leased while the ranks planned), and,
-on the coordinator, the save attempt the ranks sealed their files into. The save clears each note
+that a plain ``save`` leased while the ranks planned), and, on the coordinator, the save attempt
+the ranks sealed their files into. The save clears each note
 once it has used the thing (``write_data`` seals the staged file, ``finish`` commits the attempt).
 Whatever is still noted when the writer is closed or garbage-collected belongs to a save that
 failed, and goes back to the daemon then, rather than when the daemon's ``lease_ttl_s`` runs out
