@@ -110,9 +110,18 @@ def _worker(rank: int, world: int, socket: str) -> None:
 @pytest.mark.slow
 def test_dtensors_reshard_across_world_sizes_and_mesh_dimensions(client_env: DaemonProcess) -> None:
     run_ranks(_worker, WORLD, str(client_env.socket))  # the ranks check their 4- and 2-rank loads
-    # On 1 rank: every checkpoint, whole, into plain tensors, in a process with no group.
+    # On 1 rank: every checkpoint, whole, into plain tensors, in a process with no group; once
+    # into contiguous ones and once into transposed ones (each chunk lands in a strided region).
     for ns in ("1d4", "2d", "1d2-0", "1d2-1"):
-        dest = {"model": {name: torch.full_like(_full(name), -1) for name in SHAPES}}
-        dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
-        for name in SHAPES:
-            assert torch.equal(dest["model"][name], _full(name)), (ns, name)
+        for layout in ("contiguous", "transposed"):
+            dest = {"model": {name: _blank(name, layout) for name in SHAPES}}
+            dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
+            for name in SHAPES:
+                assert torch.equal(dest["model"][name], _full(name)), (ns, layout, name)
+
+
+def _blank(name: str, layout: str) -> torch.Tensor:
+    full = _full(name)
+    if layout == "transposed":
+        return torch.full_like(full.t().contiguous(), -1).t()
+    return torch.full_like(full, -1)
