@@ -1,7 +1,8 @@
 """Partial and strict loads: a destination with fewer keys than the checkpoint loads what it has;
 one with a key the checkpoint lacks loads with ``allow_partial_load=True`` (that key untouched)
 and otherwise fails naming the key; a destination whose shape differs from the stored tensor
-fails naming the key and both shapes. Nothing is half-loaded by a load that fails."""
+fails naming the key and both shapes. Nothing is half-loaded by a load that fails. A destination
+of another dtype gets the stored values converted, as with torch's own reader."""
 
 from __future__ import annotations
 
@@ -112,3 +113,19 @@ def test_a_shape_mismatch_fails_naming_the_key_and_both_shapes(env: DaemonProces
     text = _failure(info)
     assert "model.w" in text and "[4, 6]" in text and "[6, 4]" in text, text
     assert torch.equal(w, torch.zeros(6, 4))
+
+
+def test_a_destination_of_another_dtype_gets_the_values_converted(env: DaemonProcess) -> None:
+    """As torch's own reader does: DCP copies the stored tensor into the destination's dtype."""
+    want = _state()["model"]
+    dest = {
+        "model": {
+            "w": torch.zeros(4, 6, dtype=torch.float64),
+            "b": torch.zeros(6, dtype=torch.bfloat16),
+            "emb": torch.zeros(8, 3, dtype=torch.int32),
+        }
+    }
+    _load(dest)
+    for k, t in dest["model"].items():
+        assert torch.equal(t, want[k].to(t.dtype)), k
+    assert dest["model"]["w"].dtype == torch.float64
