@@ -5,7 +5,8 @@ three layouts: a 1-D mesh of 4, a 2x2 mesh, and a 1-D mesh of 2. The 2-rank save
 DCP jobs of their own on the two 2-rank groups of the 2x2 mesh (each group its own process group,
 namespace and coordinator, as a replica group of HSDP saves). Then every checkpoint is loaded
 into every other layout: 4 -> 2x2, 2x2 -> 4, 2 -> 2x2 and 2 -> 4 on 4 ranks; 4 -> 2 and 2x2 -> 2
-on 2 ranks; and everything into plain tensors in one process with no process group at all. Each
+on 2 ranks; and everything into plain tensors in one process with no process group at all, from
+the daemon's memory and from the persistent tier read without a daemon. Each
 rank compares its own shard with the shard of the full tensor that it should hold, so a chunk
 lost, swapped between ranks or misplaced inside its tensor fails. Shapes are uneven on purpose (a
 rank of the 1-D mesh of 4 holds an empty shard)."""
@@ -13,6 +14,8 @@ rank of the 1-D mesh of 4 holds an empty shard)."""
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,11 +26,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
+from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
-from helpers import DaemonProcess, run_ranks
+from helpers import DaemonProcess, new_shm_dir, run_ranks
 
 WORLD = 4
+NAMESPACES = ["1d4", "2d", "1d2-0", "1d2-1"]
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "a": ((12, 6), torch.float32),
     "b": ((10, 3), torch.float64),  # 10 rows over 4 ranks: 3, 3, 3, 1
@@ -107,17 +112,43 @@ def _worker(rank: int, world: int, socket: str) -> None:
     _load(f"1d2-{1 - me}", pair, "1d2-other", pair_group)
 
 
+def _wait_durable(namespaces: list[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with DaemonClient() as c:
+        while True:
+            states = {ns: [s.state.value for s in c.steps(ns)] for ns in namespaces}
+            if all(v == ["durable"] for v in states.values()):
+                return
+            assert time.monotonic() < deadline, f"not durable: {states}"
+            time.sleep(0.05)
+
+
 @pytest.mark.slow
-def test_dtensors_reshard_across_world_sizes_and_mesh_dimensions(client_env: DaemonProcess) -> None:
-    run_ranks(_worker, WORLD, str(client_env.socket))  # the ranks check their 4- and 2-rank loads
-    # On 1 rank: every checkpoint, whole, into plain tensors, in a process with no group; once
-    # into contiguous ones and once into transposed ones (each chunk lands in a strided region).
-    for ns in ("1d4", "2d", "1d2-0", "1d2-1"):
-        for layout in ("contiguous", "transposed"):
-            dest = {"model": {name: _blank(name, layout) for name in SHAPES}}
-            dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
-            for name in SHAPES:
-                assert torch.equal(dest["model"][name], _full(name)), (ns, layout, name)
+def test_dtensors_reshard_across_world_sizes_and_mesh_dimensions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = f"file://{tmp_path / 'store'}"
+    daemon = DaemonProcess(new_shm_dir(), persist_url=store)
+    try:
+        daemon.start()
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(daemon.socket))
+        run_ranks(_worker, WORLD, str(daemon.socket))  # the ranks check their 4- and 2-rank loads
+        _wait_durable(NAMESPACES)
+        # On 1 rank, in a process with no group: every checkpoint, whole, into plain tensors
+        # (contiguous, and transposed: each chunk lands in a strided region); from the daemon's
+        # memory, and from the persistent tier alone, read by the reader itself (no daemon).
+        for source in ("memory", "persistent tier"):
+            if source == "persistent tier":
+                monkeypatch.setenv("TIERCKPT_SOCKET", str(tmp_path / "no-daemon.sock"))
+                monkeypatch.setenv("TIERCKPT_PERSIST_URL", store)
+            for ns in NAMESPACES:
+                for layout in ("contiguous", "transposed"):
+                    dest = {"model": {name: _blank(name, layout) for name in SHAPES}}
+                    dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
+                    for name in SHAPES:
+                        assert torch.equal(dest["model"][name], _full(name)), (source, ns, name)
+    finally:
+        daemon.cleanup()
 
 
 def _blank(name: str, layout: str) -> torch.Tensor:
