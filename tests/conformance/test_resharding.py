@@ -86,12 +86,13 @@ def _worker(rank: int, world: int, socket: str) -> None:
     pair_group = pair.get_group()
     me = rank // 2  # which pair this rank is in; its 2-rank checkpoint is "1d2-<me>"
 
-    dcp.save(_state(flat, "1d4"), storage_writer=TieredStorageWriter("1d4", 1))
+    # async_save stages in stage() (rank 3's empty shard of "c" included), save in write_data.
     dcp.async_save(
-        _state(grid, "2d"),
-        storage_writer=TieredStorageWriter("2d", 1),
+        _state(flat, "1d4"),
+        storage_writer=TieredStorageWriter("1d4", 1),
         async_checkpointer_type=AsyncCheckpointerType.THREAD,
     ).result()
+    dcp.save(_state(grid, "2d"), storage_writer=TieredStorageWriter("2d", 1))
     dcp.async_save(
         _state(pair, "1d2"),
         storage_writer=TieredStorageWriter(f"1d2-{me}", 1),
