@@ -3,17 +3,25 @@
 tensors, non-contiguous tensors (transposed, strided slices, views with a storage offset, expanded,
 channels-last), bytes items (picklable objects, ``io.BytesIO`` payloads, raw ``bytes``), None, and
 nested dicts and lists that mix tensors with such values. Loads fill the destination's own tensors
-in place, keeping their layout, as DCP does for torch's own readers."""
+in place, keeping their layout, as DCP does for torch's own readers; side by side with torch's
+FileSystemWriter/Reader, a load leaves the destination as theirs does."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -190,3 +198,41 @@ def test_a_state_dict_of_only_empty_tensors_round_trips(env: DaemonProcess) -> N
         dest = {"a": torch.ones(0, 3), "b": torch.ones(2, 0, 5, dtype=torch.int8)}
         dcp.load(dest, storage_reader=TieredStorageReader(f"empties-{mode}", 1), no_dist=True)
         _assert_same(dest, sd, mode)
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_a_load_gives_what_torchs_own_file_system_reader_gives(
+    env: DaemonProcess, tmp_path: Path, flatten: bool
+) -> None:
+    """Side by side with torch's FileSystemWriter/Reader, the same state and planners: the same
+    destination afterwards (with flatten_state_dict=False too, where DCP stores nested containers
+    as one bytes item each and puts what it loads into its own copy of the state dict)."""
+    ns = f"side-by-side-{flatten}"
+    dcp.save(
+        _state(),
+        storage_writer=FileSystemWriter(tmp_path),
+        planner=DefaultSavePlanner(flatten_state_dict=flatten),
+        no_dist=True,
+    )
+    dcp.save(
+        _state(),
+        storage_writer=TieredStorageWriter(ns, 1),
+        planner=DefaultSavePlanner(flatten_state_dict=flatten),
+        no_dist=True,
+    )
+    theirs, ours = _blank(_state()), _blank(_state())
+    dcp.load(
+        theirs,
+        storage_reader=FileSystemReader(tmp_path),
+        planner=DefaultLoadPlanner(flatten_state_dict=flatten),
+        no_dist=True,
+    )
+    dcp.load(
+        ours,
+        storage_reader=TieredStorageReader(ns, 1),
+        planner=DefaultLoadPlanner(flatten_state_dict=flatten),
+        no_dist=True,
+    )
+    _assert_same(ours, theirs, "sd")
+    if flatten:
+        _assert_same(ours, _state(), "sd")
