@@ -99,7 +99,22 @@ def _worker(rank: int, world: int, socket: str) -> None:
         process_group=pair_group,
         async_checkpointer_type=AsyncCheckpointerType.THREAD,
     ).result()
+    if me == 1:  # pair 1's checkpoint gets a newer step: its "latest" is 7, pair 0's is 1
+        dcp.save(
+            _state(pair, "1d2"),
+            storage_writer=TieredStorageWriter("1d2-1", 7),
+            process_group=pair_group,
+        )
     dist.barrier()
+
+    # Each pair loads its own "latest" at the same time, the reader given no group: the step is
+    # agreed within the group dcp.load runs on (the reader once agreed on the whole world, and
+    # pair 1 silently loaded step 1, pair 0's decision).
+    latest = TieredStorageReader(f"1d2-{me}")
+    dest = _state(pair, "1d2", blank=True)
+    dcp.load(dest, storage_reader=latest, process_group=pair_group)
+    assert latest.resolved_step == (1, 7)[me], (rank, latest.resolved_step)
+    _check(dest, pair, "1d2", f"latest of 1d2-{me}")
 
     # On 4 ranks: 1-D <-> 2-D, and the 2-rank checkpoints onto both meshes of 4.
     _load("1d4", grid, "2d")
@@ -118,7 +133,7 @@ def _wait_durable(namespaces: list[str], timeout: float = 60.0) -> None:
     with DaemonClient() as c:
         while True:
             states = {ns: [s.state.value for s in c.steps(ns)] for ns in namespaces}
-            if all(v == ["durable"] for v in states.values()):
+            if all(v and set(v) == {"durable"} for v in states.values()):
                 return
             assert time.monotonic() < deadline, f"not durable: {states}"
             time.sleep(0.05)
