@@ -102,6 +102,15 @@ def _no_collectives_worker(rank: int, world: int, socket: str) -> None:
     with pytest.raises(StepStateError, match=r"use_collectives=False\) is not supported"):
         dcp.save(sd, storage_writer=TieredStorageWriter("nocoll", 1), use_collectives=False)
     dist.barrier()
+    # Alone, each rank may: with no_dist=True, or on a group of its own (the writer once counted
+    # the whole job and refused these too, advising the no_dist=True that had been passed).
+    solo = [dist.new_group([r], backend="gloo") for r in range(world)][rank]
+    for how, kw in (("nodist", {"no_dist": True}), ("solo", {"process_group": solo})):
+        ns = f"{how}{rank}"
+        dcp.save(sd, storage_writer=TieredStorageWriter(ns, 1), use_collectives=False, **kw)
+        dest = {f"r{rank}": torch.zeros(3, 4)}
+        dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
+        assert torch.equal(dest[f"r{rank}"], _rows(1, rank)), how
 
     # One rank alone loads "latest" with no_dist=True: it decides the step itself.
     for step in (5, 6):
@@ -116,12 +125,14 @@ def _no_collectives_worker(rank: int, world: int, socket: str) -> None:
 
 
 @pytest.mark.slow
-def test_no_collectives_save_is_refused_and_a_no_dist_load_decides_alone(
+def test_no_collectives_save_is_refused_on_many_ranks_allowed_alone_and_a_no_dist_load_decides_alone(
     daemon: DaemonProcess,
 ) -> None:
     run_ranks(_no_collectives_worker, WORLD, str(daemon.socket))
     client = DaemonClient.from_socket(daemon.socket)
     assert [c.step for c in client.candidates("alone")] == [6, 5]
+    for ns in ("nodist0", "nodist1", "solo0", "solo1"):
+        assert [c.step for c in client.candidates(ns)] == [1], ns
     with pytest.raises(Exception, match="nocoll"):  # nothing of the refused save was committed
         client.candidates("nocoll")
 

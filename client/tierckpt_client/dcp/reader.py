@@ -9,7 +9,7 @@ import os
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,19 +42,31 @@ logger = logging.getLogger(__name__)
 __all__ = ["RANGED_READ_MAX", "TieredStorageReader"]
 
 
-def _dcp_load_without_dist() -> bool:
-    """Whether the ``dcp.load`` calling this reader runs with ``no_dist=True``.
+@dataclass(frozen=True)
+class _LoadCall:
+    """What the ``dcp.load`` calling this reader was asked: alone, or on which group."""
+
+    no_dist: bool
+    group: dist.ProcessGroup | None
+
+
+def _dcp_load_call() -> _LoadCall | None:
+    """How the ``dcp.load`` calling this reader runs: with ``no_dist=True``, and on which group.
 
     DCP does not tell a storage reader (``read_metadata`` comes before ``set_up_storage_reader``,
     and neither says it), yet a one-rank ``no_dist`` load on a job with a process group must not
-    wait in a broadcast that the other ranks never join. So look at the loader's frame."""
+    wait in a broadcast that the other ranks never join, and a load on a sub-group must agree on
+    the step within that group, not with ranks loading something else. So look at the loader's
+    frame; None when there is none (a caller driving the reader itself)."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "_load_state_dict" and code.co_filename.endswith("state_dict_loader.py"):
-            return bool(frame.f_locals.get("no_dist", False))
+            local = frame.f_locals
+            group = getattr(local.get("distW"), "group", local.get("process_group"))
+            return _LoadCall(bool(local.get("no_dist", False)), group)
         frame = frame.f_back  # type: ignore[assignment]
-    return False
+    return None
 
 
 class TieredStorageReader(StorageReader):
@@ -68,8 +80,8 @@ class TieredStorageReader(StorageReader):
             broadcasts it, so all ranks load the same step; a ``dcp.load(..., no_dist=True)``, or
             one without a process group, decides it alone.
         config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
-        process_group: the group ``dcp.load`` runs on (default: the default group); only used to
-            agree on the step when ``step`` is ``None``.
+        process_group: the group to agree on the step with when ``step`` is ``None`` (default:
+            the group ``dcp.load`` runs on).
 
     Call order, as DCP drives it::
 
@@ -152,11 +164,16 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         if self.step is not None:
             return self.step
-        if not (dist.is_available() and dist.is_initialized()) or _dcp_load_without_dist():
+        call = _dcp_load_call()
+        if not (dist.is_available() and dist.is_initialized()) or (call and call.no_dist):
             return self._newest_good_step(
                 namespace
             )  # this process loads alone: no one to agree with
+        # The ranks to agree with are those of the group dcp.load runs on (the one given here
+        # wins): ranks of other groups may be loading other namespaces at the same time.
         group = self.process_group
+        if group is None and call is not None:
+            group = call.group
         src = dist.get_global_rank(group, 0) if group is not None else 0
         box: list[Any] = [None]
         if dist.get_rank(group) == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import uuid
 import weakref
 from dataclasses import dataclass, replace
@@ -44,6 +45,25 @@ from tierckpt_client.errors import (
 from tierckpt_client.protocol import CommitRequest, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
+
+
+def _dcp_save_world_size() -> int:
+    """How many ranks the ``dcp.save`` calling this writer saves on.
+
+    DCP tells a storage writer its rank but not the size of its group, and a ``no_dist=True``
+    save, or one on a group of one rank, is one process even in a job of many. So read it from
+    the saver's own frame (as the reader does for ``no_dist`` loads); without that frame, assume
+    the whole job."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_save_state_dict" and code.co_filename.endswith("state_dict_saver.py"):
+            get_world_size = getattr(frame.f_locals.get("distW"), "get_world_size", None)
+            if callable(get_world_size):
+                return int(get_world_size())
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 _warned: set[str] = set()
@@ -276,8 +296,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         namespace, step = self._require_target()
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if kwargs.get("use_collectives") is False and world > 1:
+        if kwargs.get("use_collectives") is False and (world := _dcp_save_world_size()) > 1:
             # Each rank would commit the step alone, each commit replacing the last: a step
             # holding one rank's part, reported as saved. There is no rank-local commit.
             raise StepStateError(
