@@ -158,6 +158,7 @@ class ReplicationStatus(BaseModel):
     replicated_bytes: int
     received_steps: int
     failed_pushes: int
+    skipped_steps: int = 0  # steps never replicated (tierckpt_replication_skips_total)
     unreachable: list[str]  # peers whose last call failed
     last_error: str | None
 

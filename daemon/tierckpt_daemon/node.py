@@ -74,6 +74,7 @@ class Node:
             upload_queue=persistent.queued_steps if persistent else 0,
             persistent_healthy=persistent.healthy if persistent else None,
             replication_queue=self.replicator.queued() if self.replicator is not None else 0,
+            ages=svc.freshness.ages(),
         )
 
     def status(self, shm_dir: str) -> StatusResponse:

@@ -41,6 +41,7 @@ class StepRecord:
     created_at: float = field(default_factory=time.time)
     last_activity: float = field(default_factory=time.monotonic)
     committed_at: float | None = None
+    durable_at: float | None = None  # when this node's upload made it durable (not a hydration)
     world_size: int | None = None
     persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
@@ -120,6 +121,7 @@ class StepRecord:
                 persist=self.persist,
                 persist_pending=self.persist_pending,
                 durable=self.state == StepState.DURABLE,
+                durable_at=self.durable_at,
                 origin=self.origin,
                 replicated_to=list(self.replicated_to),
                 replication_pending=self.replication_pending,
@@ -199,6 +201,7 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
         state=StepState.DURABLE if local.durable else StepState.COMMITTED,
         created_at=doc.created_at or 0.0,
         committed_at=doc.committed_at or 0.0,
+        durable_at=local.durable_at,
         world_size=doc.world_size,
         persist=local.persist,
         persist_pending=local.persist_pending,

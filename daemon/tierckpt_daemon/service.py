@@ -48,7 +48,9 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.eviction import EvictionPolicy, KeepLatestN
+from tierckpt_daemon.freshness import Freshness
 from tierckpt_daemon.leases import Leases
+from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.records import (
     MANIFEST,
@@ -96,6 +98,7 @@ class TierService:
         self.lease_ttl_s = lease_ttl_s
         self.lock = threading.RLock()
         self.metrics = Metrics()
+        self.freshness = Freshness()  # for the "seconds since the last committed/durable step"
         self.index = StepIndex(arena, policy or KeepLatestN(keep_last))
         self.leases = Leases(
             arena,
@@ -121,6 +124,7 @@ class TierService:
         """Rebuild the index from the tier directory after a (re)start."""
         with self.lock:
             self.index.rebuild()
+            self.freshness.seed(self.index.all_committed())
 
     # -- leases -----------------------------------------------------------------------------
     def lease(
@@ -185,6 +189,15 @@ class TierService:
                     blocks=f.blocks,
                 )
             rec.last_activity = time.monotonic()
+            logger.debug(
+                "%s/step %d attempt %s: rank %d sealed %d files",
+                namespace,
+                step,
+                attempt,
+                req.rank,
+                len(req.files),
+                extra=step_fields(namespace, step, attempt, rank=req.rank),
+            )
             return rec.info()
 
     def commit(
@@ -204,6 +217,8 @@ class TierService:
         with self.metrics.commit_seconds.time():
             self.take_checksums(namespace, step, attempt, req.files, known=checksums or {})
             rec = self._commit(namespace, step, attempt, req, replicate, origin, checksums)
+        if origin is None:
+            self.freshness.committed(namespace, rec.committed_at)
         self.notify_committed(rec)
         return rec.info()
 
@@ -313,7 +328,11 @@ class TierService:
             old, retired = self.index.install(rec)
             if old is not None:
                 logger.info(
-                    "%s/step %d: new commit supersedes attempt %s", namespace, step, old.attempt
+                    "%s/step %d: new commit supersedes attempt %s",
+                    namespace,
+                    step,
+                    old.attempt,
+                    extra=step_fields(namespace, step, rec.attempt),
                 )
                 self.metrics.evictions.labels(reason="superseded").inc()
             for _ in retired:
@@ -327,6 +346,7 @@ class TierService:
                 f", a replica from {origin}" if origin else "",
                 ", queued for the persistent tier" if rec.persist_pending else "",
                 ", queued for replication" if rec.replication_pending else "",
+                extra=step_fields(namespace, step, rec.attempt),
             )
             return rec
 
@@ -459,12 +479,19 @@ class TierService:
         with self.lock:
             return self.index.committed.get(rec.namespace, {}).get(rec.step) is rec
 
-    def mark_durable(self, rec: StepRecord, checksums: dict[str, str]) -> None:
+    def mark_durable(
+        self, rec: StepRecord, checksums: dict[str, str], *, uploaded: bool = False
+    ) -> None:
+        """``rec`` is complete in the persistent tier: ``uploaded`` by this node just now, or
+        hydrated from there."""
         with self.lock:
             for f in rec.files.values():
                 f.checksum = checksums.get(f.name, f.checksum)
             rec.persist_pending = False
             rec.state = StepState.DURABLE
+            if uploaded:
+                rec.durable_at = time.time()
+                self.freshness.durable(rec.namespace, rec.durable_at)
             self._save_state(rec)
 
     def mark_replicated(self, rec: StepRecord, peer: str, checksums: dict[str, str]) -> None:
@@ -533,6 +560,7 @@ class TierService:
                         rec.step,
                         rec.attempt,
                         now - rec.last_activity,
+                        extra=step_fields(rec.namespace, rec.step, rec.attempt),
                     )
                     del self.index.writing[key]
                     self.index.reclaim_dir(rec.dir)

@@ -75,6 +75,7 @@ def _replication_line(rep: ReplicationStatus | None) -> str:
         f"as {rep.node} to {rep.replicas} of peers {others}{down}, {rep.queued_steps} step(s) "
         f"queued, {rep.replicated_steps} pushed ({r.size(rep.replicated_bytes)}), "
         f"{rep.received_steps} received, {rep.failed_pushes} failed round(s), "
+        f"{rep.skipped_steps} skipped, "
         f"last error: {rep.last_error or '-'}"
     )
 
