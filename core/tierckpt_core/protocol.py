@@ -207,6 +207,38 @@ class PeerStep(BaseModel):
     held: list[str] | None = None  # a step spanning nodes: the files this peer holds (else all)
 
 
+class NodeStep(BaseModel):
+    """One committed step a daemon holds in memory, as ``tierckpt ls --cluster`` lists it."""
+
+    namespace: str
+    step: int
+    state: StepState  # committed (memory), or durable (also complete in the persistent tier)
+    bytes: int  # held on this node
+    files: int  # files held on this node
+    committed_at: float | None = None
+    origin: str | None = None  # a replica: the node that committed it
+    replicated_to: list[str] = []  # nodes holding a verified replica of it
+    replication_pending: bool = False
+    coordinator: str | None = None  # a step spanning nodes: the daemon that decided its commit
+
+
+class NodeListing(BaseModel):
+    """What one node holds, or why it could not say."""
+
+    node: str
+    reachable: bool
+    error: str | None = None  # why it is unreachable
+    steps: list[NodeStep] = []
+
+
+class ClusterListing(BaseModel):
+    """Every node's steps, as the asked daemon and its peers answered within ``timeout_s``."""
+
+    node: str | None  # the daemon asked (None: it has no peers)
+    timeout_s: float
+    nodes: list[NodeListing]
+
+
 class PrepareRequest(BaseModel):
     """Phase one of a commit across nodes: the coordinator's daemon asks a participant to check
     that its share of the attempt is sealed, record that it is prepared, and say what it holds."""

@@ -15,6 +15,7 @@ from tierckpt_core.errors import StepStateError
 from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
 from tierckpt_daemon import __version__
 from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.cluster import ClusterLister
 from tierckpt_daemon.config import DaemonSettings, parse_size
 from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.metrics import Snapshot
@@ -32,6 +33,7 @@ class Node:
     persister: Persister | None = None
     replicator: Replicator | None = None
     committer: GlobalCommitter | None = None
+    cluster: ClusterLister | None = None  # with peers: asks them what they hold
 
     def __post_init__(self) -> None:
         self.service.metrics.attach(self.snapshot)
@@ -103,7 +105,7 @@ def build_node(settings: DaemonSettings) -> Node:
     arena = Arena(settings.shm_dir, settings.capacity_bytes, prefault=settings.prefault)
     service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
     service.rebuild()
-    persister = replicator = committer = None
+    persister = replicator = committer = lister = None
     if settings.persist_url:
         from tierckpt_core.objectstore import StoreSettings, open_store
 
@@ -136,6 +138,9 @@ def build_node(settings: DaemonSettings) -> Node:
         service.replicas = settings.replicas
         service.node = settings.node_name
         service.add_listener(replicator)
+        lister = ClusterLister(
+            service, replicator.membership, replicator.client, node=settings.node_name
+        )
         committer = GlobalCommitter(
             service,
             PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
@@ -143,4 +148,4 @@ def build_node(settings: DaemonSettings) -> Node:
         )
     fetcher = PeerFetcher(replicator) if replicator is not None else None
     restorer = Restorer(service, peers=fetcher, durable=persister)
-    return Node(service, restorer, persister, replicator, committer)
+    return Node(service, restorer, persister, replicator, committer, lister)
