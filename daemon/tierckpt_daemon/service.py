@@ -67,7 +67,6 @@ PIN_TTL_S = 600.0
 # How long a step hydrated for a reader stays in memory against retention if no reader pins and
 # unpins it (a reader that died between hydrating and reading).
 HOLD_S = PIN_TTL_S
-POOL_IDLE_S = 900.0
 
 
 class StepListener(Protocol):
@@ -482,8 +481,7 @@ class TierService:
     def mark_durable(
         self, rec: StepRecord, checksums: dict[str, str], *, uploaded: bool = False
     ) -> None:
-        """``rec`` is complete in the persistent tier: ``uploaded`` by this node just now, or
-        hydrated from there."""
+        """``rec`` is complete in the persistent tier (``uploaded`` now by this node, or read)."""
         with self.lock:
             for f in rec.files.values():
                 f.checksum = checksums.get(f.name, f.checksum)
@@ -544,28 +542,3 @@ class TierService:
             return sorted(
                 (r for r in recs if r.replication_pending), key=lambda r: r.committed_at or 0
             )
-
-    # -- housekeeping -----------------------------------------------------------------------
-    def sweep(self) -> None:
-        """Expire leases, stalled saves and pins; trim long-idle pool files."""
-        now = time.monotonic()
-        with self.lock:
-            self.leases.expire(now)
-            for key, rec in list(self.index.writing.items()):
-                # A prepared attempt waits for its decider (global_commit resolves it), however long.
-                if rec.prepared_at is None and now - rec.last_activity > self.lease_ttl_s:
-                    logger.warning(
-                        "%s/step %d: save attempt %s stalled for %.0fs; reclaiming its files",
-                        rec.namespace,
-                        rec.step,
-                        rec.attempt,
-                        now - rec.last_activity,
-                        extra=step_fields(rec.namespace, rec.step, rec.attempt),
-                    )
-                    del self.index.writing[key]
-                    self.index.reclaim_dir(rec.dir)
-            for rec in self.index.all_committed() + self.index.retiring:
-                for pin_id in [p for p, exp in rec.pins.items() if exp < now]:
-                    del rec.pins[pin_id]
-                self.index.drop_if_retired(rec)
-            self.arena.trim_pool(0, idle_s=POOL_IDLE_S)
