@@ -7,8 +7,9 @@ growing rather than as a counter that merely stops moving.
 What counts: a save committed here (a trainer's commit, or this node's share of a step spanning
 nodes) and an upload that made a step durable from here. Replicas received from peers and steps
 brought back for a reader (hydrated, or restored from a peer) do not count: they are not progress of
-the job. After a daemon restart the times are seeded from the steps still in memory (their commit
-records keep both times).
+the job. After a daemon restart the times are seeded from the steps the job saved that are still in
+memory (their commit records keep both times); a namespace with none has no series until its next
+commit.
 
 Cardinality is bounded: at most ``limit`` namespaces are tracked (the most recently active); a
 namespace pushed out loses its two series until its next commit.
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tierckpt_daemon.records import StepRecord
+from tierckpt_daemon.records import StepRecord, filled_by_daemon
 
 MAX_NAMESPACES = 64
 
@@ -55,8 +56,8 @@ class Freshness:
     def seed(self, records: Iterable[StepRecord]) -> None:
         """Take the times from the commit records of steps in memory (after a restart)."""
         for rec in sorted(records, key=lambda r: r.committed_at or 0.0):
-            if rec.origin is not None:
-                continue  # a replica of a peer's step
+            if rec.origin is not None or filled_by_daemon(rec.attempt):
+                continue  # a replica of a peer's step, or one brought back for a reader
             if rec.committed_at:
                 self._set(rec.namespace, committed_at=rec.committed_at, newer_only=True)
             if rec.durable_at:

@@ -50,7 +50,11 @@ class Node:
                     "across nodes with: set TIERCKPT_PEERS, TIERCKPT_NODE_NAME and "
                     "TIERCKPT_PEER_TOKEN on every node's daemon"
                 )
-            return self.service.commit(namespace, step, attempt, req)
+            info = self.service.commit(namespace, step, attempt, req)
+            # A trainer's commit (hydrations and replicas commit through the service too, and are
+            # not progress of the job); one spanning nodes counts in GlobalCommitter.decide.
+            self.service.freshness.committed(namespace, info.committed_at)
+            return info
         return self.committer.commit(namespace, step, attempt, req)
 
     def snapshot(self) -> Snapshot:

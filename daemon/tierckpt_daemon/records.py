@@ -129,6 +129,17 @@ class StepRecord:
         )
 
 
+# The daemon names the attempts it fills itself (hydration.fill_step) with a letter a trainer's
+# attempt id (hex, see tierckpt_client.dcp._ids) never starts with: "h" hydrated from the
+# persistent tier, "p" restored from a peer, "r" a replica received from a peer.
+FILLED_ATTEMPT_PREFIXES = ("h", "p", "r")
+
+
+def filled_by_daemon(attempt: str) -> bool:
+    """Whether a step's attempt was brought in by the daemon rather than saved by a trainer."""
+    return attempt.startswith(FILLED_ATTEMPT_PREFIXES)
+
+
 def step_dir_name(step: int, attempt: str) -> str:
     return f"{step:012d}-{attempt}"
 

@@ -216,8 +216,6 @@ class TierService:
         with self.metrics.commit_seconds.time():
             self.take_checksums(namespace, step, attempt, req.files, known=checksums or {})
             rec = self._commit(namespace, step, attempt, req, replicate, origin, checksums)
-        if origin is None:
-            self.freshness.committed(namespace, rec.committed_at)
         self.notify_committed(rec)
         return rec.info()
 

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from prometheus_client.parser import text_string_to_metric_families
 
 import tierckpt_daemon
+from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
 
 from helpers import DaemonProcess, free_port, new_shm_dir
@@ -132,6 +133,25 @@ def test_seconds_since_the_last_committed_and_durable_step_per_namespace(
         ]:
             assert later[key] <= again[key] < later[key] + 600, key
         assert (since_durable, (("namespace", "kept"),)) not in again
+        # A step brought back from the persistent tier for a reader is not progress of the job:
+        # it resets neither age.
+        with DaemonClient.from_socket(d.socket) as c:
+            c.delete("safe", 1)
+            assert c.hydrate("safe", 1).state.value == "durable"
+        hydrated = _scrape(port)
+        for key in [
+            (since_commit, (("namespace", "safe"),)),
+            (since_durable, (("namespace", "safe"),)),
+        ]:
+            assert hydrated[key] >= again[key], key
+        # Nor when the times are taken from the steps in memory at a start: the only step of
+        # `safe` left in memory was hydrated, so there is no commit time to take (absent, never a
+        # made-up young age); `kept` still has its own.
+        d.restart()
+        restarted = _scrape(port)
+        assert (since_commit, (("namespace", "safe"),)) not in restarted
+        assert (since_durable, (("namespace", "safe"),)) not in restarted
+        assert (since_commit, (("namespace", "kept"),)) in restarted
         # A new commit resets the namespace's age.
         _save("kept", 2, persist=False)
         assert (

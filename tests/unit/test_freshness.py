@@ -51,10 +51,15 @@ def test_seed_takes_the_newest_times_of_own_steps_not_replicas(tmp_path: Path) -
     f = Freshness(clock=clock)
 
     def rec(
-        ns: str, step: int, committed: float, durable: float | None, origin: str | None
+        ns: str,
+        step: int,
+        committed: float,
+        durable: float | None,
+        origin: str | None,
+        attempt: str = "0123456789abcdef.1",
     ) -> StepRecord:
         return StepRecord(
-            ns, step, "a", tmp_path, committed_at=committed, durable_at=durable, origin=origin
+            ns, step, attempt, tmp_path, committed_at=committed, durable_at=durable, origin=origin
         )
 
     f.seed(
@@ -62,6 +67,7 @@ def test_seed_takes_the_newest_times_of_own_steps_not_replicas(tmp_path: Path) -
             rec("a", 2, 900.0, None, None),
             rec("a", 1, 800.0, 850.0, None),
             rec("b", 1, 990.0, None, "10.0.0.2:8474"),  # a peer's step: not this node's progress
+            rec("a", 1, 995.0, None, None, "h0123456789abcde"),  # hydrated for a reader
         ]
     )
     assert f.ages() == {"a": (100.0, 150.0)}
