@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
@@ -21,6 +22,7 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_core.errors import DaemonUnavailableError, ProtocolError
 from tierckpt_core.http import decode_response
 from tierckpt_core.protocol import (
+    ClusterListing,
     CommitRequest,
     HydrateRequest,
     LeaseRequest,
@@ -155,7 +157,7 @@ class DaemonClient:
         except httpx.TimeoutException as e:
             raise DaemonUnavailableError(
                 f"the tierckpt daemon at {self.config.socket} did not answer {method} {path} "
-                f"within {self.config.timeout_s:.0f}s ({type(e).__name__})"
+                f"within {timeout or self.config.timeout_s:.0f}s ({type(e).__name__})"
             ) from e
         except httpx.TransportError as e:
             raise DaemonUnavailableError(
@@ -216,6 +218,17 @@ class DaemonClient:
     def abort(self, namespace: str, step: int, attempt: str) -> None:
         """Give up an uncommitted save attempt: the daemon frees its sealed files now."""
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}")
+
+    def cluster(self, namespace: str | None = None, *, timeout_s: float = 5.0) -> ClusterListing:
+        """Every node's committed steps: the daemon asks its peers, each within ``timeout_s``
+        (one that does not answer in time is listed as unreachable)."""
+        query = urlencode(
+            {"timeout_s": timeout_s, **({"namespace": namespace} if namespace else {})}
+        )
+        doc = self._request(
+            "GET", f"/v1/cluster?{query}", timeout=timeout_s + self.config.timeout_s
+        )
+        return ClusterListing.model_validate(doc)
 
     def candidates(self, namespace: str) -> list[StepCandidate]:
         doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates")

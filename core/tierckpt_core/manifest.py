@@ -76,6 +76,7 @@ class LocalState(BaseModel):
     persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
     durable: bool = False  # complete in the persistent tier
+    durable_at: float | None = None  # when this node's upload made it durable (wall clock)
     origin: str | None = None  # a replica: the peer (host:port) that committed it
     replicated_to: list[str] = []  # peers holding a verified copy
     replication_pending: bool = False  # must not leave memory before it is replicated

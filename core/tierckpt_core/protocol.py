@@ -158,6 +158,7 @@ class ReplicationStatus(BaseModel):
     replicated_bytes: int
     received_steps: int
     failed_pushes: int
+    skipped_steps: int = 0  # steps never replicated (tierckpt_replication_skips_total)
     unreachable: list[str]  # peers whose last call failed
     last_error: str | None
 
@@ -204,6 +205,38 @@ class PeerStep(BaseModel):
     origin: str | None
     committed_at: float | None
     held: list[str] | None = None  # a step spanning nodes: the files this peer holds (else all)
+
+
+class NodeStep(BaseModel):
+    """One committed step a daemon holds in memory, as ``tierckpt ls --cluster`` lists it."""
+
+    namespace: str
+    step: int
+    state: StepState  # committed (memory), or durable (also complete in the persistent tier)
+    bytes: int  # held on this node
+    files: int  # files held on this node
+    committed_at: float | None = None
+    origin: str | None = None  # a replica: the node that committed it
+    replicated_to: list[str] = []  # nodes holding a verified replica of it
+    replication_pending: bool = False
+    coordinator: str | None = None  # a step spanning nodes: the daemon that decided its commit
+
+
+class NodeListing(BaseModel):
+    """What one node holds, or why it could not say."""
+
+    node: str
+    reachable: bool
+    error: str | None = None  # why it is unreachable
+    steps: list[NodeStep] = []
+
+
+class ClusterListing(BaseModel):
+    """Every node's steps, as the asked daemon and its peers answered within ``timeout_s``."""
+
+    node: str | None  # the daemon asked (None: it has no peers)
+    timeout_s: float
+    nodes: list[NodeListing]
 
 
 class PrepareRequest(BaseModel):

@@ -14,6 +14,7 @@ import time
 from pydantic import ValidationError
 
 from tierckpt_daemon import __version__
+from tierckpt_daemon.logfields import fields_of
 
 
 class _JsonFormatter(logging.Formatter):
@@ -24,6 +25,7 @@ class _JsonFormatter(logging.Formatter):
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
+            **fields_of(record),
         }
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)

@@ -249,6 +249,7 @@ class GlobalCommitter:
             rec.world_size = m.world_size
             rec.learn_checksums({f.name: f.checksum for f in m.files if f.checksum})
             rec = svc.install(rec, m.metadata, persist=req.persist, replicate=True)
+        svc.freshness.committed(m.namespace, rec.committed_at)
         svc.notify_committed(rec)
         return rec
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from tierckpt_core.errors import CapacityExceededError, LeaseNotFoundError
 from tierckpt_core.protocol import LeaseResponse, validate_namespace
 from tierckpt_daemon.arena import Arena, round_up
+from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.step_index import StepIndex
 
@@ -105,7 +106,13 @@ class Leases:
     ) -> LeaseResponse:
         self._leases[lease_id] = Lease(lease_id, namespace, rank, path, size, self.ttl_s)
         logger.debug(
-            "lease %s: %s rank %d, %d bytes, recycled=%s", lease_id, namespace, rank, size, recycled
+            "lease %s: %s rank %d, %d bytes, recycled=%s",
+            lease_id,
+            namespace,
+            rank,
+            size,
+            recycled,
+            extra=step_fields(namespace, rank=rank),
         )
         return LeaseResponse(
             lease_id=lease_id, path=str(path), size=size, recycled=recycled, expires_in_s=self.ttl_s
@@ -135,6 +142,7 @@ class Leases:
                 lease.namespace,
                 lease.rank,
                 lease.size,
+                extra=step_fields(lease.namespace, rank=lease.rank),
             )
             del self._leases[lease.lease_id]
             self.arena.adopt_into_pool(lease.path)

@@ -2,12 +2,19 @@
 
 Counters and histograms are updated where things happen; gauges of the tier's state are computed
 from the service when Prometheus scrapes, so they can never drift from the truth.
+
+Labels stay bounded: ``state`` and ``reason`` take a few fixed values; ``namespace`` (only on the
+two "seconds since" gauges) is limited to the most recently active namespaces
+(:data:`tierckpt_daemon.freshness.MAX_NAMESPACES`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import platform
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -84,15 +91,25 @@ class Metrics:
         self.replicas_received = Counter(
             "tierckpt_replicas_received", "Step replicas received from peers", registry=r
         )
+        self.replication_skips = Counter(
+            "tierckpt_replication_skips",
+            "Committed steps never replicated: they left memory first, or no peer was a member",
+            ["reason"],
+            registry=r,
+        )
 
     @staticmethod
     def total(counter: Counter) -> int:
-        """A counter's value (one source of truth for the status API and /metrics)."""
-        for metric in counter.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    return int(sample.value)
-        return 0
+        """A counter's value, summed over its labels (one source of truth for the status API
+        and /metrics)."""
+        return int(
+            sum(
+                sample.value
+                for metric in counter.collect()
+                for sample in metric.samples
+                if sample.name.endswith("_total")
+            )
+        )
 
     def attach(self, snapshot: Callable[[], Snapshot]) -> None:
         """Compute the state gauges from ``snapshot()`` at every scrape."""
@@ -107,13 +124,34 @@ class Snapshot:
     upload_queue: int = 0
     persistent_healthy: bool | None = None
     replication_queue: int = 0
+    # namespace -> seconds since its last committed step, since its last durable step (None: none)
+    ages: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+
+
+def build_labels() -> dict[str, str]:
+    """The ``tierckpt_build_info`` labels: this package's version, Python's, and torch's when it
+    is installed (read from its distribution metadata: the daemon never imports torch)."""
+    from tierckpt_daemon import __version__
+
+    labels = {"version": __version__, "python": platform.python_version()}
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        labels["torch"] = importlib.metadata.version("torch")
+    return labels
 
 
 class _StateCollector(Collector):
     def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
         self.snapshot = snapshot
+        self.build = build_labels()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        build = GaugeMetricFamily(
+            "tierckpt_build_info",
+            "Always 1; the labels say which tierckpt, Python and torch (if installed) run",
+            labels=sorted(self.build),
+        )
+        build.add_metric([self.build[k] for k in sorted(self.build)], 1)
+        yield build
         snap = self.snapshot()
         cap = GaugeMetricFamily("tierckpt_capacity_bytes", "Budget of the memory tier")
         cap.add_metric([], snap.capacity_bytes)
@@ -145,3 +183,20 @@ class _StateCollector(Collector):
         )
         replication.add_metric([], snap.replication_queue)
         yield replication
+        since_commit = GaugeMetricFamily(
+            "tierckpt_seconds_since_committed_step",
+            "Seconds since this node last committed a step of the namespace (absent before one)",
+            labels=["namespace"],
+        )
+        since_durable = GaugeMetricFamily(
+            "tierckpt_seconds_since_durable_step",
+            "Seconds since this node last made a step of the namespace durable (absent before one)",
+            labels=["namespace"],
+        )
+        for ns, (committed, durable) in sorted(snap.ages.items()):
+            if committed is not None:
+                since_commit.add_metric([ns], committed)
+            if durable is not None:
+                since_durable.add_metric([ns], durable)
+        yield since_commit
+        yield since_durable

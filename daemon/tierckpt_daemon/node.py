@@ -15,6 +15,7 @@ from tierckpt_core.errors import StepStateError
 from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
 from tierckpt_daemon import __version__
 from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.cluster import ClusterLister
 from tierckpt_daemon.config import DaemonSettings, parse_size
 from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.metrics import Snapshot
@@ -32,6 +33,7 @@ class Node:
     persister: Persister | None = None
     replicator: Replicator | None = None
     committer: GlobalCommitter | None = None
+    cluster: ClusterLister | None = None  # with peers: asks them what they hold
 
     def __post_init__(self) -> None:
         self.service.metrics.attach(self.snapshot)
@@ -48,7 +50,11 @@ class Node:
                     "across nodes with: set TIERCKPT_PEERS, TIERCKPT_NODE_NAME and "
                     "TIERCKPT_PEER_TOKEN on every node's daemon"
                 )
-            return self.service.commit(namespace, step, attempt, req)
+            info = self.service.commit(namespace, step, attempt, req)
+            # A trainer's commit (hydrations and replicas commit through the service too, and are
+            # not progress of the job); one spanning nodes counts in GlobalCommitter.decide.
+            self.service.freshness.committed(namespace, info.committed_at)
+            return info
         return self.committer.commit(namespace, step, attempt, req)
 
     def snapshot(self) -> Snapshot:
@@ -74,6 +80,7 @@ class Node:
             upload_queue=persistent.queued_steps if persistent else 0,
             persistent_healthy=persistent.healthy if persistent else None,
             replication_queue=self.replicator.queued() if self.replicator is not None else 0,
+            ages=svc.freshness.ages(),
         )
 
     def status(self, shm_dir: str) -> StatusResponse:
@@ -102,7 +109,7 @@ def build_node(settings: DaemonSettings) -> Node:
     arena = Arena(settings.shm_dir, settings.capacity_bytes, prefault=settings.prefault)
     service = TierService(arena, keep_last=settings.keep_last, lease_ttl_s=settings.lease_ttl_s)
     service.rebuild()
-    persister = replicator = committer = None
+    persister = replicator = committer = lister = None
     if settings.persist_url:
         from tierckpt_core.objectstore import StoreSettings, open_store
 
@@ -135,6 +142,9 @@ def build_node(settings: DaemonSettings) -> Node:
         service.replicas = settings.replicas
         service.node = settings.node_name
         service.add_listener(replicator)
+        lister = ClusterLister(
+            service, replicator.membership, replicator.client, node=settings.node_name
+        )
         committer = GlobalCommitter(
             service,
             PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
@@ -142,4 +152,4 @@ def build_node(settings: DaemonSettings) -> Node:
         )
     fetcher = PeerFetcher(replicator) if replicator is not None else None
     restorer = Restorer(service, peers=fetcher, durable=persister)
-    return Node(service, restorer, persister, replicator, committer)
+    return Node(service, restorer, persister, replicator, committer, lister)

@@ -30,6 +30,7 @@ from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import pwriter
 from tierckpt_core.protocol import (
     DecideRequest,
+    NodeStep,
     OutcomeResponse,
     PeerPullRequest,
     PeerStep,
@@ -97,6 +98,16 @@ class PeerClient:
             peer, "GET", f"/v1/peer/namespaces/{namespace}/steps", attempts=1, timeout_s=timeout_s
         )
         return [PeerStep.model_validate(x) for x in doc]
+
+    def inventory(
+        self, peer: str, namespace: str | None = None, *, timeout_s: float | None = None
+    ) -> list[NodeStep]:
+        """Every committed step ``peer`` holds in memory (of ``namespace``, if given); one try."""
+        params = {"namespace": namespace} if namespace is not None else {}
+        doc = self._json(
+            peer, "GET", "/v1/peer/inventory", attempts=1, timeout_s=timeout_s, params=params
+        )
+        return [NodeStep.model_validate(x) for x in doc]
 
     def manifest(self, peer: str, namespace: str, step: int) -> StepManifest:
         doc = self._json(peer, "GET", f"/v1/peer/namespaces/{namespace}/steps/{step}")

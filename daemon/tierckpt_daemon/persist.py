@@ -44,6 +44,7 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.background import QueueWorker, background_pool
 from tierckpt_daemon.hydration import fill_step
+from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.records import StepRecord, read_manifest
 from tierckpt_daemon.service import TierService
 
@@ -141,8 +142,9 @@ class Persister(QueueWorker[StepRecord]):
             with self._cv:
                 self._healthy = True
 
-    def _record_error(self, message: str) -> None:
-        logger.error("%s", message)
+    def _record_error(self, message: str, rec: StepRecord | None = None) -> None:
+        fields = step_fields(rec.namespace, rec.step, rec.attempt) if rec is not None else {}
+        logger.error("%s", message, extra=fields)
         with self._cv:
             self._healthy = False
             self._last_error = message
@@ -162,7 +164,8 @@ class Persister(QueueWorker[StepRecord]):
             self.service.metrics.upload_failures.inc()
             self._record_error(
                 f"{rec.namespace}/step {rec.step}: upload to {self.store.url} failed: {e}; "
-                f"retrying in {self.retry_delay(rec):.0f}s (the step stays in memory)"
+                f"retrying in {self.retry_delay(rec):.0f}s (the step stays in memory)",
+                rec,
             )
             return False
         return True
@@ -176,7 +179,13 @@ class Persister(QueueWorker[StepRecord]):
             f"{self.service.keep_last} steps of the namespace (TIERCKPT_KEEP_LAST), and uploads "
             "did not keep up with the saves; or it was deleted. Newer steps are uploaded",
         }[reason]
-        logger.warning("%s/step %d is not uploaded: %s", rec.namespace, rec.step, why)
+        logger.warning(
+            "%s/step %d is not uploaded: %s",
+            rec.namespace,
+            rec.step,
+            why,
+            extra=step_fields(rec.namespace, rec.step, rec.attempt),
+        )
         self.service.metrics.upload_skips.labels(reason=reason).inc()
         self.service.cancel_persist(rec)
 
@@ -239,7 +248,7 @@ class Persister(QueueWorker[StepRecord]):
         write_step_commit(self.store, manifest)
         if rec.spans_nodes:
             delete_sidecars(self.store, ns, step, [f.name for f in uploaded])
-        self.service.mark_durable(rec, checksums)
+        self.service.mark_durable(rec, checksums, uploaded=True)
         self._uploaded(rec, nbytes, t0, f"{len(uploaded)} files")
         self._apply_retention(ns)
 
@@ -290,6 +299,7 @@ class Persister(QueueWorker[StepRecord]):
             nbytes,
             dt,
             nbytes / max(dt, 1e-9) / 1e6,
+            extra=step_fields(rec.namespace, rec.step, rec.attempt),
         )
 
     def _apply_retention(self, namespace: str) -> None:

@@ -41,6 +41,7 @@ class StepRecord:
     created_at: float = field(default_factory=time.time)
     last_activity: float = field(default_factory=time.monotonic)
     committed_at: float | None = None
+    durable_at: float | None = None  # when this node's upload made it durable (not a hydration)
     world_size: int | None = None
     persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
@@ -120,11 +121,23 @@ class StepRecord:
                 persist=self.persist,
                 persist_pending=self.persist_pending,
                 durable=self.state == StepState.DURABLE,
+                durable_at=self.durable_at,
                 origin=self.origin,
                 replicated_to=list(self.replicated_to),
                 replication_pending=self.replication_pending,
             ),
         )
+
+
+# The daemon names the attempts it fills itself (hydration.fill_step) with a letter a trainer's
+# attempt id (hex, see tierckpt_client.dcp._ids) never starts with: "h" hydrated from the
+# persistent tier, "p" restored from a peer, "r" a replica received from a peer.
+FILLED_ATTEMPT_PREFIXES = ("h", "p", "r")
+
+
+def filled_by_daemon(attempt: str) -> bool:
+    """Whether a step's attempt was brought in by the daemon rather than saved by a trainer."""
+    return attempt.startswith(FILLED_ATTEMPT_PREFIXES)
 
 
 def step_dir_name(step: int, attempt: str) -> str:
@@ -199,6 +212,7 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
         state=StepState.DURABLE if local.durable else StepState.COMMITTED,
         created_at=doc.created_at or 0.0,
         committed_at=doc.committed_at or 0.0,
+        durable_at=local.durable_at,
         world_size=doc.world_size,
         persist=local.persist,
         persist_pending=local.persist_pending,

@@ -37,6 +37,7 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.background import QueueWorker, background_pool
 from tierckpt_daemon.hydration import fill_step
+from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.membership import Membership, successors
 from tierckpt_daemon.peer_client import PeerClient
 from tierckpt_daemon.records import StepRecord
@@ -85,6 +86,7 @@ class Replicator(QueueWorker[StepRecord]):
         self._members: list[str] = [] if membership.dns else sorted(membership.static)
         self._unreachable: set[str] = set()
         self._last_error: str | None = None
+        self._last_skip: str | None = None  # the reason of the last skip, until a push succeeds
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -123,6 +125,7 @@ class Replicator(QueueWorker[StepRecord]):
             replicated_bytes=m.total(m.replicated_bytes),
             received_steps=m.total(m.replicas_received),
             failed_pushes=m.total(m.replication_failures),
+            skipped_steps=m.total(m.replication_skips),
             unreachable=unreachable,
             last_error=last_error,
         )
@@ -157,6 +160,28 @@ class Replicator(QueueWorker[StepRecord]):
             self._record_failure(rec, f"{rec.namespace}/step {rec.step}: {e!r}")
             raise
 
+    def _skip(self, rec: StepRecord, reason: str) -> None:
+        """``rec`` will never be replicated: say why (once per run of skips), count it."""
+        why = {
+            "superseded": "a newer save of the same step replaced it (that one is replicated)",
+            "retired": "it left memory first (retention, or it was deleted) while its pushes were "
+            "still failing",
+            "no_peers": f"no other daemon is a member of the ring ({self.membership.describe()})",
+        }[reason]
+        with self._cv:
+            first = self._last_skip != reason
+            self._last_skip = reason
+        log = logger.warning if first else logger.debug
+        log(
+            "%s/step %d is not replicated: %s",
+            rec.namespace,
+            rec.step,
+            why,
+            extra=step_fields(rec.namespace, rec.step, rec.attempt),
+        )
+        self.service.metrics.replication_skips.labels(reason=reason).inc()
+        self.service.end_replication(rec)
+
     def _record_failure(self, rec: StepRecord, message: str) -> None:
         self.service.metrics.replication_failures.inc()
         with self._cv:
@@ -166,7 +191,7 @@ class Replicator(QueueWorker[StepRecord]):
         """Push ``rec`` until ``replicas`` successors hold it; False: retry later."""
         ns, step = rec.namespace, rec.step
         if not self.service.is_current(rec):  # superseded, deleted or retired meanwhile
-            self.service.end_replication(rec)
+            self._skip(rec, "superseded" if self.service.has_step(ns, step) else "retired")
             return True
         try:
             targets = self.successors()
@@ -174,6 +199,9 @@ class Replicator(QueueWorker[StepRecord]):
             self._record_failure(rec, f"{ns}/step {step}: {e}")
             logger.warning("%s", e)
             return False
+        if not targets:
+            self._skip(rec, "no_peers")
+            return True
         want = min(self.replicas, len(targets))
         have = [p for p in rec.replicated_to if p in targets]
         errors: list[str] = []
@@ -192,6 +220,8 @@ class Replicator(QueueWorker[StepRecord]):
             have.append(peer)
         if len(have) >= want:
             self.service.end_replication(rec)
+            with self._cv:
+                self._last_skip = None
             if errors:
                 logger.info("%s/step %d replicated to %s instead", ns, step, ", ".join(have))
             with self._cv:
@@ -251,6 +281,7 @@ class Replicator(QueueWorker[StepRecord]):
             nbytes,
             dt,
             nbytes / max(dt, 1e-9) / 1e6,
+            extra=step_fields(ns, step, rec.attempt),
         )
 
     def pull_from(self, origin: str, namespace: str, step: int) -> StepInfo:

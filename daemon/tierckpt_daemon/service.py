@@ -48,7 +48,9 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.eviction import EvictionPolicy, KeepLatestN
+from tierckpt_daemon.freshness import Freshness
 from tierckpt_daemon.leases import Leases
+from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.records import (
     MANIFEST,
@@ -65,7 +67,6 @@ PIN_TTL_S = 600.0
 # How long a step hydrated for a reader stays in memory against retention if no reader pins and
 # unpins it (a reader that died between hydrating and reading).
 HOLD_S = PIN_TTL_S
-POOL_IDLE_S = 900.0
 
 
 class StepListener(Protocol):
@@ -96,6 +97,7 @@ class TierService:
         self.lease_ttl_s = lease_ttl_s
         self.lock = threading.RLock()
         self.metrics = Metrics()
+        self.freshness = Freshness()  # for the "seconds since the last committed/durable step"
         self.index = StepIndex(arena, policy or KeepLatestN(keep_last))
         self.leases = Leases(
             arena,
@@ -121,6 +123,7 @@ class TierService:
         """Rebuild the index from the tier directory after a (re)start."""
         with self.lock:
             self.index.rebuild()
+            self.freshness.seed(self.index.all_committed())
 
     # -- leases -----------------------------------------------------------------------------
     def lease(
@@ -185,6 +188,15 @@ class TierService:
                     blocks=f.blocks,
                 )
             rec.last_activity = time.monotonic()
+            logger.debug(
+                "%s/step %d attempt %s: rank %d sealed %d files",
+                namespace,
+                step,
+                attempt,
+                req.rank,
+                len(req.files),
+                extra=step_fields(namespace, step, attempt, rank=req.rank),
+            )
             return rec.info()
 
     def commit(
@@ -329,7 +341,11 @@ class TierService:
             old, retired = self.index.install(rec)
             if old is not None:
                 logger.info(
-                    "%s/step %d: new commit supersedes attempt %s", namespace, step, old.attempt
+                    "%s/step %d: new commit supersedes attempt %s",
+                    namespace,
+                    step,
+                    old.attempt,
+                    extra=step_fields(namespace, step, rec.attempt),
                 )
                 self.metrics.evictions.labels(reason="superseded").inc()
             for _ in retired:
@@ -343,6 +359,7 @@ class TierService:
                 f", a replica from {origin}" if origin else "",
                 ", queued for the persistent tier" if rec.persist_pending else "",
                 ", queued for replication" if rec.replication_pending else "",
+                extra=step_fields(namespace, step, rec.attempt),
             )
             return rec
 
@@ -475,12 +492,18 @@ class TierService:
         with self.lock:
             return self.index.committed.get(rec.namespace, {}).get(rec.step) is rec
 
-    def mark_durable(self, rec: StepRecord, checksums: dict[str, str]) -> None:
+    def mark_durable(
+        self, rec: StepRecord, checksums: dict[str, str], *, uploaded: bool = False
+    ) -> None:
+        """``rec`` is complete in the persistent tier (``uploaded`` now by this node, or read)."""
         with self.lock:
             for f in rec.files.values():
                 f.checksum = checksums.get(f.name, f.checksum)
             rec.persist_pending = False
             rec.state = StepState.DURABLE
+            if uploaded:
+                rec.durable_at = time.time()
+                self.freshness.durable(rec.namespace, rec.durable_at)
             self._save_state(rec)
 
     def mark_replicated(self, rec: StepRecord, peer: str, checksums: dict[str, str]) -> None:
@@ -533,26 +556,3 @@ class TierService:
             return sorted(
                 (r for r in recs if r.replication_pending), key=lambda r: r.committed_at or 0
             )
-
-    # -- housekeeping -----------------------------------------------------------------------
-    def sweep(self) -> None:
-        """Expire leases, stalled saves and pins; trim long-idle pool files."""
-        now = time.monotonic()
-        with self.lock:
-            self.leases.expire(now)
-            for rec in list(self.index.writing.values()):
-                # A prepared attempt waits for its decider (global_commit resolves it), however long.
-                if rec.prepared_at is None and now - rec.last_activity > self.lease_ttl_s:
-                    logger.warning(
-                        "%s/step %d: save attempt %s stalled for %.0fs; reclaiming its files",
-                        rec.namespace,
-                        rec.step,
-                        rec.attempt,
-                        now - rec.last_activity,
-                    )
-                    self.index.abandon(rec)
-            for rec in self.index.all_committed() + self.index.retiring:
-                for pin_id in [p for p, exp in rec.pins.items() if exp < now]:
-                    del rec.pins[pin_id]
-                self.index.drop_if_retired(rec)
-            self.arena.trim_pool(0, idle_s=POOL_IDLE_S)

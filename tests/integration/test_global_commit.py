@@ -9,6 +9,7 @@ or the new one, never a torn step; leftovers are reclaimed; the next save works.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -123,6 +124,13 @@ def _prepare(
     return [FileRecord.model_validate(f) for f in resp.json()["files"]]
 
 
+def _since_commit(d: DaemonProcess) -> list[str]:
+    """The node's ``tierckpt_seconds_since_committed_step`` samples of the namespace."""
+    text = httpx.get(f"http://{d.name}/metrics", timeout=10).text
+    pattern = rf'^tierckpt_seconds_since_committed_step\{{namespace="{NS}"\}} \S+$'
+    return re.findall(pattern, text, re.MULTILINE)
+
+
 def _until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -138,9 +146,13 @@ def test_a_step_is_committed_on_every_node_with_its_global_record(
 ) -> None:
     a, b = nodes
     data = _save(a, b, 1, "s1")
+    assert not any(_since_commit(d) for d in nodes)  # sealed is not committed
     with DaemonClient.from_socket(a.socket) as c:
         info = c.commit(NS, 1, "s1", _commit_request(a, b))
     assert info.state.value == "committed"
+    # Both nodes count it as the namespace's last commit (the gauge alerts watch), not only the
+    # decider.
+    assert all(_since_commit(d) for d in nodes)
     # Each node holds its own rank's file, committed, and knows where the other one is.
     assert _read(a, 1) == {"r00000.data": data["r00000.data"]}
     assert _read(b, 1) == {"r00001.data": data["r00001.data"]}

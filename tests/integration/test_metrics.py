@@ -1,6 +1,15 @@
-"""/metrics on the TCP port parses as Prometheus text and moves when a save happens."""
+"""/metrics on the TCP port parses as Prometheus text and moves when a save happens; the build
+info, the per-namespace "seconds since" gauges and the replication skips say what a user would
+want to alert on."""
 
 from __future__ import annotations
+
+import importlib.metadata
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -8,9 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from prometheus_client.parser import text_string_to_metric_families
 
+import tierckpt_daemon
+from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
 
-from helpers import DaemonProcess, free_port
+from helpers import DaemonProcess, free_port, new_shm_dir
 
 PORT = free_port()
 
@@ -39,3 +50,178 @@ def test_metrics_move_with_a_save(client_env: DaemonProcess) -> None:
     assert after[("tierckpt_lease_seconds_count", ())] >= 1
     # The local API stays off the TCP port.
     assert httpx.get(f"http://127.0.0.1:{PORT}/v1/status", timeout=10).status_code == 403
+
+
+def _wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _save(namespace: str, step: int, **kw: Any) -> None:
+    sd = {"w": torch.arange(1 << 14, dtype=torch.float32) + step}
+    writer = TieredStorageWriter(namespace, step, **kw)
+    dcp.async_save(sd, storage_writer=writer, no_dist=True).result()
+
+
+@pytest.mark.daemon_settings(port=PORT, host="127.0.0.1", capacity="64M")
+def test_build_info_names_the_versions_that_run(client_env: DaemonProcess) -> None:
+    infos = [
+        dict(labels) for (name, labels), v in _scrape(PORT).items() if name == "tierckpt_build_info"
+    ]
+    assert infos == [
+        {
+            "version": tierckpt_daemon.__version__,
+            "python": platform.python_version(),
+            "torch": importlib.metadata.version("torch"),
+        }
+    ]
+    assert _scrape(PORT)[("tierckpt_build_info", tuple(sorted(infos[0].items())))] == 1
+    assert torch.__version__.split("+")[0] in infos[0]["torch"]
+
+
+def test_seconds_since_the_last_committed_and_durable_step_per_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    d = DaemonProcess(
+        new_shm_dir(),
+        port=port,
+        host="127.0.0.1",
+        capacity="64M",
+        persist_url=(tmp_path / "tier").as_uri(),
+    )
+    since_commit = "tierckpt_seconds_since_committed_step"
+    since_durable = "tierckpt_seconds_since_durable_step"
+    try:
+        d.start()
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        # No series before a first step: "absent" rather than a made-up age.
+        assert not [k for k in _scrape(port) if k[0] in (since_commit, since_durable)]
+
+        _save("kept", 1, persist=False)  # committed, never made durable
+        _save("safe", 1, persist=True)
+        _wait_for(
+            "safe/step 1 durable",
+            lambda: (since_durable, (("namespace", "safe"),)) in _scrape(port),
+        )
+        first = _scrape(port)
+        assert 0 <= first[(since_commit, (("namespace", "kept"),))] < 600
+        assert 0 <= first[(since_commit, (("namespace", "safe"),))] < 600
+        assert 0 <= first[(since_durable, (("namespace", "safe"),))] < 600
+        assert (since_durable, (("namespace", "kept"),)) not in first
+        # Computed at scrape time: the age grows while nothing is saved.
+        time.sleep(1.1)
+        later = _scrape(port)
+        for key in [
+            (since_commit, (("namespace", "kept"),)),
+            (since_durable, (("namespace", "safe"),)),
+        ]:
+            assert later[key] >= first[key] + 1.0, key
+        # A restarted daemon takes the times from the commit records it still holds.
+        d.restart()
+        again = _scrape(port)
+        for key in [
+            (since_commit, (("namespace", "kept"),)),
+            (since_commit, (("namespace", "safe"),)),
+            (since_durable, (("namespace", "safe"),)),
+        ]:
+            assert later[key] <= again[key] < later[key] + 600, key
+        assert (since_durable, (("namespace", "kept"),)) not in again
+        # A step brought back from the persistent tier for a reader is not progress of the job:
+        # it resets neither age.
+        with DaemonClient.from_socket(d.socket) as c:
+            c.delete("safe", 1)
+            assert c.hydrate("safe", 1).state.value == "durable"
+        hydrated = _scrape(port)
+        for key in [
+            (since_commit, (("namespace", "safe"),)),
+            (since_durable, (("namespace", "safe"),)),
+        ]:
+            assert hydrated[key] >= again[key], key
+        # Nor when the times are taken from the steps in memory at a start: the only step of
+        # `safe` left in memory was hydrated, so there is no commit time to take (absent, never a
+        # made-up young age); `kept` still has its own.
+        d.restart()
+        restarted = _scrape(port)
+        assert (since_commit, (("namespace", "safe"),)) not in restarted
+        assert (since_durable, (("namespace", "safe"),)) not in restarted
+        assert (since_commit, (("namespace", "kept"),)) in restarted
+        # A new commit resets the namespace's age.
+        _save("kept", 2, persist=False)
+        assert (
+            _scrape(port)[(since_commit, (("namespace", "kept"),))]
+            < later[(since_commit, (("namespace", "kept"),))]
+        )
+    finally:
+        d.cleanup()
+
+
+def test_replication_skips_are_counted_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    port, dead = free_port(), free_port()  # nothing listens on `dead`: every push fails
+    me = f"127.0.0.1:{port}"
+    d = DaemonProcess(
+        new_shm_dir(),
+        port=port,
+        host="127.0.0.1",
+        capacity="64M",
+        node_name=me,
+        peers=f"{me},127.0.0.1:{dead}",
+        peer_token="peer-token-for-the-metrics-test-0123",
+    )
+    skips = "tierckpt_replication_skips_total"
+    try:
+        d.start()
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        _save("m", 1)
+        # Its pushes fail and are retried; a new save of the step replaces it meanwhile.
+        _wait_for(
+            "a failed push",
+            lambda: _scrape(port).get(("tierckpt_replication_failures_total", ())),
+        )
+        _save("m", 1)
+        got = _wait_for("the skip", lambda: _scrape(port).get((skips, (("reason", "superseded"),))))
+        assert got == 1
+        status = d.status()
+        assert status is not None and status["replication"]["skipped_steps"] == 1
+        assert "m/step 1 is not replicated: a newer save of the same step replaced it" in d.log()
+    finally:
+        d.cleanup()
+
+
+def test_a_step_with_no_peer_to_go_to_is_counted_as_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    port = free_port()
+    me = f"127.0.0.1:{port}"
+    d = DaemonProcess(
+        new_shm_dir(),
+        port=port,
+        host="127.0.0.1",
+        capacity="64M",
+        node_name=me,
+        peers=me,  # a ring of one: nobody to replicate to
+        peer_token="peer-token-for-the-metrics-test-0123",
+    )
+    try:
+        d.start()
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        _save("m", 1)
+        _save("m", 2)
+        got = _wait_for(
+            "the skips",
+            lambda: (
+                _scrape(port).get(("tierckpt_replication_skips_total", (("reason", "no_peers"),)))
+                == 2
+            ),
+        )
+        assert got
+        # Said once, at WARNING, not once per step.
+        assert d.log().count("is not replicated: no other daemon is a member") == 1
+    finally:
+        d.cleanup()

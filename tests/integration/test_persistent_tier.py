@@ -306,8 +306,12 @@ def test_persistent_retention_keeps_newest_and_collects_incomplete(
         for step in (2, 3, 4):
             _save("job", step)
             _wait_durable("job", {step})
-        keys = {o.key.split("/")[1] for o in store.list("job/")}
-        assert keys == {"step_000000000003", "step_000000000004"}
+        # Retention runs right after a step is marked durable: give it a moment.
+        want = {"step_000000000003", "step_000000000004"}
+        deadline = time.monotonic() + 30
+        while (keys := {o.key.split("/")[1] for o in store.list("job/")}) != want:
+            assert time.monotonic() < deadline, keys
+            time.sleep(0.05)
     finally:
         d.cleanup()
 

@@ -17,6 +17,7 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.housekeeping import sweep
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.restore import Restorer
 from tierckpt_daemon.service import TierService
@@ -184,7 +185,7 @@ def test_sweep_expires_unsealed_leases(root: Path) -> None:
     svc.rebuild()
     svc.lease("job", 0, MiB)
     time.sleep(0.05)
-    svc.sweep()
+    sweep(svc)
     assert Node(svc, Restorer(svc)).status("x").leased_bytes == 0
     assert svc.arena.pool_files == 1
 

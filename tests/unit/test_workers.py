@@ -124,10 +124,12 @@ def test_a_failing_upload_does_not_hold_up_the_steps_behind_it(tmp_path: Path) -
     try:
         _save(svc, 1)
         _save(svc, 2)
-        _until(lambda: durable_steps(store, "job") == [2])
+        # Step 2 leaves the queue just after its marker is written: wait for both.
+        _until(
+            lambda: durable_steps(store, "job") == [2] and persister.status().queued_steps == 1
+        )  # step 1, waiting for its next try
         status = persister.status()
         assert status.healthy is False and "503 SlowDown" in (status.last_error or "")
-        assert status.queued_steps == 1  # step 1, waiting for its next try
         assert svc.get_step("job", 1).state.value == "committed"  # still in memory
     finally:
         persister.stop()

@@ -75,6 +75,7 @@ def _replication_line(rep: ReplicationStatus | None) -> str:
         f"as {rep.node} to {rep.replicas} of peers {others}{down}, {rep.queued_steps} step(s) "
         f"queued, {rep.replicated_steps} pushed ({r.size(rep.replicated_bytes)}), "
         f"{rep.received_steps} received, {rep.failed_pushes} failed round(s), "
+        f"{rep.skipped_steps} skipped, "
         f"last error: {rep.last_error or '-'}"
     )
 
@@ -98,7 +99,9 @@ def _namespaces_table(docs: list[dict[str, Any]]) -> str:
 
 
 def cmd_ls(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
-    if args.namespace is None:
+    if args.cluster:
+        _ls_cluster(client, args)
+    elif args.namespace is None:
         _ls_namespaces(client, tier, args)
     else:
         _ls_steps(client, tier, validate_namespace(args.namespace), args)
@@ -183,6 +186,39 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
     ]
     text = r.table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"), rows)
     r.emit(args.json, [d for _, d in sorted(docs.items())], text)
+
+
+def _ls_cluster(client: DaemonClient, args: argparse.Namespace) -> None:
+    """Every node's steps in memory, as the daemon and its peers answered within the timeout; a
+    node that did not answer is listed as unreachable (and the command still succeeds)."""
+    ns = validate_namespace(args.namespace) if args.namespace is not None else None
+    listing = client.cluster(ns, timeout_s=args.timeout)
+    now = time.time()
+    rows: list[tuple[object, ...]] = []
+    notes: list[str] = []
+    for node in listing.nodes:
+        if not node.reachable:
+            rows.append((node.node, "-", "-", "UNREACHABLE", "-", "-", "-", "-"))
+            notes.append(f"{node.node} is unreachable: {node.error}")
+        elif not node.steps:
+            rows.append((node.node, "-", "-", "no steps", "-", "-", "-", "-"))
+        for s in node.steps:
+            rows.append(
+                (
+                    node.node,
+                    s.namespace,
+                    s.step,
+                    s.state.value,
+                    r.size(s.bytes),
+                    s.files,
+                    r.age(s.committed_at, now),
+                    _replicas_cell(s.model_dump(mode="json")),
+                )
+            )
+    text = r.table(("NODE", "NAMESPACE", "STEP", "STATE", "SIZE", "FILES", "AGE", "REPLICAS"), rows)
+    if listing.node is None:
+        notes.append("this daemon has no peers (TIERCKPT_PEERS): only this node is listed")
+    r.emit(args.json, listing.model_dump(mode="json"), "\n".join([text, *notes]))
 
 
 def _where(tier: Persistent) -> str:

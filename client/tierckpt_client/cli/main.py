@@ -51,6 +51,16 @@ exit codes:
 Command = Callable[[DaemonClient, Persistent, argparse.Namespace], None]
 
 
+def _peer_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 60:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in (0, 60]")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     # The common options work before and after the subcommand; SUPPRESS keeps a subcommand's
     # default from overwriting a value given before it (main() fills in the defaults).
@@ -116,6 +126,19 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         metavar="NAMESPACE",
         help="list this namespace's steps (default: list every namespace)",
+    )
+    s.add_argument(
+        "--cluster",
+        action="store_true",
+        help="list the steps every node holds in memory: the daemon asks its peers (a node that "
+        "does not answer within --timeout is shown as UNREACHABLE)",
+    )
+    s.add_argument(
+        "--timeout",
+        type=_peer_timeout,
+        default=5.0,
+        metavar="SECONDS",
+        help="with --cluster: how long to wait for each peer (default 5, at most 60)",
     )
     s = command(
         "inspect",

@@ -14,7 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierckpt_core.errors import ForbiddenError, ProtocolError, TierCkptError
 from tierckpt_core.protocol import API_VERSION
-from tierckpt_daemon import __version__
+from tierckpt_daemon import __version__, housekeeping
+from tierckpt_daemon.api.cluster import router as cluster_router
 from tierckpt_daemon.api.health import router as health_router
 from tierckpt_daemon.api.namespaces import router as namespaces_router
 from tierckpt_daemon.api.peers import router as peers_router
@@ -134,6 +135,7 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
     app.include_router(namespaces_router)
     app.include_router(writes_router)
     app.include_router(peers_router)
+    app.include_router(cluster_router)
     app.add_middleware(LocalOnlyGuard)
     return app
 
@@ -142,6 +144,6 @@ async def _sweeper(service: TierService) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         try:
-            await asyncio.to_thread(service.sweep)
+            await asyncio.to_thread(housekeeping.sweep, service)
         except OSError:
             logger.exception("housekeeping sweep failed; retrying in %.0fs", SWEEP_INTERVAL_S)

@@ -19,6 +19,7 @@ from tierckpt_core.errors import ForbiddenError, ProtocolError, UnauthorizedErro
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import (
     DecideRequest,
+    NodeStep,
     OutcomeResponse,
     PeerPullRequest,
     PeerStep,
@@ -29,6 +30,7 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
+from tierckpt_daemon import cluster
 from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.peer_server import PeerServer
 
@@ -62,6 +64,12 @@ def get_peer_server(request: Request) -> PeerServer:
 router = APIRouter(prefix="/v1/peer", dependencies=[Depends(require_peer_token)])
 Store = Annotated[PeerServer, Depends(get_peer_server)]
 MAX_RANGE_BYTES = 256 << 20
+
+
+@router.get("/inventory")
+def inventory(request: Request, namespace: str | None = None) -> list[NodeStep]:
+    """Every committed step this daemon holds in memory, for ``tierckpt ls --cluster``."""
+    return cluster.inventory(request.app.state.node.service, namespace)
 
 
 @router.get("/namespaces/{namespace}/steps")

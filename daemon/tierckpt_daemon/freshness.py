@@ -1,0 +1,97 @@
+"""When each namespace last committed a step, and last made one durable, on this node.
+
+The ``tierckpt_seconds_since_committed_step`` and ``tierckpt_seconds_since_durable_step`` gauges are
+computed from these wall-clock times at every scrape, so a stalled job shows as a number that keeps
+growing rather than as a counter that merely stops moving.
+
+What counts: a save committed here (a trainer's commit, or this node's share of a step spanning
+nodes) and an upload that made a step durable from here. Replicas received from peers and steps
+brought back for a reader (hydrated, or restored from a peer) do not count: they are not progress of
+the job. After a daemon restart the times are seeded from the steps the job saved that are still in
+memory (their commit records keep both times); a namespace with none has no series until its next
+commit.
+
+Cardinality is bounded: at most ``limit`` namespaces are tracked (the most recently active); a
+namespace pushed out loses its two series until its next commit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tierckpt_daemon.records import StepRecord, filled_by_daemon
+
+MAX_NAMESPACES = 64
+
+
+@dataclass
+class Times:
+    committed_at: float | None = None
+    durable_at: float | None = None
+
+
+class Freshness:
+    """Per-namespace times of the last commit and the last durable step (thread-safe)."""
+
+    def __init__(
+        self, limit: int = MAX_NAMESPACES, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"the namespace limit must be at least 1, got {limit}")
+        self.limit = limit
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._times: OrderedDict[str, Times] = OrderedDict()
+
+    def committed(self, namespace: str, at: float | None = None) -> None:
+        self._set(namespace, committed_at=self.clock() if at is None else at)
+
+    def durable(self, namespace: str, at: float | None = None) -> None:
+        self._set(namespace, durable_at=self.clock() if at is None else at)
+
+    def seed(self, records: Iterable[StepRecord]) -> None:
+        """Take the times from the commit records of steps in memory (after a restart)."""
+        for rec in sorted(records, key=lambda r: r.committed_at or 0.0):
+            if rec.origin is not None or filled_by_daemon(rec.attempt):
+                continue  # a replica of a peer's step, or one brought back for a reader
+            if rec.committed_at:
+                self._set(rec.namespace, committed_at=rec.committed_at, newer_only=True)
+            if rec.durable_at:
+                self._set(rec.namespace, durable_at=rec.durable_at, newer_only=True)
+
+    def ages(self) -> dict[str, tuple[float | None, float | None]]:
+        """Seconds since the last commit and the last durable step, per namespace (None: none
+        since the daemon started, nor in memory)."""
+        now = self.clock()
+        with self._lock:
+            return {
+                ns: (
+                    None if t.committed_at is None else max(0.0, now - t.committed_at),
+                    None if t.durable_at is None else max(0.0, now - t.durable_at),
+                )
+                for ns, t in self._times.items()
+            }
+
+    def _set(
+        self,
+        namespace: str,
+        *,
+        committed_at: float | None = None,
+        durable_at: float | None = None,
+        newer_only: bool = False,
+    ) -> None:
+        with self._lock:
+            t = self._times.get(namespace)
+            if t is None:
+                t = self._times[namespace] = Times()
+            for name, value in (("committed_at", committed_at), ("durable_at", durable_at)):
+                old = getattr(t, name)
+                if value is not None and not (newer_only and old is not None and old >= value):
+                    setattr(t, name, value)
+            self._times.move_to_end(namespace)
+            while len(self._times) > self.limit:
+                self._times.popitem(last=False)
