@@ -1,0 +1,98 @@
+"""What the uploader and the replicator ask of the memory tier and report back to it.
+
+:class:`~tierckpt_daemon.service.TierService` inherits these: they are the background workers'
+half of its interface (which steps wait for an upload or a replica, and what became of them),
+kept apart from the lease -> seal -> commit -> pin -> evict state machine the trainers drive. Each
+method takes the service's lock; a report about a step that was meanwhile retired lets retention
+drop it (``drop_if_retired``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tierckpt_core.protocol import StepState
+from tierckpt_daemon.freshness import Freshness
+from tierckpt_daemon.records import StepRecord, update_manifest
+from tierckpt_daemon.step_index import StepIndex
+
+
+class WorkerReports:
+    lock: threading.RLock
+    index: StepIndex
+    freshness: Freshness
+
+    def has_step(self, namespace: str, step: int) -> bool:
+        """Whether ``namespace``/``step`` is committed in memory here."""
+        with self.lock:
+            return step in self.index.committed.get(namespace, {})
+
+    def is_current(self, rec: StepRecord) -> bool:
+        with self.lock:
+            return self.index.committed.get(rec.namespace, {}).get(rec.step) is rec
+
+    def mark_durable(
+        self, rec: StepRecord, checksums: dict[str, str], *, uploaded: bool = False
+    ) -> None:
+        """``rec`` is complete in the persistent tier (``uploaded`` now by this node, or read)."""
+        with self.lock:
+            for f in rec.files.values():
+                f.checksum = checksums.get(f.name, f.checksum)
+            rec.persist_pending = False
+            rec.state = StepState.DURABLE
+            if uploaded:
+                rec.durable_at = time.time()
+                self.freshness.durable(rec.namespace, rec.durable_at)
+            self._save_state(rec)
+
+    def mark_replicated(self, rec: StepRecord, peer: str, checksums: dict[str, str]) -> None:
+        """``peer`` now holds a verified copy of ``rec`` (whose files have ``checksums``)."""
+        with self.lock:
+            rec.learn_checksums(checksums)
+            if peer not in rec.replicated_to:
+                rec.replicated_to.append(peer)
+            self._save_state(rec, drop=False)
+
+    def set_checksums(self, rec: StepRecord, checksums: dict[str, str]) -> None:
+        with self.lock:
+            rec.learn_checksums(checksums)
+            self._save_state(rec, drop=False)
+
+    def end_replication(self, rec: StepRecord) -> None:
+        """Replication of ``rec`` is done, or moot (superseded, deleted, retired): stop holding
+        it in memory for it."""
+        with self.lock:
+            rec.replication_pending = False
+            self._save_state(rec)
+
+    def share_persisted(self, rec: StepRecord) -> None:
+        """This node's share of a step spanning nodes is in the persistent tier (the decider
+        makes the step durable there once every share is)."""
+        with self.lock:
+            rec.persist_pending = False
+            self._save_state(rec)
+
+    def cancel_persist(self, rec: StepRecord) -> None:
+        """The step was superseded or deleted before its upload: stop holding it for one."""
+        with self.lock:
+            rec.persist_pending = False
+            self._save_state(rec)
+
+    def _save_state(self, rec: StepRecord, *, drop: bool = True) -> None:
+        if rec.manifest_path().exists():
+            update_manifest(rec)
+        if drop:
+            self.index.drop_if_retired(rec)
+
+    def pending_uploads(self) -> list[StepRecord]:
+        with self.lock:
+            recs = self.index.all_committed()
+            return sorted((r for r in recs if r.persist_pending), key=lambda r: r.committed_at or 0)
+
+    def pending_replications(self) -> list[StepRecord]:
+        with self.lock:
+            recs = self.index.all_committed()
+            return sorted(
+                (r for r in recs if r.replication_pending), key=lambda r: r.committed_at or 0
+            )
