@@ -126,7 +126,11 @@ def build_node(settings: DaemonSettings) -> Node:
         replicator = Replicator(
             service,
             Membership.parse(settings.peers),
-            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
+            PeerClient(
+                settings.peer_secret.get_secret_value(),
+                timeout_s=settings.peer_timeout_s,
+                tls=settings.peer_tls,
+            ),
             node=settings.node_name,
             replicas=settings.replicas,
             concurrency=settings.replication_concurrency,
@@ -137,7 +141,11 @@ def build_node(settings: DaemonSettings) -> Node:
         service.add_listener(replicator)
         committer = GlobalCommitter(
             service,
-            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
+            PeerClient(
+                settings.peer_secret.get_secret_value(),
+                timeout_s=settings.peer_timeout_s,
+                tls=settings.peer_tls,
+            ),
             node=settings.node_name,
         )
     fetcher = PeerFetcher(replicator) if replicator is not None else None
