@@ -120,11 +120,16 @@ def describe_tls_error(peer: str, error: BaseException, tls: PeerTLS | None) -> 
                 f"peer {peer}: its TLS certificate was refused: {why}; it must be issued by "
                 f"this daemon's CA{ca}{name}"
             )
+        if isinstance(e, ssl.SSLError) and e.reason == "WRONG_VERSION_NUMBER":
+            return (
+                f"peer {peer}: it does not speak TLS (plain HTTP answered the handshake): set "
+                f"{', '.join(SETTINGS)} on every daemon of the ring, or on none"
+            )
         if isinstance(e, ssl.SSLError):
             return (
                 f"peer {peer}: the TLS handshake failed ({e.reason or e}); a peer that refuses "
-                "this daemon's certificate trusts another CA, and a peer without TLS answers "
-                "plain HTTP: every daemon needs the same TIERCKPT_PEER_TLS_CA"
+                "this daemon's certificate trusts another CA: every daemon needs certificates "
+                "from the same TIERCKPT_PEER_TLS_CA"
             )
         e = e.__cause__ or e.__context__
     return None

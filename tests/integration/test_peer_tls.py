@@ -269,6 +269,42 @@ def test_a_peer_with_a_certificate_from_another_ca_is_refused(tmp_path: Path) ->
         with DaemonClient.from_socket(b.socket) as c:
             assert c.namespaces() == []  # nothing reached the stranger
         assert TOKEN not in a.log() and TOKEN not in b.log()
+
+        # The daemon's port checks a caller's certificate when one is presented: the stranger's
+        # is refused at the handshake, the cluster's is served; none at all (a probe) is served.
+        url = f"https://127.0.0.1:{a.settings['port']}/healthz"
+        for presented, served in ((stranger, False), (good, True), (None, True)):
+            context = ssl.create_default_context(cafile=str(ca.path))
+            if presented is not None:
+                context.load_cert_chain(*presented)
+            with httpx.Client(verify=context, timeout=10) as client:
+                if served:
+                    assert client.get(url).status_code == 200
+                else:
+                    with pytest.raises(httpx.HTTPError):
+                        client.get(url)
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+@pytest.mark.slow
+def test_a_daemon_with_tls_says_when_its_peer_has_none(tmp_path: Path) -> None:
+    ca = CA.make(tmp_path, "cluster-ca")
+    a, b = _two([_tls(ca, ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])), {}])
+    try:
+        a.start()
+        b.start()
+        _save(a, "job", 1)
+        with DaemonClient.from_socket(a.socket) as c:
+            rep = _wait(
+                "a failed push", lambda: (s := c.status().replication) and s.last_error and s
+            )
+        assert rep.last_error is not None
+        assert f"peer {b.name}: it does not speak TLS" in rep.last_error
+        assert _steps(a, "job")[1].replication_pending
+        with DaemonClient.from_socket(b.socket) as c:
+            assert c.namespaces() == []
     finally:
         a.cleanup()
         b.cleanup()
