@@ -12,6 +12,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tierckpt_daemon.tls import PeerTLS
+
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -132,11 +134,29 @@ class DaemonSettings(BaseSettings):
     replication_concurrency: int = Field(
         default=4, ge=1, le=64, description="files pushed to peers at once"
     )
+    peer_tls_cert: Path | None = Field(
+        default=None,
+        description="PEM certificate (chain) this daemon presents on its TCP port and to peers; "
+        "with the key and CA it turns TLS on for the whole TCP port (unset: plain HTTP)",
+    )
+    peer_tls_key: Path | None = Field(
+        default=None, description="PEM private key of TIERCKPT_PEER_TLS_CERT"
+    )
+    peer_tls_ca: Path | None = Field(
+        default=None,
+        description="PEM CA certificate(s) every peer's certificate must be issued by",
+    )
+    peer_tls_server_name: str | None = Field(
+        default=None,
+        description="the name every peer's certificate must carry (unset: the host of the "
+        "peer's address, a DNS name or an IP address)",
+    )
     log_level: str = Field(default="INFO")
     log_json: bool = Field(default=False)
 
     capacity_bytes: int = Field(default=0, exclude=True)
     peer_secret: SecretStr | None = Field(default=None, exclude=True)  # from token or file
+    peer_tls: PeerTLS | None = Field(default=None, exclude=True)  # from the peer_tls_* files
 
     @field_validator("capacity")
     @classmethod
@@ -178,6 +198,11 @@ class DaemonSettings(BaseSettings):
         from tierckpt_daemon.membership import Membership, format_member, normalize_member
 
         self.peer_secret = _read_token(self.peer_token, self.peer_token_file)
+        self.peer_tls = PeerTLS.from_settings(
+            self.peer_tls_cert, self.peer_tls_key, self.peer_tls_ca, self.peer_tls_server_name
+        )
+        if self.peer_tls is not None and not self.port:
+            raise ValueError("TIERCKPT_PEER_TLS_* is set but the TCP port is off (TIERCKPT_PORT 0)")
         if not self.peers:
             return
         membership = Membership.parse(self.peers)

@@ -133,7 +133,11 @@ def build_node(settings: DaemonSettings) -> Node:
         replicator = Replicator(
             service,
             Membership.parse(settings.peers),
-            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
+            PeerClient(
+                settings.peer_secret.get_secret_value(),
+                timeout_s=settings.peer_timeout_s,
+                tls=settings.peer_tls,
+            ),
             node=settings.node_name,
             replicas=settings.replicas,
             concurrency=settings.replication_concurrency,
@@ -147,7 +151,11 @@ def build_node(settings: DaemonSettings) -> Node:
         )
         committer = GlobalCommitter(
             service,
-            PeerClient(settings.peer_secret.get_secret_value(), timeout_s=settings.peer_timeout_s),
+            PeerClient(
+                settings.peer_secret.get_secret_value(),
+                timeout_s=settings.peer_timeout_s,
+                tls=settings.peer_tls,
+            ),
             node=settings.node_name,
         )
     fetcher = PeerFetcher(replicator) if replicator is not None else None

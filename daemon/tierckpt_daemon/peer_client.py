@@ -5,6 +5,11 @@ Thread-safe (one pooled ``httpx.Client``). Every call carries the shared token a
 total; one that stalls fails). Transport failures become :class:`PeerUnavailableError` naming the
 peer; a peer's JSON errors map back to their classes by ``code``. Idempotent calls are retried a
 few times with tenacity; a replication (``pull``) is retried by the replicator.
+
+With :class:`~tierckpt_daemon.tls.PeerTLS` every call is HTTPS: the peer's certificate must chain
+to the CA and carry the peer's name (or the configured server name), and this daemon presents its
+own; a refused certificate fails at once (no retry: it will not fix itself) with a message that
+says which peer and why.
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ from __future__ import annotations
 import http.client
 import logging
 import os
+import ssl
 from typing import Any, TypeVar
 
 import httpx
 from tenacity import (
     Retrying,
     before_sleep_log,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_after_attempt,
     wait_exponential,
 )
@@ -38,6 +44,7 @@ from tierckpt_core.protocol import (
     PrepareResponse,
     StepInfo,
 )
+from tierckpt_daemon.tls import PeerTLS, describe_tls_error
 
 logger = logging.getLogger(__name__)
 
@@ -46,23 +53,80 @@ RETRIES = 3
 GET_CHUNK = 8 << 20  # bytes per read while fetching a file from a peer
 
 
+class PeerTLSError(PeerUnavailableError):
+    """A peer's certificate (or this daemon's, at the peer) was refused: not retried."""
+
+
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """Checks the peer's certificate for ``server_name`` rather than the host it dials."""
+
+    def __init__(
+        self, host: str, *, timeout: float, context: ssl.SSLContext, server_name: str
+    ) -> None:
+        super().__init__(host, timeout=timeout, context=context)
+        self._server_name = server_name
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # TCP only (no proxy tunnel to peers)
+        self.sock = self._context.wrap_socket(  # type: ignore[attr-defined]
+            self.sock, server_hostname=self._server_name
+        )
+
+
 class PeerClient:
-    def __init__(self, token: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, token: str, *, timeout_s: float = 10.0, tls: PeerTLS | None = None) -> None:
         self.timeout_s = timeout_s
+        self.tls = tls
+        self._scheme = "https" if tls is not None else "http"
+        self._ssl = tls.client_context() if tls is not None else None
         self._auth = f"Bearer {token}"
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             headers={"Authorization": f"Bearer {token}"},
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            verify=self._ssl if self._ssl is not None else True,
+            trust_env=False,  # peers are dialed directly, never through a proxy from the env
         )
 
     def close(self) -> None:
         self._http.close()
 
     # -- plumbing ---------------------------------------------------------------------------
+    def _url(self, peer: str, path: str) -> str:
+        return f"{self._scheme}://{peer}{path}"
+
+    def _extensions(self) -> dict[str, Any]:
+        """The name the peer's certificate is checked for, when it is not the peer's host."""
+        if self.tls is not None and self.tls.server_name:
+            return {"sni_hostname": self.tls.server_name}
+        return {}
+
+    def _connection(self, peer: str) -> http.client.HTTPConnection:
+        if self.tls is None or self._ssl is None:
+            return http.client.HTTPConnection(peer, timeout=self.timeout_s)
+        return _HTTPSConnection(
+            peer,
+            timeout=self.timeout_s,
+            context=self._ssl,
+            server_name=self.tls.expected_name(peer),
+        )
+
+    def _unavailable(
+        self, peer: str, method: str, path: str, e: BaseException
+    ) -> PeerUnavailableError:
+        tls_problem = describe_tls_error(peer, e, self.tls)
+        if tls_problem is not None:
+            return PeerTLSError(f"{tls_problem} ({method} {path})")
+        if isinstance(e, httpx.HTTPError):
+            return _unavailable(peer, method, path, e)
+        what = "did not answer in time" if isinstance(e, TimeoutError) else "failed"
+        return PeerUnavailableError(
+            f"peer {peer}: {method} {path} {what} ({type(e).__name__}: {e or 'no detail'})"
+        )
+
     def _retrying(self, attempts: int) -> Retrying:
         return Retrying(
-            retry=retry_if_exception_type(PeerUnavailableError),
+            retry=retry_if_exception(_transient),
             stop=stop_after_attempt(attempts),
             wait=wait_exponential(multiplier=0.25, max=2.0),
             before_sleep=before_sleep_log(logger, logging.INFO),
@@ -82,10 +146,14 @@ class PeerClient:
         def once() -> Any:
             try:
                 resp = self._http.request(
-                    method, f"http://{peer}{path}", timeout=timeout_s or self.timeout_s, **kwargs
+                    method,
+                    self._url(peer, path),
+                    timeout=timeout_s or self.timeout_s,
+                    extensions=self._extensions(),
+                    **kwargs,
                 )
             except httpx.HTTPError as e:
-                raise _unavailable(peer, method, path, e) from e
+                raise self._unavailable(peer, method, path, e) from e
             return _decode(peer, method, path, resp)
 
         return self._retrying(attempts)(once)
@@ -126,7 +194,7 @@ class PeerClient:
             # (about a third of the throughput here).
             h = Hasher()
             buf = memoryview(bytearray(GET_CHUNK))
-            conn = http.client.HTTPConnection(peer, timeout=self.timeout_s)
+            conn = self._connection(peer)
             fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 conn.request("GET", url, headers={"Authorization": self._auth})
@@ -148,10 +216,7 @@ class PeerClient:
                         f"peer {peer}: {url} ended after {off} of {length} bytes"
                     )
             except (OSError, http.client.HTTPException) as e:
-                what = "did not answer in time" if isinstance(e, TimeoutError) else "failed"
-                raise PeerUnavailableError(
-                    f"peer {peer}: GET {url} {what} ({type(e).__name__}: {e or 'no detail'})"
-                ) from e
+                raise self._unavailable(peer, "GET", url, e) from e
             finally:
                 os.close(fd)
                 conn.close()
@@ -169,10 +234,12 @@ class PeerClient:
         def once() -> bytes:
             try:
                 resp = self._http.get(
-                    f"http://{peer}{path}", params={"offset": offset, "length": length}
+                    self._url(peer, path),
+                    params={"offset": offset, "length": length},
+                    extensions=self._extensions(),
                 )
             except httpx.HTTPError as e:
-                raise _unavailable(peer, "GET", path, e) from e
+                raise self._unavailable(peer, "GET", path, e) from e
             if resp.status_code != 200:
                 _decode(peer, "GET", path, resp)
                 raise ProtocolError(f"peer {peer}: GET {path} answered HTTP {resp.status_code}")
@@ -236,6 +303,10 @@ class PeerClient:
             json=PeerPullRequest(origin=origin).model_dump(mode="json"),
         )
         return StepInfo.model_validate(doc)
+
+
+def _transient(e: BaseException) -> bool:
+    return isinstance(e, PeerUnavailableError) and not isinstance(e, PeerTLSError)
 
 
 def _unavailable(peer: str, method: str, path: str, e: httpx.HTTPError) -> PeerUnavailableError:

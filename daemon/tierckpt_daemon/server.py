@@ -1,4 +1,5 @@
-"""Run the daemon: one uvicorn server on the Unix socket (local clients) and the TCP port (probes)."""
+"""Run the daemon: one uvicorn server on the Unix socket (local clients) and the TCP port (probes,
+metrics, peers); the TCP port speaks TLS when ``TIERCKPT_PEER_TLS_*`` is set (:mod:`.tls`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import fcntl
 import logging
 import os
 import socket
+import ssl
 from pathlib import Path
 
 import uvicorn
@@ -77,6 +79,38 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """A uvicorn server whose TCP listeners speak TLS while its Unix socket does not (uvicorn's
+    own ``ssl`` setting applies to every listener of a server alike)."""
+
+    def __init__(
+        self, config: uvicorn.Config, tls_sockets: list[socket.socket], tls: ssl.SSLContext
+    ) -> None:
+        super().__init__(config)
+        self._tls_sockets = tls_sockets
+        self._tls = tls
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.should_exit:
+            return
+        config, loop = self.config, asyncio.get_running_loop()
+
+        def protocol() -> asyncio.Protocol:
+            # What uvicorn's own startup builds for each connection.
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+                _loop=loop,
+            )
+
+        for sock in self._tls_sockets:
+            self.servers.append(
+                await loop.create_server(protocol, sock=sock, ssl=self._tls, backlog=128)
+            )
+
+
 def serve(settings: DaemonSettings) -> None:
     make_dir(settings.shm_dir)
     lock_fd = _lock_tier(settings.shm_dir)
@@ -84,8 +118,10 @@ def serve(settings: DaemonSettings) -> None:
         node = build_node(settings)
         app = create_app(node, settings)
         sockets = [_bind_unix(settings.socket_path)]
-        if settings.port:
-            sockets.append(_bind_tcp(settings.host, settings.port))
+        tcp = [_bind_tcp(settings.host, settings.port)] if settings.port else []
+        tls = settings.peer_tls.server_context() if settings.peer_tls is not None else None
+        if tls is None:
+            sockets += tcp
         config = uvicorn.Config(
             app,
             log_config=None,
@@ -93,13 +129,15 @@ def serve(settings: DaemonSettings) -> None:
             timeout_graceful_shutdown=30,
             lifespan="on",
         )
-        server = uvicorn.Server(config)
+        server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
         logger.info(
             "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d, persistent "
             "tier %s, replication %s)",
             settings.shm_dir,
             settings.socket_path,
-            f" and {settings.host}:{settings.port}" if settings.port else "",
+            f" and {settings.host}:{settings.port}{' (TLS)' if tls else ''}"
+            if settings.port
+            else "",
             settings.capacity_bytes,
             settings.keep_last,
             settings.persist_url or "none",

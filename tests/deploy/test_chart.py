@@ -86,6 +86,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "initContainer": {"resources": {"limits": {"cpu": "100m", "memory": "32Mi"}}},
         "revisionHistoryLimit": 3,
     },
+    "peer-tls": {
+        "replication": {"enabled": True, "tokenSeed": SEED, "tls": {"secretName": "peer-tls"}},
+        "serviceMonitor": {"enabled": True},
+        "podMonitor": {"enabled": True},
+    },
     "existing-secret-webhook": {
         "replication": {"enabled": True, "existingSecret": "my-token", "existingSecretKey": "peer"},
         "webhook": {"enabled": True, "certManager": {"enabled": True}},
@@ -200,6 +205,37 @@ def test_multi_node_settings() -> None:
     assert names.index("POD_IP") < names.index("TIERCKPT_NODE_NAME")  # $(POD_IP) expands
     (service,) = [o for o in objs if o["metadata"]["name"] == "tierckpt-peers"]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+
+
+def test_peer_tls_mounts_the_secret_and_switches_probes_and_scrapes_to_https() -> None:
+    objs = _objects(VALUE_SETS["peer-tls"])
+    pod, container = _daemon(objs)
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "peer-tls"]
+    assert vol["secret"]["secretName"] == "peer-tls"
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "peer-tls"]
+    assert mount == {
+        "name": "peer-tls",
+        "mountPath": "/var/run/tierckpt/peer-tls",
+        "readOnly": True,
+    }
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TIERCKPT_PEER_TLS_CERT"] == "/var/run/tierckpt/peer-tls/tls.crt"
+    assert env["TIERCKPT_PEER_TLS_KEY"] == "/var/run/tierckpt/peer-tls/tls.key"
+    assert env["TIERCKPT_PEER_TLS_CA"] == "/var/run/tierckpt/peer-tls/ca.crt"
+    assert env["TIERCKPT_PEER_TLS_SERVER_NAME"] == "tierckpt-peers.tierckpt.svc"
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS", probe
+    for kind, key in (("ServiceMonitor", "endpoints"), ("PodMonitor", "podMetricsEndpoints")):
+        (endpoint,) = _one(objs, kind)["spec"][key]
+        assert endpoint["scheme"] == "https"
+        assert endpoint["tlsConfig"] == {
+            "ca": {"secret": {"name": "peer-tls", "key": "ca.crt"}},
+            "serverName": "tierckpt-peers.tierckpt.svc",
+        }
+    # Off by default: plain HTTP probes, no TLS settings.
+    _, plain = _daemon(_objects(VALUE_SETS["multi-node-gitops"]))
+    assert "scheme" not in plain["readinessProbe"]["httpGet"]
+    assert not [e for e in plain["env"] if e["name"].startswith("TIERCKPT_PEER_TLS")]
 
 
 def test_shared_file_system_is_mounted_where_persist_url_points() -> None:

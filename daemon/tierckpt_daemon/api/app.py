@@ -6,14 +6,16 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tierckpt_core.errors import ForbiddenError, ProtocolError, TierCkptError
-from tierckpt_core.protocol import API_VERSION
+from tierckpt_core.errors import ForbiddenError, NotFoundError, ProtocolError, TierCkptError
+from tierckpt_core.protocol import API_VERSION, ErrorBody
 from tierckpt_daemon import __version__, housekeeping
 from tierckpt_daemon.api.cluster import router as cluster_router
 from tierckpt_daemon.api.health import router as health_router
@@ -36,6 +38,22 @@ PUBLIC_PATHS = frozenset(
     {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 )
 PEER_PREFIX = "/v1/peer/"
+
+# Every route can answer an error, always as ErrorBody (a stable ``code`` and a ``detail``): the
+# document says so, so that a client generated from it (or a fuzzer) expects what it gets; 422
+# included, which FastAPI would otherwise document as its own validation-error shape.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {
+        "model": ErrorBody,
+        "description": "The request cannot be served: bad input (400, 422), no token (401), the "
+        "wrong port (403), nothing there (404), a conflicting state (409).",
+    },
+    "5XX": {
+        "model": ErrorBody,
+        "description": "The daemon or a tier behind it cannot serve it now: a peer or the "
+        "persistent tier unavailable (502), not ready (503), over the memory budget (507).",
+    },
+}
 
 
 class LocalOnlyGuard:
@@ -108,6 +126,7 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
         version=__version__,
         description=f"Node-local tiered checkpoint store, API {API_VERSION}.",
         lifespan=lifespan,
+        responses=ERROR_RESPONSES,
     )
     app.state.node = node
     app.state.settings = settings
@@ -130,6 +149,34 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
             parts.append(f"{loc}: {e.get('msg')}")
         detail = f"invalid request to {request.url.path}: " + "; ".join(parts)
         return JSONResponse({"code": ProtocolError.code, "detail": detail}, status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # The framework's own answers (no such route, method not allowed, a body it cannot
+        # parse) in the daemon's error shape, with a code clients know.
+        code = (
+            NotFoundError.code
+            if exc.status_code == 404
+            else ProtocolError.code
+            if 400 <= exc.status_code < 500
+            else TierCkptError.code
+        )
+        detail = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(
+            {"code": code, "detail": detail}, status_code=exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: still an answer in the documented shape (uvicorn logs the traceback).
+        return JSONResponse(
+            {
+                "code": TierCkptError.code,
+                "detail": f"{request.method} {request.url.path}: internal error "
+                f"({type(exc).__name__}); the daemon's log has the details",
+            },
+            status_code=500,
+        )
 
     app.include_router(health_router)
     app.include_router(namespaces_router)

@@ -65,3 +65,8 @@ nothing. randAlphaNum would change on every render, and `lookup` returns nothing
 {{- fail "replication.enabled needs a peer token: set replication.existingSecret (a Secret you manage), replication.token, or replication.tokenSeed (e.g. the output of `openssl rand -hex 16`; the chart derives a stable token from it)" -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The name every daemon's TLS certificate carries (TIERCKPT_PEER_TLS_SERVER_NAME). */}}
+{{- define "tierckpt.peerTlsServerName" -}}
+{{- .Values.replication.tls.serverName | default (printf "%s-peers.%s.svc" (include "tierckpt.fullname" .) .Release.Namespace) }}
+{{- end }}

@@ -1,0 +1,385 @@
+"""TLS on the peer port: two real daemons replicate and restore a step over HTTPS with certificates
+made here (a throwaway CA); a peer whose certificate another CA issued is refused and the status
+says why; half-given or unreadable TLS settings stop the daemon with a message that names them.
+(Plain-HTTP peers, TLS off, are what tests/integration/test_replication.py runs.)"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from tierckpt_client import ClientConfig, DaemonClient
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_core.protocol import StepInfo
+
+from helpers import DaemonProcess, ring
+
+TOKEN = "peer-token-for-the-tls-tests-0123456789"
+N = 1 << 14
+SERVER_NAME = "tierckpt-peer.tierckpt.svc"
+
+
+# -- certificates -----------------------------------------------------------------------------------
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return path
+
+
+@dataclass
+class CA:
+    name: str
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+    path: Path
+
+    @classmethod
+    def make(cls, tmp: Path, name: str) -> CA:
+        key = _key()
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
+            .sign(key, hashes.SHA256())
+        )
+        path = tmp / f"{name}.crt"
+        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return cls(name, key, cert, path)
+
+    def issue(self, tmp: Path, name: str, *, dns: list[str], ips: list[str]) -> tuple[Path, Path]:
+        """A certificate for a daemon, good as a server and as a client, and its key."""
+        key = _key()
+        now = datetime.datetime.now(datetime.timezone.utc)
+        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+        sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(self.cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        cert_path = tmp / f"{name}.crt"
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return cert_path, _write_key(key, tmp / f"{name}.key")
+
+
+def _tls(ca: CA, cert: tuple[Path, Path], **more: str) -> dict[str, str]:
+    return {
+        "peer_tls_cert": str(cert[0]),
+        "peer_tls_key": str(cert[1]),
+        "peer_tls_ca": str(ca.path),
+        **more,
+    }
+
+
+# -- daemons and steps --------------------------------------------------------------------------------
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: last saw {result!r}")
+        time.sleep(0.05)
+
+
+def _steps(d: DaemonProcess, ns: str) -> dict[int, StepInfo]:
+    with DaemonClient.from_socket(d.socket) as c:
+        return {s.step: s for s in c.steps(ns)}
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(N, generator=g), "meta": {"step": step, "tag": "tls"}}
+
+
+def _save(d: DaemonProcess, ns: str, step: int) -> None:
+    writer = TieredStorageWriter(ns, step, config=ClientConfig.from_env(socket=d.socket))
+    dcp.save(_state(step), storage_writer=writer, no_dist=True)
+
+
+def _load(d: DaemonProcess, ns: str) -> tuple[int | None, dict[str, object]]:
+    out: dict[str, object] = {"w": torch.zeros(N), "meta": {"step": -1, "tag": ""}}
+    reader = TieredStorageReader(ns, config=ClientConfig.from_env(socket=d.socket))
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return reader.resolved_step, out
+
+
+def _two(per_node: list[dict[str, Any]]) -> list[DaemonProcess]:
+    return ring(2, token=TOKEN, prefix="tierckpt-tls", per_node=per_node)
+
+
+# -- over TLS ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("naming", ["address", "server_name"])
+def test_two_daemons_replicate_and_restore_a_step_over_tls(tmp_path: Path, naming: str) -> None:
+    ca = CA.make(tmp_path, "cluster-ca")
+    if naming == "address":  # each certificate carries the address its peers dial (an IP here)
+        certs = [ca.issue(tmp_path, f"node{i}", dns=[], ips=["127.0.0.1"]) for i in (0, 1)]
+        extra: dict[str, str] = {}
+    else:  # one name for every daemon, whatever address a peer dials
+        certs = [ca.issue(tmp_path, f"node{i}", dns=[SERVER_NAME], ips=[]) for i in (0, 1)]
+        extra = {"peer_tls_server_name": SERVER_NAME}
+    a, b = _two([_tls(ca, c, **extra) for c in certs])
+    try:
+        a.start()
+        b.start()
+        _save(a, "job", 7)
+        _wait(
+            "step 7 replicated to B over TLS",
+            lambda: (s := _steps(a, "job").get(7)) and s.replicated_to == [b.name] and s,
+        )
+        on_b = _steps(b, "job")
+        assert on_b[7].origin == a.name and on_b[7].state.value == "committed"
+        with DaemonClient.from_socket(a.socket) as c:
+            rep = c.status().replication
+        assert rep is not None and rep.last_error is None and rep.replicated_steps == 1
+
+        # The TCP port speaks TLS only: a client that trusts the CA gets the probes and the peer
+        # routes (with the token); plain HTTP gets no answer from it.
+        port = a.settings["port"]
+        verify = ssl.create_default_context(cafile=str(ca.path))
+        verify.check_hostname = False  # the "server_name" certificates do not name 127.0.0.1
+        with httpx.Client(verify=verify, timeout=10) as https:
+            assert https.get(f"https://127.0.0.1:{port}/healthz").json() == {"status": "ok"}
+            r = https.get(
+                f"https://127.0.0.1:{port}/v1/peer/namespaces/job/steps",
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )
+            assert r.status_code == 200 and [s["step"] for s in r.json()] == [7]
+            r = https.get(f"https://127.0.0.1:{port}/v1/peer/namespaces/job/steps")
+            assert r.status_code == 401  # TLS does not replace the token
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
+        # A client that does not trust the cluster's CA is not talked into it.
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"https://127.0.0.1:{port}/healthz", timeout=10)
+
+        # A's node is lost; its replacement restores step 7 from B, over TLS, bit-exact.
+        a.kill()
+        shutil.rmtree(a.shm_dir)
+        a.start()
+        step, out = _load(a, "job")
+        assert step == 7
+        want = _state(7)
+        assert torch.equal(out["w"], want["w"])  # type: ignore[arg-type]
+        assert out["meta"] == want["meta"]
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+@pytest.mark.slow
+def test_a_peer_with_a_certificate_from_another_ca_is_refused(tmp_path: Path) -> None:
+    ca, stranger_ca = CA.make(tmp_path, "cluster-ca"), CA.make(tmp_path, "stranger-ca")
+    good = ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])
+    # B trusts the cluster's CA but presents a certificate another CA issued.
+    stranger = stranger_ca.issue(tmp_path, "node1", dns=[], ips=["127.0.0.1"])
+    a, b = _two([_tls(ca, good), _tls(ca, stranger)])
+    try:
+        a.start()
+        b.start()
+        _save(a, "job", 1)
+        with DaemonClient.from_socket(a.socket) as c:
+            rep = _wait(
+                "a refused push", lambda: (s := c.status().replication) and s.last_error and s
+            )
+        assert rep.last_error is not None
+        assert f"peer {b.name}: its TLS certificate was refused" in rep.last_error
+        assert "unable to get local issuer certificate" in rep.last_error
+        assert str(ca.path) in rep.last_error  # says which CA it must come from
+        assert rep.unreachable == [b.name]
+        info = _steps(a, "job")[1]
+        assert info.replication_pending and info.replicated_to == []  # kept until replicated
+        with DaemonClient.from_socket(b.socket) as c:
+            assert c.namespaces() == []  # nothing reached the stranger
+        assert TOKEN not in a.log() and TOKEN not in b.log()
+
+        # The daemon's port checks a caller's certificate when one is presented: the stranger's
+        # is refused at the handshake, the cluster's is served; none at all (a probe) is served.
+        url = f"https://127.0.0.1:{a.settings['port']}/healthz"
+        for presented, served in ((stranger, False), (good, True), (None, True)):
+            context = ssl.create_default_context(cafile=str(ca.path))
+            if presented is not None:
+                context.load_cert_chain(*presented)
+            with httpx.Client(verify=context, timeout=10) as client:
+                if served:
+                    assert client.get(url).status_code == 200
+                else:
+                    with pytest.raises(httpx.HTTPError):
+                        client.get(url)
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+@pytest.mark.slow
+def test_a_daemon_with_tls_says_when_its_peer_has_none(tmp_path: Path) -> None:
+    ca = CA.make(tmp_path, "cluster-ca")
+    a, b = _two([_tls(ca, ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])), {}])
+    try:
+        a.start()
+        b.start()
+        _save(a, "job", 1)
+        with DaemonClient.from_socket(a.socket) as c:
+            rep = _wait(
+                "a failed push", lambda: (s := c.status().replication) and s.last_error and s
+            )
+        assert rep.last_error is not None
+        assert f"peer {b.name}: it does not speak TLS" in rep.last_error
+        assert _steps(a, "job")[1].replication_pending
+        with DaemonClient.from_socket(b.socket) as c:
+            assert c.namespaces() == []
+    finally:
+        a.cleanup()
+        b.cleanup()
+
+
+# -- settings that stop the daemon ---------------------------------------------------------------------
+
+
+def _run_daemon(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCKPT_")}
+    full_env.update(env, TIERCKPT_SHM_DIR=str(tmp_path / "tier"), TIERCKPT_PORT="0")
+    return subprocess.run(
+        [sys.executable, "-m", "tierckpt_daemon"],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["only_cert", "cert_and_ca", "unreadable_key", "mismatched_key", "not_pem_ca", "name_alone"],
+)
+def test_incomplete_or_unusable_tls_settings_stop_the_daemon(tmp_path: Path, case: str) -> None:
+    ca = CA.make(tmp_path, "cluster-ca")
+    cert, key = ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])
+    other_cert, _ = ca.issue(tmp_path, "node1", dns=[], ips=["127.0.0.1"])
+    full = {
+        "TIERCKPT_PEER_TLS_CERT": str(cert),
+        "TIERCKPT_PEER_TLS_KEY": str(key),
+        "TIERCKPT_PEER_TLS_CA": str(ca.path),
+    }
+    env, message = {
+        "only_cert": (
+            {"TIERCKPT_PEER_TLS_CERT": str(cert)},
+            "TIERCKPT_PEER_TLS_KEY, TIERCKPT_PEER_TLS_CA are missing",
+        ),
+        "cert_and_ca": (
+            {"TIERCKPT_PEER_TLS_CERT": str(cert), "TIERCKPT_PEER_TLS_CA": str(ca.path)},
+            "TIERCKPT_PEER_TLS_KEY is missing",
+        ),
+        "unreadable_key": (
+            {**full, "TIERCKPT_PEER_TLS_KEY": str(tmp_path / "absent.key")},
+            f"TIERCKPT_PEER_TLS_KEY {tmp_path / 'absent.key'}: cannot read it",
+        ),
+        "mismatched_key": (
+            {**full, "TIERCKPT_PEER_TLS_CERT": str(other_cert)},
+            "not a PEM certificate and its private key",
+        ),
+        "not_pem_ca": (
+            {**full, "TIERCKPT_PEER_TLS_CA": str(key)},
+            "no usable PEM certificate in it",
+        ),
+        "name_alone": (
+            {"TIERCKPT_PEER_TLS_SERVER_NAME": SERVER_NAME},
+            "TIERCKPT_PEER_TLS_SERVER_NAME is set but TLS is off",
+        ),
+    }[case]
+    proc = _run_daemon(tmp_path, env)
+    assert proc.returncode == 2, proc.stderr
+    assert "invalid setting" in proc.stderr and message in proc.stderr
+    assert "BEGIN" not in proc.stderr  # no key material in the error
+
+
+def test_tls_needs_the_tcp_port(tmp_path: Path) -> None:
+    ca = CA.make(tmp_path, "cluster-ca")
+    cert, key = ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])
+    proc = _run_daemon(
+        tmp_path,
+        {
+            "TIERCKPT_PEER_TLS_CERT": str(cert),
+            "TIERCKPT_PEER_TLS_KEY": str(key),
+            "TIERCKPT_PEER_TLS_CA": str(ca.path),
+        },
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "the TCP port is off" in proc.stderr
