@@ -93,7 +93,7 @@ class Files:
         if not length:
             return b""
         rec = self._record(name, offset, length, what)
-        size = rec.block_size if rec.blocks is not None and rec.block_size else rec.length
+        size = _unit(rec)
         start = offset // size * size
         end = min(rec.length, -(-(offset + length) // size) * size)
         data = memoryview(bytes(self._read(name, start, end - start, what)))  # private
@@ -143,7 +143,7 @@ class Files:
             fill(offset, length)
             return True
         rec = self._record(name, offset, length, "a tensor")
-        size = rec.block_size if rec.blocks is not None and rec.block_size else rec.length
+        size = _unit(rec)
         done = self._verified.setdefault(name, set())
         end = offset + length
         for i in range(offset // size, (end - 1) // size + 1):
@@ -186,7 +186,7 @@ class Files:
         if not self._paths or not length:
             return
         rec = self._record(name, offset, length, what)
-        size = rec.block_size if rec.blocks is not None and rec.block_size else rec.length
+        size = _unit(rec)
         done = self._verified.setdefault(name, set())
         for i in range(offset // size, (offset + length - 1) // size + 1):
             if i not in done:
@@ -202,7 +202,7 @@ class Files:
         if not good:
             raise IntegrityError(
                 f"{self.where}: {rec.name} does not match the checksum taken when it was written "
-                f"(block {i}, bytes {i * (rec.block_size or rec.length)}+{len(data)}): the copy in "
+                f"(block {i}, bytes {i * _unit(rec)}+{len(data)}): the copy in "
                 "this node's memory changed; restore the step from the persistent tier or a peer"
             )
         self._verified.setdefault(rec.name, set()).add(i)
@@ -247,3 +247,8 @@ class Files:
             os.close(fd)
         self._fds.clear()
         self._buffers.clear()
+
+
+def _unit(rec: FileRecord) -> int:
+    """The span one checksum of ``rec`` covers: a block, or the whole file when it has no blocks."""
+    return rec.block_size if rec.blocks is not None and rec.block_size else rec.length
