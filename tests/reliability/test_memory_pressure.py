@@ -87,18 +87,39 @@ class Sampler(threading.Thread):
 
 
 def _bytes_on_disk(root: Path) -> int:
-    """Bytes of the tier's data files (each inode once: a file may move while this walks)."""
-    seen: dict[int, int] = {}
+    """Bytes the tier's data files held at one moment (a lower bound), from a walk that is not
+    atomic: files come and go while it runs (a pool file deleted, then a new lease allocated), so
+    the sum of one walk can count two files that never existed together. Each file seen is looked
+    at again once the walk is over, and counted only if it is still the same file (inode): all
+    those existed together at the moment the walk ended (tmpfs does not reuse an inode at once).
+    A file renamed meanwhile (sealed, evicted to the pool) is left out, so this can undercount
+    but never overcount."""
+    seen: dict[int, tuple[str, int]] = {}
     for dirpath, _, names in os.walk(root):
         for n in names:
             if n.startswith("MANIFEST") or n.startswith("daemon."):
                 continue
-            try:
-                st = os.lstat(os.path.join(dirpath, n))
-            except FileNotFoundError:
-                continue
-            seen[st.st_ino] = max(st.st_blocks * 512, st.st_size)
-    return sum(seen.values())
+            path = os.path.join(dirpath, n)
+            st = _lstat(path)
+            if st is not None:
+                seen[st.st_ino] = (path, _size_of(st))
+    total = 0
+    for ino, (path, size) in seen.items():
+        st = _lstat(path)
+        if st is not None and st.st_ino == ino:
+            total += min(size, _size_of(st))  # files only shrink in place (pool reuse)
+    return total
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _size_of(st: os.stat_result) -> int:
+    return max(st.st_blocks * 512, st.st_size)
 
 
 @pytest.fixture
