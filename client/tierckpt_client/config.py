@@ -27,6 +27,11 @@ class ClientConfig:
         verify_reads: check tensors read from this node's memory against the checksums taken
             when they were written (``TIERCKPT_VERIFY_READS``, default on; ``0`` turns it off
             for tensors; bytes items, which are unpickled, are always checked).
+        pin_memory: register the tier files a save of CUDA tensors stages into, and a restore
+            into CUDA tensors reads from, as page-locked host memory (``cudaHostRegister``), so
+            that the device copies are DMA at the link's speed (``TIERCKPT_PIN_MEMORY``,
+            default on; no effect without CUDA). Each recycled file is registered once per
+            process, the first time it is used.
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
@@ -35,6 +40,7 @@ class ClientConfig:
     hydrate_timeout_s: float = 3600.0
     persist_url: str | None = None
     verify_reads: bool = True
+    pin_memory: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -46,11 +52,13 @@ class ClientConfig:
             values["socket"] = Path(env["TIERCKPT_SHM_DIR"]) / "daemon.sock"
         if env.get("TIERCKPT_PERSIST_URL"):
             values["persist_url"] = env["TIERCKPT_PERSIST_URL"]
-        verify = env.get("TIERCKPT_VERIFY_READS", "").strip().lower()
-        if verify:
-            if verify not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(f"TIERCKPT_VERIFY_READS={verify!r} is not 0 or 1")
-            values["verify_reads"] = verify in ("1", "true", "yes", "on")
+        for name, var in (
+            ("verify_reads", "TIERCKPT_VERIFY_READS"),
+            ("pin_memory", "TIERCKPT_PIN_MEMORY"),
+        ):
+            flag = _flag(env, var)
+            if flag is not None:
+                values[name] = flag
         for name, var in (
             ("timeout_s", "TIERCKPT_TIMEOUT"),
             ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT"),
@@ -69,3 +77,13 @@ class ClientConfig:
         if "socket" in values:
             values["socket"] = Path(values["socket"])
         return replace(cls(), **values)
+
+
+def _flag(env: dict[str, str], var: str) -> bool | None:
+    """An on/off setting: None when unset or empty."""
+    text = env.get(var, "").strip().lower()
+    if not text:
+        return None
+    if text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"{var}={text!r} is not 0 or 1")
+    return text in ("1", "true", "yes", "on")

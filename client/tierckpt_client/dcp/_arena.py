@@ -15,11 +15,19 @@ the wrapper) that sends storages inside a cached mapping as a reference
 ``(pid, fd, dev, ino, offset, nbytes)``; the helper re-opens the same file through
 ``/proc/<pid>/fd/<fd>`` (stable across the daemon's renames) and maps it, again through its own
 cache. Every other storage is handed to torch's reducer unchanged.
+
+**Pinning for CUDA.** A copy between a GPU and pageable host memory goes through the driver's
+staging buffers at a fraction of the link's speed; into or out of page-locked memory it is a DMA.
+:func:`pin` registers a cached mapping's pages with ``cudaHostRegister`` (once: the mapping lives as
+long as the daemon recycles its file, so the cost, a few hundred ms per GiB, is paid on the first
+saves of a run only), and :func:`_forget` unregisters it when the file goes away. The pages are the
+daemon's tier file: no second host copy, unlike a pinned staging buffer beside the tier.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import mmap
 import os
 import threading
@@ -30,6 +38,8 @@ from typing import Any
 import torch
 
 from tierckpt_client.errors import CheckpointFormatError
+
+logger = logging.getLogger(__name__)
 
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
@@ -43,6 +53,8 @@ class FileMapping:
     fd: int
     size: int
     buffer: torch.Tensor
+    pinned: bool = False  # registered with CUDA as page-locked memory (see pin())
+    pin_failed: bool = False  # registering it failed once: not tried again
 
     @property
     def base(self) -> int:
@@ -97,6 +109,11 @@ def _new_mapping(fd: int, dev: int, ino: int, size: int) -> FileMapping:
 
 
 def _forget(m: FileMapping) -> None:
+    if m.pinned:
+        err = _cuda_host_unregister(m.base)
+        if err:
+            logger.warning("could not unregister a pinned tier file (CUDA error %d)", err)
+        m.pinned = False
     _by_identity.pop((m.dev, m.ino), None)
     for i, other in enumerate(_by_base):
         if other is m:
@@ -135,6 +152,51 @@ def find(ptr: int, nbytes: int = 0) -> tuple[FileMapping, int] | None:
         if off + nbytes <= m.size and (off < m.size or nbytes == 0):
             return m, off
         return None
+
+
+def pin(m: FileMapping) -> bool:
+    """Register ``m`` with CUDA as page-locked host memory, once; whether it is. Only mappings of
+    this cache are pinned (they are unregistered when their file goes away); a failure is logged
+    once per mapping and the copies run unpinned, which is slower but correct."""
+    if m.pinned:
+        return True
+    if m.size == 0 or m.fd < 0 or not torch.cuda.is_available():
+        return False
+    with _lock:
+        if m.pinned or _by_identity.get((m.dev, m.ino)) is not m:
+            return m.pinned
+        if m.pin_failed:
+            return False
+        err = _cuda_host_register(m.base, m.size)
+        if err:
+            m.pin_failed = True
+            logger.warning(
+                "could not pin a %d-byte tier file for CUDA copies (cudaHostRegister error %d); "
+                "device copies into and out of it run through pageable memory (slower). Set "
+                "TIERCKPT_PIN_MEMORY=0 to stop trying.",
+                m.size,
+                err,
+            )
+            return False
+        m.pinned = True
+        return True
+
+
+def pin_holding(t: torch.Tensor) -> bool:
+    """:func:`pin` the cached mapping that holds CPU tensor ``t``, if any."""
+    if t.device.type != "cpu" or not t.numel():
+        return False
+    hit = find(t.data_ptr(), t.numel() * t.element_size())
+    return hit is not None and pin(hit[0])
+
+
+def _cuda_host_register(ptr: int, size: int) -> int:
+    """``cudaHostRegister(ptr, size, cudaHostRegisterPortable)``: 0 or the CUDA error code."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, size, 1))
+
+
+def _cuda_host_unregister(ptr: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
 
 def clear_cache() -> None:

@@ -18,6 +18,7 @@ import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._metadata_codec import copy_tensor, dtype_name
 from tierckpt_client.errors import CheckpointFormatError
@@ -88,6 +89,18 @@ def _walk_tensors_only(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> 
             _walk_tensors_only(v, fn)
 
 
+def _has_cuda_tensor(state_dict: dict[str, Any]) -> bool:
+    found = False
+
+    def look(t: torch.Tensor) -> torch.Tensor:
+        nonlocal found
+        found = found or t.device.type == "cuda"
+        return t
+
+    _walk_tensors_only(state_dict, look)
+    return found
+
+
 @dataclass
 class StageResult:
     state_dict: dict[str, Any]
@@ -95,10 +108,17 @@ class StageResult:
     device_copies: int
 
 
-def stage_into(state_dict: dict[str, Any], mapping: FileMapping | None) -> StageResult:
-    """Copy every tensor of ``state_dict`` into ``mapping``; return the aliasing state dict."""
+def stage_into(
+    state_dict: dict[str, Any], mapping: FileMapping | None, *, pin_memory: bool = True
+) -> StageResult:
+    """Copy every tensor of ``state_dict`` into ``mapping``; return the aliasing state dict.
+    With CUDA tensors among them and ``pin_memory``, the mapping is first registered as page-locked
+    memory (:func:`_arena.pin`), so each device copy is an asynchronous DMA; one synchronize at
+    the end waits for them all."""
     offset = 0
     device_copies = 0
+    if pin_memory and mapping is not None and _has_cuda_tensor(state_dict):
+        _arena.pin(mapping)
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset, device_copies

@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
@@ -306,6 +307,8 @@ class TieredStorageReader(StorageReader):
                     f"{where}: {item.storage_index.fqn} region has shape {list(src.size())}, the "
                     f"destination {list(target.size())}"
                 )
+            if target.device.type == "cuda" and self.config.pin_memory:
+                _arena.pin_holding(raw)  # a DMA out of the tier file, not through bounce buffers
             copy_tensor(target, src)
             planner.commit_tensor(item, target)
 

@@ -253,7 +253,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         except (DaemonUnavailableError, CapacityExceededError) as e:
             staged = self._degrade(e).new_file(namespace, rank, "", size)
         try:
-            result = stage_into(state_dict, staged.mapping())
+            result = stage_into(state_dict, staged.mapping(), pin_memory=self.config.pin_memory)
         except BaseException:
             self._memory.discard(namespace, staged)
             raise
