@@ -572,6 +572,7 @@ CPU_OF = {  # row: the CPU it measured, from /proc (the daemon's) or the bench's
     "upload_raw": "cpu_uploader",
     "upload_torch": "cpu_uploader",
     "restore_tier": "cpu_daemon",
+    "restore_tier_daemon": "cpu_daemon",
     "restore_raw": "cpu_client",
     "restore_raw_fresh": "cpu_client",
     "restore_torch": "cpu_client",
@@ -589,6 +590,48 @@ CPU_RATIOS = {  # key: (label, numerator row, denominator row), a ratio of CPU-s
     ),
 }
 CPU_TARGETS = {"upload_cpu_tier_over_raw": 1.2}  # issue 15 goal 1: <= 1.2x the raw client's
+
+
+def upload_figures(res: dict[str, Any]) -> dict[str, Any]:
+    """Issue 15 goals 1 and 4 in one place: the upload's MB/s ratios (medians and best
+    iterations), CPU-seconds per GB (10^9 bytes) of the daemon uploading and hydrating next to
+    the raw clients', targets and met (a ratio of MB/s must reach its target, of CPU not exceed)."""
+    per_gb, q, qb = res["cpu_per_gb"], res["ratios"], res["ratios_best"]
+    # Hydration: the daemon filling its memory from S3 (a row of its own where restores can
+    # also go straight into the trainer's tensors).
+    hydrate = "restore_tier_daemon" if "restore_tier_daemon" in per_gb else "restore_tier"
+    fig: dict[str, Any] = {
+        "upload_tier_over_raw": q.get("upload_tier_over_raw"),
+        "upload_tier_over_raw_best": qb.get("upload_tier_over_raw"),
+        "upload_tier_over_torch": q.get("upload_tier_over_torch"),
+        "upload_tier_over_torch_best": qb.get("upload_tier_over_torch"),
+        "upload_cpu_tier_over_raw": res["cpu_ratios"].get("upload_cpu_tier_over_raw"),
+    }
+    for name, row in (
+        ("upload_daemon", "upload_tier"),
+        ("upload_raw", "upload_raw"),
+        ("upload_torch", "upload_torch"),
+        ("hydration_daemon", hydrate),
+        ("get_raw_fresh", "restore_raw_fresh"),
+        ("get_raw_touched", "restore_raw"),
+    ):
+        if row in per_gb:
+            fig[f"{name}_cpu_s_per_gb"] = per_gb[row]["median"]
+            fig[f"{name}_cpu_s_per_gb_best"] = per_gb[row]["best"]
+    targets = {
+        "upload_tier_over_raw": (">=", 0.9),
+        "upload_tier_over_torch": (">=", 0.9),
+        "upload_cpu_tier_over_raw": ("<=", 1.2),
+    }
+    fig["targets"] = {k: f"{op} {t}" for k, (op, t) in targets.items()}
+    fig["met"] = {
+        k: (fig[k] >= t if op == ">=" else fig[k] <= t)
+        for k, (op, t) in targets.items()
+        if fig.get(k) is not None
+    }
+    return fig
+
+
 SLOWDOWN_TARGET = 10.0
 SLOWDOWN_ROWS = {
     "slowdown_tier": "tierckpt daemon (default concurrency)",
@@ -635,6 +678,7 @@ def summarize(res: dict[str, Any]) -> None:
         for key, (_, num, den) in CPU_RATIOS.items()
         if num in per_gb and den in per_gb
     }
+    res["issue15_upload"] = upload_figures(res)
     for key, r in res.items():
         if key.startswith("slowdown_"):
             r["alone_steps_per_s"] = r["steps"] / med(r["alone_s"])
