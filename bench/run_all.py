@@ -496,6 +496,33 @@ def s3_rows(p: dict[str, Any]) -> list[Row]:
         rows.append(
             (size, label, f"{r['median_s']:.2f} s", f"{r['mbps'] / 1e3:.2f}", ratio, target, met)
         )
+    up = p.get("issue15_upload") or {}
+    if up.get("upload_cpu_tier_over_raw") is not None:  # issue 15 goals 1 and 4
+        v = up["upload_cpu_tier_over_raw"]
+        rows.append(
+            (
+                size,
+                "S3 upload: daemon CPU-s per GB (raw put_object's)",
+                f"{up['upload_daemon_cpu_s_per_gb']:.2f} ({up['upload_raw_cpu_s_per_gb']:.2f})",
+                "",
+                f"{v:.2f}x raw client CPU",
+                "<= 1.2",
+                yes(v <= 1.2),
+            )
+        )
+    if up.get("hydration_daemon_cpu_s_per_gb") is not None:
+        raw = up.get("get_raw_fresh_cpu_s_per_gb")
+        rows.append(
+            (
+                size,
+                "S3 hydration: daemon CPU-s per GB (raw get_object's, fresh memory)",
+                f"{up['hydration_daemon_cpu_s_per_gb']:.2f}" + (f" ({raw:.2f})" if raw else ""),
+                "",
+                f"{up['hydration_daemon_cpu_s_per_gb'] / raw:.2f}x raw client CPU" if raw else "",
+                "",
+                "",
+            )
+        )
     for key, label in (
         ("slowdown_tier", "training-loop slowdown while tierckpt uploads"),
         ("slowdown_tier_c1", "training-loop slowdown, TIERCKPT_UPLOAD_CONCURRENCY=1"),
