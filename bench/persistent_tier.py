@@ -632,6 +632,45 @@ def summarize(res: dict[str, Any]) -> None:
         for key, (_, num, den) in RATIOS.items()
         if num in res and den in res
     }
+    # The same ratios from the best iteration of each, and as the median of per-round ratios
+    # (the contenders run interleaved, so one round saw about the same load for all of them).
+    for key in ROWS:
+        if key in res:
+            r = res[key]
+            r["best_s"] = min(r["s"])
+            r["best_mbps"] = r["bytes"] / r["best_s"] / 1e6
+    res["ratios_best"] = {
+        key: res[num]["best_mbps"] / res[den]["best_mbps"]
+        for key, (_, num, den) in RATIOS.items()
+        if num in res and den in res
+    }
+    res["ratios_paired"] = {
+        key: med(
+            (res[num]["bytes"] / a) / (res[den]["bytes"] / b)
+            for a, b in zip(res[num]["s"], res[den]["s"], strict=False)
+        )
+        for key, (_, num, den) in RATIOS.items()
+        if num in res and den in res and key.startswith("restore_")
+    }
+    # CPU-seconds per GB (10^9 bytes) of each restore, all processes of the contender (tierckpt:
+    # the trainer and the daemon; the others: the bench process), robust to a loaded machine.
+    cpu_gb: dict[str, float] = {}
+    for key in ("restore_tier", "restore_tier_daemon", "restore_raw", "restore_torch"):
+        if key in res and "cpu_client" in res[key]:
+            r = res[key]
+            cpu = med(r["cpu_client"]) + (med(r["cpu_daemon"]) if "cpu_daemon" in r else 0.0)
+            cpu_gb[key] = cpu / (r["bytes"] / 1e9)
+    res["restore_cpu_s_per_gb"] = cpu_gb
+    res["restore_cpu_ratios"] = {
+        f"{a}_over_{b.removeprefix('restore_')}": cpu_gb[a] / cpu_gb[b]
+        for a, b in (
+            ("restore_tier", "restore_raw"),
+            ("restore_tier", "restore_torch"),
+            ("restore_tier", "restore_tier_daemon"),
+            ("restore_tier_daemon", "restore_raw"),
+        )
+        if a in cpu_gb and b in cpu_gb
+    }
     for key, r in res.items():
         if key.startswith("slowdown_"):
             r["alone_steps_per_s"] = r["steps"] / med(r["alone_s"])
@@ -675,14 +714,25 @@ def render(res: dict[str, Any]) -> str:
         )
     if res.get("torch_s3") is not True:
         lines.append(f"\ns3torchconnector DCP columns skipped: {res.get('torch_s3')}")
-    lines += ["", "| ratio | value | target | met |", "|---|---:|---|---|"]
+    lines += [
+        "",
+        "| ratio | value (medians) | best iterations | median of rounds | target | met |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     for key, (label, *_rest) in RATIOS.items():
         if key in res["ratios"]:
             v = res["ratios"][key]
             t = TARGETS.get(key)
             target = f">= {t}" if t is not None else "(info)"
             met = ("yes" if v >= t else "NO") if t is not None else "-"
-            lines.append(f"| {label} | {v:.2f} | {target} | {met} |")
+            best = res["ratios_best"][key]
+            paired = res["ratios_paired"].get(key)
+            paired_txt = f"{paired:.2f}" if paired is not None else "-"
+            lines.append(f"| {label} | {v:.2f} | {best:.2f} | {paired_txt} | {target} | {met} |")
+    if res.get("restore_cpu_s_per_gb"):
+        lines += ["", "| restore | CPU-s per GB (trainer + daemon) |", "|---|---:|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in res["restore_cpu_s_per_gb"].items()]
+        lines += [f"| ratio {k} | {v:.2f} |" for k, v in res["restore_cpu_ratios"].items()]
     lines += [
         "",
         "| training loop (torch.mm 512x512, 1 thread) while ... uploads | steps | alone steps/s | "

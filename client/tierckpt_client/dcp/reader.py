@@ -104,7 +104,10 @@ class TieredStorageReader(StorageReader):
     the requested region first. Only bytes items (non-tensor state) go through ``torch.load``.
 
     Without a reachable daemon, and with ``config.persist_url`` set (``TIERCKPT_PERSIST_URL``), the
-    reader reads the persistent tier itself: same format, every file verified.
+    reader reads the persistent tier itself: same format, every file verified. With it set, a
+    durable step that no node holds in memory is read straight from the persistent tier into the
+    destination tensors, every block verified, and the daemon brings it into memory afterwards
+    (:attr:`memory_fill`) for the next restore (``config.restore_direct``, default: for ``s3://``).
     """
 
     def __init__(
@@ -122,7 +125,8 @@ class TieredStorageReader(StorageReader):
         self.process_group = process_group
         self._daemon = DaemonClient.shared(self.config)
         # Where the step's files come from (see _targets): the memory tier through the daemon,
-        # or the persistent tier once the daemon turned out to be unreachable.
+        # the persistent tier straight into the tensors for a durable step in no node's memory
+        # (_streamed), or the persistent tier once the daemon turned out to be unreachable.
         self._memory = self._memory_tier(self._daemon)
         self._source: ReadSource = self._memory
         self._streamed: StreamedTier | None = None
