@@ -32,6 +32,11 @@ class ClientConfig:
             that the device copies are DMA at the link's speed (``TIERCKPT_PIN_MEMORY``,
             default on; no effect without CUDA). Each recycled file is registered once per
             process, the first time it is used.
+        restore_direct: read a durable step that is in no node's memory straight from the
+            persistent tier at ``persist_url`` into the destination tensors, verified, while the
+            daemon brings it into memory afterwards for the next restore
+            (``TIERCKPT_RESTORE_DIRECT``): ``auto`` (default) for ``s3://`` tiers, ``on`` for any,
+            ``off`` to have the daemon hydrate the step first, as without ``persist_url``.
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
@@ -41,6 +46,7 @@ class ClientConfig:
     persist_url: str | None = None
     verify_reads: bool = True
     pin_memory: bool = True
+    restore_direct: str = "auto"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -59,6 +65,9 @@ class ClientConfig:
             flag = _flag(env, var)
             if flag is not None:
                 values[name] = flag
+        direct = env.get("TIERCKPT_RESTORE_DIRECT", "").strip().lower()
+        if direct:
+            values["restore_direct"] = direct
         for name, var in (
             ("timeout_s", "TIERCKPT_TIMEOUT"),
             ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT"),
@@ -76,7 +85,22 @@ class ClientConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "socket" in values:
             values["socket"] = Path(values["socket"])
-        return replace(cls(), **values)
+        config = replace(cls(), **values)
+        config.reads_direct()  # a bad restore_direct fails here
+        return config
+
+    def reads_direct(self) -> bool:
+        """Whether a durable step in no node's memory is read straight from ``persist_url``."""
+        mode = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(
+            self.restore_direct, self.restore_direct
+        )
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(
+                f"TIERCKPT_RESTORE_DIRECT={self.restore_direct!r} is not auto, on or off"
+            )
+        if not self.persist_url or mode == "off":
+            return False
+        return mode == "on" or self.persist_url.startswith("s3://")
 
 
 def _flag(env: dict[str, str], var: str) -> bool | None:

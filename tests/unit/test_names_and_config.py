@@ -89,6 +89,21 @@ def test_client_config_env_and_overrides() -> None:
         ClientConfig.from_env({"TIERCKPT_TIMEOUT": "soon"})
 
 
+def test_restores_read_an_s3_tier_directly_unless_told_otherwise() -> None:
+    def direct(**env: str) -> bool:
+        return ClientConfig.from_env(env).reads_direct()
+
+    assert not direct()  # no persistent tier known to the trainer: the daemon hydrates
+    assert direct(TIERCKPT_PERSIST_URL="s3://b/p")
+    assert not direct(TIERCKPT_PERSIST_URL="file:///mnt/x")
+    assert direct(TIERCKPT_PERSIST_URL="file:///mnt/x", TIERCKPT_RESTORE_DIRECT="on")
+    assert not direct(TIERCKPT_PERSIST_URL="s3://b/p", TIERCKPT_RESTORE_DIRECT="0")
+    with pytest.raises(
+        ValueError, match="TIERCKPT_RESTORE_DIRECT='sometimes' is not auto, on or off"
+    ):
+        ClientConfig.from_env({"TIERCKPT_RESTORE_DIRECT": "sometimes"})
+
+
 def test_daemon_rejects_a_bad_persistent_tier_url(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIERCKPT_PERSIST_URL", "ftp://host/x")
     with pytest.raises(ValueError, match="unsupported store URL 'ftp://host/x'"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,6 +24,21 @@ from tierckpt_client.dcp import _arena
 from tierckpt_client.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
+
+
+class StepFiles(Protocol):
+    """What a reader needs of a step's files: :class:`Files`, or ``_streamed.RangedFiles``."""
+
+    where: str
+    fetched: set[str]
+
+    def region(self, name: str, offset: int, length: int, what: str) -> torch.Tensor: ...
+
+    def read_bytes(self, name: str, offset: int, length: int, what: str) -> bytes: ...
+
+    def read_into(self, name: str, offset: int, length: int, target: torch.Tensor) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 class Files:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,7 +24,7 @@ import torch
 
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
-from tierckpt_client.dcp._files import Files
+from tierckpt_client.dcp._files import Files, StepFiles
 from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.errors import (
     CheckpointFormatError,
@@ -34,7 +34,7 @@ from tierckpt_client.errors import (
     TierCkptError,
 )
 from tierckpt_core.integrity import checksum_blocks
-from tierckpt_core.protocol import CommitRequest, SealFile
+from tierckpt_core.protocol import CommitRequest, SealFile, StepCandidate
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class ReadSource(Protocol):
 
     def open_files(
         self, namespace: str, step: int, refs: list[ShardRef]
-    ) -> contextlib.AbstractContextManager[Files]: ...
+    ) -> contextlib.AbstractContextManager[StepFiles]: ...
 
 
 class MemoryTier:
@@ -113,11 +113,20 @@ class MemoryTier:
     attempt and committed by the coordinator; reads map pinned files."""
 
     def __init__(
-        self, daemon: DaemonClient, *, overwrite: bool = True, verify_reads: bool = True
+        self,
+        daemon: DaemonClient,
+        *,
+        overwrite: bool = True,
+        verify_reads: bool = True,
+        read_direct: Callable[[str, int], dict[str, Any] | None] | None = None,
     ) -> None:
         self.daemon = daemon
         self.overwrite = overwrite
         self.verify_reads = verify_reads
+        # For a durable step that no node holds in memory: the reader's offer to read it
+        # straight from the persistent tier (returns its metadata, None to decline), instead of
+        # the daemon hydrating it first.
+        self.read_direct = read_direct
 
     # -- save -------------------------------------------------------------------------------
     def begin(self, namespace: str, step: int) -> None:
@@ -189,6 +198,8 @@ class MemoryTier:
             if cand.in_memory:
                 return cand.step
             try:
+                if self._direct(cand, namespace) is not None:
+                    return cand.step
                 self.daemon.hydrate(namespace, cand.step)
             except (CheckpointFormatError, NotFoundError) as e:
                 logger.warning("%s: skipping step %d for an older one: %s", namespace, cand.step, e)
@@ -205,8 +216,20 @@ class MemoryTier:
         try:
             return self.daemon.metadata(namespace, step)
         except NotFoundError:
+            if self.read_direct is not None:
+                cand = next((c for c in self.daemon.candidates(namespace) if c.step == step), None)
+                doc = self._direct(cand, namespace) if cand is not None else None
+                if doc is not None:
+                    return doc
             self.daemon.hydrate(namespace, step)
             return self.daemon.metadata(namespace, step)
+
+    def _direct(self, cand: StepCandidate, namespace: str) -> dict[str, Any] | None:
+        """The metadata of ``cand`` if the reader reads it straight from the persistent tier: it
+        is durable and in no node's memory (a peer's copy is nearer: the daemon fetches that)."""
+        if self.read_direct is None or cand.in_memory or not cand.durable or cand.peers:
+            return None
+        return self.read_direct(namespace, cand.step)
 
     @contextlib.contextmanager
     def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[Files]:

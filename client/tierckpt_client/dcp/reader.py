@@ -7,6 +7,7 @@ import io
 import logging
 import os
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -24,14 +25,17 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._direct import PersistentTier
-from tierckpt_client.dcp._files import Files
+from tierckpt_client.dcp._files import StepFiles
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, copy_tensor, decode_metadata
+from tierckpt_client.dcp._streamed import StreamedTier
 from tierckpt_client.dcp._targets import RANGED_READ_MAX, MemoryTier, ReadSource
 from tierckpt_client.errors import (
     CapacityExceededError,
     CheckpointFormatError,
     DaemonUnavailableError,
+    NotFoundError,
+    PersistentTierError,
     StepStateError,
     TierCkptError,
     error_from_code,
@@ -101,7 +105,10 @@ class TieredStorageReader(StorageReader):
     the requested region first. Only bytes items (non-tensor state) go through ``torch.load``.
 
     Without a reachable daemon, and with ``config.persist_url`` set (``TIERCKPT_PERSIST_URL``), the
-    reader reads the persistent tier itself: same format, every file verified.
+    reader reads the persistent tier itself: same format, every file verified. With it set, a
+    durable step that no node holds in memory is read straight from the persistent tier into the
+    destination tensors, every block verified, and the daemon brings it into memory afterwards
+    (:attr:`memory_fill`) for the next restore (``config.restore_direct``, default: for ``s3://``).
     """
 
     def __init__(
@@ -119,9 +126,11 @@ class TieredStorageReader(StorageReader):
         self.process_group = process_group
         self._daemon = DaemonClient.shared(self.config)
         # Where the step's files come from (see _targets): the memory tier through the daemon,
-        # or the persistent tier once the daemon turned out to be unreachable.
-        self._memory = MemoryTier(self._daemon, verify_reads=self.config.verify_reads)
+        # the persistent tier straight into the tensors for a durable step in no node's memory
+        # (_streamed), or the persistent tier once the daemon turned out to be unreachable.
+        self._memory = self._memory_tier(self._daemon)
         self._source: ReadSource = self._memory
+        self._streamed: StreamedTier | None = None
         self._resolved: int | None = None
         self._storage: dict[Any, ShardRef] = {}
         self.load_id = uuid.uuid4().hex
@@ -130,6 +139,20 @@ class TieredStorageReader(StorageReader):
         self.read_bytes = 0
         self.fetched_bytes = 0
         self._fetched: set[str] = set()
+
+    def _memory_tier(self, daemon: DaemonClient) -> MemoryTier:
+        return MemoryTier(
+            daemon,
+            verify_reads=self.config.verify_reads,
+            read_direct=self._read_direct if self.config.reads_direct() else None,
+        )
+
+    @property
+    def memory_fill(self) -> threading.Thread | None:
+        """After a load read straight from the persistent tier: the thread in which the daemon
+        brings the step into this node's memory for the next restore (the load does not wait
+        for it; ``join()`` it to)."""
+        return self._streamed.filling if self._streamed is not None else None
 
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -211,6 +234,40 @@ class TieredStorageReader(StorageReader):
         source = self._source = PersistentTier(url)
         return source
 
+    def _read_direct(self, namespace: str, step: int) -> dict[str, Any] | None:
+        """A durable step in no node's memory: read it straight from the persistent tier into
+        the destination tensors (verified block by block), if this process can reach the tier;
+        the daemon brings it into memory afterwards. Returns the step's metadata, or None when
+        the tier cannot be read from here (the daemon then hydrates the step first)."""
+        url = self.config.persist_url
+        assert url is not None
+        source = self._streamed
+        if source is None:
+            source = self._streamed = StreamedTier(PersistentTier(url), self.config)
+        try:
+            doc = source.metadata(namespace, step)
+        except (PersistentTierError, NotFoundError) as e:
+            # Unreachable, no credentials here, or not what the daemon's tier holds: the daemon
+            # reads its own tier.
+            logger.warning(
+                "%s/step %d: cannot read the persistent tier %s from this process (%s); the "
+                "daemon brings the step into memory first",
+                namespace,
+                step,
+                url,
+                e,
+            )
+            return None
+        logger.info(
+            "%s/step %d is in no node's memory: reading it straight from %s, verified; the "
+            "daemon brings it into memory afterwards",
+            namespace,
+            step,
+            url,
+        )
+        self._source = source
+        return doc
+
     # -- StorageReader ----------------------------------------------------------------------
     # No **kwargs on purpose: DCP then does not retry with rank-local metadata (which tierckpt
     # does not have), and the user sees this reader's error rather than a second, misleading one.
@@ -256,7 +313,7 @@ class TieredStorageReader(StorageReader):
         return fut
 
     @contextlib.contextmanager
-    def open_files(self, refs: list[ShardRef] | None = None) -> Iterator[Files]:
+    def open_files(self, refs: list[ShardRef] | None = None) -> Iterator[StepFiles]:
         """Yield the files of the step ``read_metadata`` chose, from this reader's source: the
         daemon's memory (pinned meanwhile; of a step spanning nodes, what ``refs`` need of files
         other nodes hold is fetched first, whole or as ranges), or downloaded and verified from
@@ -269,10 +326,25 @@ class TieredStorageReader(StorageReader):
             self._fetched = files.fetched
             yield files
 
-    def _copy_items(self, plan: LoadPlan, planner: LoadPlanner, files: Files) -> None:
+    def _copy_items(self, plan: LoadPlan, planner: LoadPlanner, files: StepFiles) -> None:
         """Copy every item of ``plan`` out of the step's stored files."""
         where = files.where
-        for item in plan.items:
+        targets: dict[int, torch.Tensor] = {}
+        prefetch = getattr(files, "prefetch", None)
+        if prefetch is not None:  # reads straight from the persistent tier: all at once
+            wants: list[tuple[ShardRef, torch.Tensor | None]] = []
+            for i, item in enumerate(plan.items):
+                ref = self._storage.get(item.storage_index)
+                if ref is None:
+                    continue
+                target = None
+                if item.type != LoadItemType.BYTE_IO and ref.dtype is not None:
+                    targets[i] = planner.resolve_tensor(item).detach()
+                    if self._whole(item, ref, targets[i]):
+                        target = targets[i]
+                wants.append((ref, target))
+            prefetch(wants)
+        for i, item in enumerate(plan.items):
             ref = self._storage.get(item.storage_index)
             if ref is None:
                 raise CheckpointFormatError(f"{where}: no stored data for {item.storage_index.fqn}")
@@ -285,13 +357,9 @@ class TieredStorageReader(StorageReader):
                     f"{where}: {item.storage_index.fqn} is stored as bytes, not a tensor"
                 )
             dtype = DTYPES[ref.dtype]
-            target = planner.resolve_tensor(item).detach()
-            whole = list(item.lengths) == list(ref.shape) and not any(item.storage_offsets)
-            if (
-                whole
-                and target.dtype == dtype
-                and list(target.size()) == list(ref.shape)
-                and files.read_into(ref.file, ref.offset, ref.length, target)
+            target = targets[i] if i in targets else planner.resolve_tensor(item).detach()
+            if self._whole(item, ref, target) and files.read_into(
+                ref.file, ref.offset, ref.length, target
             ):
                 planner.commit_tensor(item, target)
                 continue
@@ -312,10 +380,24 @@ class TieredStorageReader(StorageReader):
             copy_tensor(target, src)
             planner.commit_tensor(item, target)
 
+    @staticmethod
+    def _whole(item: Any, ref: ShardRef, target: torch.Tensor) -> bool:
+        """Whether ``item`` reads all of stored tensor ``ref`` into a ``target`` of its dtype
+        and shape (a copy of bytes, no narrowing nor conversion)."""
+        return (
+            ref.dtype is not None
+            and ref.shape is not None
+            and list(item.lengths) == list(ref.shape)
+            and not any(item.storage_offsets)
+            and target.dtype == DTYPES[ref.dtype]
+            and list(target.size()) == list(ref.shape)
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_daemon"] = DaemonClient.shared(self.config)
         state["process_group"] = None
-        state["_memory"] = MemoryTier(state["_daemon"], verify_reads=self.config.verify_reads)
+        state["_memory"] = self._memory_tier(state["_daemon"])
         state["_source"] = state["_memory"]
+        state["_streamed"] = None
         return state

@@ -14,6 +14,7 @@ naming the store, the key and the cause.
 from __future__ import annotations
 
 import builtins
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +57,15 @@ class ObjectStore(Protocol):
         """Download a whole object of ``size`` bytes into the open file ``fd`` at offset 0 with
         ``pwrite``; return the checksum. Into fresh tmpfs pages this runs about twice as fast as
         :meth:`get_into` through a mapping of the file (no page fault per 4 KiB)."""
+        ...
+
+    def get_range(
+        self, key: str, start: int, end: int, put: Callable[[memoryview, int], None]
+    ) -> None:
+        """Download bytes ``[start, end)`` of an object, handing them to ``put(chunk, offset)``
+        in order (``offset`` counts from the start of the object); IntegrityError if the object
+        ends before ``end``. A failed attempt that is retried starts again at ``start``, so
+        ``put`` may see an offset twice. Exceptions ``put`` raises end the download as they are."""
         ...
 
     def list(self, prefix: str) -> builtins.list[ObjectInfo]:

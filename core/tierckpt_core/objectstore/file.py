@@ -138,6 +138,34 @@ class FileStore:
         except OSError as e:
             raise self._fail("reading", key, e) from e
 
+    def get_range(
+        self, key: str, start: int, end: int, put: Callable[[memoryview, int], None]
+    ) -> None:
+        if end <= start:
+            return
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < end:
+                    raise IntegrityError(
+                        f"object {key!r} in {self.url} has {size} bytes, a read wants up to {end}"
+                    )
+                buf = memoryview(bytearray(min(CHUNK_SIZE, end - start)))
+                off = start
+                while off < end:
+                    n = os.preadv(f.fileno(), [buf[: min(len(buf), end - off)]], off)
+                    if not n:
+                        raise IntegrityError(
+                            f"object {key!r} in {self.url} ended at byte {off} of {end}"
+                        )
+                    put(buf[:n], off)
+                    off += n
+        except FileNotFoundError as e:
+            raise NotFoundError(f"object {key!r} not found in {self.url}") from e
+        except OSError as e:
+            raise self._fail("reading", key, e) from e
+
     def list(self, prefix: str) -> builtins.list[ObjectInfo]:
         validate_prefix(prefix)
         # Walk only the deepest directory the prefix names, then filter by string prefix
