@@ -664,9 +664,9 @@ def upload_figures(res: dict[str, Any]) -> dict[str, Any]:
     iterations), CPU-seconds per GB (10^9 bytes) of the daemon uploading and hydrating next to
     the raw clients', targets and met (a ratio of MB/s must reach its target, of CPU not exceed)."""
     per_gb, q, qb = res["cpu_per_gb"], res["ratios"], res["ratios_best"]
-    # Hydration: the daemon filling its memory from S3 (a row of its own where restores can
-    # also go straight into the trainer's tensors).
-    hydrate = "restore_tier_daemon" if "restore_tier_daemon" in per_gb else "restore_tier"
+    # Hydration: the daemon filling its memory from S3 (the restore row whose daemon hydrates
+    # first; the default restore goes straight into the trainer's tensors).
+    hydrate = "restore_tier_daemon"
     fig: dict[str, Any] = {
         "upload_tier_over_raw": q.get("upload_tier_over_raw"),
         "upload_tier_over_raw_best": qb.get("upload_tier_over_raw"),

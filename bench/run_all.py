@@ -471,7 +471,11 @@ def s3_rows(p: dict[str, Any]) -> list[Row]:
         "upload_tier": ("S3 upload: tierckpt, saved -> durable", "upload_tier_over_raw"),
         "upload_raw": ("S3 upload: raw s3torchconnector put_object", None),
         "upload_torch": ("S3 upload: s3torchconnector S3StorageWriter", "upload_torch_over_raw"),
-        "restore_tier": ("S3 restore: tierckpt, memory wiped", "restore_tier_over_raw"),
+        "restore_tier": (
+            "S3 restore: tierckpt, memory wiped, straight into the tensors",
+            "restore_tier_over_raw",
+        ),
+        "restore_tier_daemon": ("S3 restore: tierckpt, memory wiped, daemon hydrates first", None),
         "restore_raw": ("S3 restore: raw get_object, pre-touched memory", None),
         "restore_raw_fresh": ("S3 restore: raw get_object, fresh memory", None),
         "restore_torch": ("S3 restore: s3torchconnector S3StorageReader", "restore_torch_over_raw"),
