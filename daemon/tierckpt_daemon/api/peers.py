@@ -13,7 +13,6 @@ import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import StreamingResponse
 
 from tierckpt_core.errors import ForbiddenError, ProtocolError, UnauthorizedError
 from tierckpt_core.manifest import StepManifest
@@ -33,6 +32,7 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon import cluster
 from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.peer_server import PeerServer
+from tierckpt_daemon.zerocopy import FileResponse
 
 
 async def require_peer_token(request: Request) -> None:
@@ -98,14 +98,13 @@ def read_range(
 
 @router.get(
     "/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}",
-    response_class=StreamingResponse,
+    response_class=Response,
+    responses={200: {"content": {"application/octet-stream": {}}}},
 )
-def get_file(namespace: str, step: int, attempt: str, name: str, store: Store) -> StreamingResponse:
-    length, body = store.open_file(namespace, step, attempt, name)
-    # A sync iterator: Starlette reads it in a worker thread, off the event loop.
-    return StreamingResponse(
-        body, media_type="application/octet-stream", headers={"Content-Length": str(length)}
-    )
+def get_file(namespace: str, step: int, attempt: str, name: str, store: Store) -> Response:
+    f = store.open_file(namespace, step, attempt, name)
+    # By sendfile on a plain connection, else streamed (see tierckpt_daemon.zerocopy).
+    return FileResponse(f.fd, f.length, f.close)
 
 
 @router.post("/namespaces/{namespace}/steps/{step}/pull")
