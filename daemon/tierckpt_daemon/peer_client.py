@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 RETRIES = 3
-GET_CHUNK = 8 << 20  # bytes per read while fetching a file from a peer
+GET_CHUNK = 1 << 20  # bytes per read from a peer: the buffer stays in the cache while it is
+# checksummed and written (8 MiB cost the fetching side 10-15% more CPU time)
 
 
 class PeerTLSError(PeerUnavailableError):
