@@ -92,14 +92,27 @@ def _cut(cycle: RequestResponseCycle) -> None:
 
 
 class FileResponse(Response):
-    """``length`` bytes of the open file ``fd`` from offset 0, by sendfile where the connection
-    offers it, else in chunks read in a worker thread. ``done`` runs once the body is sent or the
-    send failed (it closes the file and unpins it)."""
+    """``count`` bytes of the open file ``fd`` from ``offset``, by sendfile where the connection
+    offers it, else in chunks read in a worker thread. ``total`` set: a 206 answer to a range
+    request (``Content-Range``). ``done`` runs once the body is sent or the send failed (it closes
+    the file and unpins it)."""
 
-    def __init__(self, fd: int, length: int, done: Callable[[], None]) -> None:
-        super().__init__(media_type="application/octet-stream")
-        self.headers["content-length"] = str(length)
-        self.fd, self.length, self.done = fd, length, done
+    def __init__(
+        self,
+        fd: int,
+        count: int,
+        done: Callable[[], None],
+        *,
+        offset: int = 0,
+        total: int | None = None,
+    ) -> None:
+        super().__init__(media_type="application/octet-stream", status_code=200)
+        self.headers["content-length"] = str(count)
+        if total is not None:
+            self.status_code = 206
+            last = offset + count - 1
+            self.headers["content-range"] = f"bytes {offset}-{last}/{total}"
+        self.fd, self.offset, self.count, self.done = fd, offset, count, done
 
     async def __call__(
         self,
@@ -118,9 +131,9 @@ class FileResponse(Response):
             sendfile: SendFile | None = scope.get("extensions", {}).get(EXTENSION)
             if scope.get("method") == "HEAD":
                 pass
-            elif sendfile is not None and self.length:
+            elif sendfile is not None and self.count:
                 try:
-                    await sendfile(self.fd, 0, self.length)
+                    await sendfile(self.fd, self.offset, self.count)
                 except OSError as e:
                     logger.info("a peer's file transfer ended early: %s", e)
                     return
@@ -131,11 +144,26 @@ class FileResponse(Response):
             self.done()
 
     async def _stream(self, send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
-        off = 0
-        while off < self.length:
-            n = min(STREAM_CHUNK, self.length - off)
+        off, end = self.offset, self.offset + self.count
+        while off < end:
+            n = min(STREAM_CHUNK, end - off)
             chunk = await anyio.to_thread.run_sync(os.pread, self.fd, n, off)
             if not chunk:
-                raise OSError(f"the file ended {self.length - off} bytes short of {self.length}")
+                raise OSError(f"the file ended {end - off} bytes short of {end}")
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             off += len(chunk)
+
+
+def parse_range(header: str | None, length: int) -> tuple[int, int] | None:
+    """``(offset, count)`` of one ``Range: bytes=first-last`` (both given, inclusive) within a file
+    of ``length`` bytes; None without a header. ValueError names what is wrong."""
+    if header is None:
+        return None
+    unit, _, spec = header.strip().partition("=")
+    first_s, dash, last_s = spec.strip().partition("-")
+    if unit.strip().lower() != "bytes" or not dash or not first_s.isdigit() or not last_s.isdigit():
+        raise ValueError(f"Range {header[:80]!r} is not one 'bytes=first-last' range")
+    first, last = int(first_s), int(last_s)
+    if first > last or last >= length:
+        raise ValueError(f"Range {header[:80]!r} is outside the file's {length} bytes")
+    return first, last - first + 1
