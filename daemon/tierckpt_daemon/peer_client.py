@@ -60,7 +60,8 @@ _T = TypeVar("_T")
 RETRIES = 3
 GET_CHUNK = 1 << 20  # bytes per read from a peer: the buffer stays in the cache while it is
 # checksummed and written (8 MiB cost the fetching side 10-15% more CPU time)
-RANGE_STREAMS = 4  # connections at once for one large file (the cores of a kernel's recv copy)
+RANGE_STREAMS = 4  # connections at once for one large file: its receive copies and checksums
+# then run on several cores, not one thread
 RANGE_MIN = 64 << 20  # smaller files come in one stream
 
 
