@@ -253,6 +253,46 @@ ROWS = {
 }
 
 
+# Replications before B recycles pool files for replicas (keep_last 2, plus the one arriving): the
+# ones after this are the steady state.
+STEADY_FROM = 3
+TARGETS = {  # issue 15, goal 2 (peer part): value >= target is "met"
+    "peer_restore_over_raw": 0.5,
+    "peer_restore_gbps": 1.5,
+    "replication_steady_gbps": 1.0,
+}
+
+
+def peer_figures(res: dict[str, Any]) -> dict[str, Any]:
+    """The issue-15 figures of the peer tier: GB/s (10^9) medians and bests, ratios to raw TCP
+    from the same run, CPU-seconds per GB of each daemon (from /proc), targets and met."""
+    med = statistics.median
+    gb = res["raw_tcp"]["bytes"] / 1e9
+    raw, rest, rep = res["raw_tcp"], res["restore_peer"], res["replicate"]
+    steady = rep["s"][STEADY_FROM:] or rep["s"]
+    fig: dict[str, Any] = {
+        "raw_tcp_gbps": gb / med(raw["s"]),
+        "raw_tcp_best_gbps": gb / min(raw["s"]),
+        "peer_restore_gbps": gb / med(rest["s"]),
+        "peer_restore_best_gbps": gb / min(rest["s"]),
+        "peer_restore_over_raw": med(raw["s"]) / med(rest["s"]),
+        "replication_gbps": gb / med(rep["s"]),
+        "replication_steady_gbps": gb / med(steady),
+        "replication_steady_best_gbps": gb / min(steady),
+        "replication_steady_iterations": len(steady),
+        "replication_steady_over_raw": med(raw["s"]) / med(steady),
+        # both ends of the raw transfer run in this process
+        "raw_tcp_cpu_s_per_gb": med(raw["cpu_client"]) / gb,
+        "restore_fetching_daemon_cpu_s_per_gb": med(rest["cpu_daemon"]) / gb,
+        "restore_serving_daemon_cpu_s_per_gb": med(rest["cpu_peer"]) / gb,
+        "replication_receiver_cpu_s_per_gb": med(rep["cpu_receiver"]) / gb,
+        "replication_origin_cpu_s_per_gb": med(rep["cpu_origin"]) / gb,
+        "targets": dict(TARGETS),
+    }
+    fig["met"] = {k: fig[k] >= t for k, t in TARGETS.items()}
+    return fig
+
+
 def summarize(res: dict[str, Any]) -> None:
     med = statistics.median
     add_rates(res, ROWS)
@@ -260,6 +300,7 @@ def summarize(res: dict[str, Any]) -> None:
         "replicate_over_raw": res["replicate"]["mbps"] / res["raw_tcp"]["mbps"],
         "restore_peer_over_raw": res["restore_peer"]["mbps"] / res["raw_tcp"]["mbps"],
     }
+    res["issue15"] = peer_figures(res)
     if "slowdown" in res:
         r = res["slowdown"]
         r["slowdown_pct"] = (med(r["busy_s"]) / med(r["alone_s"]) - 1) * 100
@@ -278,6 +319,34 @@ def render(res: dict[str, Any]) -> str:
         "|---|---:|",
         f"| replication MB/s / raw TCP MB/s | {q['replicate_over_raw']:.2f} |",
         f"| restore from the peer MB/s / raw TCP MB/s | {q['restore_peer_over_raw']:.2f} |",
+    ]
+    f = res["issue15"]
+    lines += [
+        "",
+        "| issue 15 (peer) | median | best | target | met |",
+        "|---|---:|---:|---:|---|",
+        f"| raw TCP GB/s | {f['raw_tcp_gbps']:.2f} | {f['raw_tcp_best_gbps']:.2f} | | |",
+    ]
+    for key, label, best in (
+        ("peer_restore_gbps", "restore from the peer GB/s", "peer_restore_best_gbps"),
+        ("peer_restore_over_raw", "restore from the peer / raw TCP", None),
+        (
+            "replication_steady_gbps",
+            "replication, steady state GB/s",
+            "replication_steady_best_gbps",
+        ),
+    ):
+        b = f"{f[best]:.2f}" if best else ""
+        met = "met" if f["met"][key] else "missed"
+        lines.append(f"| {label} | {f[key]:.2f} | {b} | {TARGETS[key]} | {met} |")
+    lines += [
+        "",
+        "CPU-seconds per GB: "
+        f"restore fetching daemon {f['restore_fetching_daemon_cpu_s_per_gb']:.2f}, serving "
+        f"{f['restore_serving_daemon_cpu_s_per_gb']:.2f}; replication receiver "
+        f"{f['replication_receiver_cpu_s_per_gb']:.2f}, origin "
+        f"{f['replication_origin_cpu_s_per_gb']:.2f}; raw TCP both ends "
+        f"{f['raw_tcp_cpu_s_per_gb']:.2f}",
     ]
     if "slowdown" in res:
         r = res["slowdown"]

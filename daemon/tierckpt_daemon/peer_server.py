@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 
 from tierckpt_core.errors import (
     NotFoundError,
     ProtocolError,
     TierCkptError,
 )
-from tierckpt_core.integrity import checksum_file, read_chunks
+from tierckpt_core.integrity import checksum_file
 from tierckpt_core.manifest import LocalState, StepManifest
 from tierckpt_core.protocol import (
     PeerStep,
@@ -28,8 +28,6 @@ from tierckpt_daemon.records import read_manifest
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)
-
-SERVE_CHUNK = 1 << 20
 
 
 class PeerServer:
@@ -89,11 +87,9 @@ class PeerServer:
         finally:
             self.service.unpin(namespace, step, pin.pin_id)
 
-    def open_file(
-        self, namespace: str, step: int, attempt: str, name: str
-    ) -> tuple[int, Iterator[bytes]]:
-        """The length of one file of a committed step and an iterator over its bytes; the step
-        is pinned until the iterator is exhausted or closed (or the pin expires)."""
+    def open_file(self, namespace: str, step: int, attempt: str, name: str) -> OpenFile:
+        """One file of a committed step, open for reading (never through a link); the step is
+        pinned until :meth:`OpenFile.close` (or the pin expires)."""
         validate_file_name(name)
         pin = self.service.pin(namespace, step, attempt)
         try:
@@ -101,15 +97,29 @@ class PeerServer:
             f = rec.files.get(name)
             if f is None or name not in pin.paths:
                 raise NotFoundError(f"{namespace}/step {step} has no file {name}")
+            fd = os.open(pin.paths[name], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except BaseException:
             self.service.unpin(namespace, step, pin.pin_id)
             raise
 
-        def body() -> Iterator[bytes]:
-            try:
-                yield from read_chunks(pin.paths[name], f.length, SERVE_CHUNK)
-            finally:
-                with contextlib.suppress(TierCkptError):
-                    self.service.unpin(namespace, step, pin.pin_id)
+        def close() -> None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(TierCkptError):
+                self.service.unpin(namespace, step, pin.pin_id)
 
-        return f.length, body()
+        return OpenFile(fd, f.length, close)
+
+
+class OpenFile:
+    """A served file: its descriptor, its length in the step, and ``close`` (once: closes the
+    descriptor and unpins the step)."""
+
+    def __init__(self, fd: int, length: int, close: Callable[[], None]) -> None:
+        self.fd, self.length = fd, length
+        self._close: Callable[[], None] | None = close
+
+    def close(self) -> None:
+        close, self._close = self._close, None
+        if close is not None:
+            close()

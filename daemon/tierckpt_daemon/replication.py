@@ -330,6 +330,13 @@ class Replicator(QueueWorker[StepRecord]):
             )
 
         def fetch(f: FileRecord, path: str) -> None:
+            if f.block_size and f.blocks is not None:
+                # Several streams at once for a large file, each block checked as it arrives
+                # against the writer's block checksums (taken with the whole-file one).
+                self.client.get_file_blocks(
+                    peer, ns, step, attempt, f.name, path, f.length, f.block_size, f.blocks
+                )
+                return
             got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length)
             verify_file(got, f, ns, step, where)
 

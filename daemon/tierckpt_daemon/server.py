@@ -19,6 +19,7 @@ from tierckpt_daemon.api import create_app
 from tierckpt_daemon.arena import make_dir
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import build_node
+from tierckpt_daemon.zerocopy import SendfileH11Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def serve(settings: DaemonSettings) -> None:
             access_log=False,
             timeout_graceful_shutdown=30,
             lifespan="on",
+            http=SendfileH11Protocol,  # peers' file bytes by sendfile on plain TCP
         )
         server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
         logger.info(

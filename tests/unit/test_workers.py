@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tierckpt_core.errors import NotFoundError, PersistentTierUnavailableError
-from tierckpt_core.integrity import Hasher, checksum
+from tierckpt_core.errors import IntegrityError, NotFoundError, PersistentTierUnavailableError
+from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.layout import durable_steps, read_step_manifest
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import FileStore
@@ -176,14 +176,38 @@ class FakePeerClient:
     def get_file(
         self, peer: str, namespace: str, step: int, attempt: str, name: str, path: str, length: int
     ) -> str:
-        n, body = self._server(peer).open_file(namespace, step, attempt, name)
-        assert n == length
-        h = Hasher()
+        served = self._server(peer).open_file(namespace, step, attempt, name)
+        try:
+            assert served.length == length
+            data = os.pread(served.fd, length, 0)
+        finally:
+            served.close()
         with open(path, "r+b") as f:
-            for chunk in body:
-                h.update(chunk)
-                f.write(chunk)
-        return h.hexdigest()
+            f.write(data)
+        return checksum(data)
+
+    def get_file_blocks(
+        self,
+        peer: str,
+        namespace: str,
+        step: int,
+        attempt: str,
+        name: str,
+        path: str,
+        length: int,
+        block_size: int,
+        blocks: list[str],
+    ) -> None:
+        served = self._server(peer).open_file(namespace, step, attempt, name)
+        try:
+            data = os.pread(served.fd, length, 0)
+        finally:
+            served.close()
+        got = [block_digest(data[o : o + block_size]) for o in range(0, length, block_size)]
+        if got != blocks:
+            raise IntegrityError(f"{namespace}/step {step}: {name} from {peer} is corrupt")
+        with open(path, "r+b") as f:
+            f.write(data)
 
     def pull(self, peer: str, namespace: str, step: int, origin: str, nbytes: int) -> StepInfo:
         return self.net.nodes[peer][2].pull_from(origin, namespace, step)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import hmac
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Depends, Header, Request, Response
 
 from tierckpt_core.errors import ForbiddenError, ProtocolError, UnauthorizedError
 from tierckpt_core.manifest import StepManifest
@@ -33,6 +32,7 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon import cluster
 from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.peer_server import PeerServer
+from tierckpt_daemon.zerocopy import FileResponse, parse_range
 
 
 async def require_peer_token(request: Request) -> None:
@@ -98,14 +98,35 @@ def read_range(
 
 @router.get(
     "/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}",
-    response_class=StreamingResponse,
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}},
+        206: {
+            "description": "The bytes of the one range asked for (`Range: bytes=first-last`)",
+            "content": {"application/octet-stream": {}},
+        },
+    },
 )
-def get_file(namespace: str, step: int, attempt: str, name: str, store: Store) -> StreamingResponse:
-    length, body = store.open_file(namespace, step, attempt, name)
-    # A sync iterator: Starlette reads it in a worker thread, off the event loop.
-    return StreamingResponse(
-        body, media_type="application/octet-stream", headers={"Content-Length": str(length)}
-    )
+def get_file(
+    namespace: str,
+    step: int,
+    attempt: str,
+    name: str,
+    store: Store,
+    range_: Annotated[str | None, Header(alias="range")] = None,
+) -> Response:
+    """One file of a committed step; with ``Range: bytes=first-last``, just those bytes (206), so
+    that a peer can fetch a large file in several streams at once."""
+    f = store.open_file(namespace, step, attempt, name)
+    try:
+        span = parse_range(range_, f.length)
+    except ValueError as e:
+        f.close()
+        raise ProtocolError(f"{namespace}/step {step}/{name}: {e}") from None
+    # By sendfile on a plain connection, else streamed (see tierckpt_daemon.zerocopy).
+    if span is None:
+        return FileResponse(f.fd, f.length, f.close)
+    return FileResponse(f.fd, span[1], f.close, offset=span[0], total=f.length)
 
 
 @router.post("/namespaces/{namespace}/steps/{step}/pull")
