@@ -615,6 +615,28 @@ def peer_rows(p: dict[str, Any]) -> list[Row]:
         rows.append(
             (size, label, f"{r['median_s']:.2f} s", f"{r['mbps'] / 1e3:.2f}", rt, target, met)
         )
+    f = p.get("issue15") or {}
+    if "replication_steady_gbps" in f:  # issue 15: steady replication >= 1 GB/s
+        v = f["replication_steady_gbps"]
+        rows.append(
+            (
+                size,
+                "peer: replication, steady state (recycled files on the peer)",
+                f"best {f['replication_steady_best_gbps']:.2f} GB/s",
+                f"{v:.2f}",
+                f"{f.get('replication_steady_over_raw', 0):.2f}x raw TCP",
+                ">= 1.0 GB/s",
+                yes(v >= 1.0),
+            )
+        )
+    for key, label in (
+        ("restore_fetching_daemon_cpu_s_per_gb", "peer restore: fetching daemon CPU-s per GB"),
+        ("restore_serving_daemon_cpu_s_per_gb", "peer restore: serving daemon CPU-s per GB"),
+        ("replication_receiver_cpu_s_per_gb", "replication: receiving daemon CPU-s per GB"),
+        ("raw_tcp_cpu_s_per_gb", "raw TCP: both ends, CPU-s per GB"),
+    ):
+        if key in f:
+            rows.append((size, label, f"{f[key]:.2f}", "", "", "", ""))
     if "slowdown" in p:
         v = p["slowdown"]["slowdown_pct"]
         rows.append(
