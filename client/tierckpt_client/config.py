@@ -27,6 +27,9 @@ class ClientConfig:
         verify_reads: check tensors read from this node's memory against the checksums taken
             when they were written (``TIERCKPT_VERIFY_READS``, default on; ``0`` turns it off
             for tensors; bytes items, which are unpickled, are always checked).
+        prelease: after each ``async_save`` (THREAD mode) ask the daemon for the next save's
+            file, put in place when this save commits, so that the next ``stage`` needs no
+            daemon round trip (``TIERCKPT_PRELEASE``, default on; ``0`` leases in ``stage``).
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
@@ -35,6 +38,7 @@ class ClientConfig:
     hydrate_timeout_s: float = 3600.0
     persist_url: str | None = None
     verify_reads: bool = True
+    prelease: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -46,11 +50,15 @@ class ClientConfig:
             values["socket"] = Path(env["TIERCKPT_SHM_DIR"]) / "daemon.sock"
         if env.get("TIERCKPT_PERSIST_URL"):
             values["persist_url"] = env["TIERCKPT_PERSIST_URL"]
-        verify = env.get("TIERCKPT_VERIFY_READS", "").strip().lower()
-        if verify:
-            if verify not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(f"TIERCKPT_VERIFY_READS={verify!r} is not 0 or 1")
-            values["verify_reads"] = verify in ("1", "true", "yes", "on")
+        for name, var in (
+            ("verify_reads", "TIERCKPT_VERIFY_READS"),
+            ("prelease", "TIERCKPT_PRELEASE"),
+        ):
+            flag = env.get(var, "").strip().lower()
+            if flag:
+                if flag not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(f"{var}={flag!r} is not 0 or 1")
+                values[name] = flag in ("1", "true", "yes", "on")
         for name, var in (
             ("timeout_s", "TIERCKPT_TIMEOUT"),
             ("connect_timeout_s", "TIERCKPT_CONNECT_TIMEOUT"),
