@@ -142,3 +142,21 @@ def test_prelease_off_leases_in_every_stage(
     assert all(traced.calls)
     with DaemonClient() as client:
         assert client.status().leased_bytes == 0
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_daemon_that_ignores_after_leaves_no_lease_behind(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lease = DaemonClient.lease
+
+    def old_daemon(client: DaemonClient, ns: str, rank: int, size: int, **kw: Any) -> Any:
+        return lease(client, ns, rank, size)  # as a daemon without pre-leases answers: at once
+
+    monkeypatch.setattr(DaemonClient, "lease", old_daemon)
+    traced = StageCalls(monkeypatch)
+    for step in (1, 2, 3):
+        _save_and_check("job", step, _state(step))
+        with DaemonClient() as client:  # the plain lease it got instead was given back
+            assert client.status().leased_bytes == 0
+    assert all(traced.calls)

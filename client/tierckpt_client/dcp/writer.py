@@ -295,7 +295,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 return  # PROCESS mode: the next stage runs in the trainer, not here
             asked = time.monotonic()
             resp = self._daemon.lease(namespace, self.rank, size, after=(step, attempt))
-        except TierCkptError as e:
+        except Exception as e:  # best effort: never fails the save that is being written
             logger.debug("%s: no pre-lease for the next save: %s", namespace, e)
             return
         if not resp.pending:  # a daemon that predates pre-leases granted a plain lease
@@ -493,12 +493,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             results.extend(extra_results)
             target.write(namespace, step, attempt, self.rank, files)
             self._plan_data, self._attempt = data, attempt
-            if target is self._memory and staged is not None and files and files[0] is staged:
-                self._ask_prelease(namespace, step, attempt, staged.length)
         except BaseException:
             for f in [*files, *(x for x in (loose, reserved) if x is not None)]:
                 self._memory.discard(namespace, f)
             raise
+        if target is self._memory and staged is not None and files and files[0] is staged:
+            self._ask_prelease(namespace, step, attempt, staged.length)
         if self.is_coordinator and target is self._memory:
             # Sealed; if the save fails before finish() commits it, the attempt is aborted.
             self._leftovers.namespace, self._leftovers.attempt = namespace, (step, attempt)
