@@ -106,7 +106,7 @@ def stage_into(state_dict: dict[str, Any], mapping: FileMapping | None) -> Stage
         if n == 0:
             return torch.empty(t.shape, dtype=t.dtype)
         assert mapping is not None
-        dst = mapping.view(offset, n).view(t.dtype).view(t.shape)
+        dst = mapping.tensor_at(offset, t.dtype, t.shape)
         offset += align(n)
         if t.device.type == "cpu":
             copy_tensor(dst, t)
