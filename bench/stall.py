@@ -77,6 +77,12 @@ def parse_args() -> argparse.Namespace:
         help="a third contender in every round: tierckpt with pre-leases off (TIERCKPT_PRELEASE=0), "
         "in its own namespace (needs keep_last + 1 more files of the state)",
     )
+    p.add_argument(
+        "--tensors",
+        type=int,
+        default=N_TENSORS,
+        help="float32 tensors the state is split into (many small ones: the per-tensor costs)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/stall.json"))
     p.add_argument("--smoke", action="store_true", help="16 MiB, 3 rounds (CI)")
     args = p.parse_args()
@@ -139,10 +145,10 @@ class Phases:
             u()
 
 
-def make_state(size_mb: int) -> dict[str, Any]:
-    numel = size_mb * (1 << 20) // N_TENSORS // 4
+def make_state(size_mb: int, n_tensors: int = N_TENSORS) -> dict[str, Any]:
+    numel = size_mb * (1 << 20) // n_tensors // 4
     gen = torch.Generator().manual_seed(0)
-    sd: dict[str, Any] = {f"w{i:02d}": torch.randn(numel, generator=gen) for i in range(N_TENSORS)}
+    sd: dict[str, Any] = {f"w{i:05d}": torch.randn(numel, generator=gen) for i in range(n_tensors)}
     sd["extra"] = {"step": 0, "tag": "stall"}
     return sd
 
@@ -165,7 +171,7 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
     assert daemon.proc is not None
     os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
     off = ClientConfig.from_env(prelease=False)
-    sd = make_state(size_mb)
+    sd = make_state(size_mb, args.tensors)
     dst = [torch.empty_like(t).fill_(0) for t in tensors(sd)]
     stager = DefaultStager(
         StagingOptions(
@@ -342,7 +348,9 @@ def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     root = Path("/dev/shm") / f"tierckpt-bench-stall-{uuid.uuid4().hex[:8]}"
-    info = machine_info(iters=args.iters, warmup=args.warmup, loadavg=os.getloadavg())
+    info = machine_info(
+        iters=args.iters, warmup=args.warmup, tensors=args.tensors, loadavg=os.getloadavg()
+    )
     sizes: dict[str, Any] = {}
     try:
         for size in args.size_list:
