@@ -85,9 +85,12 @@ def test_stage_asks_the_daemon_nothing_once_a_commit_frees_a_file(
         for step in range(1, 6):
             _save_and_check("job", step, _state(step))
             # From step 2's commit on (it retires step 1), the next file waits, leased, for it.
-            assert client.status().leased_bytes == (MiB if step >= 2 else 0), step
+            # (Step 1's commit frees nothing; its pre-lease exists only if the spare file the
+            # daemon faults in during ramp-up was ready by then.)
+            if step >= 2:
+                assert client.status().leased_bytes == MiB, step
         assert [s.step for s in client.steps("job")] == [5]
-    assert all(calls for calls in traced.calls[:2])  # steps 1 and 2 leased in stage
+    assert traced.calls[0]  # step 1 leased in stage
     assert traced.calls[2:] == [[], [], []]  # steps 3 to 5: no daemon call at all
 
 
