@@ -37,6 +37,9 @@ class ClientConfig:
             daemon brings it into memory afterwards for the next restore
             (``TIERCKPT_RESTORE_DIRECT``): ``auto`` (default) for ``s3://`` tiers, ``on`` for any,
             ``off`` to have the daemon hydrate the step first, as without ``persist_url``.
+        prelease: after each ``async_save`` (THREAD mode) ask the daemon for the next save's
+            file, put in place when this save commits, so that the next ``stage`` needs no
+            daemon round trip (``TIERCKPT_PRELEASE``, default on; ``0`` leases in ``stage``).
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
@@ -47,6 +50,7 @@ class ClientConfig:
     verify_reads: bool = True
     pin_memory: bool = True
     restore_direct: str = "auto"
+    prelease: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -60,6 +64,7 @@ class ClientConfig:
             values["persist_url"] = env["TIERCKPT_PERSIST_URL"]
         for name, var in (
             ("verify_reads", "TIERCKPT_VERIFY_READS"),
+            ("prelease", "TIERCKPT_PRELEASE"),
             ("pin_memory", "TIERCKPT_PIN_MEMORY"),
         ):
             flag = _flag(env, var)

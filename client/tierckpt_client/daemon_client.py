@@ -25,6 +25,7 @@ from tierckpt_core.protocol import (
     ClusterListing,
     CommitRequest,
     HydrateRequest,
+    LeaseAfter,
     LeaseRequest,
     LeaseResponse,
     NamespaceInfo,
@@ -195,8 +196,13 @@ class DaemonClient:
             raise ProtocolError(f"{namespace}/step {step}: metadata is not a JSON object")
         return doc
 
-    def lease(self, namespace: str, rank: int, size: int) -> LeaseResponse:
-        body = LeaseRequest(rank=rank, size=size).model_dump()
+    def lease(
+        self, namespace: str, rank: int, size: int, *, after: tuple[int, str] | None = None
+    ) -> LeaseResponse:
+        """A leased file of ``size`` bytes; with ``after=(step, attempt)`` a pre-lease, put in
+        place when that save attempt commits (see ``LeaseRequest``)."""
+        ahead = LeaseAfter(step=after[0], attempt=after[1]) if after is not None else None
+        body = LeaseRequest(rank=rank, size=size, after=ahead).model_dump(exclude_none=True)
         return LeaseResponse.model_validate(
             self._request("POST", f"/v1/namespaces/{namespace}/leases", body)
         )

@@ -47,9 +47,25 @@ class ErrorBody(BaseModel):
     detail: str
 
 
+class LeaseAfter(BaseModel):
+    """The save attempt whose commit grants a pre-lease (see :class:`LeaseRequest`)."""
+
+    step: int = Field(ge=0, le=MAX_STEP)
+    attempt: str = Field(min_length=1, max_length=MAX_NAME_LEN)
+
+
 class LeaseRequest(BaseModel):
+    """A file of ``size`` bytes for ``rank``, now; or, with ``after``, a pre-lease for the rank's
+    next save: the daemon names the file now and puts it in place when that save attempt commits,
+    from a file the commit frees (never a new allocation, never by evicting a step). Until then,
+    and for good when the commit frees no file of the size, the path does not exist. A pre-lease
+    the trainer has not claimed (``flock`` on the file) is taken back under memory pressure and
+    when it expires. Daemons older than this field ignore it and grant a plain lease
+    (``pending`` false in the answer)."""
+
     rank: int = Field(ge=0, lt=MAX_RANK)
     size: int = Field(ge=0, le=MAX_FILE_BYTES)
+    after: LeaseAfter | None = None
 
 
 class LeaseResponse(BaseModel):
@@ -58,6 +74,7 @@ class LeaseResponse(BaseModel):
     size: int
     recycled: bool
     expires_in_s: float
+    pending: bool = False  # a pre-lease: ``path`` appears when the ``after`` attempt commits
 
 
 class SealFile(BaseModel):

@@ -8,19 +8,37 @@ is the one slow thing here. While a namespace ramps up to ``keep_last`` committe
 evicted yet, so a spare of each leased size is allocated in the background, within the budget and
 without evicting, for the next save.
 
+**Pre-leases** take the lease round trip out of the trainer's stall: after sealing its file, a
+rank asks for its next save's file ``after`` the save attempt commits. The daemon names the file
+now and, when that attempt commits, moves a file the commit freed (the pool) to that path: never a
+new allocation, never an eviction; no file of the size, no pre-lease (the rank then leases as
+before). The next save claims it without asking: it opens the path and takes ``flock(LOCK_EX |
+LOCK_NB)`` on it, holding the lock until the file is sealed. A pre-lease counts against the budget
+like any lease, but the daemon takes back any it can lock (one nobody has claimed): under memory
+pressure before evicting a committed step, and when it expires (a dead trainer's lock is gone with
+its process; a claimed one is renewed once when its TTL runs out, as a plain lease granted at the
+claim would live that long).
+
 Not thread-safe by itself beyond what it needs: it shares :class:`TierService`'s lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import threading
 import time
 import uuid
 from pathlib import Path
 
 from tierckpt_core.errors import CapacityExceededError, LeaseNotFoundError
-from tierckpt_core.protocol import LeaseResponse, validate_namespace
+from tierckpt_core.protocol import (
+    LeaseResponse,
+    validate_file_name,
+    validate_namespace,
+    validate_step,
+)
 from tierckpt_daemon.arena import Arena, round_up
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
@@ -33,15 +51,67 @@ SPARE_WAIT_S = 60.0
 
 
 class Lease:
-    __slots__ = ("expires", "lease_id", "namespace", "path", "rank", "size")
+    __slots__ = ("expires", "lease_id", "namespace", "path", "pre", "rank", "renewed", "size")
 
-    def __init__(self, lease_id: str, namespace: str, rank: int, path: Path, size: int, ttl: float):
+    def __init__(
+        self,
+        lease_id: str,
+        namespace: str,
+        rank: int,
+        path: Path,
+        size: int,
+        ttl: float,
+        *,
+        pre: bool = False,
+    ):
         self.lease_id = lease_id
         self.namespace = namespace
         self.rank = rank
         self.path = path
         self.size = size
         self.expires = time.monotonic() + ttl
+        self.pre = pre  # a pre-lease: taken back when nobody holds its flock
+        self.renewed = False
+
+
+class Ahead:
+    """A pre-lease asked for, granted when its save attempt commits."""
+
+    __slots__ = ("attempt", "expires", "lease_id", "namespace", "path", "rank", "size", "step")
+
+    def __init__(
+        self,
+        lease_id: str,
+        namespace: str,
+        rank: int,
+        path: Path,
+        size: int,
+        step: int,
+        attempt: str,
+    ) -> None:
+        self.lease_id = lease_id
+        self.namespace = namespace
+        self.rank = rank
+        self.path = path
+        self.size = size
+        self.step = step
+        self.attempt = attempt
+        self.expires = 0.0
+
+
+def _lock_if_unclaimed(path: Path) -> int | None:
+    """An open descriptor holding ``flock(LOCK_EX)`` on ``path`` if no trainer holds it; -1 if
+    there is no regular file at ``path`` (nothing to lock); None while a trainer holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:  # gone, or a link planted in the tier directory (adopt_into_pool removes it)
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 class Leases:
@@ -64,6 +134,7 @@ class Leases:
         self.spares = spares
         self._lock = lock
         self._leases: dict[str, Lease] = {}
+        self._ahead: dict[str, Ahead] = {}  # pre-leases waiting for their attempt's commit
         self._spares_in_flight: set[int] = set()
         self._spare_done = threading.Condition(lock)
 
@@ -118,6 +189,99 @@ class Leases:
             lease_id=lease_id, path=str(path), size=size, recycled=recycled, expires_in_s=self.ttl_s
         )
 
+    # -- pre-leases -------------------------------------------------------------------------
+    def ask_ahead(
+        self, namespace: str, rank: int, size: int, step: int, attempt: str
+    ) -> LeaseResponse:
+        """Name a file for ``rank``'s next save, put in place when ``attempt`` commits (at once
+        if it already has, from the pool)."""
+        validate_namespace(namespace)
+        validate_step(step)
+        validate_file_name(attempt)
+        size = round_up(size)
+        lease_id = uuid.uuid4().hex
+        ahead = Ahead(
+            lease_id, namespace, rank, self.arena.lease_dir / f"{lease_id}.bin", size, step, attempt
+        )
+        with self._lock:
+            ahead.expires = time.monotonic() + self.ttl_s
+            if (namespace, step, attempt) in self.index.writing:
+                self._ahead[lease_id] = ahead
+            else:
+                self._grant_ahead(ahead)
+        return LeaseResponse(
+            lease_id=lease_id,
+            path=str(ahead.path),
+            size=size,
+            recycled=True,
+            expires_in_s=self.ttl_s,
+            pending=True,
+        )
+
+    def fulfil(self, namespace: str, step: int, attempt: str) -> None:
+        """``attempt`` committed (and retention freed what it frees): grant its pre-leases."""
+        with self._lock:
+            for a in [a for a in self._ahead.values() if (a.step, a.attempt) == (step, attempt)]:
+                if a.namespace == namespace:
+                    del self._ahead[a.lease_id]
+                    self._grant_ahead(a)
+
+    def _grant_ahead(self, a: Ahead) -> None:
+        # One pre-lease per rank: an older one its trainer never claimed goes back first.
+        for old in [
+            le
+            for le in self._leases.values()
+            if le.pre and (le.namespace, le.rank) == (a.namespace, a.rank)
+        ]:
+            self._take_back(old)
+        if a.expires < time.monotonic() or not self.arena.take_from_pool(a.size, a.path):
+            logger.debug(
+                "pre-lease %s of %s rank %d: no file freed", a.lease_id, a.namespace, a.rank
+            )
+            return
+        self._leases[a.lease_id] = Lease(
+            a.lease_id, a.namespace, a.rank, a.path, a.size, self.ttl_s, pre=True
+        )
+        self.metrics.leases.labels(recycled="true").inc()
+        self.metrics.leased_bytes.inc(a.size)
+
+    def _take_back(self, lease: Lease, *, force: bool = False) -> bool:
+        """Give a pre-lease's file back to the pool unless a trainer holds it (``force``: even
+        then). False if it is held."""
+        fd = _lock_if_unclaimed(lease.path)
+        if fd is None and not force:
+            return False
+        try:
+            del self._leases[lease.lease_id]
+            self.arena.adopt_into_pool(lease.path)
+        finally:
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        return True
+
+    @property
+    def pre_bytes(self) -> int:
+        """Bytes of pre-leases (claimed or not): what pressure may take back."""
+        return sum(le.size for le in self._leases.values() if le.pre)
+
+    def take_back_for(self, size: int) -> None:
+        """Under pressure: take back unclaimed pre-leases, oldest first, until ``size`` fits."""
+        arena = self.arena
+        for lease in sorted(
+            (le for le in self._leases.values() if le.pre), key=lambda x: x.expires
+        ):
+            if arena.capacity_bytes - arena.used_bytes >= size:
+                return
+            if self._take_back(lease):
+                logger.info(
+                    "memory tier full: took back the unclaimed pre-lease of %s rank %d (%d bytes)",
+                    lease.namespace,
+                    lease.rank,
+                    lease.size,
+                    extra=step_fields(lease.namespace, rank=lease.rank),
+                )
+                arena.trim_pool(size)
+
     def get(self, namespace: str, lease_id: str) -> Lease | None:
         lease = self._leases.get(lease_id)
         return lease if lease is not None and lease.namespace == namespace else None
@@ -128,6 +292,10 @@ class Leases:
 
     def release(self, namespace: str, lease_id: str) -> None:
         with self._lock:
+            ahead = self._ahead.get(lease_id)
+            if ahead is not None and ahead.namespace == namespace:
+                del self._ahead[lease_id]  # a pre-lease not granted yet: never will be
+                return
             lease = self.get(namespace, lease_id)
             if lease is None:
                 raise LeaseNotFoundError(f"namespace {namespace}: no lease {lease_id}")
@@ -135,6 +303,21 @@ class Leases:
             self.arena.adopt_into_pool(lease.path)
 
     def expire(self, now: float) -> None:
+        for a in [a for a in self._ahead.values() if a.expires < now]:
+            del self._ahead[a.lease_id]
+        for lease in [le for le in self._leases.values() if le.expires < now and le.pre]:
+            if self._take_back(lease, force=lease.renewed):
+                logger.info(
+                    "pre-lease %s of %s rank %d expired; reclaiming %d bytes",
+                    lease.lease_id,
+                    lease.namespace,
+                    lease.rank,
+                    lease.size,
+                    extra=step_fields(lease.namespace, rank=lease.rank),
+                )
+            else:  # claimed by a live trainer: it lives as long as a lease granted now would
+                lease.renewed = True
+                lease.expires = now + self.ttl_s
         for lease in [le for le in self._leases.values() if le.expires < now]:
             logger.warning(
                 "lease %s of %s rank %d expired unsealed; reclaiming %d bytes",
@@ -187,7 +370,7 @@ class Leases:
         if arena.capacity_bytes - arena.used_bytes >= size:
             return
         # Evict nothing for a request that cannot fit even with everything evictable gone.
-        evictable = sum(
+        evictable = self.pre_bytes + sum(
             r.bytes
             for steps in self.index.committed.values()
             for r in self.index.policy.under_pressure(list(steps.values()))
@@ -201,6 +384,7 @@ class Leases:
                 "freed), so nothing was evicted. Raise TIERCKPT_CAPACITY or save smaller files."
             )
         arena.trim_pool(size)
+        self.take_back_for(size)  # pre-leases nobody claimed, before any committed step
         while arena.capacity_bytes - arena.used_bytes < size:
             victim = self.index.pressure_victim()
             if victim is None:

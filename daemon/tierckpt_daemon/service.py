@@ -36,6 +36,7 @@ from tierckpt_core.integrity import check_digests, checksum_file_blocks
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import (
     CommitRequest,
+    LeaseAfter,
     LeaseResponse,
     NamespaceInfo,
     PinResponse,
@@ -128,10 +129,19 @@ class TierService(WorkerReports):
 
     # -- leases -----------------------------------------------------------------------------
     def lease(
-        self, namespace: str, rank: int, size: int, *, prefault: bool = True
+        self,
+        namespace: str,
+        rank: int,
+        size: int,
+        *,
+        prefault: bool = True,
+        after: LeaseAfter | None = None,
     ) -> LeaseResponse:
         """A file of ``size`` bytes for ``rank``. ``prefault=False`` (a download will write every
-        byte anyway) neither zero-fills new pages nor prepares a spare."""
+        byte anyway) neither zero-fills new pages nor prepares a spare. ``after``: a pre-lease,
+        granted when that save attempt commits (see :mod:`tierckpt_daemon.leases`)."""
+        if after is not None:
+            return self.leases.ask_ahead(namespace, rank, size, after.step, after.attempt)
         with self.metrics.lease_seconds.time():
             lease = self.leases.grant(namespace, rank, size, prefault=prefault)
         self.metrics.leases.labels(recycled=str(lease.recycled).lower()).inc()
@@ -340,6 +350,7 @@ class TierService(WorkerReports):
             rec.prepared_path().unlink(missing_ok=True)
             rec.state = StepState.COMMITTED
             old, retired = self.index.install(rec)
+            self.leases.fulfil(namespace, step, rec.attempt)  # from the files retention freed
             if old is not None:
                 logger.info(
                     "%s/step %d: new commit supersedes attempt %s",

@@ -51,6 +51,8 @@ class Leftovers:
                 logger.warning(
                     "%s: could not release the file leased for a failed save: %s", namespace, e
                 )
+            finally:
+                f.unlock()
         if attempt is not None:
             step, attempt_id = attempt
             try:

@@ -89,18 +89,6 @@ def _walk_tensors_only(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> 
             _walk_tensors_only(v, fn)
 
 
-def _has_cuda_tensor(state_dict: dict[str, Any]) -> bool:
-    found = False
-
-    def look(t: torch.Tensor) -> torch.Tensor:
-        nonlocal found
-        found = found or t.device.type == "cuda"
-        return t
-
-    _walk_tensors_only(state_dict, look)
-    return found
-
-
 @dataclass
 class StageResult:
     state_dict: dict[str, Any]
@@ -112,13 +100,11 @@ def stage_into(
     state_dict: dict[str, Any], mapping: FileMapping | None, *, pin_memory: bool = True
 ) -> StageResult:
     """Copy every tensor of ``state_dict`` into ``mapping``; return the aliasing state dict.
-    With CUDA tensors among them and ``pin_memory``, the mapping is first registered as page-locked
-    memory (:func:`_arena.pin`), so each device copy is an asynchronous DMA; one synchronize at
-    the end waits for them all."""
+    With CUDA tensors among them and ``pin_memory``, the mapping is registered as page-locked
+    memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA; one
+    synchronize at the end waits for them all."""
     offset = 0
     device_copies = 0
-    if pin_memory and mapping is not None and _has_cuda_tensor(state_dict):
-        _arena.pin(mapping)
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset, device_copies
@@ -126,11 +112,13 @@ def stage_into(
         if n == 0:
             return torch.empty(t.shape, dtype=t.dtype)
         assert mapping is not None
-        dst = mapping.view(offset, n).view(t.dtype).view(t.shape)
+        dst = mapping.tensor_at(offset, t.dtype, t.shape)
         offset += align(n)
         if t.device.type == "cpu":
             copy_tensor(dst, t)
         else:
+            if not device_copies and pin_memory and t.device.type == "cuda":
+                _arena.pin(mapping)
             copy_tensor(dst, t, non_blocking=True)
             device_copies += 1
         return dst

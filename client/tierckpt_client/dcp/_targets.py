@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,6 +50,10 @@ class OutFile:
 
     Only the path of a leased file is kept (and pickled: PROCESS-mode ``async_save`` hands the file
     to DCP's helper process), so each process maps it through its own mapping cache.
+
+    ``lock_fd``: a claimed pre-lease (``_prelease``) holds ``flock`` on its file through this
+    descriptor until the file is sealed or given back (:meth:`unlock`), so that the daemon does not
+    take it back meanwhile; it is not pickled.
     """
 
     name: str
@@ -57,6 +62,16 @@ class OutFile:
     path: str | None = None
     private: _arena.FileMapping | None = None
     segments: list[tuple[int, int, str]] | None = None  # see FileRecord.segments
+    lock_fd: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "lock_fd": None}
+
+    def unlock(self) -> None:
+        """Let the daemon manage the file again (it was sealed, or is given back)."""
+        fd, self.lock_fd = self.lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def mapping(self) -> _arena.FileMapping:
         if self.path is not None:
@@ -174,7 +189,11 @@ class MemoryTier:
                 )
             )
         # Sealed even when empty: the attempt must exist on the daemon for the commit.
-        self.daemon.seal(namespace, step, attempt, rank, seal)
+        try:
+            self.daemon.seal(namespace, step, attempt, rank, seal)
+        finally:
+            for f in files:
+                f.unlock()
 
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> None:
         self.daemon.commit(namespace, step, attempt, req)
@@ -188,6 +207,8 @@ class MemoryTier:
         except TierCkptError as e:
             # The lease expires on the daemon by itself; the save's own error is the one to raise.
             logger.warning("%s: could not release lease %s: %s", namespace, f.lease_id, e)
+        finally:
+            f.unlock()
 
     # -- load -------------------------------------------------------------------------------
     def newest_good_step(self, namespace: str) -> int:

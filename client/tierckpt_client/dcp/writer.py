@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 import weakref
 from dataclasses import dataclass, replace
@@ -21,7 +22,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena, _items
+from tierckpt_client.dcp import _arena, _items, _prelease
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._ids import (
     attempt_base,
@@ -168,6 +169,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: SaveStats | None = None
+        self._staged_by: int | None = None  # the process that staged this save (pre-leases)
+        self._stale: _prelease.PreLease | None = None  # a pre-lease stage() could not use
         _arena.install_pickle_reducer()
 
     # -- identity ---------------------------------------------------------------------------
@@ -229,6 +232,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         # the next save.
         moved = state["_leftovers"] = Leftovers(state["_daemon"])
         moved.namespace, moved.staged = self._leftovers.namespace, self._leftovers.staged
+        if moved.staged is not None:
+            # A claimed pre-lease: the lock cannot travel; the helper seals the file soon.
+            moved.staged.unlock()
         self._leftovers.staged = None
         return state
 
@@ -248,17 +254,63 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if size == 0:
             return stage_into(state_dict, None).state_dict
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        try:
-            staged = self._memory.new_file(namespace, rank, "", size)
-        except (DaemonUnavailableError, CapacityExceededError) as e:
-            staged = self._degrade(e).new_file(namespace, rank, "", size)
+        staged = self._claim_prelease(namespace, rank, size)
+        if staged is None:
+            try:
+                staged = self._memory.new_file(namespace, rank, "", size)
+            except (DaemonUnavailableError, CapacityExceededError) as e:
+                staged = self._degrade(e).new_file(namespace, rank, "", size)
         try:
             result = stage_into(state_dict, staged.mapping(), pin_memory=self.config.pin_memory)
         except BaseException:
             self._memory.discard(namespace, staged)
             raise
         self._leftovers.namespace, self._leftovers.staged = namespace, staged
+        self._staged_by = os.getpid()
         return result.state_dict
+
+    def _prelease_key(self, namespace: str, rank: int) -> tuple[str, str, int]:
+        return (str(self.config.socket), namespace, rank)
+
+    def _claim_prelease(self, namespace: str, rank: int, size: int) -> OutFile | None:
+        """The file the previous save of this rank pre-leased, if it can be used (no round trip)."""
+        if not self.config.prelease or self._degraded:
+            return None
+        pre = _prelease.take(self._prelease_key(namespace, rank))
+        if pre is None:
+            return None
+        claimed = _prelease.claim(pre, size)
+        if claimed is None:
+            self._stale = pre  # given back in write_data, off the stall
+        return claimed
+
+    def _ask_prelease(self, namespace: str, step: int, attempt: str, size: int) -> None:
+        """Ask for this rank's next file, granted when this save commits (see ``_prelease``).
+        Best effort: a save that finds none leases as before."""
+        stale, self._stale = self._stale, None
+        try:
+            if stale is not None:
+                self._release_quietly(namespace, stale.lease_id)
+            if not self.config.prelease or self._staged_by != os.getpid():
+                return  # PROCESS mode: the next stage runs in the trainer, not here
+            asked = time.monotonic()
+            resp = self._daemon.lease(namespace, self.rank, size, after=(step, attempt))
+        except Exception as e:  # best effort: never fails the save that is being written
+            logger.debug("%s: no pre-lease for the next save: %s", namespace, e)
+            return
+        if not resp.pending:  # a daemon that predates pre-leases granted a plain lease
+            self._release_quietly(namespace, resp.lease_id)
+            return
+        pre = _prelease.PreLease(resp.lease_id, resp.path, resp.size, asked + resp.expires_in_s)
+        old = _prelease.put(self._prelease_key(namespace, self.rank), pre)
+        if old is not None:
+            self._release_quietly(namespace, old.lease_id)
+
+    def _release_quietly(self, namespace: str, lease_id: str) -> None:
+        try:
+            self._daemon.release(namespace, lease_id)
+        except TierCkptError as e:  # the daemon takes it back by itself
+            logger.debug("%s: could not release pre-lease %s: %s", namespace, lease_id, e)
 
     def _degrade(self, cause: TierCkptError) -> PersistentTier:
         """Switch this save to the persistent tier, or re-raise ``cause`` if the policy says no."""
@@ -445,6 +497,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             for f in [*files, *(x for x in (loose, reserved) if x is not None)]:
                 self._memory.discard(namespace, f)
             raise
+        if target is self._memory and staged is not None and files and files[0] is staged:
+            self._ask_prelease(namespace, step, attempt, staged.length)
         if self.is_coordinator and target is self._memory:
             # Sealed; if the save fails before finish() commits it, the attempt is aborted.
             self._leftovers.namespace, self._leftovers.attempt = namespace, (step, attempt)

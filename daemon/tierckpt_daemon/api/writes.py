@@ -25,7 +25,9 @@ NodeDep = Annotated[Node, Depends(get_node)]
 
 @router.post("/leases")
 def lease(namespace: str, req: LeaseRequest, service: Service) -> LeaseResponse:
-    return service.lease(namespace, req.rank, req.size)
+    """A file to fill now, or with ``after`` a pre-lease: the rank's next file, put in place when
+    that save attempt commits (``pending``; its path does not exist until then)."""
+    return service.lease(namespace, req.rank, req.size, after=req.after)
 
 
 @router.delete("/leases/{lease_id}", status_code=204)

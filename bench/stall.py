@@ -1,0 +1,407 @@
+"""Stall benchmark: tierckpt ``async_save`` against torch's best stager, per state size.
+
+For each size (default 64, 256, 1024 MiB, and 4096 when ``MemAvailable`` allows), one real daemon,
+one CPU state dict of 16 float32 tensors, and ``--iters`` rounds. Each round, in this order:
+
+1. memcpy of the state into pre-touched tensors (the paired floor),
+2. ``async_save`` with ``TieredStorageWriter`` (THREAD mode; the writer is its own stager),
+3. ``async_save`` with one reused torch ``DefaultStager`` and ``FileSystemWriter`` into /dev/shm.
+
+The contenders alternate within every round, so load on a shared machine hits both alike. The
+stall is the time ``async_save`` takes to return; each future is waited for (untimed) before the
+next save. torch's stager is configured as its fastest honest CPU setting: synchronous staging
+(``use_async_staging=False``: an asynchronous stager returns before the copy is done, and the
+trainer would then have to wait on ``staging_completion`` before touching its tensors), no pinned
+memory (needs CUDA), no shared memory (THREAD mode needs none) and blocking copies; reused, so its
+cached CPU storages are already allocated and touched from the second save on.
+
+The tierckpt stall is also broken down into phases (``stage`` split into the size walk, the daemon
+lease round trip or the pre-lease claim, the mapping lookup and the copy; the rest of
+``async_save``), timed by wrapping those functions for the run. CPU-seconds of this process
+(``os.times``) and of the daemon (``/proc/<pid>/stat``) are taken per contender.
+
+JSON (``--out``), per size under ``results.sizes["<MiB>"]``: ``tier_stall_ms``,
+``torch_stall_ms``, ``memcpy_ms`` (steady medians), ``ratio_tier_over_torch`` (median over rounds
+of the paired ratio) and ``..._best`` (minimum), ``tier_stall_minus_memcpy_ms`` and
+``torch_stall_minus_memcpy_ms`` (median of the per-round differences), ``phases_ms`` (medians),
+``prelease_claimed`` (rounds whose stage used a pre-lease), ``cpu_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from _common import machine_info, write_results
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from tierckpt_client.config import ClientConfig
+from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_client.dcp import _arena, _prelease
+from tierckpt_client.dcp import writer as writer_module
+from tierckpt_daemon.launcher import DaemonProcess
+
+N_TENSORS = 16
+KEEP_LAST = 2
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--sizes", default="64,256,1024,4096", help="state sizes in MiB, comma-separated"
+    )
+    p.add_argument("--iters", type=int, default=12, help="rounds per size (> --warmup)")
+    p.add_argument(
+        "--warmup", type=int, default=KEEP_LAST + 2, help="leading rounds left out (ramp-up)"
+    )
+    p.add_argument(
+        "--interval", type=float, default=0.5, help="seconds between rounds (untimed training)"
+    )
+    p.add_argument(
+        "--before",
+        action="store_true",
+        help="a third contender in every round: tierckpt with pre-leases off (TIERCKPT_PRELEASE=0), "
+        "in its own namespace (needs keep_last + 1 more files of the state)",
+    )
+    p.add_argument(
+        "--tensors",
+        type=int,
+        default=N_TENSORS,
+        help="float32 tensors the state is split into (many small ones: the per-tensor costs)",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench/results/stall.json"))
+    p.add_argument("--smoke", action="store_true", help="16 MiB, 3 rounds (CI)")
+    args = p.parse_args()
+    if args.smoke:
+        args.sizes, args.iters, args.warmup, args.interval = "16", 3, 1, 0.0
+    args.size_list = [int(s) for s in args.sizes.split(",") if s]
+    if not 1 <= args.warmup < args.iters:
+        p.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup}), which must be >= 1")
+    return args
+
+
+def mem_available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class Phases:
+    """Wall time spent in chosen functions during one save (wrapped for the run)."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+        self._undo: list[Callable[[], None]] = []
+        self._stage_thread: int | None = None  # set while the trainer thread is in stage()
+
+    def wrap(self, owner: Any, name: str, key: str, outside: str | None = None) -> None:
+        """Time ``owner.name`` under ``key``; calls from outside ``stage`` (the background
+        thread) under ``outside`` instead, if given."""
+        orig = getattr(owner, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            inside = self._stage_thread == threading.get_ident()
+            name_ = key if outside is None or inside else outside
+            if key == "stage":
+                self._stage_thread = threading.get_ident()
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                self.t[name_] = self.t.get(name_, 0.0) + time.perf_counter() - t0
+                if key == "stage":
+                    self._stage_thread = None
+
+        setattr(owner, name, timed)
+        self._undo.append(lambda: setattr(owner, name, orig))
+
+    def undo(self) -> None:
+        for u in reversed(self._undo):
+            u()
+
+
+def make_state(size_mb: int, n_tensors: int = N_TENSORS) -> dict[str, Any]:
+    numel = size_mb * (1 << 20) // n_tensors // 4
+    gen = torch.Generator().manual_seed(0)
+    # Nested under one key, as a model's state is: DCP's async_save wraps every top-level key in
+    # its method logger (~0.3 ms each here), a cost of the state's shape, not of the stager.
+    model = {f"w{i:05d}": torch.randn(numel, generator=gen) for i in range(n_tensors)}
+    return {"model": model, "extra": {"step": 0, "tag": "stall"}}
+
+
+def tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
+    return list(sd["model"].values())
+
+
+def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    shm = root / f"tier-{size_mb}"
+    fs_root = root / f"fs-{size_mb}"
+    daemon = DaemonProcess(
+        shm,
+        log_path=root / f"daemon-{size_mb}.log",
+        port=0,
+        capacity=f"{(KEEP_LAST + 2) * size_mb * (2 if args.before else 1) + 256}M",
+        keep_last=KEEP_LAST,
+        log_level="WARNING",
+    ).start()
+    assert daemon.proc is not None
+    os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
+    off = ClientConfig.from_env(prelease=False)
+    sd = make_state(size_mb, args.tensors)
+    dst = [torch.empty_like(t).fill_(0) for t in tensors(sd)]
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+    ph = Phases()
+    ph.wrap(writer_module, "staging_size", "size_walk")
+    ph.wrap(writer_module, "stage_into", "copy")
+    ph.wrap(DaemonClient, "lease", "lease_round_trip", outside="background_lease")
+    ph.wrap(_prelease, "claim", "prelease_claim")
+    ph.wrap(_arena, "map_file", "map_file", outside="background_map_file")
+    ph.wrap(writer_module.TieredStorageWriter, "stage", "stage")
+    ph.wrap(StateDictStager, "stage", "torch_copy")
+    rounds: list[dict[str, Any]] = []
+    cpu = {"tier_self": 0.0, "tier_daemon": 0.0, "torch_self": 0.0}
+    try:
+        for i in range(args.iters):
+            if i:
+                time.sleep(args.interval)
+            for t in tensors(sd):
+                t[0] += 1
+            sd["extra"]["step"] = i
+            t0 = time.perf_counter()
+            for d, s in zip(dst, tensors(sd), strict=True):
+                d.copy_(s)
+            memcpy = time.perf_counter() - t0
+
+            ph.t = {}
+            c0, d0 = self_cpu_s(), proc_cpu_s(daemon.proc.pid)
+            writer = writer_module.TieredStorageWriter("stall", step=i + 1)
+            t0 = time.perf_counter()
+            fut = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+            tier = time.perf_counter() - t0
+            fut.result()
+            if i >= args.warmup:
+                cpu["tier_self"] += self_cpu_s() - c0
+                cpu["tier_daemon"] += proc_cpu_s(daemon.proc.pid) - d0
+            phases = dict(ph.t)
+            phases["async_save_rest"] = tier - phases.get("stage", 0.0)
+
+            before = before_phases = None
+            if args.before:  # the same writer with pre-leases off, in its own namespace
+                ph.t = {}
+                writer = writer_module.TieredStorageWriter("stall-before", step=i + 1, config=off)
+                t0 = time.perf_counter()
+                fut = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+                before = time.perf_counter() - t0
+                fut.result()
+                before_phases = dict(ph.t)
+                before_phases["async_save_rest"] = before - before_phases.get("stage", 0.0)
+
+            ph.t = {}
+            c0 = self_cpu_s()
+            fs_writer = FileSystemWriter(fs_root / f"step_{i}")
+            t0 = time.perf_counter()
+            fut = dcp.async_save(sd, storage_writer=fs_writer, async_stager=stager, no_dist=True)
+            torch_stall = time.perf_counter() - t0
+            fut.result()
+            torch_copy = ph.t.get("torch_copy", 0.0)
+            if i >= args.warmup:
+                cpu["torch_self"] += self_cpu_s() - c0
+            shutil.rmtree(fs_root / f"step_{i}", ignore_errors=True)
+            row: dict[str, Any] = {
+                "memcpy_ms": memcpy * 1e3,
+                "tier_ms": tier * 1e3,
+                "torch_ms": torch_stall * 1e3,
+                # The stall outside the copy (the copy's own time swings most with load).
+                "tier_fixed_ms": (tier - phases.get("copy", 0.0)) * 1e3,
+                "torch_fixed_ms": (torch_stall - torch_copy) * 1e3,
+                "claimed": "prelease_claim" in phases and "lease_round_trip" not in phases,
+                "phases_ms": {k: v * 1e3 for k, v in phases.items()},
+            }
+            if before is not None and before_phases is not None:
+                row["before_ms"] = before * 1e3
+                row["before_fixed_ms"] = (before - before_phases.get("copy", 0.0)) * 1e3
+                row["before_phases_ms"] = {k: v * 1e3 for k, v in before_phases.items()}
+            rounds.append(row)
+            print(
+                f"  {size_mb} MiB round {i}: memcpy {memcpy * 1e3:.1f} ms, tierckpt "
+                f"{tier * 1e3:.1f} ms, torch {torch_stall * 1e3:.1f} ms"
+                + (f", before {before * 1e3:.1f} ms" if before is not None else "")
+                + ", phases "
+                + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()),
+                flush=True,
+            )
+    finally:
+        ph.undo()
+        stager.close()
+        daemon.stop(timeout=10)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(fs_root, ignore_errors=True)
+    steady = rounds[args.warmup :]
+    n = len(steady)
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in steady)
+
+    ratios = [r["tier_ms"] / r["torch_ms"] for r in steady]
+    extra: dict[str, Any] = {}
+    if args.before:
+        b_keys = sorted({k for r in steady for k in r["before_phases_ms"]})
+        extra = {
+            "before_stall_ms": med("before_ms"),
+            "before_fixed_ms": med("before_fixed_ms"),
+            "before_fixed_best_ms": min(r["before_fixed_ms"] for r in steady),
+            "before_stall_minus_memcpy_ms": statistics.median(
+                r["before_ms"] - r["memcpy_ms"] for r in steady
+            ),
+            "ratio_before_over_torch": statistics.median(
+                r["before_ms"] / r["torch_ms"] for r in steady
+            ),
+            "before_phases_ms": {
+                k: statistics.median(r["before_phases_ms"].get(k, 0.0) for r in steady)
+                for k in b_keys
+            },
+        }
+    phase_keys = sorted({k for r in steady for k in r["phases_ms"]})
+    # What the trainer waits for (stage's parts and the rest of async_save), then what runs in
+    # the background thread (not in the stall).
+    return {
+        "bytes": sum(t.numel() * t.element_size() for t in tensors(sd)),
+        "tier_stall_ms": med("tier_ms"),
+        "torch_stall_ms": med("torch_ms"),
+        "memcpy_ms": med("memcpy_ms"),
+        "ratio_tier_over_torch": statistics.median(ratios),
+        "ratio_tier_over_torch_best": min(ratios),
+        "tier_stall_best_ms": min(r["tier_ms"] for r in steady),
+        "torch_stall_best_ms": min(r["torch_ms"] for r in steady),
+        "tier_stall_minus_memcpy_ms": statistics.median(
+            r["tier_ms"] - r["memcpy_ms"] for r in steady
+        ),
+        "torch_stall_minus_memcpy_ms": statistics.median(
+            r["torch_ms"] - r["memcpy_ms"] for r in steady
+        ),
+        "tier_fixed_ms": med("tier_fixed_ms"),
+        "torch_fixed_ms": med("torch_fixed_ms"),
+        "tier_fixed_best_ms": min(r["tier_fixed_ms"] for r in steady),
+        "torch_fixed_best_ms": min(r["torch_fixed_ms"] for r in steady),
+        "phases_ms": {
+            k: statistics.median(r["phases_ms"].get(k, 0.0) for r in steady) for k in phase_keys
+        },
+        "prelease_claimed": sum(1 for r in steady if r["claimed"]),
+        "steady_rounds": n,
+        "cpu_s": {k: v / n for k, v in cpu.items()},  # per save
+        **extra,
+        "rounds": rounds,
+    }
+
+
+def render(sizes: dict[str, Any]) -> str:
+    lines = [
+        "| MiB | memcpy ms | tierckpt stall ms | torch best-stager stall ms | tierckpt/torch "
+        "(best) | tierckpt - memcpy ms | torch - memcpy ms | pre-lease used |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, r in sizes.items():
+        if "skipped" in r:
+            lines.append(f"| {size} | {r['skipped']} |")
+            continue
+        lines.append(
+            f"| {size} | {r['memcpy_ms']:.1f} | {r['tier_stall_ms']:.1f} | "
+            f"{r['torch_stall_ms']:.1f} | {r['ratio_tier_over_torch']:.2f} "
+            f"({r['ratio_tier_over_torch_best']:.2f}) | {r['tier_stall_minus_memcpy_ms']:.1f} | "
+            f"{r['torch_stall_minus_memcpy_ms']:.1f} | {r['prelease_claimed']}/{r['steady_rounds']} |"
+        )
+    lines += ["", "stall outside the copy (median / best ms): tierckpt, torch, pre-leases off"]
+    for size, r in sizes.items():
+        if "tier_fixed_ms" in r:
+            before = (
+                f", {r['before_fixed_ms']:.2f} / {r['before_fixed_best_ms']:.2f}"
+                if "before_fixed_ms" in r
+                else ""
+            )
+            lines.append(
+                f"  {size} MiB: {r['tier_fixed_ms']:.2f} / {r['tier_fixed_best_ms']:.2f}, "
+                f"{r['torch_fixed_ms']:.2f} / {r['torch_fixed_best_ms']:.2f}{before}"
+            )
+    lines += ["", "tierckpt phases (median ms per save):"]
+    for size, r in sizes.items():
+        for key, label in (("phases_ms", ""), ("before_phases_ms", " (pre-leases off)")):
+            if key in r:
+                lines.append(
+                    f"  {size} MiB{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in r[key].items())
+                )
+        if "before_stall_ms" in r:
+            lines.append(
+                f"  {size} MiB pre-leases off: stall {r['before_stall_ms']:.1f} ms, - memcpy "
+                f"{r['before_stall_minus_memcpy_ms']:.1f} ms, / torch "
+                f"{r['ratio_before_over_torch']:.2f}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    root = Path("/dev/shm") / f"tierckpt-bench-stall-{uuid.uuid4().hex[:8]}"
+    info = machine_info(
+        iters=args.iters, warmup=args.warmup, tensors=args.tensors, loadavg=os.getloadavg()
+    )
+    sizes: dict[str, Any] = {}
+    try:
+        for size in args.size_list:
+            # The state, the memcpy target, torch's cached copy and KEEP_LAST + 2 tier files.
+            need = (KEEP_LAST + 5 + (KEEP_LAST + 1 if args.before else 0)) * size + 1024
+            if mem_available_mib() < need:
+                sizes[str(size)] = {
+                    "skipped": f"needs ~{need} MiB, {mem_available_mib()} available"
+                }
+                print(f"{size} MiB skipped: {sizes[str(size)]['skipped']}")
+                continue
+            _prelease.forget_all()
+            sizes[str(size)] = run_size(size, args, root)
+    except BaseException:
+        for log in root.glob("daemon-*.log"):
+            print(f"{log.name} (tail):\n{log.read_text()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(Path(tempfile.gettempdir()) / root.name, ignore_errors=True)
+    info["loadavg_after"] = os.getloadavg()
+    print(render(sizes))
+    write_results(args.out, info, {"sizes": sizes})
+
+
+if __name__ == "__main__":
+    main()

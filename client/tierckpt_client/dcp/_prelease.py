@@ -1,0 +1,103 @@
+"""Pre-leases: the next save's file, asked for while this save commits, claimed without a round trip.
+
+The lease round trip to the daemon is the one fixed cost in ``stage`` besides the copy (an HTTP
+call answered by another process: milliseconds, tens of them on a loaded machine). So after a
+rank has sealed its staged file (``write_data``, in ``async_save``'s background thread) it asks
+its daemon for a file of the same size for its next save, granted when this save attempt commits
+(from the file the commit frees under retention; see the daemon's ``leases`` module). The answer
+names the file; this module keeps it per (daemon socket, namespace, rank), in this process only.
+
+The next ``stage`` of that rank claims it locally: it opens the path, takes ``flock(LOCK_EX |
+LOCK_NB)`` on it and checks that the path still names the file it locked. A file that is not
+there (the commit freed none, the daemon took it back under memory pressure or restarted), a lock
+the daemon holds (it is taking the file back right now), a size that no longer matches the state,
+or a pre-lease about to expire: the save leases as before. Once claimed, the daemon leaves the
+file alone until the lock is released, which happens when the file is sealed or given back, or
+when the process dies.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+
+from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._targets import OutFile
+
+PAGE = 4096  # the daemon rounds lease sizes up to this
+MARGIN_S = 5.0  # not claimed this close to the daemon's expiry
+
+
+@dataclass(frozen=True)
+class PreLease:
+    lease_id: str
+    path: str
+    size: int
+    deadline: float  # time.monotonic() after which the daemon may have taken it back
+
+
+_lock = threading.Lock()
+_held: dict[tuple[str, str, int], PreLease] = {}
+
+
+def put(key: tuple[str, str, int], pre: PreLease) -> PreLease | None:
+    """Keep ``pre`` for ``key``; return the one it replaces (for the caller to release)."""
+    with _lock:
+        old = _held.get(key)
+        _held[key] = pre
+        return old
+
+
+def take(key: tuple[str, str, int]) -> PreLease | None:
+    with _lock:
+        return _held.pop(key, None)
+
+
+def forget_all() -> None:
+    """Drop every pre-lease this process knows of (the daemon takes them back by itself)."""
+    with _lock:
+        _held.clear()
+
+
+def fits(pre: PreLease, size: int) -> bool:
+    return pre.size == -(-size // PAGE) * PAGE
+
+
+def claim(pre: PreLease, size: int) -> OutFile | None:
+    """The pre-leased file, locked for this save, or None when it cannot be used (see above)."""
+    if not fits(pre, size) or time.monotonic() > pre.deadline - MARGIN_S:
+        return None
+    try:
+        fd = os.open(pre.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # not granted, taken back, or not a regular file
+        return None
+    claimed = False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # the daemon is taking it back
+            return None
+        st = os.fstat(fd)
+        try:
+            at = os.lstat(pre.path)
+        except OSError:
+            return None
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_nlink == 0
+            or (at.st_dev, at.st_ino) != (st.st_dev, st.st_ino)
+            or st.st_size != pre.size
+        ):
+            return None  # taken back between our open and our lock
+        mapping = _arena.map_file(pre.path)
+        if (mapping.dev, mapping.ino, mapping.size) != (st.st_dev, st.st_ino, pre.size):
+            return None
+        claimed = True
+        return OutFile("", pre.size, lease_id=pre.lease_id, path=pre.path, lock_fd=fd)
+    finally:
+        if not claimed:
+            os.close(fd)

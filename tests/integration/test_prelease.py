@@ -1,0 +1,165 @@
+"""Pre-leases with a real daemon and real ``async_save``: the next save's file is leased while this
+one commits, so ``stage`` makes no daemon call; a pre-lease the daemon took back, or one that no
+longer fits the state, sends the save back to a plain lease; every step loads back bit-exact."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierckpt_client import DaemonClient
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _prelease
+
+from helpers import DaemonProcess
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    _prelease.forget_all()
+    yield
+    _prelease.forget_all()
+
+
+def _state(seed: int, numel: int = MiB // 16) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w": {f"t{i}": torch.randn(numel, generator=gen) for i in range(4)},
+        "meta": {"seed": seed},
+    }
+
+
+def _blank(numel: int = MiB // 16) -> dict[str, Any]:
+    return {"w": {f"t{i}": torch.zeros(numel) for i in range(4)}, "meta": {"seed": -1}}
+
+
+class StageCalls:
+    """The daemon calls each ``stage`` made (wrapping the client for the test)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[list[str]] = []
+        self._inside = False
+        request, stage = DaemonClient._request, TieredStorageWriter.stage
+
+        def traced_request(client: DaemonClient, method: str, path: str, *a: Any, **k: Any) -> Any:
+            if self._inside:
+                self.calls[-1].append(f"{method} {path}")
+            return request(client, method, path, *a, **k)
+
+        def traced_stage(writer: TieredStorageWriter, sd: dict[str, Any]) -> dict[str, Any]:
+            self.calls.append([])
+            self._inside = True
+            try:
+                return stage(writer, sd)
+            finally:
+                self._inside = False
+
+        monkeypatch.setattr(DaemonClient, "_request", traced_request)
+        monkeypatch.setattr(TieredStorageWriter, "stage", traced_stage)
+
+
+def _save_and_check(ns: str, step: int, sd: dict[str, Any]) -> TieredStorageWriter:
+    writer = TieredStorageWriter(ns, step=step)
+    dcp.async_save(sd, storage_writer=writer, no_dist=True).result()
+    got = _blank(sd["w"]["t0"].numel())
+    dcp.load(got, storage_reader=TieredStorageReader(ns, step=step), no_dist=True)
+    for k, t in sd["w"].items():
+        assert torch.equal(got["w"][k], t), f"step {step}: {k} differs"
+    assert got["meta"] == sd["meta"]
+    return writer
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_stage_asks_the_daemon_nothing_once_a_commit_frees_a_file(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traced = StageCalls(monkeypatch)
+    with DaemonClient() as client:
+        for step in range(1, 6):
+            _save_and_check("job", step, _state(step))
+            # From step 2's commit on (it retires step 1), the next file waits, leased, for it.
+            # (Step 1's commit frees nothing; its pre-lease exists only if the spare file the
+            # daemon faults in during ramp-up was ready by then.)
+            if step >= 2:
+                assert client.status().leased_bytes == MiB, step
+        assert [s.step for s in client.steps("job")] == [5]
+    assert traced.calls[0]  # step 1 leased in stage
+    assert traced.calls[2:] == [[], [], []]  # steps 3 to 5: no daemon call at all
+
+
+@pytest.mark.daemon_settings(keep_last=1, capacity="3M")
+def test_a_pre_lease_taken_back_under_pressure_sends_the_save_to_a_plain_lease(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traced = StageCalls(monkeypatch)
+    for step in (1, 2):
+        _save_and_check("job", step, _state(step))
+    with DaemonClient() as client:
+        assert client.status().leased_bytes == MiB  # job's pre-lease
+        # Another job needs 1.5 MiB; under 1 MiB is free and job's newest step must stay: the
+        # daemon takes the pre-lease back rather than failing that save.
+        other = client.lease("other", 0, 3 * MiB // 2)
+        assert client.status().leased_bytes == 3 * MiB // 2
+        assert [s.step for s in client.steps("job")] == [2]
+        client.release("other", other.lease_id)
+    _save_and_check("job", 3, _state(3))
+    assert traced.calls[2], "step 3 should have leased its file in stage"
+    _save_and_check("job", 4, _state(4))  # and the next one has its pre-lease again
+    assert traced.calls[3] == []
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_state_that_changed_size_leases_a_new_file(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traced = StageCalls(monkeypatch)
+    for step in (1, 2):
+        _save_and_check("job", step, _state(step))
+    big = MiB // 8  # twice the size: the pre-lease won't do
+    _save_and_check("job", 3, _state(3, numel=big))
+    assert traced.calls[2]
+    with DaemonClient() as client:
+        # The unusable pre-lease was given back; step 3's commit freed no file of the new size.
+        assert client.status().leased_bytes == 0
+        _save_and_check("job", 4, _state(4, numel=big))
+        assert client.status().leased_bytes == 2 * MiB  # step 3's file, for step 5
+    _save_and_check("job", 5, _state(5, numel=big))
+    assert traced.calls[3] and traced.calls[4] == []
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_prelease_off_leases_in_every_stage(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERCKPT_PRELEASE", "0")
+    traced = StageCalls(monkeypatch)
+    for step in (1, 2, 3):
+        _save_and_check("job", step, _state(step))
+    assert all(traced.calls)
+    with DaemonClient() as client:
+        assert client.status().leased_bytes == 0
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_daemon_that_ignores_after_leaves_no_lease_behind(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lease = DaemonClient.lease
+
+    def old_daemon(client: DaemonClient, ns: str, rank: int, size: int, **kw: Any) -> Any:
+        return lease(client, ns, rank, size)  # as a daemon without pre-leases answers: at once
+
+    monkeypatch.setattr(DaemonClient, "lease", old_daemon)
+    traced = StageCalls(monkeypatch)
+    for step in (1, 2, 3):
+        _save_and_check("job", step, _state(step))
+        with DaemonClient() as client:  # the plain lease it got instead was given back
+            assert client.status().leased_bytes == 0
+    assert all(traced.calls)

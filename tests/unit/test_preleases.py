@@ -1,0 +1,181 @@
+"""Pre-leases in the daemon (TierService on a real directory, no HTTP): granted when the save
+attempt they wait for commits, from the file it frees; counted against the budget; taken back under
+pressure and when they expire, unless a trainer holds them (``flock``)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tierckpt_core.errors import CapacityExceededError, LeaseNotFoundError
+from tierckpt_core.protocol import CommitRequest, LeaseAfter, SealFile, SealRequest
+from tierckpt_daemon.arena import Arena
+from tierckpt_daemon.housekeeping import sweep
+from tierckpt_daemon.service import TierService
+
+MiB = 1 << 20
+
+
+def make(root: Path, capacity: int = 64 * MiB, keep_last: int = 1, ttl: float = 60) -> TierService:
+    svc = TierService(Arena(root, capacity), keep_last=keep_last, lease_ttl_s=ttl, spares=False)
+    svc.rebuild()
+    return svc
+
+
+def seal(svc: TierService, ns: str, step: int, lease_id: str, size: int = MiB) -> None:
+    files = [SealFile(lease_id=lease_id, name="r0", length=size)]
+    svc.seal(ns, step, f"a{step}", SealRequest(rank=0, files=files))
+
+
+def commit(svc: TierService, ns: str, step: int) -> None:
+    req = CommitRequest(files=["r0"], metadata={"step": step}, world_size=1)
+    svc.commit(ns, step, f"a{step}", req)
+
+
+def save(svc: TierService, ns: str, step: int, size: int = MiB) -> int:
+    """A whole save of one file; its inode."""
+    lease = svc.lease(ns, 0, size)
+    ino = os.stat(lease.path).st_ino
+    seal(svc, ns, step, lease.lease_id, size)
+    commit(svc, ns, step)
+    return ino
+
+
+@contextmanager
+def claimed(path: str) -> Iterator[None]:
+    """Hold the file as a trainer's claim does."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_a_pre_lease_is_the_file_the_commit_frees_and_a_save_seals_it(tmp_path: Path) -> None:
+    svc = make(tmp_path / "tier")
+    first = save(svc, "job", 1)
+    lease = svc.lease("job", 0, MiB)
+    seal(svc, "job", 2, lease.lease_id)
+    pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=2, attempt="a2"))
+    assert pre.pending and pre.size == MiB
+    assert not os.path.exists(pre.path)  # named now, in place at the commit
+    assert svc.arena.used_bytes == 2 * MiB
+    commit(svc, "job", 2)  # retires step 1: its file becomes the pre-lease
+    st = os.stat(pre.path)
+    assert (st.st_ino, st.st_size) == (first, MiB)
+    assert svc.arena.used_bytes == 2 * MiB  # counted like any lease, no new memory
+    assert svc.leases.held_bytes == MiB
+    with claimed(pre.path):
+        with open(pre.path, "r+b") as f:
+            f.write(b"three")
+        seal(svc, "job", 3, pre.lease_id)
+    commit(svc, "job", 3)
+    path = svc.pin("job", 3).paths["r0"]
+    assert Path(path).read_bytes()[:5] == b"three"
+
+
+def test_no_pre_lease_when_the_commit_frees_no_file(tmp_path: Path) -> None:
+    svc = make(tmp_path / "tier", keep_last=2)
+    lease = svc.lease("job", 0, MiB)
+    seal(svc, "job", 1, lease.lease_id)
+    pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=1, attempt="a1"))
+    commit(svc, "job", 1)  # retention frees nothing yet: no file, no new allocation
+    assert not os.path.exists(pre.path)
+    assert svc.arena.used_bytes == MiB
+    with pytest.raises(LeaseNotFoundError):
+        seal(svc, "job", 2, pre.lease_id)
+
+
+def test_an_unclaimed_pre_lease_is_taken_back_for_another_jobs_save(tmp_path: Path) -> None:
+    svc = make(tmp_path / "tier", capacity=3 * MiB)
+    save(svc, "job", 1)
+    lease = svc.lease("job", 0, MiB)
+    seal(svc, "job", 2, lease.lease_id)
+    pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=2, attempt="a2"))
+    commit(svc, "job", 2)
+    assert os.path.exists(pre.path)
+    save(svc, "other", 1)  # 3 MiB in use: job's step 2, its pre-lease, other's step 1
+    # A save that fits only with the pre-lease's memory gets it, and evicts no committed step.
+    big = svc.lease("other", 0, MiB)
+    assert not os.path.exists(pre.path)
+    assert [s.step for s in svc.list_steps("job")] == [2]
+    assert svc.arena.used_bytes <= 3 * MiB
+    svc.release_lease("other", big.lease_id)
+
+
+def test_a_claimed_pre_lease_is_not_taken_back(tmp_path: Path) -> None:
+    svc = make(tmp_path / "tier", capacity=3 * MiB)
+    save(svc, "job", 1)
+    lease = svc.lease("job", 0, MiB)
+    seal(svc, "job", 2, lease.lease_id)
+    pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=2, attempt="a2"))
+    commit(svc, "job", 2)
+    save(svc, "other", 1)
+    with claimed(pre.path):
+        with pytest.raises(CapacityExceededError, match="does not fit"):
+            svc.lease("other", 0, MiB)
+        assert os.path.exists(pre.path)
+        seal(svc, "job", 3, pre.lease_id)  # the trainer's save goes through
+    commit(svc, "job", 3)
+    assert svc.latest("job").step == 3
+
+
+def test_a_dead_trainers_pre_lease_expires_and_a_claimed_one_is_renewed_once(
+    tmp_path: Path,
+) -> None:
+    svc = make(tmp_path / "tier", ttl=0.05)
+    for pre_claimed in (False, True):
+        save(svc, "job", 1)
+        lease = svc.lease("job", 0, MiB)
+        seal(svc, "job", 2, lease.lease_id)
+        pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=2, attempt="a2"))
+        commit(svc, "job", 2)
+        assert os.path.exists(pre.path)
+        time.sleep(0.1)
+        if not pre_claimed:  # nobody holds it: gone at the first sweep past its TTL
+            sweep(svc)
+            assert not os.path.exists(pre.path)
+            assert svc.leases.held_bytes == 0
+            svc.delete_step("job", 2)
+            continue
+        with claimed(pre.path):
+            sweep(svc)  # held: it lives one more TTL
+            assert os.path.exists(pre.path)
+            time.sleep(0.1)
+            sweep(svc)  # held past that too: reclaimed like a plain lease
+            assert not os.path.exists(pre.path)
+    assert svc.leases.held_bytes == 0
+
+
+def test_an_older_unclaimed_pre_lease_of_the_rank_goes_back_when_a_newer_one_is_granted(
+    tmp_path: Path,
+) -> None:
+    svc = make(tmp_path / "tier")
+    save(svc, "job", 1)
+    paths = []
+    for step in (2, 3):
+        lease = svc.lease("job", 0, MiB)
+        seal(svc, "job", step, lease.lease_id)
+        paths.append(svc.lease("job", 0, MiB, after=LeaseAfter(step=step, attempt=f"a{step}")).path)
+        commit(svc, "job", step)
+    assert not os.path.exists(paths[0]) and os.path.exists(paths[1])
+    assert svc.leases.held_bytes == MiB
+
+
+def test_a_pending_pre_lease_can_be_released_before_its_commit(tmp_path: Path) -> None:
+    svc = make(tmp_path / "tier")
+    save(svc, "job", 1)
+    lease = svc.lease("job", 0, MiB)
+    seal(svc, "job", 2, lease.lease_id)
+    pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=2, attempt="a2"))
+    svc.release_lease("job", pre.lease_id)
+    commit(svc, "job", 2)
+    assert not os.path.exists(pre.path)
+    assert svc.arena.pool_files == 1
