@@ -5,6 +5,7 @@ Scenarios (see bench/README.md), each in a subprocess of this script:
 - the trainer's extra RSS during a tierckpt ``async_save`` vs. torch's default one;
 - a 2-rank (spawn + gloo) tierckpt save stall, each rank saving half of the state;
 - ``persistent_tier.py`` (S3 upload/restore vs. s3torchconnector, training slowdown) at one size;
+- ``stall.py`` (the stall against torch's reused DefaultStager, 64 MiB-4 GiB);
 - ``gpu_staging.py`` where CUDA is available (the pinned tier file against a raw D2H and torch's stager).
 """
 
@@ -49,6 +50,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true", help="skip the peer tier (replication)")
     p.add_argument("--multi-size-mb", type=int, help="multi_node.py --size-mb (its default)")
     p.add_argument("--no-multi", action="store_true", help="skip the two-node scenario")
+    p.add_argument(
+        "--stall-sizes", default="64,256,1024,4096", help="stall.py --sizes (MiB; 4096 if it fits)"
+    )
+    p.add_argument("--no-stall", action="store_true", help="skip stall.py (vs torch's stager)")
     p.add_argument("--out", type=Path, default=Path("bench/results/all.json"))
     p.add_argument("--plot", type=Path, default=Path("bench/results/throughput.png"))
     p.add_argument(
@@ -317,6 +322,17 @@ def run_scenarios(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict
             res[key] = {"size_mb": d["machine"]["size_mb"], **d["results"]}
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             notes.append(f"{what} skipped: {str(e).strip().splitlines()[-1][:300]}")
+    if args.no_stall:
+        notes.append("stall against torch's best stager skipped (--no-stall)")
+    else:
+        out = tmp / "stall.json"
+        cmd = [*py, str(BENCH / "stall.py"), "--out", str(out)]
+        cmd += ["--smoke"] if args.smoke else ["--sizes", args.stall_sizes]
+        try:
+            run_child(cmd, "stall vs torch's reused DefaultStager")
+            res["stall"] = json.loads(out.read_text())["results"]["sizes"]
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            notes.append(f"stall scenario skipped: {str(e).strip().splitlines()[-1][:300]}")
     if torch_has_cuda():
         out = tmp / "gpu_staging.json"
         cmd = [*py, str(BENCH / "gpu_staging.py"), "--out", str(out)]
@@ -653,6 +669,32 @@ def peer_rows(p: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def stall_rows(st: dict[str, Any]) -> list[Row]:
+    """Issue 15 goal 3: the stall at or below torch's reused DefaultStager, and stall - memcpy."""
+    rows: list[Row] = []
+    for size, r in st.items():
+        if "skipped" in r:
+            rows.append(
+                (f"{size} MiB", "stall vs torch's best stager", "skipped", "", r["skipped"], "", "")
+            )
+            continue
+        v = r["ratio_tier_over_torch"]
+        rows.append(
+            (
+                f"{size} MiB",
+                "tierckpt stall (torch's reused DefaultStager)",
+                f"{r['tier_stall_ms']:.1f} ms ({r['torch_stall_ms']:.1f})",
+                "",
+                f"{v:.2f}x torch (best {r['ratio_tier_over_torch_best']:.2f}); stall - memcpy "
+                f"{r['tier_stall_minus_memcpy_ms']:.1f} ms (torch "
+                f"{r['torch_stall_minus_memcpy_ms']:.1f})",
+                "<= 1",
+                yes(v <= 1.0),
+            )
+        )
+    return rows
+
+
 def gpu_rows(g: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for size, r in g.items():
@@ -701,6 +743,8 @@ def render(res: dict[str, Any]) -> str:
         rows += s3_rows(res["persistent_tier"])
     if "peer_tier" in res:
         rows += peer_rows(res["peer_tier"])
+    if res.get("stall"):
+        rows += stall_rows(res["stall"])
     if res.get("gpu_staging"):
         rows += gpu_rows(res["gpu_staging"])
     lines = [
