@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,25 +71,6 @@ def _wait_durable(ns: str, steps: set[int], timeout: float = 60.0) -> None:
                     f"steps {steps} not durable: {states}; {c.status().persistent}"
                 )
             time.sleep(0.05)
-
-
-@pytest.fixture(params=["file", "s3"])
-def tier_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "file":
-        yield f"file://{tmp_path / 'store'}"
-    else:
-        server: SeaweedS3 = request.getfixturevalue("s3_env")
-        yield f"s3://{server.bucket}/{request.node.name.replace('[', '-').replace(']', '')}"
-
-
-@pytest.fixture
-def node(tier_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(new_shm_dir(), persist_url=tier_url, keep_last=2)
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        yield d.start()
-    finally:
-        d.cleanup()
 
 
 def _reboot(node: DaemonProcess) -> None:

@@ -7,20 +7,17 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from seaweed import SeaweedS3
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.objectstore import StoreSettings, open_store
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess
 
 pytestmark = pytest.mark.slow
 
@@ -71,25 +68,6 @@ def _wait_durable(ns: str, step: int, timeout: float = 60.0) -> None:
 def _in_memory(ns: str, step: int) -> bool:
     with DaemonClient() as c:
         return any(x.step == step and x.in_memory for x in c.candidates(ns))
-
-
-@pytest.fixture(params=["s3", "file"])
-def tier_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "file":
-        yield f"file://{tmp_path / 'store'}"
-    else:
-        server: SeaweedS3 = request.getfixturevalue("s3_env")
-        yield f"s3://{server.bucket}/{request.node.name.replace('[', '-').replace(']', '')}"
-
-
-@pytest.fixture
-def node(tier_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
-    d = DaemonProcess(new_shm_dir(), persist_url=tier_url, keep_last=2)
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        yield d.start()
-    finally:
-        d.cleanup()
 
 
 def _saved_and_wiped(node: DaemonProcess, tier_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
