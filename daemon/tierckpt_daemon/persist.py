@@ -111,6 +111,9 @@ class Persister(QueueWorker[StepRecord]):
 
     def status(self) -> PersistentStatus:
         m = self.service.metrics
+        # The failure count before the health (_process marks unhealthy, then counts): a status
+        # that shows a failure also shows the tier unhealthy, unless a health check passed since.
+        failed = m.total(m.upload_failures)
         with self._cv:
             healthy, last_error = self._healthy, self._last_error
             hydrations, uploads = (
@@ -127,7 +130,7 @@ class Persister(QueueWorker[StepRecord]):
             queued_steps=self.queued(),
             uploaded_bytes=m.total(m.uploaded_bytes),
             uploaded_steps=m.total(m.uploaded_steps),
-            failed_uploads=m.total(m.upload_failures),
+            failed_uploads=failed,
             skipped_uploads=m.total(m.upload_skips),
             hydrations=hydrations,
             uploads=uploads,
@@ -161,12 +164,13 @@ class Persister(QueueWorker[StepRecord]):
             logger.info("%s; checking again in %.0fs", e, self.retry_delay(rec))
             return False
         except (TierCkptError, OSError) as e:
-            self.service.metrics.upload_failures.inc()
+            # Unhealthy first, then counted: a status that shows the failure shows it unhealthy.
             self._record_error(
                 f"{rec.namespace}/step {rec.step}: upload to {self.store.url} failed: {e}; "
                 f"retrying in {self.retry_delay(rec):.0f}s (the step stays in memory)",
                 rec,
             )
+            self.service.metrics.upload_failures.inc()
             return False
         return True
 
