@@ -48,6 +48,9 @@ class _Sent:
         return self.count
 
 
+_CYCLE_PARTS = ("flow", "conn", "disconnected", "transport", "scope")  # what sendfile relies on
+
+
 class SendfileH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, offering ``tierckpt.sendfile`` to requests on plain sockets."""
 
@@ -56,6 +59,8 @@ class SendfileH11Protocol(H11Protocol):
         cycle = self.cycle
         if cycle is None or self.transport.get_extra_info("sslcontext") is not None:
             return
+        if not all(hasattr(cycle, a) for a in _CYCLE_PARTS):
+            return  # a uvicorn whose request cycle differs: the bytes are streamed instead
         # The request's task is created but has not run yet: it sees the extension.
         scope = cast(dict[str, Any], cycle.scope)
         extensions = scope.setdefault("extensions", {})
