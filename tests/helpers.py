@@ -4,14 +4,47 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tierckpt_daemon import launcher
 from tierckpt_daemon.launcher import DaemonProcess, free_port, ring
 
-__all__ = ["DaemonProcess", "free_port", "launch_script", "new_shm_dir", "ring", "run_ranks"]
+__all__ = [
+    "DaemonProcess",
+    "free_port",
+    "launch_script",
+    "new_shm_dir",
+    "ring",
+    "run_ranks",
+    "wait_until",
+]
+
+_T = TypeVar("_T")
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], _T | None],
+    timeout: float = 60.0,
+    *,
+    describe: Callable[[], object] | None = None,
+) -> _T:
+    """Poll ``check`` every 50 ms until it returns something true, and return that; after
+    ``timeout`` seconds fail naming ``what``, the last value seen and ``describe()`` if given."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            more = f"; {describe()}" if describe is not None else ""
+            raise AssertionError(
+                f"timed out after {timeout:g}s waiting for {what}: last saw {got!r}{more}"
+            )
+        time.sleep(0.05)
 
 
 def new_shm_dir() -> Path:

@@ -9,8 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierckpt_client.dcp import TieredStorageWriter
 
-from helpers import DaemonProcess, ring
+from helpers import DaemonProcess, ring, wait_until
 
 TOKEN = "peer-token-for-the-cluster-listing-01"
 
@@ -42,15 +41,6 @@ def _listing(d: DaemonProcess, *args: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr
     doc: dict[str, Any] = json.loads(proc.stdout)
     return doc
-
-
-def _wait(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return got
 
 
 @pytest.fixture
@@ -91,7 +81,7 @@ def test_ls_cluster_lists_each_nodes_steps_and_an_unreachable_peer(
             and st["persistent"]["uploaded_steps"] == 1
         )
 
-    _wait("both steps replicated to B and step 2 durable", settled)
+    wait_until("both steps replicated to B and step 2 durable", settled)
 
     doc = _listing(a)
     assert doc["node"] == a.name

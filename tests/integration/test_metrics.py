@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import tierckpt_daemon
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
 
-from helpers import DaemonProcess, free_port, new_shm_dir
+from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
 
 PORT = free_port()
 
@@ -50,17 +49,6 @@ def test_metrics_move_with_a_save(client_env: DaemonProcess) -> None:
     assert after[("tierckpt_lease_seconds_count", ())] >= 1
     # The local API stays off the TCP port.
     assert httpx.get(f"http://127.0.0.1:{PORT}/v1/status", timeout=10).status_code == 403
-
-
-def _wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def _save(namespace: str, step: int, **kw: Any) -> None:
@@ -106,7 +94,7 @@ def test_seconds_since_the_last_committed_and_durable_step_per_namespace(
 
         _save("kept", 1, persist=False)  # committed, never made durable
         _save("safe", 1, persist=True)
-        _wait_for(
+        wait_until(
             "safe/step 1 durable",
             lambda: (since_durable, (("namespace", "safe"),)) in _scrape(port),
         )
@@ -180,12 +168,14 @@ def test_replication_skips_are_counted_with_a_reason(monkeypatch: pytest.MonkeyP
         monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
         _save("m", 1)
         # Its pushes fail and are retried; a new save of the step replaces it meanwhile.
-        _wait_for(
+        wait_until(
             "a failed push",
             lambda: _scrape(port).get(("tierckpt_replication_failures_total", ())),
         )
         _save("m", 1)
-        got = _wait_for("the skip", lambda: _scrape(port).get((skips, (("reason", "superseded"),))))
+        got = wait_until(
+            "the skip", lambda: _scrape(port).get((skips, (("reason", "superseded"),)))
+        )
         assert got == 1
         status = d.status()
         assert status is not None and status["replication"]["skipped_steps"] == 1
@@ -213,7 +203,7 @@ def test_a_step_with_no_peer_to_go_to_is_counted_as_skipped(
         monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
         _save("m", 1)
         _save("m", 2)
-        got = _wait_for(
+        got = wait_until(
             "the skips",
             lambda: (
                 _scrape(port).get(("tierckpt_replication_skips_total", (("reason", "no_peers"),)))

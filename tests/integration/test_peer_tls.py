@@ -12,8 +12,6 @@ import shutil
 import ssl
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import StepInfo
 
-from helpers import DaemonProcess, ring
+from helpers import DaemonProcess, ring, wait_until
 
 TOKEN = "peer-token-for-the-tls-tests-0123456789"
 N = 1 << 14
@@ -145,17 +143,6 @@ def _tls(ca: CA, cert: tuple[Path, Path], **more: str) -> dict[str, str]:
 # -- daemons and steps --------------------------------------------------------------------------------
 
 
-def _wait(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: last saw {result!r}")
-        time.sleep(0.05)
-
-
 def _steps(d: DaemonProcess, ns: str) -> dict[int, StepInfo]:
     with DaemonClient.from_socket(d.socket) as c:
         return {s.step: s for s in c.steps(ns)}
@@ -200,7 +187,7 @@ def test_two_daemons_replicate_and_restore_a_step_over_tls(tmp_path: Path, namin
         a.start()
         b.start()
         _save(a, "job", 7)
-        _wait(
+        wait_until(
             "step 7 replicated to B over TLS",
             lambda: (s := _steps(a, "job").get(7)) and s.replicated_to == [b.name] and s,
         )
@@ -256,7 +243,7 @@ def test_a_peer_with_a_certificate_from_another_ca_is_refused(tmp_path: Path) ->
         b.start()
         _save(a, "job", 1)
         with DaemonClient.from_socket(a.socket) as c:
-            rep = _wait(
+            rep = wait_until(
                 "a refused push", lambda: (s := c.status().replication) and s.last_error and s
             )
         assert rep.last_error is not None
@@ -297,7 +284,7 @@ def test_a_daemon_with_tls_says_when_its_peer_has_none(tmp_path: Path) -> None:
         b.start()
         _save(a, "job", 1)
         with DaemonClient.from_socket(a.socket) as c:
-            rep = _wait(
+            rep = wait_until(
                 "a failed push", lambda: (s := c.status().replication) and s.last_error and s
             )
         assert rep.last_error is not None

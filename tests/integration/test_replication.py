@@ -7,8 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import StepInfo
 
-from helpers import DaemonProcess, free_port, new_shm_dir, run_ranks
+from helpers import DaemonProcess, free_port, new_shm_dir, run_ranks, wait_until
 
 TOKEN = "peer-token-for-the-tests-0123456789"
 N = 1 << 15
@@ -54,17 +53,6 @@ def ring() -> Iterator[list[DaemonProcess]]:
     finally:
         for n in nodes:
             n.cleanup()
-
-
-def _wait(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: last saw {result!r}")
-        time.sleep(0.05)
 
 
 def _steps(d: DaemonProcess, ns: str) -> dict[int, StepInfo]:
@@ -139,9 +127,10 @@ def test_a_replacement_node_restores_the_latest_step_from_its_peer(
     run_ranks(_save_worker, 2, str(a.socket))
 
     # A pushed both committed steps to its ring successor B; each side says so.
-    _wait(
+    wait_until(
         "steps 10 and 20 replicated to B",
         lambda: all(_replicated(a, "job", s, b) for s in (10, 20)),
+        30,
     )
     on_b = _steps(b, "job")
     assert {s: (i.origin, i.state.value) for s, i in on_b.items()} == {
@@ -227,8 +216,10 @@ def test_a_peer_with_another_token_cannot_push() -> None:
         b.start()
         _save(a, "job", 1)
         with DaemonClient.from_socket(a.socket) as c:
-            rep = _wait(
-                "a failed push", lambda: (s := c.status().replication) and s.last_error and s
+            rep = wait_until(
+                "a failed push",
+                lambda: (s := c.status().replication) and s.last_error and s,
+                30,
             )
         assert "wrong peer token" in rep.last_error and _name(b) in rep.last_error
         assert _steps(a, "job")[1].replication_pending  # held in memory until it is replicated
@@ -248,9 +239,10 @@ def test_a_save_succeeds_while_the_peer_is_down_and_replicates_when_it_is_back()
         a.start()
         _save(a, "job", 1)  # B is not running: the save must not notice
         with DaemonClient.from_socket(a.socket) as c:
-            rep = _wait(
+            rep = wait_until(
                 "the push to B to fail",
                 lambda: (s := c.status().replication) and s.failed_pushes and s,
+                30,
             )
         assert rep.unreachable == [_name(b)]
         assert rep.last_error is not None and "replicated to 0 of 1 peers" in rep.last_error
@@ -261,7 +253,7 @@ def test_a_save_succeeds_while_the_peer_is_down_and_replicates_when_it_is_back()
         assert step == 1 and torch.equal(out["w"], _state(1)["w"])
 
         b.start()
-        _wait("step 1 replicated once B is back", lambda: _replicated(a, "job", 1, b))
+        wait_until("step 1 replicated once B is back", lambda: _replicated(a, "job", 1, b), 30)
         with DaemonClient.from_socket(a.socket) as c:
             rep = c.status().replication
         assert rep is not None and rep.unreachable == [] and rep.last_error is None
@@ -282,9 +274,10 @@ def test_a_corrupt_replica_is_skipped_for_the_persistent_tier(tmp_path: Path) ->
         a.start()
         b.start()
         _save(a, "job", 10)
-        _wait(
+        wait_until(
             "step 10 replicated and durable",
             lambda: _replicated(a, "job", 10, b) and _steps(a, "job")[10].state.value == "durable",
+            30,
         )
         (data,) = (b.shm_dir / "ns" / "job").glob("*/r00000.data")
         with open(data, "r+b") as f:

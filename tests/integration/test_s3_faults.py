@@ -27,7 +27,7 @@ from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import PersistentStatus
 
-from helpers import DaemonProcess, free_port, new_shm_dir
+from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
 
 N = 1 << 16
 BIG = 5 << 20  # floats: 20 MiB, three multipart parts of 8 MiB
@@ -65,20 +65,13 @@ def _persistent() -> PersistentStatus:
     return st
 
 
+def _wait(what: str, probe: Callable[[], _T | None], timeout: float) -> _T:
+    return wait_until(what, probe, timeout, describe=lambda: f"persistent: {_persistent()}")
+
+
 def _states(ns: str) -> dict[int, str]:
     with DaemonClient() as c:
         return {s.step: s.state.value for s in c.steps(ns)}
-
-
-def _wait(what: str, probe: Callable[[], _T | None], timeout: float) -> _T:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout}s; persistent: {_persistent()}")
-        time.sleep(0.05)
 
 
 def _wait_durable(ns: str, steps: set[int], timeout: float = 60.0) -> None:
