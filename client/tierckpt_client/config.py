@@ -36,7 +36,9 @@ class ClientConfig:
             persistent tier at ``persist_url`` into the destination tensors, verified, while the
             daemon brings it into memory afterwards for the next restore
             (``TIERCKPT_RESTORE_DIRECT``): ``auto`` (default) for ``s3://`` tiers, ``on`` for any,
-            ``off`` to have the daemon hydrate the step first, as without ``persist_url``.
+            ``off`` to have the daemon hydrate the step first, as without ``persist_url``. A step
+            that peers hold and this node lost is read from them straight into the tensors
+            (the daemon hands over its connections) unless it is ``off``.
         prelease: after each ``async_save`` (THREAD mode) ask the daemon for the next save's
             file, put in place when this save commits, so that the next ``stage`` needs no
             daemon round trip (``TIERCKPT_PRELEASE``, default on; ``0`` leases in ``stage``).
@@ -106,6 +108,12 @@ class ClientConfig:
         if not self.persist_url or mode == "off":
             return False
         return mode == "on" or self.persist_url.startswith("s3://")
+
+    def reads_peers_direct(self) -> bool:
+        """Whether a step that peers hold and this node lost is read from them straight into
+        the tensors (through connections the daemon hands over), unless ``restore_direct`` is off."""
+        self.reads_direct()  # checks the setting
+        return self.restore_direct not in ("off", "0", "false", "no")
 
 
 def _flag(env: dict[str, str], var: str) -> bool | None:

@@ -29,6 +29,7 @@ from tierckpt_core.protocol import (
     LeaseRequest,
     LeaseResponse,
     NamespaceInfo,
+    PeerSources,
     PinResponse,
     RangesRequest,
     SealFile,
@@ -248,6 +249,12 @@ class DaemonClient:
         return StepInfo.model_validate(
             self._request("POST", path, body, timeout=self.config.hydrate_timeout_s)
         )
+
+    def peer_sources(self, namespace: str, step: int) -> PeerSources:
+        """A step in no memory of this node as its peers hold it (manifest, which peer holds
+        what), and whether the daemon hands over connections to them for a direct restore."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/peer-sources"
+        return PeerSources.model_validate(self._request("GET", path))
 
     def read_ranges(
         self, namespace: str, step: int, name: str, ranges: list[tuple[int, int]]

@@ -38,6 +38,11 @@ def validate_file_name(name: object) -> str:
     return _validate_name("file name", name)
 
 
+def validate_attempt(attempt: object) -> str:
+    """Return ``attempt`` if it is a valid save-attempt id (it ends up in URLs), else raise."""
+    return _validate_name("attempt", attempt)
+
+
 def validate_step(step: object) -> int:
     """Return ``step`` as an int if it is a valid step number, else raise :class:`InvalidNameError`."""
     if isinstance(step, bool) or not isinstance(step, int):

@@ -11,6 +11,8 @@ Names that end up in paths are validated on both sides by :func:`validate_namesp
 from __future__ import annotations
 
 import enum
+import os
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -28,6 +30,13 @@ from tierckpt_core.names import validate_rank as validate_rank
 from tierckpt_core.names import validate_step as validate_step
 
 API_VERSION = "v1"
+
+
+def handoff_socket(api_socket: str | os.PathLike[str]) -> Path:
+    """The daemon's second Unix socket, beside its API socket: where a trainer is handed
+    connections to peers for a restore (:mod:`tierckpt_daemon.handoff`)."""
+    path = Path(api_socket)
+    return path.with_name(path.name + ".handoff")
 
 
 class StepState(str, enum.Enum):
@@ -142,6 +151,18 @@ class StepCandidate(BaseModel):
     in_memory: bool
     durable: bool
     peers: list[str] = []  # peer daemons that hold a replica
+
+
+class PeerSources(BaseModel):
+    """How a step that is in no memory of this node can be read from its peers: the step's
+    manifest (files, block checksums, DCP metadata), which peers hold it (and which of its files;
+    None: all), and whether this daemon hands a trainer connections to them
+    (:func:`handoff_socket`) for a restore straight into its tensors."""
+
+    manifest: StepManifest
+    holders: dict[str, list[str] | None]
+    attempts: dict[str, str]  # each holder's save attempt id of its copy (in its file URLs)
+    handoff: bool
 
 
 class HydrationProgress(BaseModel):

@@ -18,6 +18,7 @@ from tierckpt_daemon.arena import Arena
 from tierckpt_daemon.cluster import ClusterLister
 from tierckpt_daemon.config import DaemonSettings, parse_size
 from tierckpt_daemon.global_commit import GlobalCommitter
+from tierckpt_daemon.handoff import HandoffServer
 from tierckpt_daemon.metrics import Snapshot
 from tierckpt_daemon.peer_fetch import PeerFetcher
 from tierckpt_daemon.persist import Persister
@@ -34,6 +35,8 @@ class Node:
     replicator: Replicator | None = None
     committer: GlobalCommitter | None = None
     cluster: ClusterLister | None = None  # with peers: asks them what they hold
+    # With peers on plain TCP, once serving: hands trainers connections to peers for restores.
+    handoff: HandoffServer | None = None
 
     def __post_init__(self) -> None:
         self.service.metrics.attach(self.snapshot)

@@ -18,6 +18,7 @@ import concurrent.futures
 import http.client
 import logging
 import os
+import socket
 import ssl
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -63,6 +64,7 @@ GET_CHUNK = 1 << 20  # bytes per read from a peer: the buffer stays in the cache
 RANGE_STREAMS = 4  # connections at once for one large file: its receive copies and checksums
 # then run on several cores, not one thread
 RANGE_MIN = 64 << 20  # smaller files come in one stream
+MAX_HEAD = 64 << 10  # bytes of a response's status line and headers
 
 
 class PeerTLSError(PeerUnavailableError):
@@ -304,6 +306,59 @@ class PeerClient:
             logger.info("peer %s does not answer ranges: fetching %s in one stream", peer, name)
         part(0, len(blocks), True)
 
+    def open_range(
+        self, peer: str, namespace: str, step: int, attempt: str, name: str, start: int, stop: int
+    ) -> socket.socket:
+        """A plain-TCP connection to ``peer`` on which bytes ``[start, stop)`` of file ``name``
+        of its step come next: the request (with this daemon's token, ``Connection: close``) is
+        sent and the response's head read and checked (206, the range asked for, its length),
+        nothing of the body. For :mod:`tierckpt_daemon.handoff`, which hands the connection to a
+        local trainer; the bytes are unverified (the trainer checks each block). Not with TLS: a
+        TLS session cannot change hands."""
+        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
+        if self.tls is not None:
+            raise ProtocolError(f"peer {peer}: connections to TLS peers are not handed over")
+        if not 0 <= start < stop:
+            raise ProtocolError(f"peer {peer}: {url}: empty or negative range {start}-{stop}")
+        addr = http.client.HTTPConnection(peer)  # parses host:port as requests to peers do
+
+        def once() -> socket.socket:
+            try:
+                sock = socket.create_connection((addr.host, addr.port), timeout=self.timeout_s)
+            except OSError as e:
+                raise self._unavailable(peer, "GET", url, e) from e
+            try:
+                sock.sendall(
+                    (
+                        f"GET {url} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: {self._auth}\r\n"
+                        f"Range: bytes={start}-{stop - 1}\r\nConnection: close\r\n\r\n"
+                    ).encode()
+                )
+                status, headers = _read_head(sock, f"peer {peer}: {url}")
+                if status != 206:
+                    n = int(headers.get("content-length", "0") or 0)
+                    body = _recv_exact(sock, min(n, MAX_HEAD), f"peer {peer}: {url}")
+                    _decode(peer, "GET", url, httpx.Response(status, content=body))
+                    raise ProtocolError(
+                        f"peer {peer}: GET {url} with a range answered HTTP {status}, not 206"
+                    )
+                if not headers.get("content-range", "").startswith(
+                    f"bytes {start}-{stop - 1}/"
+                ) or headers.get("content-length") != str(stop - start):
+                    raise ProtocolError(
+                        f"peer {peer}: {url} answered bytes {headers.get('content-range')!r} "
+                        f"({headers.get('content-length')} bytes) for {start}-{stop - 1}"
+                    )
+                return sock
+            except OSError as e:
+                sock.close()
+                raise self._unavailable(peer, "GET", url, e) from e
+            except BaseException:
+                sock.close()
+                raise
+
+        return self._retrying(RETRIES)(once)
+
     def read_range(
         self, peer: str, namespace: str, step: int, name: str, offset: int, length: int
     ) -> bytes:
@@ -442,6 +497,46 @@ def _receive_blocks(
                 f"{what} is corrupt: block {b} (bytes {b * block_size}-{end}) has checksum "
                 f"{h.hexdigest()}, the manifest says {blocks[b]}"
             )
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise PeerUnavailableError(f"{what}: the connection closed mid-response")
+        got += k
+    return bytes(buf)
+
+
+def _read_head(sock: socket.socket, what: str) -> tuple[int, dict[str, str]]:
+    """Read a response's status line and headers off ``sock``, and not one byte of its body
+    (peeked first, then taken up to the blank line); the status and the headers, lowercased."""
+    head = bytearray()
+    while True:
+        peeked = sock.recv(MAX_HEAD, socket.MSG_PEEK)
+        if not peeked:
+            raise PeerUnavailableError(f"{what}: the connection closed before the response")
+        end = (bytes(head[-3:]) + peeked).find(b"\r\n\r\n")
+        if end >= 0:
+            head += _recv_exact(sock, end + 4 - min(3, len(head)), what)
+            break
+        head += _recv_exact(sock, len(peeked), what)
+        if len(head) > MAX_HEAD:
+            raise ProtocolError(f"{what}: the response's head is over {MAX_HEAD} bytes")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise ProtocolError(f"{what}: not an HTTP/1 response ({lines[0][:80]!r})")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            key, _, value = line.partition(":")
+            headers[key.strip().lower()] = value.strip()
+    if "transfer-encoding" in headers:
+        raise ProtocolError(f"{what}: a {headers['transfer-encoding']} body, not raw bytes")
+    return int(parts[1]), headers
 
 
 def _transient(e: BaseException) -> bool:

@@ -23,7 +23,7 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.integrity import block_digest
 from tierckpt_core.manifest import FileRecord, StepManifest
-from tierckpt_core.protocol import StepInfo
+from tierckpt_core.protocol import PeerStep, StepInfo
 from tierckpt_daemon.records import StepRecord
 from tierckpt_daemon.replication import PEER_ERRORS, Replicator
 
@@ -149,6 +149,14 @@ class PeerFetcher:
 
     def holders(self, namespace: str, step: int) -> dict[str, set[str] | None]:
         """Peers that hold ``namespace/step``, and which of its files (None: all of them)."""
+        return {
+            p: set(s.held) if s.held is not None else None
+            for p, s in self.copies(namespace, step).items()
+        }
+
+    def copies(self, namespace: str, step: int) -> dict[str, PeerStep]:
+        """The copies of ``namespace/step`` that peers hold (each its own save attempt id, and
+        which of the step's files), in ring order."""
         try:
             peers = self.replicator.successors()
         except PeerUnavailableError as e:
@@ -157,7 +165,7 @@ class PeerFetcher:
         futures = {
             p: self._ask_pool.submit(self.replicator.client.list_steps, p, namespace) for p in peers
         }
-        held: dict[str, set[str] | None] = {}
+        held: dict[str, PeerStep] = {}
         for peer, fut in futures.items():
             try:
                 steps = fut.result()
@@ -168,7 +176,7 @@ class PeerFetcher:
                 continue
             for s in steps:
                 if s.step == step:
-                    held[peer] = set(s.held) if s.held is not None else None
+                    held[peer] = s
         return held
 
     def read_ranges(

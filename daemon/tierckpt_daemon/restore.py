@@ -23,6 +23,7 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import (
+    PeerStep,
     StepCandidate,
     StepInfo,
     StepState,
@@ -47,6 +48,10 @@ class PeerSource(Protocol):
 
     def holders(self, namespace: str, step: int) -> dict[str, set[str] | None]:
         """Peers that hold the step, and which of its files (None: all)."""
+        ...
+
+    def copies(self, namespace: str, step: int) -> dict[str, PeerStep]:
+        """The copies of the step that peers hold (attempt id, files held)."""
         ...
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest: ...
@@ -156,6 +161,28 @@ class Restorer:
                 ", ".join(nodes),
             )
         return bool(lost)
+
+    def peer_sources(self, namespace: str, step: int) -> tuple[StepManifest, dict[str, PeerStep]]:
+        """The manifest of a step the peers hold (from a peer that holds all of it, if one
+        does), and the copies the peers hold (each its own attempt id, and which files): for a
+        reader here to read it from them. StepNotFoundError if no reachable peer holds it."""
+        validate_namespace(namespace)
+        validate_step(step)
+        if self.peers is None:
+            raise StepNotFoundError(f"{namespace}/step {step}: this daemon has no peers")
+        holders = self.peers.copies(namespace, step)
+        errors = []
+        for peer in sorted(holders, key=lambda p: holders[p].held is not None):
+            try:
+                manifest = self.peers.manifest_from(peer, namespace, step)
+            except TierCkptError as e:
+                errors.append(f"{peer}: {e}")
+                continue
+            if (manifest.namespace, manifest.step) == (namespace, step):
+                return manifest.portable(), holders
+            errors.append(f"{peer} answered for {manifest.namespace}/step {manifest.step}")
+        why = f" ({'; '.join(errors)})" if errors else ""
+        raise StepNotFoundError(f"{namespace}/step {step}: no reachable peer holds it{why}")
 
     def read_ranges(
         self, namespace: str, step: int, name: str, ranges: list[tuple[int, int]]

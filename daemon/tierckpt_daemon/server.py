@@ -15,10 +15,12 @@ from pathlib import Path
 
 import uvicorn
 
+from tierckpt_core.protocol import handoff_socket
 from tierckpt_daemon.api import create_app
 from tierckpt_daemon.arena import make_dir
 from tierckpt_daemon.config import DaemonSettings
-from tierckpt_daemon.node import build_node
+from tierckpt_daemon.handoff import HandoffServer
+from tierckpt_daemon.node import Node, build_node
 from tierckpt_daemon.zerocopy import SendfileH11Protocol
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,7 @@ class _Server(uvicorn.Server):
 def serve(settings: DaemonSettings) -> None:
     make_dir(settings.shm_dir)
     lock_fd = _lock_tier(settings.shm_dir)
+    node: Node | None = None
     try:
         node = build_node(settings)
         app = create_app(node, settings)
@@ -132,6 +135,11 @@ def serve(settings: DaemonSettings) -> None:
             http=SendfileH11Protocol,  # peers' file bytes by sendfile on plain TCP
         )
         server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
+        if node.replicator is not None and tls is None:
+            # Restores from peers straight into trainers' tensors (not with TLS: see handoff).
+            path = handoff_socket(settings.socket_path)
+            node.handoff = HandoffServer(_bind_unix(path), path, node.replicator)
+            node.handoff.start()
         logger.info(
             "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d, persistent "
             "tier %s, replication %s)",
@@ -149,6 +157,8 @@ def serve(settings: DaemonSettings) -> None:
         )
         asyncio.run(server.serve(sockets=sockets))
     finally:
+        if node is not None and node.handoff is not None:
+            node.handoff.close()
         with contextlib.suppress(FileNotFoundError):
             settings.socket_path.unlink()
         os.close(lock_fd)

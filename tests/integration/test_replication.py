@@ -114,6 +114,9 @@ def _load_worker(rank: int, world: int, socket: str) -> None:
     dest = {"w": distribute_tensor(torch.zeros(64, 16), mesh, [Shard(1)]), "extra": {"step": -1}}
     reader = TieredStorageReader("job", process_group=dist.group.WORLD)
     dcp.load(dest, storage_reader=reader)
+    # Read straight from B; the daemon brings the step into its memory after the load.
+    assert reader.memory_fill is not None
+    reader.memory_fill.join(60)
     assert reader.resolved_step == 20
     assert torch.equal(dest["w"].full_tensor(), _full(20))  # bit-exact
     assert dest["extra"] == {"step": 20}

@@ -23,9 +23,9 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -38,7 +38,6 @@ from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.errors import CheckpointFormatError, IntegrityError, TierCkptError
 from tierckpt_core.layout import file_key
 from tierckpt_core.manifest import FileRecord
-from tierckpt_core.objectstore import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,9 @@ logger = logging.getLogger(__name__)
 CONCURRENCY = 4
 # Needed spans of one file closer than this are read with one GET (the gap is hashed and dropped).
 MERGE_GAP = 1 << 20
+# A run at least this long is split into ``streams`` GETs when the source asks for it (peers: one
+# connection's receive, copy and checks run on one core, several use several).
+SPLIT_MIN = 64 << 20
 
 
 @dataclass
@@ -82,6 +84,18 @@ class _Mismatch(Exception):
         self.nbytes = nbytes
 
 
+class RangeSource(Protocol):
+    """Where :class:`RangedFiles` reads from: the persistent tier's ``ObjectStore``, or
+    ``_peered.PeerRanges`` (peers, through connections the daemon hands over)."""
+
+    def get_range(
+        self, key: str, start: int, end: int, put: Callable[[memoryview, int], None]
+    ) -> None:
+        """Call ``put(chunk, offset)`` for bytes ``[start, end)`` of ``key``, in order; on a
+        retry it starts again at ``start``."""
+        ...
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     array: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(array).cast("B")
@@ -95,15 +109,21 @@ class RangedFiles:
     def __init__(
         self,
         where: str,
-        store: ObjectStore,
+        store: RangeSource,
         keys: dict[str, str],
         records: dict[str, FileRecord],
         whole: Files,
         *,
         concurrency: int = CONCURRENCY,
+        streams: int = 1,
+        source: str = "in the persistent tier",
+        remedy: str = "restore an older step, or this one from a node that still holds it in memory",
     ) -> None:
         self.where = where
         self._store = store
+        self._streams = max(1, streams)  # GETs a long run is split into (whole blocks each)
+        self._source = source
+        self._remedy = remedy
         self._keys = keys
         self._records = records
         self._whole = whole  # files without block checksums: downloaded whole, verified
@@ -220,7 +240,20 @@ class RangedFiles:
                 run = _Run(name, lo, hi)
                 runs.append(run)
             run.sinks.append(s)
-        return runs
+        if self._streams == 1:
+            return runs
+        pieces: list[_Run] = []
+        for run in runs:  # a long run: several GETs at once, each whole blocks
+            if run.hi - run.lo < SPLIT_MIN:
+                pieces.append(run)
+                continue
+            per = -(-(run.hi - run.lo) // self._streams // size) * size
+            for lo in range(run.lo, run.hi, per):
+                hi = min(lo + per, run.hi)
+                pieces.append(
+                    _Run(name, lo, hi, [s for s in run.sinks if s.offset < hi and s.end > lo])
+                )
+        return pieces
 
     def _fetch(self, run: _Run) -> None:
         rec = self._records[run.name]
@@ -272,16 +305,48 @@ class RangedFiles:
             self._store.get_range(self._keys[run.name], run.lo, run.hi, put)
         except _Mismatch as e:
             raise IntegrityError(
-                f"{self.where}: {run.name} in the persistent tier does not match the checksum "
-                f"taken when it was written (block {e.block}, bytes {e.block * size}+{e.nbytes}): "
-                "the stored step is corrupt; restore an older step, or this one from a node that "
-                "still holds it in memory"
+                f"{self.where}: {run.name} {self._source} does not match the checksum taken when "
+                f"it was written (block {e.block}, bytes {e.block * size}+{e.nbytes}): the stored "
+                f"step is corrupt; {self._remedy}"
             ) from None
         with self._lock:
             self.verified_bytes += state["checked"]
 
 
-class StreamedTier:
+class MemoryFill:
+    """After a load read a step from elsewhere (the persistent tier, peers): the daemon brings
+    the step into this node's memory in the background, for the next restore (:attr:`filling`)."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.filling: threading.Thread | None = None
+
+    def fill_memory(self, namespace: str, step: int) -> None:
+        """Have the daemon hydrate the step (after this load's reads: the two do not share the
+        bandwidth), in a thread; the load does not wait for it. Once per step and reader."""
+        if self.filling is not None:
+            return
+
+        def run() -> None:
+            try:
+                with DaemonClient(self.config) as daemon:
+                    daemon.hydrate(namespace, step)
+            except TierCkptError as e:
+                logger.warning(
+                    "%s/step %d: could not bring it into this node's memory for the next "
+                    "restore: %s",
+                    namespace,
+                    step,
+                    e,
+                )
+                return
+            logger.info("%s/step %d is in this node's memory for the next restore", namespace, step)
+
+        self.filling = threading.Thread(target=run, name="tierckpt-fill-memory", daemon=True)
+        self.filling.start()
+
+
+class StreamedTier(MemoryFill):
     """A ``ReadSource`` for a durable step that is in no memory tier: read straight from the
     persistent tier (:class:`RangedFiles`), and, once a load has its bytes, ask the daemon to
     bring the step into this node's memory in the background (:attr:`filling`)."""
@@ -289,10 +354,9 @@ class StreamedTier:
     def __init__(
         self, tier: PersistentTier, config: ClientConfig, *, concurrency: int = CONCURRENCY
     ) -> None:
+        super().__init__(config)
         self.tier = tier
-        self.config = config
         self.concurrency = concurrency
-        self.filling: threading.Thread | None = None
 
     def newest_good_step(self, namespace: str) -> int:
         return self.tier.newest_good_step(namespace)
@@ -318,27 +382,3 @@ class StreamedTier:
         finally:
             files.close()
         self.fill_memory(namespace, step)
-
-    def fill_memory(self, namespace: str, step: int) -> None:
-        """Have the daemon hydrate the step (after this load's reads: the two do not share the
-        bandwidth), in a thread; the load does not wait for it. Once per step and reader."""
-        if self.filling is not None:
-            return
-
-        def run() -> None:
-            try:
-                with DaemonClient(self.config) as daemon:
-                    daemon.hydrate(namespace, step)
-            except TierCkptError as e:
-                logger.warning(
-                    "%s/step %d: could not bring it into this node's memory for the next "
-                    "restore: %s",
-                    namespace,
-                    step,
-                    e,
-                )
-                return
-            logger.info("%s/step %d is in this node's memory for the next restore", namespace, step)
-
-        self.filling = threading.Thread(target=run, name="tierckpt-fill-memory", daemon=True)
-        self.filling.start()

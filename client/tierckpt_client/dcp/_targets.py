@@ -133,14 +133,14 @@ class MemoryTier:
         *,
         overwrite: bool = True,
         verify_reads: bool = True,
-        read_direct: Callable[[str, int], dict[str, Any] | None] | None = None,
+        read_direct: Callable[[str, StepCandidate], dict[str, Any] | None] | None = None,
     ) -> None:
         self.daemon = daemon
         self.overwrite = overwrite
         self.verify_reads = verify_reads
-        # For a durable step that no node holds in memory: the reader's offer to read it
-        # straight from the persistent tier (returns its metadata, None to decline), instead of
-        # the daemon hydrating it first.
+        # For a step not in this node's memory: the reader's offer to read it straight from
+        # the peers that hold it or the persistent tier (returns its metadata, None to
+        # decline), instead of the daemon hydrating it first.
         self.read_direct = read_direct
 
     # -- save -------------------------------------------------------------------------------
@@ -246,11 +246,11 @@ class MemoryTier:
             return self.daemon.metadata(namespace, step)
 
     def _direct(self, cand: StepCandidate, namespace: str) -> dict[str, Any] | None:
-        """The metadata of ``cand`` if the reader reads it straight from the persistent tier: it
-        is durable and in no node's memory (a peer's copy is nearer: the daemon fetches that)."""
-        if self.read_direct is None or cand.in_memory or not cand.durable or cand.peers:
+        """The metadata of ``cand`` if the reader reads it straight from where it is (peers,
+        the persistent tier) rather than from this node's memory."""
+        if self.read_direct is None or cand.in_memory:
             return None
-        return self.read_direct(namespace, cand.step)
+        return self.read_direct(namespace, cand)
 
     @contextlib.contextmanager
     def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[Files]:

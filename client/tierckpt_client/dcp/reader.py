@@ -28,19 +28,22 @@ from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._files import StepFiles
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, copy_tensor, decode_metadata
-from tierckpt_client.dcp._streamed import StreamedTier
+from tierckpt_client.dcp._peered import PeerTier
+from tierckpt_client.dcp._streamed import MemoryFill, StreamedTier
 from tierckpt_client.dcp._targets import RANGED_READ_MAX, MemoryTier, ReadSource
 from tierckpt_client.errors import (
     CapacityExceededError,
     CheckpointFormatError,
     DaemonUnavailableError,
+    IntegrityError,
     NotFoundError,
+    PeerUnavailableError,
     PersistentTierError,
     StepStateError,
     TierCkptError,
     error_from_code,
 )
-from tierckpt_client.protocol import validate_namespace, validate_step
+from tierckpt_client.protocol import StepCandidate, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +134,7 @@ class TieredStorageReader(StorageReader):
         self._memory = self._memory_tier(self._daemon)
         self._source: ReadSource = self._memory
         self._streamed: StreamedTier | None = None
+        self._elsewhere: MemoryFill | None = None  # the last of those two a load read from
         self._resolved: int | None = None
         self._storage: dict[Any, ShardRef] = {}
         self.load_id = uuid.uuid4().hex
@@ -144,7 +148,7 @@ class TieredStorageReader(StorageReader):
         return MemoryTier(
             daemon,
             verify_reads=self.config.verify_reads,
-            read_direct=self._read_direct if self.config.reads_direct() else None,
+            read_direct=self._read_direct,
         )
 
     @property
@@ -152,7 +156,7 @@ class TieredStorageReader(StorageReader):
         """After a load read straight from the persistent tier: the thread in which the daemon
         brings the step into this node's memory for the next restore (the load does not wait
         for it; ``join()`` it to)."""
-        return self._streamed.filling if self._streamed is not None else None
+        return self._elsewhere.filling if self._elsewhere is not None else None
 
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -234,11 +238,30 @@ class TieredStorageReader(StorageReader):
         source = self._source = PersistentTier(url)
         return source
 
-    def _read_direct(self, namespace: str, step: int) -> dict[str, Any] | None:
-        """A durable step in no node's memory: read it straight from the persistent tier into
-        the destination tensors (verified block by block), if this process can reach the tier;
-        the daemon brings it into memory afterwards. Returns the step's metadata, or None when
-        the tier cannot be read from here (the daemon then hydrates the step first)."""
+    def _read_direct(self, namespace: str, cand: StepCandidate) -> dict[str, Any] | None:
+        """A step not in this node's memory, read straight into the destination tensors
+        (verified block by block) from where it is: the peers that hold it (through connections
+        the daemon hands over), else, durable, the persistent tier if this process can reach it.
+        The daemon brings it into memory afterwards. Returns the step's metadata, or None when
+        it cannot be read from here (the daemon then brings the step into memory first)."""
+        if cand.peers:  # nearer than the persistent tier
+            if not self.config.reads_peers_direct():
+                return None
+            peers = PeerTier.offered(self._daemon, self.config, namespace, cand.step)
+            if peers is None:
+                return None
+            logger.info(
+                "%s/step %d is not in this node's memory: reading it straight from the peers "
+                "that hold it (%s), verified; the daemon brings it into memory afterwards",
+                namespace,
+                cand.step,
+                ", ".join(sorted(peers.sources.holders)),
+            )
+            self._source = self._elsewhere = peers
+            return peers.metadata(namespace, cand.step)
+        if not cand.durable or not self.config.reads_direct():
+            return None
+        step = cand.step
         url = self.config.persist_url
         assert url is not None
         source = self._streamed
@@ -265,7 +288,7 @@ class TieredStorageReader(StorageReader):
             step,
             url,
         )
-        self._source = source
+        self._source = self._elsewhere = source
         return doc
 
     # -- StorageReader ----------------------------------------------------------------------
@@ -304,8 +327,24 @@ class TieredStorageReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         refs = [ref for i in plan.items if (ref := self._storage.get(i.storage_index))]
-        with self.open_files(refs) as files:
-            self._copy_items(plan, planner, files)
+        try:
+            with self.open_files(refs) as files:
+                self._copy_items(plan, planner, files)
+        except (IntegrityError, PeerUnavailableError) as e:
+            if not isinstance(self._source, PeerTier):
+                raise
+            # Every peer's copy failed (all bytes are read before any item is handed on): the
+            # daemon tries its own way, other replicas and then the persistent tier.
+            logger.warning(
+                "%s/step %s: reading it from the peers failed (%s); the daemon brings it into "
+                "memory instead",
+                self.namespace,
+                self._resolved,
+                e,
+            )
+            self._source = self._memory
+            with self.open_files(refs) as files:
+                self._copy_items(plan, planner, files)
         self.read_bytes = sum(ref.length for ref in refs)
         self.fetched_bytes = sum(ref.length for ref in refs if ref.file in self._fetched)
         fut: Future[None] = Future()
@@ -400,4 +439,5 @@ class TieredStorageReader(StorageReader):
         state["_memory"] = self._memory_tier(state["_daemon"])
         state["_source"] = state["_memory"]
         state["_streamed"] = None
+        state["_elsewhere"] = None
         return state

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Response
 from tierckpt_core.protocol import (
     HydrateRequest,
     NamespaceInfo,
+    PeerSources,
     PinResponse,
     RangesRequest,
     StepCandidate,
@@ -48,6 +49,19 @@ def hydrate(
     namespace: str, step: int, node: NodeDep, req: HydrateRequest | None = None
 ) -> StepInfo:
     return node.restorer.hydrate(namespace, step, req.files if req is not None else None)
+
+
+@router.get("/{namespace}/steps/{step}/peer-sources")
+def peer_sources(namespace: str, step: int, node: NodeDep) -> PeerSources:
+    """A step in no memory of this node, as its peers hold it: for a restore straight from them
+    into the reader's tensors (connections handed over on the handoff socket)."""
+    manifest, copies = node.restorer.peer_sources(namespace, step)
+    return PeerSources(
+        manifest=manifest,
+        holders={p: sorted(c.held) if c.held is not None else None for p, c in copies.items()},
+        attempts={p: c.attempt for p, c in copies.items()},
+        handoff=node.handoff is not None,
+    )
 
 
 @router.post("/{namespace}/steps/{step}/persist")

@@ -1,0 +1,162 @@
+"""Handing a local trainer a connection to a peer, so that a restore from a peer lands in the
+trainer's tensors straight from the socket (see docs/design.md, "Restore straight from a peer").
+
+A restore after a node loss used to have this daemon fetch the step from a peer into fresh tmpfs
+pages (half its time went to allocating and writing them) and the trainer then copy it from there.
+Now the trainer asks, on a second Unix socket beside the daemon's (:func:`handoff_socket`), for a
+range of one file of a peer's step. This daemon dials the peer, sends the request with its own
+peer token, reads and checks the response's head, and passes the connected socket to the trainer
+(``SCM_RIGHTS``); the trainer reads the body into its tensors and checks every block against the
+checksums of the step's manifest. The peer sends it by ``sendfile`` from its page cache.
+
+Trust: the token never leaves this daemon (the request carrying it is sent before the hand-over,
+and the peer closes the connection after the response, so the socket buys the trainer nothing but
+those bytes). Only the configured peers are dialed, for names that pass the same checks as the
+API's. The socket is 0660 in the directory of the daemon's API socket: whoever can reach one can
+reach the other, and reading a step through the API needs no more. Plain TCP only: a TLS session
+cannot change hands, so with peer TLS the daemon offers no hand-over and fetches steps itself.
+
+Protocol: one JSON line ``{"peer", "namespace", "step", "attempt", "file", "start", "stop"}``;
+the answer is one JSON line, ``{"ok": true}`` with the connection attached, or
+``{"ok": false, "code": ..., "detail": ...}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from tierckpt_core.errors import InvalidNameError, ProtocolError, TierCkptError
+from tierckpt_core.names import (
+    MAX_FILE_BYTES,
+    validate_attempt,
+    validate_file_name,
+    validate_namespace,
+    validate_step,
+)
+from tierckpt_daemon.replication import Replicator
+
+logger = logging.getLogger(__name__)
+
+MAX_REQUEST = 4096  # bytes of one request line
+REQUEST_TIMEOUT_S = 10.0  # for the trainer to send its request and take the answer
+MAX_CONNECTIONS = 32  # served at once; more wait to be accepted
+
+
+class HandoffServer:
+    """Serves hand-over requests on ``sock`` (a bound, listening Unix socket), one thread per
+    connection, at most :data:`MAX_CONNECTIONS` at once."""
+
+    def __init__(self, sock: socket.socket, path: Path, replicator: Replicator) -> None:
+        self.sock = sock
+        self.path = path
+        self.replicator = replicator
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="tierckpt-handoff", daemon=True)
+        self.handed = 0  # connections handed to trainers
+
+    def start(self) -> None:
+        self._thread.start()
+        logger.info("handing connections to peers to local trainers on %s", self.path)
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            self._slots.acquire()
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                self._slots.release()
+                if self._closed.is_set():
+                    return
+                logger.exception("handoff socket %s: accept failed", self.path)
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="tierckpt-handoff-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(REQUEST_TIMEOUT_S)
+                try:
+                    req = _request(conn)
+                    peer = self._opened(req)
+                except TierCkptError as e:
+                    _answer(conn, {"ok": False, "code": e.code, "detail": str(e)})
+                    return
+                except Exception as e:
+                    logger.exception("handoff: serving a request failed")
+                    _answer(conn, {"ok": False, "code": "internal", "detail": repr(e)})
+                    return
+                with peer:
+                    _answer(conn, {"ok": True}, peer.fileno())
+                self.handed += 1
+        except OSError as e:  # the trainer went away: nothing to tell anyone
+            logger.debug("handoff: connection ended: %s", e)
+        finally:
+            self._slots.release()
+
+    def _opened(self, req: dict[str, Any]) -> socket.socket:
+        """The connection to the peer for ``req``, its response's head read."""
+        try:
+            namespace = validate_namespace(req.get("namespace"))
+            step = validate_step(req.get("step"))
+            attempt = validate_attempt(req.get("attempt"))
+            name = validate_file_name(req.get("file"))
+            start, stop = req.get("start"), req.get("stop")
+            peer = req.get("peer")
+        except InvalidNameError as e:
+            raise ProtocolError(f"handoff request: {e}") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop)):
+            raise ProtocolError("handoff request: start and stop must be integers")
+        assert isinstance(start, int) and isinstance(stop, int)
+        if not 0 <= start < stop <= MAX_FILE_BYTES:
+            raise ProtocolError(f"handoff request: bad range {start}-{stop}")
+        members = set(self.replicator.membership.members()) - {self.replicator.node}
+        if not isinstance(peer, str) or peer not in members:
+            raise ProtocolError(
+                f"handoff request: {peer!r} is not one of this daemon's peers "
+                f"({', '.join(sorted(members)) or 'none'})"
+            )
+        return self.replicator.client.open_range(peer, namespace, step, attempt, name, start, stop)
+
+
+def _request(conn: socket.socket) -> dict[str, Any]:
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(MAX_REQUEST + 1 - len(data))
+        if not chunk:
+            raise ProtocolError("handoff request: the connection closed before a whole line")
+        data += chunk
+        if len(data) > MAX_REQUEST:
+            raise ProtocolError(f"handoff request: over {MAX_REQUEST} bytes")
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise ProtocolError(f"handoff request: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError("handoff request: not a JSON object")
+    return doc
+
+
+def _answer(conn: socket.socket, doc: dict[str, Any], fd: int | None = None) -> None:
+    line = json.dumps(doc).encode() + b"\n"
+    if fd is None:
+        conn.sendall(line)
+    else:
+        socket.send_fds(conn, [line], [fd])

@@ -1,0 +1,282 @@
+"""A restore after a node loss, read by the trainer straight from the peers that hold the step into
+its tensors, through connections its own daemon dials and hands over (``tierckpt_daemon.handoff``),
+each block verified as it lands; the daemon brings the step into memory afterwards. A bad copy on
+one peer is read from the next; when every peer's copy is bad, the daemon's own restore (the
+persistent tier) takes over. The handoff socket dials only the daemon's peers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierckpt_client import ClientConfig, DaemonClient
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _streamed
+from tierckpt_client.dcp._peered import Handoff
+from tierckpt_core.integrity import checksum
+from tierckpt_core.protocol import handoff_socket
+
+from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "peer-token-for-the-direct-peer-tests-0123456789"
+NS = "job"
+N = 1_000_003  # float32: ~4 MiB, not a multiple of any block size
+
+
+def _ring(n: int, **extra: Any) -> list[DaemonProcess]:
+    ports = [free_port() for _ in range(n)]
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    return [
+        DaemonProcess(new_shm_dir(), port=p, peers=peers, peer_token=TOKEN, **extra) for p in ports
+    ]
+
+
+@pytest.fixture
+def pair() -> Iterator[list[DaemonProcess]]:
+    nodes = _ring(2)
+    try:
+        for d in nodes:
+            d.start()
+        yield nodes
+    finally:
+        for d in nodes:
+            d.cleanup()
+
+
+def _config(d: DaemonProcess) -> ClientConfig:
+    return ClientConfig.from_env(socket=d.socket)
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(N, generator=g),
+        "b": torch.randn(31, generator=g),
+        "h": torch.randn(7, 300, generator=g).to(torch.float16),
+        "meta": {"step": step, "note": "y" * 3000},
+    }
+
+
+def _empty() -> dict[str, object]:
+    return {
+        "w": torch.zeros(N),
+        "b": torch.zeros(31),
+        "h": torch.zeros(7, 300, dtype=torch.float32),  # converted: through a private buffer
+        "meta": {"step": -1, "note": ""},
+    }
+
+
+def _assert_state(out: dict[str, object], step: int) -> None:
+    ref = _state(step)
+    assert torch.equal(out["w"], ref["w"])  # type: ignore[arg-type]
+    assert torch.equal(out["b"], ref["b"])  # type: ignore[arg-type]
+    assert torch.equal(out["h"], ref["h"].to(torch.float32))  # type: ignore[union-attr]
+    assert out["meta"] == ref["meta"]
+
+
+def _save_replicated(a: DaemonProcess, step: int, copies: int) -> None:
+    writer = TieredStorageWriter(NS, step, config=_config(a))
+    dcp.save(_state(step), storage_writer=writer, no_dist=True)
+
+    def replicated() -> bool:
+        with DaemonClient(_config(a)) as c:
+            info = c.step(NS, step)
+        return len(info.replicated_to) == copies and not info.replication_pending
+
+    wait_until(f"step {step} replicated to {copies} peers", replicated, 60)
+
+
+def _reboot(d: DaemonProcess) -> None:
+    d.kill()
+    shutil.rmtree(d.shm_dir)
+    d.start()
+
+
+def _load(d: DaemonProcess) -> tuple[TieredStorageReader, dict[str, object]]:
+    out = _empty()
+    reader = TieredStorageReader(NS, config=_config(d))
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return reader, out
+
+
+def _flip(d: DaemonProcess, offset: int) -> None:
+    files = [p for p in (d.shm_dir / "ns" / NS).glob("*/r*") if p.is_file()]
+    data = max(files, key=lambda p: p.stat().st_size)  # the tensors' file
+    with open(data, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_replacement_node_reads_the_step_from_its_peer_into_the_tensors(
+    pair: list[DaemonProcess], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, _ = pair
+    _save_replicated(a, 3, 1)
+    _reboot(a)
+    # The file is ~4 MiB: split into several connections as a large one would be.
+    monkeypatch.setattr(_streamed, "SPLIT_MIN", 1)
+    with caplog.at_level(logging.INFO, logger="tierckpt_client"):
+        reader, out = _load(a)
+    assert reader.resolved_step == 3
+    _assert_state(out, 3)  # bit-exact
+    assert "reading it straight from the peers that hold it" in caplog.text
+    assert reader.fetched_bytes == reader.read_bytes > 4 * N
+    # The load did not wait for this node's memory; the daemon fills it after.
+    fill = reader.memory_fill
+    assert fill is not None
+    fill.join(60)
+    with DaemonClient(_config(a)) as c:
+        (cand,) = [x for x in c.candidates(NS) if x.step == 3]
+    assert cand.in_memory
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tierckpt_client"):
+        again, out = _load(a)
+    _assert_state(out, 3)
+    assert again.memory_fill is None  # from this node's memory now
+    assert "straight from the peers" not in caplog.text
+
+
+def test_with_restore_direct_off_the_daemon_brings_the_step_first(
+    pair: list[DaemonProcess],
+) -> None:
+    a, _ = pair
+    _save_replicated(a, 4, 1)
+    _reboot(a)
+    out = _empty()
+    reader = TieredStorageReader(
+        NS, config=ClientConfig.from_env(socket=a.socket, restore_direct="off")
+    )
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    _assert_state(out, 4)
+    assert reader.memory_fill is None
+    with DaemonClient(_config(a)) as c:
+        assert [s.step for s in c.steps(NS)] == [4]  # in memory before the load read it
+
+
+def test_a_bad_copy_on_one_peer_is_read_from_the_next(caplog: pytest.LogCaptureFixture) -> None:
+    a, b, c = nodes = _ring(3, replicas=2)
+    try:
+        for d in nodes:
+            d.start()
+        _save_replicated(a, 5, 2)
+        _reboot(a)
+        with DaemonClient(_config(a)) as client:
+            first = next(iter(client.peer_sources(NS, 5).holders))
+        bad = b if first == b.name else c
+        _flip(bad, 3 * 16384 + 5)
+        with caplog.at_level(logging.INFO, logger="tierckpt_client"):
+            reader, out = _load(a)
+        _assert_state(out, 5)
+        assert f"from peer {first} does not match its checksum" in caplog.text
+        assert "trying the next peer" in caplog.text
+        assert reader.memory_fill is not None
+        reader.memory_fill.join(60)
+    finally:
+        for d in nodes:
+            d.cleanup()
+
+
+def test_when_every_peer_copy_is_bad_the_daemon_restores_from_the_persistent_tier(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = nodes = _ring(2)
+    a.settings["persist_url"] = f"file://{tmp_path / 'store'}"
+    try:
+        for d in nodes:
+            d.start()
+        _save_replicated(a, 6, 1)
+
+        def durable() -> bool:
+            with DaemonClient(_config(a)) as c:
+                return c.step(NS, 6).state.value == "durable"
+
+        wait_until("step 6 durable", durable, 60)
+        _flip(b, 100)
+        _reboot(a)
+        with caplog.at_level(logging.INFO, logger="tierckpt_client"):
+            reader, out = _load(a)
+        assert reader.resolved_step == 6
+        _assert_state(out, 6)
+        assert "reading it from the peers failed" in caplog.text
+        assert "does not match the checksum taken when it was written (block 0" in caplog.text
+        assert "trying the persistent tier" in a.log()
+    finally:
+        for d in nodes:
+            d.cleanup()
+
+
+def _ask(path: str, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(path)
+        s.sendall(json.dumps(req).encode() + b"\n")
+        data, fds, _, _ = socket.recv_fds(s, 4096, 1)
+    return json.loads(data), fds
+
+
+def test_the_handoff_socket_dials_only_peers_and_hands_over_just_the_range(
+    pair: list[DaemonProcess],
+) -> None:
+    a, b = pair
+    _save_replicated(a, 7, 1)
+    _reboot(a)
+    path = handoff_socket(a.socket)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660  # like the API socket
+    with DaemonClient(_config(a)) as c:
+        sources = c.peer_sources(NS, 7)
+    peer = b.name
+    assert sources.handoff and list(sources.attempts) == [peer]
+    f = max(sources.manifest.files, key=lambda f: f.length)
+    req = {
+        "peer": peer,
+        "namespace": NS,
+        "step": 7,
+        "attempt": sources.attempts[peer],
+        "file": f.name,
+        "start": 0,
+        "stop": f.length,
+    }
+    handoff = Handoff(_config(a))
+    # The connection carries exactly the range's bytes, then the peer closes it.
+    with handoff.open(peer, NS, 7, sources.attempts[peer], f.name, 0, f.length) as sock:
+        got = bytearray()
+        while chunk := sock.recv(1 << 20):
+            got += chunk
+    assert len(got) == f.length and checksum(bytes(got)) == f.checksum
+    # Anything but a peer of this daemon is refused before it dials: the peer token it would
+    # send goes nowhere else.
+    for host in ("127.0.0.1:9", "example.invalid:80", f"127.0.0.1:{a.settings['port']}"):
+        doc, fds = _ask(str(path), {**req, "peer": host})
+        assert fds == [] and not doc["ok"]
+        assert "is not one of this daemon's peers" in doc["detail"]
+    bad = [
+        ({**req, "file": "../../etc/passwd"}, "file name"),
+        ({**req, "attempt": "x\r\nHost: evil"}, "attempt"),
+        ({**req, "start": 5, "stop": 5}, "bad range"),
+        ({**req, "stop": "all"}, "must be integers"),
+    ]
+    for r, message in bad:
+        doc, fds = _ask(str(path), r)
+        assert fds == [] and not doc["ok"] and message in doc["detail"], doc
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(path))
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n\n")  # not the handoff protocol
+        doc = json.loads(s.recv(4096))
+    assert not doc["ok"] and "not JSON" in doc["detail"]
+    # A range of a step the peer does not hold: the peer's own error, named.
+    doc, fds = _ask(str(path), {**req, "step": 8})
+    assert fds == [] and not doc["ok"] and doc["code"] in ("step_not_found", "not_found"), doc
