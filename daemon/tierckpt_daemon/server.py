@@ -82,6 +82,26 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _start_handoff(settings: DaemonSettings, node: Node) -> HandoffServer | None:
+    """Hand trainers connections to peers for restores straight into their tensors (plain TCP
+    only: see handoff). Without the socket, restores from peers go through this daemon's memory,
+    as before: a warning, not a reason to stop."""
+    assert node.replicator is not None
+    path = handoff_socket(settings.socket_path)
+    try:
+        sock = _bind_unix(path)
+    except OSError as e:
+        logger.warning(
+            "cannot listen on %s (%s): restores from peers go through this daemon's memory",
+            path,
+            e,
+        )
+        return None
+    server = HandoffServer(sock, path, node.replicator)
+    server.start()
+    return server
+
+
 class _Server(uvicorn.Server):
     """A uvicorn server whose TCP listeners speak TLS while its Unix socket does not (uvicorn's
     own ``ssl`` setting applies to every listener of a server alike)."""
@@ -136,10 +156,7 @@ def serve(settings: DaemonSettings) -> None:
         )
         server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
         if node.replicator is not None and tls is None:
-            # Restores from peers straight into trainers' tensors (not with TLS: see handoff).
-            path = handoff_socket(settings.socket_path)
-            node.handoff = HandoffServer(_bind_unix(path), path, node.replicator)
-            node.handoff.start()
+            node.handoff = _start_handoff(settings, node)
         logger.info(
             "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d, persistent "
             "tier %s, replication %s)",
