@@ -646,6 +646,7 @@ def peer_rows(p: dict[str, Any]) -> list[Row]:
             )
         )
     for key, label in (
+        ("restore_reader_cpu_s_per_gb", "peer restore: trainer (reader) CPU-s per GB"),
         ("restore_fetching_daemon_cpu_s_per_gb", "peer restore: fetching daemon CPU-s per GB"),
         ("restore_serving_daemon_cpu_s_per_gb", "peer restore: serving daemon CPU-s per GB"),
         ("replication_receiver_cpu_s_per_gb", "replication: receiving daemon CPU-s per GB"),
