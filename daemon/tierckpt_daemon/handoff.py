@@ -59,7 +59,6 @@ class HandoffServer:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="tierckpt-handoff", daemon=True)
-        self.handed = 0  # connections handed to trainers
 
     def start(self) -> None:
         self._thread.start()
@@ -105,7 +104,6 @@ class HandoffServer:
                     return
                 with peer:
                     _answer(conn, {"ok": True}, peer.fileno())
-                self.handed += 1
         except OSError as e:  # the trainer went away: nothing to tell anyone
             logger.debug("handoff: connection ended: %s", e)
         finally:

@@ -33,6 +33,7 @@ from tierckpt_client.dcp._streamed import CONCURRENCY, MemoryFill, RangedFiles, 
 from tierckpt_client.errors import (
     CheckpointFormatError,
     PeerUnavailableError,
+    ProtocolError,
     TierCkptError,
     error_from_code,
 )
@@ -68,7 +69,7 @@ class Handoff:
             "start": start,
             "stop": stop,
         }
-        fds: list[int] = []
+        fds: list[int] = []  # closed unless handed to the caller
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.settimeout(self.config.connect_timeout_s)
@@ -79,35 +80,25 @@ class Handoff:
                 while not answer.endswith(b"\n"):
                     data, got, _, _ = socket.recv_fds(conn, MAX_ANSWER, 1)
                     fds += got
-                    if not data:
-                        raise PeerUnavailableError(
-                            f"the daemon's handoff socket {self.path} closed without an answer"
-                        )
+                    if not data or len(answer) + len(data) > MAX_ANSWER:
+                        raise ProtocolError(f"{self.path}: no answer line from the daemon")
                     answer += data
-                    if len(answer) > MAX_ANSWER:
-                        raise PeerUnavailableError(
-                            f"{self.path}: an answer over {MAX_ANSWER} bytes"
-                        )
+            try:
+                doc = json.loads(answer)
+            except ValueError as e:
+                raise ProtocolError(f"{self.path}: the daemon's answer is not JSON ({e})") from None
+            if not doc.get("ok"):
+                raise error_from_code(str(doc.get("code")), str(doc.get("detail")))
+            if len(fds) != 1:
+                raise ProtocolError(f"{self.path}: the daemon answered without a connection")
+            sock = socket.socket(fileno=fds.pop())
         except OSError as e:
-            for fd in fds:
-                socket.close(fd)
             raise PeerUnavailableError(
                 f"the daemon's handoff socket {self.path}: {type(e).__name__}: {e}"
             ) from e
-        except BaseException:
+        finally:
             for fd in fds:
                 socket.close(fd)
-            raise
-        doc = json.loads(answer)
-        if not doc.get("ok"):
-            for fd in fds:
-                socket.close(fd)
-            raise error_from_code(str(doc.get("code")), str(doc.get("detail")))
-        if len(fds) != 1:
-            for fd in fds:
-                socket.close(fd)
-            raise PeerUnavailableError(f"{self.path}: the daemon answered without a connection")
-        sock = socket.socket(fileno=fds[0])
         sock.settimeout(self.config.timeout_s)
         return sock
 

@@ -320,12 +320,14 @@ class MemoryFill:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.filling: threading.Thread | None = None
+        self._filling_for: tuple[str, int] | None = None
 
     def fill_memory(self, namespace: str, step: int) -> None:
         """Have the daemon hydrate the step (after this load's reads: the two do not share the
-        bandwidth), in a thread; the load does not wait for it. Once per step and reader."""
-        if self.filling is not None:
+        bandwidth), in a thread; the load does not wait for it. Once per step and source."""
+        if self.filling is not None and self._filling_for == (namespace, step):
             return
+        self._filling_for = (namespace, step)
 
         def run() -> None:
             try:

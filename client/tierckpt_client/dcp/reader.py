@@ -153,15 +153,16 @@ class TieredStorageReader(StorageReader):
 
     @property
     def memory_fill(self) -> threading.Thread | None:
-        """After a load read straight from the persistent tier: the thread in which the daemon
-        brings the step into this node's memory for the next restore (the load does not wait
-        for it; ``join()`` it to)."""
+        """After a load read straight from the persistent tier or the peers: the thread in which
+        the daemon brings the step into this node's memory for the next restore (the load does
+        not wait for it; ``join()`` it to). None after a load from this node's memory."""
         return self._elsewhere.filling if self._elsewhere is not None else None
 
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._resolved = None
         self._source = self._memory
+        self._elsewhere = None
         self.load_id = uuid.uuid4().hex
         if checkpoint_id is not None:
             self.namespace, self.step = parse_checkpoint_id(checkpoint_id)
