@@ -13,8 +13,9 @@ Trust: the token never leaves this daemon (the request carrying it is sent befor
 and the peer closes the connection after the response, so the socket buys the trainer nothing but
 those bytes). Only the configured peers are dialed, for names that pass the same checks as the
 API's. The socket is 0660 in the directory of the daemon's API socket: whoever can reach one can
-reach the other, and reading a step through the API needs no more. Plain TCP only: a TLS session
-cannot change hands, so with peer TLS the daemon offers no hand-over and fetches steps itself.
+reach the other, and reading a step through the API needs no more. A TLS session
+cannot change hands: with peer TLS the trainer gets one end of a socket pair instead, and this
+daemon relays the decrypted body into the other (still no tmpfs pages on the way).
 
 Protocol: one JSON line ``{"peer", "namespace", "step", "attempt", "file", "start", "stop"}``;
 the answer is one JSON line, ``{"ok": true}`` with the connection attached, or
@@ -39,13 +40,16 @@ from tierckpt_core.names import (
     validate_namespace,
     validate_step,
 )
+from tierckpt_daemon.peer_client import RangeStream
 from tierckpt_daemon.replication import Replicator
 
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST = 4096  # bytes of one request line
 REQUEST_TIMEOUT_S = 10.0  # for the trainer to send its request and take the answer
-MAX_CONNECTIONS = 32  # served at once; more wait to be accepted
+MAX_CONNECTIONS = 32  # served at once (relays included); more wait to be accepted
+RELAY_CHUNK = 1 << 20  # bytes per read from a TLS peer
+RELAY_TIMEOUT_S = 60.0  # for the trainer to take the next relayed piece
 
 
 class HandoffServer:
@@ -102,15 +106,27 @@ class HandoffServer:
                     logger.exception("handoff: serving a request failed")
                     _answer(conn, {"ok": False, "code": "internal", "detail": repr(e)})
                     return
-                with peer:
-                    _answer(conn, {"ok": True}, peer.fileno())
+                if isinstance(peer, socket.socket):  # plain TCP: the connection itself
+                    with peer:
+                        _answer(conn, {"ok": True}, peer.fileno())
+                    return
+                # TLS: one end of a socket pair, the body relayed into the other
+                ours, theirs = socket.socketpair()
+                try:
+                    with theirs:
+                        _answer(conn, {"ok": True}, theirs.fileno())
+                    _relay(peer, ours)
+                finally:
+                    ours.close()
+                    peer.close()
         except OSError as e:  # the trainer went away: nothing to tell anyone
             logger.debug("handoff: connection ended: %s", e)
         finally:
             self._slots.release()
 
-    def _opened(self, req: dict[str, Any]) -> socket.socket:
-        """The connection to the peer for ``req``, its response's head read."""
+    def _opened(self, req: dict[str, Any]) -> socket.socket | RangeStream:
+        """The peer's answer to ``req``, its head read: the connection (plain TCP), or the body
+        to relay (TLS)."""
         try:
             namespace = validate_namespace(req.get("namespace"))
             step = validate_step(req.get("step"))
@@ -132,6 +148,20 @@ class HandoffServer:
                 f"({', '.join(sorted(members)) or 'none'})"
             )
         return self.replicator.client.open_range(peer, namespace, step, attempt, name, start, stop)
+
+
+def _relay(body: RangeStream, out: socket.socket) -> None:
+    """Copy a TLS peer's body into ``out`` (the trainer reads the other end)."""
+    out.settimeout(RELAY_TIMEOUT_S)
+    buf = memoryview(bytearray(min(RELAY_CHUNK, body.length)))
+    left = body.length
+    try:
+        while left:
+            n = body.readinto(buf[: min(len(buf), left)])
+            out.sendall(buf[:n])
+            left -= n
+    except TierCkptError as e:  # the trainer sees the stream end early and says so
+        logger.warning("handoff: relaying %s stopped: %s", body.what, e)
 
 
 def _request(conn: socket.socket) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import ssl
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -85,6 +86,35 @@ class _HTTPSConnection(http.client.HTTPSConnection):
         self.sock = self._context.wrap_socket(  # type: ignore[attr-defined]
             self.sock, server_hostname=self._server_name
         )
+
+
+class RangeStream:
+    """The body of a ranged answer from a TLS peer (:meth:`PeerClient.open_range`), to relay."""
+
+    def __init__(
+        self,
+        conn: http.client.HTTPConnection,
+        resp: http.client.HTTPResponse,
+        length: int,
+        what: str,
+    ) -> None:
+        self._conn = conn
+        self._resp = resp
+        self.length = length
+        self.what = what
+
+    def readinto(self, buf: memoryview) -> int:
+        """Bytes of the body into ``buf``; PeerUnavailableError if it ends early."""
+        try:
+            n = self._resp.readinto(buf)
+        except (OSError, http.client.HTTPException) as e:
+            raise PeerUnavailableError(f"{self.what}: {type(e).__name__}: {e}") from e
+        if not n and len(buf):
+            raise PeerUnavailableError(f"{self.what}: the body ended early")
+        return n
+
+    def close(self) -> None:
+        self._conn.close()
 
 
 class PeerClient:
@@ -308,21 +338,36 @@ class PeerClient:
 
     def open_range(
         self, peer: str, namespace: str, step: int, attempt: str, name: str, start: int, stop: int
-    ) -> socket.socket:
-        """A plain-TCP connection to ``peer`` on which bytes ``[start, stop)`` of file ``name``
-        of its step come next: the request (with this daemon's token, ``Connection: close``) is
-        sent and the response's head read and checked (206, the range asked for, its length),
-        nothing of the body. For :mod:`tierckpt_daemon.handoff`, which hands the connection to a
-        local trainer; the bytes are unverified (the trainer checks each block). Not with TLS: a
-        TLS session cannot change hands."""
+    ) -> socket.socket | RangeStream:
+        """Bytes ``[start, stop)`` of file ``name`` of ``peer``'s step, unverified (for
+        :mod:`tierckpt_daemon.handoff`: the trainer it hands them to checks each block). The
+        request is sent (with this daemon's token, ``Connection: close``) and the response's head
+        read and checked (206, the range asked for, its length). On plain TCP: the connection,
+        on which the body comes next (its head was read without taking a byte of the body), to
+        be handed over whole. With TLS, whose session cannot change hands: a
+        :class:`RangeStream` to relay."""
         url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
-        if self.tls is not None:
-            raise ProtocolError(f"peer {peer}: connections to TLS peers are not handed over")
         if not 0 <= start < stop:
             raise ProtocolError(f"peer {peer}: {url}: empty or negative range {start}-{stop}")
-        addr = http.client.HTTPConnection(peer)  # parses host:port as requests to peers do
+        what = f"peer {peer}: {url}"
 
-        def once() -> socket.socket:
+        def check(
+            status: int, headers: Callable[[str], str | None], body: Callable[[], bytes]
+        ) -> None:
+            if status != 206:
+                _decode(peer, "GET", url, httpx.Response(status, content=body()))
+                raise ProtocolError(f"{what} with a range answered HTTP {status}, not 206")
+            got = headers("content-range") or ""
+            if not got.startswith(f"bytes {start}-{stop - 1}/") or headers("content-length") != str(
+                stop - start
+            ):
+                raise ProtocolError(
+                    f"{what} answered bytes {got!r} ({headers('content-length')} bytes) for "
+                    f"{start}-{stop - 1}"
+                )
+
+        def plain() -> socket.socket:
+            addr = http.client.HTTPConnection(peer)  # parses host:port as requests to peers do
             try:
                 sock = socket.create_connection((addr.host, addr.port), timeout=self.timeout_s)
             except OSError as e:
@@ -334,21 +379,9 @@ class PeerClient:
                         f"Range: bytes={start}-{stop - 1}\r\nConnection: close\r\n\r\n"
                     ).encode()
                 )
-                status, headers = _read_head(sock, f"peer {peer}: {url}")
-                if status != 206:
-                    n = int(headers.get("content-length", "0") or 0)
-                    body = _recv_exact(sock, min(n, MAX_HEAD), f"peer {peer}: {url}")
-                    _decode(peer, "GET", url, httpx.Response(status, content=body))
-                    raise ProtocolError(
-                        f"peer {peer}: GET {url} with a range answered HTTP {status}, not 206"
-                    )
-                if not headers.get("content-range", "").startswith(
-                    f"bytes {start}-{stop - 1}/"
-                ) or headers.get("content-length") != str(stop - start):
-                    raise ProtocolError(
-                        f"peer {peer}: {url} answered bytes {headers.get('content-range')!r} "
-                        f"({headers.get('content-length')} bytes) for {start}-{stop - 1}"
-                    )
+                status, headers = _read_head(sock, what)
+                n = min(int(headers.get("content-length", "0") or 0), MAX_HEAD)
+                check(status, headers.get, lambda: _recv_exact(sock, n, what))
                 return sock
             except OSError as e:
                 sock.close()
@@ -357,6 +390,29 @@ class PeerClient:
                 sock.close()
                 raise
 
+        def tls() -> RangeStream:
+            conn = self._connection(peer)
+            try:
+                conn.request(
+                    "GET",
+                    url,
+                    headers={
+                        "Authorization": self._auth,
+                        "Range": f"bytes={start}-{stop - 1}",
+                        "Connection": "close",
+                    },
+                )
+                resp = conn.getresponse()
+                check(resp.status, resp.getheader, lambda: resp.read(MAX_HEAD))
+                return RangeStream(conn, resp, stop - start, what)
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                raise self._unavailable(peer, "GET", url, e) from e
+            except BaseException:
+                conn.close()
+                raise
+
+        once: Callable[[], socket.socket | RangeStream] = plain if self.tls is None else tls
         return self._retrying(RETRIES)(once)
 
     def read_range(

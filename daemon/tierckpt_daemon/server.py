@@ -86,9 +86,9 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
 
 
 def _start_handoff(settings: DaemonSettings, node: Node) -> HandoffServer | None:
-    """Hand trainers connections to peers for restores straight into their tensors (plain TCP
-    only: see handoff). Without the socket, restores from peers go through this daemon's memory,
-    as before: a warning, not a reason to stop."""
+    """Hand trainers connections to peers (or relays of them, with TLS) for restores straight
+    into their tensors (see handoff). Without the socket, restores from peers go through this
+    daemon's memory, as before: a warning, not a reason to stop."""
     assert node.replicator is not None
     path = handoff_socket(settings.socket_path)
     try:
@@ -158,7 +158,7 @@ def serve(settings: DaemonSettings) -> None:
             http=SendfileH11Protocol,  # peers' file bytes by sendfile on plain TCP
         )
         server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
-        if node.replicator is not None and tls is None:
+        if node.replicator is not None:
             node.handoff = _start_handoff(settings, node)
         logger.info(
             "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d, persistent "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import os
 import shutil
 import ssl
@@ -162,6 +163,8 @@ def _load(d: DaemonProcess, ns: str) -> tuple[int | None, dict[str, object]]:
     out: dict[str, object] = {"w": torch.zeros(N), "meta": {"step": -1, "tag": ""}}
     reader = TieredStorageReader(ns, config=ClientConfig.from_env(socket=d.socket))
     dcp.load(out, storage_reader=reader, no_dist=True)
+    if reader.memory_fill is not None:  # read from the peer: the daemon fills its memory after
+        reader.memory_fill.join(60)
     return reader.resolved_step, out
 
 
@@ -174,7 +177,9 @@ def _two(per_node: list[dict[str, Any]]) -> list[DaemonProcess]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("naming", ["address", "server_name"])
-def test_two_daemons_replicate_and_restore_a_step_over_tls(tmp_path: Path, naming: str) -> None:
+def test_two_daemons_replicate_and_restore_a_step_over_tls(
+    tmp_path: Path, naming: str, caplog: pytest.LogCaptureFixture
+) -> None:
     ca = CA.make(tmp_path, "cluster-ca")
     if naming == "address":  # each certificate carries the address its peers dial (an IP here)
         certs = [ca.issue(tmp_path, f"node{i}", dns=[], ips=["127.0.0.1"]) for i in (0, 1)]
@@ -217,15 +222,21 @@ def test_two_daemons_replicate_and_restore_a_step_over_tls(tmp_path: Path, namin
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(f"https://127.0.0.1:{port}/healthz", timeout=10)
 
-        # A's node is lost; its replacement restores step 7 from B, over TLS, bit-exact.
+        # A's node is lost; its replacement restores step 7 from B, over TLS, bit-exact: the
+        # trainer reads it through A, which relays what it receives from B (a TLS session cannot
+        # be handed over), and A brings the step into its memory after.
         a.kill()
         shutil.rmtree(a.shm_dir)
         a.start()
-        step, out = _load(a, "job")
+        with caplog.at_level(logging.INFO, logger="tierckpt_client"):
+            step, out = _load(a, "job")
         assert step == 7
         want = _state(7)
         assert torch.equal(out["w"], want["w"])  # type: ignore[arg-type]
         assert out["meta"] == want["meta"]
+        assert "reading it straight from the peers that hold it" in caplog.text
+        assert "reading it from the peers failed" not in caplog.text
+        assert [s.step for s in _steps(a, "job").values()] == [7]
     finally:
         a.cleanup()
         b.cleanup()

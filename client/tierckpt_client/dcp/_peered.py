@@ -10,8 +10,9 @@ against the manifest's checksums (``RangedFiles``). Before, the daemon wrote the
 tmpfs pages (half its time) and the reader then copied it from there.
 
 A range that fails on one peer (it went away, or a block does not match) is read again from the
-next peer that holds the file. A daemon that offers no hand-over (peers over TLS, an older
-daemon), or files without block checksums, leave the restore to the daemon as before.
+next peer that holds the file. With peer TLS the daemon hands over one end of a socket pair and
+relays the decrypted bytes into it. A daemon that offers no hand-over (an older one), or files
+without block checksums, leave the restore to the daemon as before.
 """
 
 from __future__ import annotations
