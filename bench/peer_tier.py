@@ -54,6 +54,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensors", type=int, default=16, help="float32 tensors in the state dict")
     p.add_argument("--iters", type=int, default=3, help="repetitions per measurement (median)")
     p.add_argument("--loop-s", type=float, default=2.5, help="victim training loop length (s)")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="peers talk TLS (a throwaway CA; needs the test extra's cryptography)",
+    )
+    p.add_argument(
+        "--restore-direct",
+        choices=["auto", "off"],
+        default="auto",
+        help="off: the daemon fetches a step from the peer into its memory before the reader "
+        "reads it (the path before restores straight into the tensors)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/peer_tier.json"))
     p.add_argument("--smoke", action="store_true", help="32 MiB, 1 iteration, short loop (CI)")
     args = p.parse_args()
@@ -67,7 +79,15 @@ def parse_args() -> argparse.Namespace:
 class Node(DaemonProcess):
     """A daemon with its own tmpfs dir and TCP port, peered with the others (one "node")."""
 
-    def __init__(self, name: str, port: int, peers: str, capacity_mb: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        peers: str,
+        capacity_mb: int,
+        restore_direct: str = "auto",
+        **tls: str,
+    ) -> None:
         tag = uuid.uuid4().hex[:8]
         super().__init__(
             Path(f"/dev/shm/tierckpt-bench-peer-{name}-{tag}"),
@@ -80,8 +100,9 @@ class Node(DaemonProcess):
             capacity=f"{capacity_mb}M",
             keep_last=2,
             log_level="INFO",
+            **tls,
         )
-        self.config = ClientConfig.from_env(socket=self.socket)
+        self.config = ClientConfig.from_env(socket=self.socket, restore_direct=restore_direct)
 
     def client(self) -> DaemonClient:
         return DaemonClient(self.config)
@@ -379,15 +400,34 @@ def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)
-    info = machine_info(size_mb=args.size_mb, tensors=args.tensors, iters=args.iters)
+    info = machine_info(
+        size_mb=args.size_mb,
+        tensors=args.tensors,
+        iters=args.iters,
+        tls=args.tls,
+        restore_direct=args.restore_direct,
+    )
     print(
         f"machine: {info['cores']} cores, {info['mem_gib']} GiB, torch {info['torch']}, python "
         f"{info['python']}; {args.size_mb} MiB in {args.tensors} tensors x {args.iters} iters"
+        f"{'; peers over TLS' if args.tls else ''}"
+        f"{'; the daemon fetches restores first' if args.restore_direct == 'off' else ''}"
     )
     ports = [free_port(), free_port()]
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     capacity = 4 * args.size_mb + 1024  # own steps (keep_last 2 + 1) and the peer's replicas
-    a, b = (Node(n, p, peers, capacity) for n, p in zip("ab", ports, strict=True))
+    tls: dict[str, str] = {}
+    if args.tls:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from certs import CA, tls_settings  # test helper: a throwaway CA
+
+        tmp = Path(tempfile.mkdtemp(prefix="tierckpt-bench-tls-"))
+        ca = CA.make(tmp, "bench-ca")
+        tls = tls_settings(ca, ca.issue(tmp, "node", dns=[], ips=["127.0.0.1"]))
+    a, b = (
+        Node(n, p, peers, capacity, args.restore_direct, **tls)
+        for n, p in zip("ab", ports, strict=True)
+    )
     try:
         a.start()
         b.start()

@@ -5,15 +5,12 @@ says why; half-given or unreadable TLS settings stop the daemon with a message t
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import logging
 import os
 import shutil
 import ssl
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,124 +18,17 @@ import httpx
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import StepInfo
 
+from certs import CA, tls_settings
 from helpers import DaemonProcess, ring, wait_until
 
 TOKEN = "peer-token-for-the-tls-tests-0123456789"
 N = 1 << 14
 SERVER_NAME = "tierckpt-peer.tierckpt.svc"
-
-
-# -- certificates -----------------------------------------------------------------------------------
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> Path:
-    path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return path
-
-
-@dataclass
-class CA:
-    name: str
-    key: ec.EllipticCurvePrivateKey
-    cert: x509.Certificate
-    path: Path
-
-    @classmethod
-    def make(cls, tmp: Path, name: str) -> CA:
-        key = _key()
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        now = datetime.datetime.now(datetime.timezone.utc)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
-            )
-            .sign(key, hashes.SHA256())
-        )
-        path = tmp / f"{name}.crt"
-        path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        return cls(name, key, cert, path)
-
-    def issue(self, tmp: Path, name: str, *, dns: list[str], ips: list[str]) -> tuple[Path, Path]:
-        """A certificate for a daemon, good as a server and as a client, and its key."""
-        key = _key()
-        now = datetime.datetime.now(datetime.timezone.utc)
-        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
-        sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(self.cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
-                critical=False,
-            )
-            .sign(self.key, hashes.SHA256())
-        )
-        cert_path = tmp / f"{name}.crt"
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        return cert_path, _write_key(key, tmp / f"{name}.key")
-
-
-def _tls(ca: CA, cert: tuple[Path, Path], **more: str) -> dict[str, str]:
-    return {
-        "peer_tls_cert": str(cert[0]),
-        "peer_tls_key": str(cert[1]),
-        "peer_tls_ca": str(ca.path),
-        **more,
-    }
 
 
 # -- daemons and steps --------------------------------------------------------------------------------
@@ -177,7 +67,7 @@ def _two(per_node: list[dict[str, Any]]) -> list[DaemonProcess]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("naming", ["address", "server_name"])
-def test_two_daemons_replicate_and_restore_a_step_over_tls(
+def test_two_daemons_replicate_and_restore_a_step_overtls_settings(
     tmp_path: Path, naming: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     ca = CA.make(tmp_path, "cluster-ca")
@@ -187,7 +77,7 @@ def test_two_daemons_replicate_and_restore_a_step_over_tls(
     else:  # one name for every daemon, whatever address a peer dials
         certs = [ca.issue(tmp_path, f"node{i}", dns=[SERVER_NAME], ips=[]) for i in (0, 1)]
         extra = {"peer_tls_server_name": SERVER_NAME}
-    a, b = _two([_tls(ca, c, **extra) for c in certs])
+    a, b = _two([tls_settings(ca, c, **extra) for c in certs])
     try:
         a.start()
         b.start()
@@ -248,7 +138,7 @@ def test_a_peer_with_a_certificate_from_another_ca_is_refused(tmp_path: Path) ->
     good = ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])
     # B trusts the cluster's CA but presents a certificate another CA issued.
     stranger = stranger_ca.issue(tmp_path, "node1", dns=[], ips=["127.0.0.1"])
-    a, b = _two([_tls(ca, good), _tls(ca, stranger)])
+    a, b = _two([tls_settings(ca, good), tls_settings(ca, stranger)])
     try:
         a.start()
         b.start()
@@ -289,7 +179,7 @@ def test_a_peer_with_a_certificate_from_another_ca_is_refused(tmp_path: Path) ->
 @pytest.mark.slow
 def test_a_daemon_with_tls_says_when_its_peer_has_none(tmp_path: Path) -> None:
     ca = CA.make(tmp_path, "cluster-ca")
-    a, b = _two([_tls(ca, ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])), {}])
+    a, b = _two([tls_settings(ca, ca.issue(tmp_path, "node0", dns=[], ips=["127.0.0.1"])), {}])
     try:
         a.start()
         b.start()
