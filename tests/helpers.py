@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +46,18 @@ def wait_until(
                 f"timed out after {timeout:g}s waiting for {what}: last saw {got!r}{more}"
             )
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running(nodes: list[DaemonProcess]) -> Iterator[list[DaemonProcess]]:
+    """``nodes`` started, and cleaned up (stopped, tier removed) however the block ends."""
+    try:
+        for d in nodes:
+            d.start()
+        yield nodes
+    finally:
+        for d in nodes:
+            d.cleanup()
 
 
 def new_shm_dir() -> Path:

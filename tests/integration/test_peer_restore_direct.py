@@ -25,7 +25,7 @@ from tierckpt_client.dcp._peered import Handoff
 from tierckpt_core.integrity import checksum
 from tierckpt_core.protocol import handoff_socket
 
-from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
+from helpers import DaemonProcess, ring, running, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -35,23 +35,13 @@ N = 1_000_003  # float32: ~4 MiB, not a multiple of any block size
 
 
 def _ring(n: int, **extra: Any) -> list[DaemonProcess]:
-    ports = [free_port() for _ in range(n)]
-    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
-    return [
-        DaemonProcess(new_shm_dir(), port=p, peers=peers, peer_token=TOKEN, **extra) for p in ports
-    ]
+    return ring(n, token=TOKEN, **extra)
 
 
 @pytest.fixture
 def pair() -> Iterator[list[DaemonProcess]]:
-    nodes = _ring(2)
-    try:
-        for d in nodes:
-            d.start()
+    with running(_ring(2)) as nodes:
         yield nodes
-    finally:
-        for d in nodes:
-            d.cleanup()
 
 
 def _config(d: DaemonProcess) -> ClientConfig:
@@ -168,10 +158,7 @@ def test_with_restore_direct_off_the_daemon_brings_the_step_first(
 
 
 def test_a_bad_copy_on_one_peer_is_read_from_the_next(caplog: pytest.LogCaptureFixture) -> None:
-    a, b, c = nodes = _ring(3, replicas=2)
-    try:
-        for d in nodes:
-            d.start()
+    with running(_ring(3, replicas=2)) as (a, b, c):
         _save_replicated(a, 5, 2)
         _reboot(a)
         with DaemonClient(_config(a)) as client:
@@ -185,19 +172,13 @@ def test_a_bad_copy_on_one_peer_is_read_from_the_next(caplog: pytest.LogCaptureF
         assert "trying the next peer" in caplog.text
         assert reader.memory_fill is not None
         reader.memory_fill.join(60)
-    finally:
-        for d in nodes:
-            d.cleanup()
 
 
 def test_when_every_peer_copy_is_bad_the_daemon_restores_from_the_persistent_tier(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    a, b = nodes = _ring(2)
-    a.settings["persist_url"] = f"file://{tmp_path / 'store'}"
-    try:
-        for d in nodes:
-            d.start()
+    nodes = _ring(2, per_node=[{"persist_url": f"file://{tmp_path / 'store'}"}, {}])
+    with running(nodes) as (a, b):
         _save_replicated(a, 6, 1)
 
         def durable() -> bool:
@@ -214,9 +195,6 @@ def test_when_every_peer_copy_is_bad_the_daemon_restores_from_the_persistent_tie
         assert "reading it from the peers failed" in caplog.text
         assert "does not match the checksum taken when it was written (block 0" in caplog.text
         assert "trying the persistent tier" in a.log()
-    finally:
-        for d in nodes:
-            d.cleanup()
 
 
 def _ask(path: str, req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:

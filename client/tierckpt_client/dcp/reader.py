@@ -297,6 +297,10 @@ class TieredStorageReader(StorageReader):
     # does not have), and the user sees this reader's error rather than a second, misleading one.
     def read_metadata(self) -> Metadata:
         namespace = self._require_namespace()
+        # Each load starts from this node's memory (DCP calls reset() only when given a
+        # checkpoint_id): a reader reused after a load from elsewhere must not stay there.
+        self._source = self._memory
+        self._elsewhere = None
         step = self._resolve_step()
         self._resolved = step
         try:
