@@ -87,6 +87,7 @@ class HandoffServer:
                 if self._closed.is_set():
                     return
                 logger.exception("handoff socket %s: accept failed", self.path)
+                self._closed.wait(1.0)  # out of descriptors, say: not a busy loop
                 continue
             threading.Thread(
                 target=self._serve, args=(conn,), name="tierckpt-handoff-conn", daemon=True
@@ -102,6 +103,8 @@ class HandoffServer:
                 except TierCkptError as e:
                     _answer(conn, {"ok": False, "code": e.code, "detail": str(e)})
                     return
+                except OSError:  # the trainer's side: slow, or gone
+                    raise
                 except Exception as e:
                     logger.exception("handoff: serving a request failed")
                     _answer(conn, {"ok": False, "code": "internal", "detail": repr(e)})
