@@ -17,7 +17,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _streamed
@@ -25,7 +28,7 @@ from tierckpt_client.dcp._peered import Handoff
 from tierckpt_core.integrity import checksum
 from tierckpt_core.protocol import handoff_socket
 
-from helpers import DaemonProcess, ring, running, wait_until
+from helpers import DaemonProcess, ring, run_ranks, running, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -259,3 +262,39 @@ def test_the_handoff_socket_dials_only_peers_and_hands_over_just_the_range(
     # A range of a step the peer does not hold: the peer's own error, named.
     doc, fds = _ask(str(path), {**req, "step": 8})
     assert fds == [] and not doc["ok"] and doc["code"] in ("step_not_found", "not_found"), doc
+
+
+# -- a step spanning nodes: what another node holds, read from it --------------------------------
+
+BIG = 1 << 21  # float32 rows of 1: 8 MiB per rank, above what is fetched as small ranges
+
+
+def _spanning(rank: int, world: int, sockets: list[str]) -> None:
+    os.environ["TIERCKPT_SOCKET"] = sockets[rank]  # rank 0 on node A, rank 1 on node B
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(2 * BIG, generator=torch.Generator().manual_seed(5))
+    sd = {"w": distribute_tensor(full, mesh, [Shard(0)]), "meta": {"step": 9}}
+    dcp.save(sd, storage_writer=TieredStorageWriter(NS, 9), process_group=dist.group.WORLD)
+
+
+def test_a_rank_reads_what_another_node_holds_straight_from_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with running(_ring(2, replicas=0)) as (a, b):
+        run_ranks(_spanning, 2, [str(a.socket), str(b.socket)])
+        with DaemonClient(_config(b)) as c:
+            held = {f.name for f in c.step(NS, 9).files}
+        assert len(held) == 1  # node B holds its own rank's file only
+        # One process on node B loads the whole tensor: node A's half is read from node A.
+        out = {"w": torch.zeros(2 * BIG), "meta": {"step": -1}}
+        reader = TieredStorageReader(NS, 9, config=_config(b))
+        with caplog.at_level(logging.INFO, logger="tierckpt_client"):
+            dcp.load(out, storage_reader=reader, no_dist=True)
+        assert torch.equal(
+            out["w"], torch.randn(2 * BIG, generator=torch.Generator().manual_seed(5))
+        )
+        assert out["meta"] == {"step": 9}
+        assert "held by other nodes, from them straight into the tensors" in caplog.text
+        assert reader.fetched_bytes >= 4 * BIG
+        with DaemonClient(_config(b)) as c:
+            assert {f.name for f in c.step(NS, 9).files} == held  # nothing copied into B

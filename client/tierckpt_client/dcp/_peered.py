@@ -219,6 +219,23 @@ class PeerTier(MemoryFill):
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
         return self.sources.manifest.metadata
 
+    def files(self, where: str, names: set[str] | None, rest: Files) -> RangedFiles:
+        """The step's files ``names`` (None: all) read from the peers, ``rest`` for the others
+        (this node's memory, when it holds them)."""
+        m = self.sources.manifest
+        return RangedFiles(
+            where,
+            PeerRanges(Handoff(self.config), self.sources),
+            {f.name: f.name for f in m.files},
+            {f.name: f for f in m.files if names is None or f.name in names},
+            rest,
+            concurrency=self.concurrency,
+            streams=STREAMS,
+            others_elsewhere=names is not None,
+            source="on every peer that holds it",
+            remedy="restore an older step, or this one from the persistent tier",
+        )
+
     @contextlib.contextmanager
     def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[RangedFiles]:
         m = self.sources.manifest
@@ -231,18 +248,7 @@ class PeerTier(MemoryFill):
                 return torch.empty(0, dtype=torch.uint8)
             raise CheckpointFormatError(f"{where}: {name} has no block checksums")
 
-        ranges = PeerRanges(Handoff(self.config), self.sources)
-        files = RangedFiles(
-            where,
-            ranges,
-            {f.name: f.name for f in m.files},
-            {f.name: f for f in m.files},
-            Files(where, no_whole, {}),
-            concurrency=self.concurrency,
-            streams=STREAMS,
-            source="on every peer that holds it",
-            remedy="restore an older step, or this one from the persistent tier",
-        )
+        files = self.files(where, None, Files(where, no_whole, {}))
         files.fetched = {ref.file for ref in refs}
         try:
             yield files

@@ -116,17 +116,22 @@ class RangedFiles:
         *,
         concurrency: int = CONCURRENCY,
         streams: int = 1,
+        others_elsewhere: bool = False,
         source: str = "in the persistent tier",
         remedy: str = "restore an older step, or this one from a node that still holds it in memory",
     ) -> None:
         self.where = where
         self._store = store
         self._streams = max(1, streams)  # GETs a long run is split into (whole blocks each)
+        # Files not in ``records`` are ``whole``'s (this node's memory, when this reads only the
+        # files other nodes hold), not an error.
+        self._others_elsewhere = others_elsewhere
         self._source = source
         self._remedy = remedy
         self._keys = keys
         self._records = records
-        self._whole = whole  # files without block checksums: downloaded whole, verified
+        self._whole = whole  # files without block checksums (downloaded whole, verified), and
+        # with others_elsewhere the files this does not read
         self._concurrency = max(1, concurrency)
         self._filled: set[tuple[str, int, int, int]] = set()  # (file, offset, length, data_ptr)
         self._parts: dict[tuple[str, int, int], bytearray] = {}
@@ -175,6 +180,10 @@ class RangedFiles:
         return rec
 
     def _blockless(self, name: str, offset: int, length: int, what: str) -> bool:
+        """Whether ``name`` is read by the other ``Files`` (``whole``): it has no block
+        checksums, or (``others_elsewhere``) it is not one of this reader's files."""
+        if self._others_elsewhere and name not in self._records:
+            return True
         rec = self._record(name)
         if offset < 0 or length < 0 or offset + length > rec.length:
             raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")

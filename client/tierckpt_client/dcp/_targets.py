@@ -123,6 +123,13 @@ class ReadSource(Protocol):
     ) -> contextlib.AbstractContextManager[StepFiles]: ...
 
 
+class RemoteFiles(Protocol):
+    """Files of a step that other nodes hold, read from them straight into the tensors
+    (``_peered.PeerTier``)."""
+
+    def files(self, where: str, names: set[str] | None, rest: Files) -> StepFiles: ...
+
+
 class MemoryTier:
     """The node's memory tier, through its daemon: files are leased tmpfs files, sealed into a save
     attempt and committed by the coordinator; reads map pinned files."""
@@ -134,6 +141,7 @@ class MemoryTier:
         overwrite: bool = True,
         verify_reads: bool = True,
         read_direct: Callable[[str, StepCandidate], dict[str, Any] | None] | None = None,
+        peer_files: Callable[[str, int], RemoteFiles | None] | None = None,
     ) -> None:
         self.daemon = daemon
         self.overwrite = overwrite
@@ -142,6 +150,11 @@ class MemoryTier:
         # the peers that hold it or the persistent tier (returns its metadata, None to
         # decline), instead of the daemon hydrating it first.
         self.read_direct = read_direct
+        # For files of a step spanning nodes that other nodes hold and a rank needs in bulk: the
+        # reader's offer to read them from those nodes straight into the tensors (None to
+        # decline), instead of the daemon bringing them into this node's memory first.
+        self.peer_files = peer_files
+        self.read_peers = False  # the last open_files read files from the peers
 
     # -- save -------------------------------------------------------------------------------
     def begin(self, namespace: str, step: int) -> None:
@@ -253,12 +266,12 @@ class MemoryTier:
         return self.read_direct(namespace, cand)
 
     @contextlib.contextmanager
-    def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[Files]:
+    def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[StepFiles]:
         """The step's files in this node's memory, pinned meanwhile. Of a step spanning nodes,
-        files that other nodes hold and that ``refs`` (what this rank reads) need come first:
-        whole into this node's memory, or, when the rank needs only a little of one (a replicated
-        scalar written by a rank on another node), just those ranges, fetched in blocks the
-        daemon verifies."""
+        files that other nodes hold and that ``refs`` (what this rank reads) need: read from
+        those nodes straight into the tensors (``peer_files``), else whole into this node's
+        memory first; when the rank needs only a little of one (a replicated scalar written by a
+        rank on another node), just those ranges, fetched in blocks the daemon verifies."""
         daemon = self.daemon
         needed = {ref.file for ref in refs}
         try:
@@ -272,7 +285,16 @@ class MemoryTier:
             if ref.file in fetched:
                 wants.setdefault(ref.file, []).append((ref.offset, ref.length))
         whole = {n for n, r in wants.items() if sum(length for _, length in r) > RANGED_READ_MAX}
-        if whole:  # held by other nodes and needed in bulk: the daemon brings them here first
+        remote = self.peer_files(namespace, step) if whole and self.peer_files else None
+        self.read_peers = remote is not None
+        if remote is not None:
+            logger.info(
+                "%s/step %d: reading %s, held by other nodes, from them straight into the tensors",
+                namespace,
+                step,
+                ", ".join(sorted(whole)[:8]),
+            )
+        if whole and remote is None:  # needed in bulk: the daemon brings them here first
             daemon.unpin(namespace, step, pin.pin_id)
             daemon.hydrate(namespace, step, sorted(whole))
             pin = daemon.pin(namespace, step)
@@ -291,14 +313,17 @@ class MemoryTier:
         def mapped(name: str) -> torch.Tensor:
             return _arena.map_file(pin.paths[name]).buffer
 
-        files = Files(
-            f"{namespace}/step {step}",
+        where = f"{namespace}/step {step}"
+        local = Files(
+            where,
             mapped,
             pin.paths,
             ranged,
             records={f.name: f for f in pin.step.files if f.name in pin.paths},
             verify_tensors=self.verify_reads,
         )
+        # Needed in bulk and held elsewhere: from the nodes that hold them, into the tensors.
+        files = local if remote is None else remote.files(where, whole, local)
         files.fetched = fetched
         try:
             yield files

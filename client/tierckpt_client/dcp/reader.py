@@ -149,6 +149,7 @@ class TieredStorageReader(StorageReader):
             daemon,
             verify_reads=self.config.verify_reads,
             read_direct=self._read_direct,
+            peer_files=self._peer_files,
         )
 
     @property
@@ -238,6 +239,13 @@ class TieredStorageReader(StorageReader):
         )
         source = self._source = PersistentTier(url)
         return source
+
+    def _peer_files(self, namespace: str, step: int) -> PeerTier | None:
+        """Files of a step spanning nodes that other nodes hold, which this rank needs in bulk:
+        read from them straight into the tensors, if the daemon hands over connections."""
+        if not self.config.reads_peers_direct():
+            return None
+        return PeerTier.offered(self._daemon, self.config, namespace, step)
 
     def _read_direct(self, namespace: str, cand: StepCandidate) -> dict[str, Any] | None:
         """A step not in this node's memory, read straight into the destination tensors
@@ -336,7 +344,7 @@ class TieredStorageReader(StorageReader):
             with self.open_files(refs) as files:
                 self._copy_items(plan, planner, files)
         except (IntegrityError, PeerUnavailableError) as e:
-            if not isinstance(self._source, PeerTier):
+            if not (isinstance(self._source, PeerTier) or self._memory.read_peers):
                 raise
             # Every peer's copy failed (all bytes are read before any item is handed on): the
             # daemon tries its own way, other replicas and then the persistent tier.
@@ -348,8 +356,12 @@ class TieredStorageReader(StorageReader):
                 e,
             )
             self._source = self._memory
-            with self.open_files(refs) as files:
-                self._copy_items(plan, planner, files)
+            peer_files, self._memory.peer_files = self._memory.peer_files, None
+            try:
+                with self.open_files(refs) as files:
+                    self._copy_items(plan, planner, files)
+            finally:
+                self._memory.peer_files = peer_files
         self.read_bytes = sum(ref.length for ref in refs)
         self.fetched_bytes = sum(ref.length for ref in refs if ref.file in self._fetched)
         fut: Future[None] = Future()
