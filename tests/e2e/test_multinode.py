@@ -23,7 +23,7 @@ from tierckpt_client import DaemonClient, demo
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import CommitRequest, SealFile
 
-from helpers import DaemonProcess, ring, run_ranks
+from helpers import DaemonProcess, ring, run_ranks, running
 
 pytestmark = pytest.mark.slow
 
@@ -129,14 +129,10 @@ def _load(rank: int, world: int, sockets: list[str]) -> None:
 @pytest.fixture
 def unreplicated() -> Iterator[list[DaemonProcess]]:
     """Two nodes that are peers but keep no replicas: a file is only where its rank wrote it."""
-    nodes = ring(2, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="512M")
-    try:
-        for d in nodes:
-            d.start()
+    with running(
+        ring(2, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="512M")
+    ) as nodes:
         yield nodes
-    finally:
-        for d in nodes:
-            d.cleanup()
 
 
 def test_resharding_across_nodes_reads_only_what_each_rank_needs(

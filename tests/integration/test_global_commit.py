@@ -22,7 +22,7 @@ from tierckpt_core.errors import TierCkptError
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile
 
-from helpers import DaemonProcess, ring
+from helpers import DaemonProcess, ring, running
 
 TOKEN = "peer-token-for-the-tests-0123456789"
 NS = "job"
@@ -30,14 +30,8 @@ NS = "job"
 
 @pytest.fixture
 def nodes() -> Iterator[list[DaemonProcess]]:
-    ds = ring(2, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M")
-    try:
-        for d in ds:
-            d.start()
+    with running(ring(2, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M")) as ds:
         yield ds
-    finally:
-        for d in ds:
-            d.cleanup()
 
 
 def _seal(d: DaemonProcess, step: int, attempt: str, rank: int) -> tuple[str, bytes]:

@@ -23,7 +23,7 @@ from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import StepInfo
 
-from helpers import DaemonProcess, free_port, new_shm_dir, run_ranks, wait_until
+from helpers import DaemonProcess, free_port, new_shm_dir, run_ranks, running, wait_until
 
 TOKEN = "peer-token-for-the-tests-0123456789"
 N = 1 << 15
@@ -45,14 +45,8 @@ def _name(d: DaemonProcess) -> str:
 
 @pytest.fixture
 def ring() -> Iterator[list[DaemonProcess]]:
-    nodes = _ring({}, {})
-    try:
-        for n in nodes:
-            n.start()
+    with running(_ring({}, {})) as nodes:
         yield nodes
-    finally:
-        for n in nodes:
-            n.cleanup()
 
 
 def _steps(d: DaemonProcess, ns: str) -> dict[int, StepInfo]:
