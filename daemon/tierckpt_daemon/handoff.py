@@ -40,7 +40,7 @@ from tierckpt_core.names import (
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon.peer_client import RangeStream
+from tierckpt_daemon.peer_bodies import RangeStream
 from tierckpt_daemon.replication import Replicator
 
 logger = logging.getLogger(__name__)

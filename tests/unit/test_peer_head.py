@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tierckpt_core.errors import PeerUnavailableError, ProtocolError
-from tierckpt_daemon.peer_client import _read_head
+from tierckpt_daemon.peer_bodies import read_head
 
 HEAD = (
     b"HTTP/1.1 206 Partial Content\r\ncontent-length: 10\r\nContent-Range: bytes 5-14/100\r\n\r\n"
@@ -42,7 +42,7 @@ def test_the_head_is_read_and_the_body_left_on_the_socket(cuts: list[int]) -> No
         b.settimeout(10)
         sender = threading.Thread(target=_send_in_pieces, args=(a, HEAD + BODY, cuts))
         sender.start()
-        status, headers = _read_head(b, "test")
+        status, headers = read_head(b, "test")
         sender.join()
         assert status == 206
         assert headers["content-range"] == "bytes 5-14/100"  # names lowercased
@@ -59,14 +59,14 @@ def test_a_closed_connection_and_a_non_http_answer_are_named() -> None:
         a.sendall(b"HTTP/1.1 200 OK\r\n")
         a.close()
         with pytest.raises(PeerUnavailableError, match="closed"):
-            _read_head(b, "peer x")
+            read_head(b, "peer x")
     a, b = socket.socketpair()
     with a, b:
         a.sendall(b"SSH-2.0-OpenSSH\r\n\r\n")
         with pytest.raises(ProtocolError, match="not an HTTP/1 response"):
-            _read_head(b, "peer x")
+            read_head(b, "peer x")
     a, b = socket.socketpair()
     with a, b:
         a.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello")
         with pytest.raises(ProtocolError, match="chunked"):
-            _read_head(b, "peer x")
+            read_head(b, "peer x")
