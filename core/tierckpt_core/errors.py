@@ -20,7 +20,10 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     ├── PersistentTierError         the persistent tier (S3, file system) failed or is misconfigured
     ├── ProtocolError               a request or answer that does not follow the wire protocol
     ├── ForbiddenError              a local-only route was called over the TCP port (or a peer
-    │                               route on the Unix socket)
+    │   │                           route on the Unix socket)
+    │   └── NamespaceOwnerError     the namespace (or its step) belongs to another identity: a
+    │                               caller of another uid, or a peer's copy of a step this node
+    │                               committed itself
     └── UnauthorizedError           a peer route was called without the right peer token
 
 The daemon reports errors as JSON ``{"code": "...", "detail": "..."}``; :data:`ERROR_CODES` maps the
@@ -114,6 +117,14 @@ class ForbiddenError(TierCkptError):
     http_status = 403
 
 
+class NamespaceOwnerError(ForbiddenError):
+    """A namespace belongs to the identity that first committed it on a node (``uid:<n>`` of
+    the trainer, see docs/security.md): another caller, or another owner's copy from a peer, is
+    refused; so is a peer's copy of a step this node committed itself."""
+
+    code = "namespace_owner"
+
+
 class UnauthorizedError(TierCkptError):
     code = "unauthorized"
     http_status = 401
@@ -145,6 +156,7 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         CheckpointFormatError,
         ProtocolError,
         ForbiddenError,
+        NamespaceOwnerError,
         UnauthorizedError,
         PeerUnavailableError,
         IntegrityError,

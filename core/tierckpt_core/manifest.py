@@ -99,6 +99,10 @@ class StepManifest(BaseModel):
     files: list[FileRecord]
     metadata: dict[str, Any]
     coordinator: str | None = None  # a step spanning nodes: the daemon that decided its commit
+    # The identity the step's namespace belongs to (``uid:<n>`` of the trainer that committed
+    # it); it travels with every copy, so that peers keep tenants apart. None: saved by a daemon
+    # from before owners (anyone's).
+    owner: str | None = None
     local: LocalState | None = None
 
     @model_validator(mode="before")

@@ -130,6 +130,7 @@ class StepInfo(BaseModel):
     replicated_to: list[str] = []  # peers (host:port) that hold a verified copy of this step
     replication_pending: bool = False  # fewer than the configured replicas exist yet
     origin: str | None = None  # set on a replica: the peer that committed the step
+    owner: str | None = None  # the identity its namespace belongs to (``uid:<n>``)
 
 
 class HydrateRequest(BaseModel):
@@ -243,6 +244,7 @@ class PeerStep(BaseModel):
     origin: str | None
     committed_at: float | None
     held: list[str] | None = None  # a step spanning nodes: the files this peer holds (else all)
+    owner: str | None = None  # the identity its namespace belongs to (None: a daemon before owners)
 
 
 class NodeStep(BaseModel):

@@ -46,8 +46,13 @@ def fill_step(
     origin: str | None = None,
     spanning: StepManifest | None = None,
     hold: bool = False,
+    owner: str | None = None,
 ) -> StepRecord:
     """Lease, fill (``fetch`` on ``pool``), seal and commit ``files`` as ``namespace/step``.
+
+    ``owner``: the identity the step belongs to (its manifest's), refused where the namespace
+    belongs to another or where it would replace a save of this node's own
+    (:class:`~tierckpt_core.errors.NamespaceOwnerError`).
 
     ``hold``: the step is brought in for a reader; retention leaves it until the reader has
     unpinned it (or ``HOLD_S`` passed), even when it is older than the steps retention keeps.
@@ -62,9 +67,10 @@ def fill_step(
     """
     if spanning is not None:
         return _fill_share(
-            service, spanning, files, fetch=fetch, pool=pool, origin=origin, hold=hold
+            service, spanning, files, fetch=fetch, pool=pool, origin=origin, hold=hold, owner=owner
         )
     attempt = f"{attempt_prefix}{uuid.uuid4().hex[:15]}"
+    service.refuse_copy(namespace, step, attempt, owner)  # before any byte moves
     leases = _lease_and_fetch(service, namespace, files, fetch, pool)
     try:
         by_rank: dict[int, list[SealFile]] = {}
@@ -81,12 +87,14 @@ def fill_step(
                 )
             )
         for rank, seal_files in sorted(by_rank.items()):
-            service.seal(namespace, step, attempt, SealRequest(rank=rank, files=seal_files))
+            service.seal(
+                namespace, step, attempt, SealRequest(rank=rank, files=seal_files), owner=owner
+            )
     except BaseException:
         _give_back(service, namespace, leases)
         raise
     if not leases:
-        service.seal(namespace, step, attempt, SealRequest(rank=0, files=[]))
+        service.seal(namespace, step, attempt, SealRequest(rank=0, files=[]), owner=owner)
     if hold:
         service.writing_record(namespace, step, attempt).hold_until = time.monotonic() + HOLD_S
     service.commit(
@@ -115,10 +123,14 @@ def _fill_share(
     pool: Executor,
     origin: str | None,
     hold: bool,
+    owner: str | None,
 ) -> StepRecord:
     ns, step, attempt = manifest.namespace, manifest.step, manifest.attempt
     if attempt is None:
         raise CheckpointFormatError(f"{ns}/step {step}: the global record names no attempt")
+    # A restored share has the writer's attempt id, like this node's own saves: refuse here,
+    # install cannot tell them apart.
+    service.refuse_copy(ns, step, attempt, owner)
     with service.lock:
         current = service.index.committed.get(ns, {}).get(step)
         if current is not None and current.attempt == attempt:
@@ -131,9 +143,11 @@ def _fill_share(
             add_files(service, current, leases)
             return current
         with service.lock:
+            service.refuse_copy(ns, step, attempt, owner)
             rec = service.index.begin(ns, step, attempt)
             if rec.files or rec.prepared_at is not None:
                 raise StepStateError(f"{ns}/step {step}: attempt {attempt} is being saved here")
+            rec.owner = owner
             add_files(service, rec, leases)
             rec.remote = {f.name: f for f in manifest.files if f.name not in rec.files}
             rec.coordinator = manifest.coordinator

@@ -2,6 +2,9 @@
 from a peer's replica, the lost share of a step spanning nodes, and parts of files another node
 holds, each verified before it is used.
 
+Every read is for one owner (``owner``, see :mod:`tierckpt_daemon.ownership`; None: anyone's):
+peers' copies of another owner's steps count as not there.
+
 The :class:`~tierckpt_daemon.replication.Replicator` pushes; this module reads. It uses the
 replicator's ring, peer client and copy path (:meth:`Replicator.copy_from`).
 """
@@ -24,6 +27,7 @@ from tierckpt_core.errors import (
 from tierckpt_core.integrity import block_digest
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import PeerStep, StepInfo
+from tierckpt_daemon.ownership import owned_by
 from tierckpt_daemon.records import StepRecord
 from tierckpt_daemon.replication import PEER_ERRORS, Replicator
 
@@ -38,9 +42,10 @@ class PeerFetcher:
     def close(self) -> None:
         self._ask_pool.shutdown(wait=False, cancel_futures=True)
 
-    def peer_steps(self, namespace: str) -> dict[int, list[str]]:
-        """Which peers hold which committed steps of ``namespace``. Peers are asked in parallel,
-        once each; one that does not answer within the peer timeout is skipped with a warning."""
+    def peer_steps(self, namespace: str, *, owner: str | None = None) -> dict[int, list[str]]:
+        """Which peers hold which committed steps of ``namespace`` (``owner``'s). Peers are
+        asked in parallel, once each; one that does not answer within the peer timeout is
+        skipped with a warning."""
         try:
             peers = self.replicator.successors()
         except PeerUnavailableError as e:
@@ -60,10 +65,18 @@ class PeerFetcher:
                 continue
             self.replicator.peer_ok(peer)
             for s in steps:
-                held.setdefault(s.step, []).append(peer)
+                if owned_by(s.owner, owner):
+                    held.setdefault(s.step, []).append(peer)
         return held
 
-    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+    def hydrate(
+        self,
+        namespace: str,
+        step: int,
+        files: set[str] | None = None,
+        *,
+        owner: str | None = None,
+    ) -> StepInfo:
         """Bring ``namespace/step`` here from the peers, verified. A step of one node comes whole
         from the first peer with a good replica (ring successors first); of a step spanning nodes
         only ``files`` come (default: this node's own share, what a replaced node lost), from the
@@ -72,13 +85,16 @@ class PeerFetcher:
         with self.replicator.service.lock:
             here = self.replicator.service.index.committed.get(namespace, {}).get(step)
         if here is not None and here.spans_nodes:
-            return self.fetch_files(namespace, step, set(files or ()) - set(here.files))[0]
-        holders = self.holders(namespace, step)
+            need = set(files or ()) - set(here.files)
+            return self.fetch_files(namespace, step, need, owner=owner)[0]
+        holders = self.holders(namespace, step, owner=owner)
         for peer in holders:
             try:
                 manifest = self.replicator.client.manifest(peer, namespace, step)
             except TierCkptError as e:
                 self.replicator.peer_failed(peer, e)
+                continue
+            if not owned_by(manifest.owner, owner):
                 continue
             if manifest.coordinator is None:
                 break
@@ -87,10 +103,10 @@ class PeerFetcher:
                 if files is not None
                 else {f.name for f in manifest.share(self.replicator.node)}
             )
-            return self.fetch_files(namespace, step, names)[0]
-        return self._hydrate_whole(namespace, step)
+            return self.fetch_files(namespace, step, names, owner=owner)[0]
+        return self._hydrate_whole(namespace, step, owner)
 
-    def _hydrate_whole(self, namespace: str, step: int) -> StepInfo:
+    def _hydrate_whole(self, namespace: str, step: int, owner: str | None) -> StepInfo:
         try:
             peers = self.replicator.successors()
         except PeerUnavailableError as e:
@@ -110,6 +126,8 @@ class PeerFetcher:
                 self.replicator.peer_failed(peer, e)
                 unreachable.append(peer)
                 continue
+            if not owned_by(manifest.owner, owner):
+                continue  # another owner's step of the same name: not this caller's
             t0 = time.monotonic()
             try:
                 rec = self.replicator.copy_from(peer, manifest)
@@ -147,14 +165,16 @@ class PeerFetcher:
         down = f" ({', '.join(unreachable)} did not answer)" if unreachable else ""
         raise StepNotFoundError(f"{namespace}/step {step}: no peer holds a replica{down}")
 
-    def holders(self, namespace: str, step: int) -> dict[str, set[str] | None]:
+    def holders(
+        self, namespace: str, step: int, *, owner: str | None = None
+    ) -> dict[str, set[str] | None]:
         """Peers that hold ``namespace/step``, and which of its files (None: all of them)."""
         return {
             p: set(s.held) if s.held is not None else None
-            for p, s in self.copies(namespace, step).items()
+            for p, s in self.copies(namespace, step, owner=owner).items()
         }
 
-    def copies(self, namespace: str, step: int) -> dict[str, PeerStep]:
+    def copies(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, PeerStep]:
         """The copies of ``namespace/step`` that peers hold (each its own save attempt id, and
         which of the step's files), in ring order."""
         try:
@@ -175,7 +195,7 @@ class PeerFetcher:
                 self.replicator.peer_failed(peer, e)
                 continue
             for s in steps:
-                if s.step == step:
+                if s.step == step and owned_by(s.owner, owner):
                     held[peer] = s
         return held
 
@@ -267,11 +287,13 @@ class PeerFetcher:
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest:
         return self.replicator.client.manifest(peer, namespace, step)
 
-    def fetch_files(self, namespace: str, step: int, names: set[str]) -> tuple[StepInfo, int]:
+    def fetch_files(
+        self, namespace: str, step: int, names: set[str], *, owner: str | None = None
+    ) -> tuple[StepInfo, int]:
         """Bring the files ``names`` of a step spanning nodes here from the peers that hold them
         (their writer's node first), verified. Returns the step as held here and the bytes moved;
         StepNotFoundError names the files no reachable peer holds."""
-        holders = self.holders(namespace, step)
+        holders = self.holders(namespace, step, owner=owner)
         if not holders:
             raise StepNotFoundError(f"{namespace}/step {step}: no reachable peer holds it")
         if not names and not self.replicator.service.index.committed.get(namespace, {}).get(step):

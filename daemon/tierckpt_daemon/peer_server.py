@@ -44,6 +44,7 @@ class PeerServer:
                 origin=r.origin,
                 committed_at=r.committed_at,
                 held=sorted(r.files) if r.remote else None,
+                owner=r.owner,
             )
             for r in self.service.records(namespace)
         ]

@@ -19,7 +19,12 @@ import os
 import threading
 import time
 
-from tierckpt_core.errors import IntegrityError, NotFoundError, TierCkptError
+from tierckpt_core.errors import (
+    IntegrityError,
+    NamespaceOwnerError,
+    NotFoundError,
+    TierCkptError,
+)
 from tierckpt_core.layout import (
     MARKER,
     delete_sidecars,
@@ -45,6 +50,7 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon.background import QueueWorker, background_pool
 from tierckpt_daemon.hydration import fill_step
 from tierckpt_daemon.logfields import step_fields
+from tierckpt_daemon.ownership import owned_by
 from tierckpt_daemon.records import StepRecord, read_manifest
 from tierckpt_daemon.service import TierService
 
@@ -348,23 +354,33 @@ class Persister(QueueWorker[StepRecord]):
         """Steps with a commit marker in the persistent tier, oldest first."""
         return durable_steps(self.store, namespace)
 
-    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+    def hydrate(
+        self, namespace: str, step: int, files: set[str] | None = None, *, owner: str | None = None
+    ) -> StepInfo:
         """Bring a durable step into memory (verified), unless it is there already. Of a step
-        that spanned nodes only ``files`` come (default: this node's own share)."""
+        that spanned nodes only ``files`` come (default: this node's own share). ``owner``: the
+        step must be that identity's (NamespaceOwnerError if its manifest names another)."""
         with self._hydrate_guard:
             lock = self._hydrate_locks.setdefault((namespace, step), threading.Lock())
         with lock:
             try:
                 rec = self.service.record(namespace, step)
             except NotFoundError:
-                return self._hydrate(namespace, step, files)
+                return self._hydrate(namespace, step, files, owner)
             if files and not files <= set(rec.files):
-                return self._hydrate(namespace, step, files - set(rec.files))
+                return self._hydrate(namespace, step, files - set(rec.files), owner)
             return rec.info()
 
-    def _hydrate(self, namespace: str, step: int, names: set[str] | None) -> StepInfo:
+    def _hydrate(
+        self, namespace: str, step: int, names: set[str] | None, owner: str | None
+    ) -> StepInfo:
         t0 = time.monotonic()
         manifest = read_step_manifest(self.store, namespace, step)
+        if not owned_by(manifest.owner, owner):
+            raise NamespaceOwnerError(
+                f"{namespace}/step {step} in {self.store.url} was saved by {manifest.owner}, "
+                f"not by {owner}; it is not restored for them"
+            )
         spanning = manifest if manifest.coordinator is not None else None
         files = manifest.files
         if spanning is not None:
@@ -395,6 +411,7 @@ class Persister(QueueWorker[StepRecord]):
                 replicate=False,  # durable already; peers hydrate it themselves when they need it
                 spanning=spanning,
                 hold=True,  # for a reader: retention must not take it back at once
+                owner=manifest.owner,
             )
         finally:
             with self._cv:

@@ -59,6 +59,7 @@ class StepRecord:
     coordinator: str | None = None
     participants: list[str] = field(default_factory=list)
     prepared_at: float | None = None
+    owner: str | None = None  # the identity its namespace belongs to (see tenants.py)
 
     @property
     def bytes(self) -> int:
@@ -78,6 +79,7 @@ class StepRecord:
             replicated_to=list(self.replicated_to),
             replication_pending=self.replication_pending,
             origin=self.origin,
+            owner=self.owner,
         )
 
     def manifest_path(self) -> Path:
@@ -115,6 +117,7 @@ class StepRecord:
             files=sorted([*self.files.values(), *self.remote.values()], key=lambda f: f.name),
             metadata=metadata,
             coordinator=self.coordinator,
+            owner=self.owner,
             local=LocalState(
                 held=sorted(self.files) if self.remote else None,
                 participants=list(self.participants) or None,
@@ -138,6 +141,12 @@ FILLED_ATTEMPT_PREFIXES = ("h", "p", "r")
 def filled_by_daemon(attempt: str) -> bool:
     """Whether a step's attempt was brought in by the daemon rather than saved by a trainer."""
     return attempt.startswith(FILLED_ATTEMPT_PREFIXES)
+
+
+def committed_here(rec: StepRecord) -> bool:
+    """Whether ``rec`` is a save this node's trainers committed (alone, or their share of a
+    step spanning nodes), not a copy a peer or the persistent tier sent."""
+    return rec.origin is None and not filled_by_daemon(rec.attempt)
 
 
 def step_dir_name(step: int, attempt: str) -> str:
@@ -220,6 +229,7 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
         replicated_to=list(local.replicated_to),
         replication_pending=local.replication_pending,
         coordinator=doc.coordinator,
+        owner=doc.owner,
     )
     for f in doc.files:
         if f.name not in held:

@@ -22,6 +22,7 @@ import time
 from tierckpt_core.errors import (
     CheckpointFormatError,
     ForbiddenError,
+    NamespaceOwnerError,
     NotFoundError,
     PeerUnavailableError,
     ProtocolError,
@@ -167,6 +168,8 @@ class Replicator(QueueWorker[StepRecord]):
             "retired": "it left memory first (retention, or it was deleted) while its pushes were "
             "still failing",
             "no_peers": f"no other daemon is a member of the ring ({self.membership.describe()})",
+            "refused": "every peer it could go to refuses it (the namespace belongs to another "
+            "owner there, or the peer committed that step itself)",
         }[reason]
         with self._cv:
             first = self._last_skip != reason
@@ -205,6 +208,7 @@ class Replicator(QueueWorker[StepRecord]):
         want = min(self.replicas, len(targets))
         have = [p for p in rec.replicated_to if p in targets]
         errors: list[str] = []
+        refused: list[str] = []
         for peer in targets:
             if len(have) >= want:
                 break
@@ -212,6 +216,10 @@ class Replicator(QueueWorker[StepRecord]):
                 continue
             try:
                 self._push(rec, peer)
+            except NamespaceOwnerError as e:  # for good: retrying would not change the answer
+                refused.append(peer)
+                errors.append(f"{peer}: {e}")
+                continue
             except (TierCkptError, OSError) as e:
                 self.peer_failed(peer, e)
                 errors.append(f"{peer}: {e}")
@@ -226,6 +234,10 @@ class Replicator(QueueWorker[StepRecord]):
                 logger.info("%s/step %d replicated to %s instead", ns, step, ", ".join(have))
             with self._cv:
                 self._last_error = None
+            return True
+        if len(have) + len(refused) >= min(self.replicas, len(targets)) and refused:
+            self._record_failure(rec, f"{ns}/step {step}: {'; '.join(errors)}")
+            self._skip(rec, "refused")
             return True
         self._record_failure(
             rec,
@@ -356,6 +368,9 @@ class Replicator(QueueWorker[StepRecord]):
             origin=peer if replica else None,
             spanning=spanning,
             hold=not replica,  # a restore is for a reader: retention must not take it back at once
+            # Refused where the namespace is another owner's here, or where it would replace a
+            # save of this node's own (ownership.py): checked before any byte moves.
+            owner=manifest.owner,
         )
         if not replica and spanning is None:
             self.service.mark_replicated(rec, peer, {})

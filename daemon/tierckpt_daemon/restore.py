@@ -30,27 +30,39 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
+from tierckpt_daemon.ownership import owned_by
 from tierckpt_daemon.service import TierService
 
 logger = logging.getLogger(__name__)
 
 
 class PeerSource(Protocol):
-    def peer_steps(self, namespace: str) -> dict[int, list[str]]:
+    """Peers' copies; ``owner``: only that identity's steps count (None: anyone's)."""
+
+    def peer_steps(self, namespace: str, *, owner: str | None = None) -> dict[int, list[str]]:
         """Which peers hold which committed steps (unreachable peers skipped, never waited on)."""
         ...
 
-    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+    def hydrate(
+        self,
+        namespace: str,
+        step: int,
+        files: set[str] | None = None,
+        *,
+        owner: str | None = None,
+    ) -> StepInfo:
         """Copy a step (of a step spanning nodes: ``files``, default this node's share) from
         peers into memory, verified; NotFoundError if no peer holds it, CheckpointFormatError if
         every replica found was corrupt."""
         ...
 
-    def holders(self, namespace: str, step: int) -> dict[str, set[str] | None]:
+    def holders(
+        self, namespace: str, step: int, *, owner: str | None = None
+    ) -> dict[str, set[str] | None]:
         """Peers that hold the step, and which of its files (None: all)."""
         ...
 
-    def copies(self, namespace: str, step: int) -> dict[str, PeerStep]:
+    def copies(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, PeerStep]:
         """The copies of the step that peers hold (attempt id, files held)."""
         ...
 
@@ -64,9 +76,11 @@ class PeerSource(Protocol):
 class DurableSource(Protocol):
     def durable_steps(self, namespace: str) -> list[int]: ...
 
-    def hydrate(self, namespace: str, step: int, files: set[str] | None = None) -> StepInfo:
+    def hydrate(
+        self, namespace: str, step: int, files: set[str] | None = None, *, owner: str | None = None
+    ) -> StepInfo:
         """Bring a durable step (of a step spanning nodes: ``files``, default this node's share)
-        into memory, verified."""
+        into memory, verified; NamespaceOwnerError if it is not ``owner``'s."""
         ...
 
 
@@ -84,11 +98,12 @@ class Restorer:
         self._guard = threading.Lock()
         self._locks: dict[tuple[str, int], threading.Lock] = {}
 
-    def candidates(self, namespace: str) -> list[StepCandidate]:
+    def candidates(self, namespace: str, *, owner: str | None = None) -> list[StepCandidate]:
         """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
-        durable. Unreachable peers are skipped (with a warning), never waited for long."""
+        durable; of peers' copies, only ``owner``'s (None: anyone's). Unreachable peers are
+        skipped (with a warning), never waited for long."""
         validate_namespace(namespace)
-        on_peers = self.peers.peer_steps(namespace) if self.peers is not None else {}
+        on_peers = self.peers.peer_steps(namespace, owner=owner) if self.peers is not None else {}
         in_memory = {r.step: r.state for r in self.service.records(namespace)}
         durable: set[int] = set()
         tier_error: PersistentTierError | None = None
@@ -102,7 +117,7 @@ class Restorer:
         durable |= {s for s, state in in_memory.items() if state == StepState.DURABLE}
         steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
         # "latest" must be whole: skip steps spanning nodes whose lost shares are nowhere.
-        while steps and steps[0] not in durable and self._lost(namespace, steps[0]):
+        while steps and steps[0] not in durable and self._lost(namespace, steps[0], owner):
             steps.pop(0)
         if not steps:
             if tier_error is not None:
@@ -119,7 +134,7 @@ class Restorer:
             for s in steps
         ]
 
-    def _lost(self, namespace: str, step: int) -> bool:
+    def _lost(self, namespace: str, step: int, owner: str | None) -> bool:
         """Whether ``step`` spans nodes and some of its files are on no reachable node (it says
         which, in a warning); a step of one node is whole wherever it is."""
         try:
@@ -128,7 +143,7 @@ class Restorer:
             rec = None
         if self.peers is None:
             return rec is not None and bool(rec.remote)
-        holders = self.peers.holders(namespace, step)
+        holders = self.peers.holders(namespace, step, owner=owner)
         if rec is not None:
             names, everything = set(rec.files), {*rec.files, *rec.remote}
             owners = {f.name: f.node for f in rec.remote.values()}
@@ -162,7 +177,9 @@ class Restorer:
             )
         return bool(lost)
 
-    def peer_sources(self, namespace: str, step: int) -> tuple[StepManifest, dict[str, PeerStep]]:
+    def peer_sources(
+        self, namespace: str, step: int, *, owner: str | None = None
+    ) -> tuple[StepManifest, dict[str, PeerStep]]:
         """The manifest of a step the peers hold (from a peer that holds all of it, if one
         does), and the copies the peers hold (each its own attempt id, and which files): for a
         reader here to read it from them. StepNotFoundError if no reachable peer holds it."""
@@ -170,7 +187,7 @@ class Restorer:
         validate_step(step)
         if self.peers is None:
             raise StepNotFoundError(f"{namespace}/step {step}: this daemon has no peers")
-        holders = self.peers.copies(namespace, step)
+        holders = self.peers.copies(namespace, step, owner=owner)
         errors = []
         for peer in sorted(holders, key=lambda p: holders[p].held is not None):
             try:
@@ -178,7 +195,9 @@ class Restorer:
             except TierCkptError as e:
                 errors.append(f"{peer}: {e}")
                 continue
-            if (manifest.namespace, manifest.step) == (namespace, step):
+            if (manifest.namespace, manifest.step) == (namespace, step) and owned_by(
+                manifest.owner, owner
+            ):
                 return manifest.portable(), holders
             errors.append(f"{peer} answered for {manifest.namespace}/step {manifest.step}")
         why = f" ({'; '.join(errors)})" if errors else ""
@@ -203,8 +222,16 @@ class Restorer:
             )
         return self.peers.read_ranges(f, namespace, step, ranges)
 
-    def hydrate(self, namespace: str, step: int, files: list[str] | None = None) -> StepInfo:
-        """Make a step available in memory: already here, else a verified copy from a peer that
+    def hydrate(
+        self,
+        namespace: str,
+        step: int,
+        files: list[str] | None = None,
+        *,
+        owner: str | None = None,
+    ) -> StepInfo:
+        """Make a step available in memory (from peers and the persistent tier, ``owner``'s
+        only): already here, else a verified copy from a peer that
         holds a replica, else from the persistent tier. Of a step spanning nodes, a node holds
         the files its ranks wrote; ``files`` names others this node's readers need, which come
         from the peers that hold them. Concurrent calls for one step (every rank of the node
@@ -227,10 +254,11 @@ class Restorer:
                     raise StepNotFoundError(
                         f"{namespace}/step {step} has no file {', '.join(unknown[:8])}"
                     )
-                return self._fetch(namespace, step, need)
+                return self._fetch(namespace, step, need, owner)
+            wanted = set(files) if files else None
             if self.peers is not None:
                 try:
-                    return self.peers.hydrate(namespace, step, set(files) if files else None)
+                    return self.peers.hydrate(namespace, step, wanted, owner=owner)
                 except NotFoundError as e:
                     missing = e
                 except CheckpointFormatError as e:  # every replica failed verification
@@ -244,15 +272,15 @@ class Restorer:
                     )
             if self.durable is None:
                 raise missing
-            return self.durable.hydrate(namespace, step, set(files) if files else None)
+            return self.durable.hydrate(namespace, step, wanted, owner=owner)
 
-    def _fetch(self, namespace: str, step: int, need: set[str]) -> StepInfo:
+    def _fetch(self, namespace: str, step: int, need: set[str], owner: str | None) -> StepInfo:
         """Files of a step spanning nodes that other nodes hold: from the peers that hold them,
         else from the persistent tier."""
         where = f"{namespace}/step {step}: {', '.join(sorted(need)[:8])}"
         if self.peers is not None:
             try:
-                return self.peers.hydrate(namespace, step, need)
+                return self.peers.hydrate(namespace, step, need, owner=owner)
             except (NotFoundError, CheckpointFormatError) as e:
                 if self.durable is None:
                     raise
@@ -262,4 +290,4 @@ class Restorer:
                 f"{where} are held by other nodes, and this daemon has no peers (TIERCKPT_PEERS) "
                 "and no persistent tier"
             )
-        return self.durable.hydrate(namespace, step, need)
+        return self.durable.hydrate(namespace, step, need, owner=owner)

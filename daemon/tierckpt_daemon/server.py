@@ -21,7 +21,7 @@ from tierckpt_daemon.arena import make_dir
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.handoff import HandoffServer
 from tierckpt_daemon.node import Node, build_node
-from tierckpt_daemon.zerocopy import SendfileH11Protocol
+from tierckpt_daemon.tenants import CallerH11Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,8 @@ def serve(settings: DaemonSettings) -> None:
             access_log=False,
             timeout_graceful_shutdown=30,
             lifespan="on",
-            http=SendfileH11Protocol,  # peers' file bytes by sendfile on plain TCP
+            # Peers' file bytes by sendfile on plain TCP; local callers' uid on the Unix socket.
+            http=CallerH11Protocol,
         )
         server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
         if node.replicator is not None:

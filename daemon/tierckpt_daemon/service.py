@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from tierckpt_core.errors import (
     LeaseNotFoundError,
     NamespaceNotFoundError,
+    NamespaceOwnerError,
     ProtocolError,
     StepNotFoundError,
     StepStateError,
@@ -53,9 +54,11 @@ from tierckpt_daemon.freshness import Freshness
 from tierckpt_daemon.leases import Leases
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
+from tierckpt_daemon.ownership import Ownership
 from tierckpt_daemon.records import (
     MANIFEST,
     StepRecord,
+    committed_here,
     read_manifest,
     update_manifest,
     write_manifest,
@@ -84,7 +87,7 @@ class StepListener(Protocol):
         ...
 
 
-class TierService(WorkerReports):
+class TierService(WorkerReports, Ownership):
     def __init__(
         self,
         arena: Arena,
@@ -152,12 +155,27 @@ class TierService(WorkerReports):
         self.leases.release(namespace, lease_id)
 
     # -- seal and commit --------------------------------------------------------------------
-    def seal(self, namespace: str, step: int, attempt: str, req: SealRequest) -> StepInfo:
+    def seal(
+        self,
+        namespace: str,
+        step: int,
+        attempt: str,
+        req: SealRequest,
+        *,
+        owner: str | None = None,
+        admin: bool = False,
+    ) -> StepInfo:
+        """Seal a rank's files into a save attempt. ``owner``: the identity the save is for (the
+        caller's; a copy's owner), which the namespace's first save here claims; ``admin``
+        saves into a namespace of another owner on its behalf."""
         validate_namespace(namespace)
         validate_step(step)
         validate_file_name(attempt)
         with self.lock:
+            owner = self.claim(namespace, owner, admin=admin)
             rec = self.index.begin(namespace, step, attempt)
+            if rec.owner is None:
+                rec.owner = owner
             for f in req.files:
                 validate_file_name(f.name)
                 if f.name.startswith(MANIFEST):
@@ -341,8 +359,14 @@ class TierService(WorkerReports):
         step's record, retire what it supersedes and what retention lets go."""
         namespace, step = rec.namespace, rec.step
         with self.lock:
-            rec.persist_pending = persist
             rec.origin = origin
+            if not committed_here(rec):
+                try:
+                    self.refuse_copy(namespace, step, rec.attempt, rec.owner, besides=rec)
+                except NamespaceOwnerError:
+                    self.index.abandon(rec)
+                    raise
+            rec.persist_pending = persist
             rec.learn_checksums(checksums or {})
             rec.replication_pending = replicate and origin is None and self.replicas > 0
             rec.committed_at = time.time()
@@ -450,9 +474,14 @@ class TierService(WorkerReports):
             path = self.index.get(namespace, step).manifest_path()
         return read_manifest(path).metadata
 
-    def list_namespaces(self) -> list[NamespaceInfo]:
+    def list_namespaces(self, owner: str | None = None) -> list[NamespaceInfo]:
+        """The namespaces held here (with ``owner``: those it may reach)."""
         with self.lock:
-            return [self.index.namespace_info(ns) for ns in self.index.namespaces()]
+            return [
+                self.index.namespace_info(ns)
+                for ns in self.index.namespaces()
+                if owner is None or self.index.owner_of(ns) in (None, owner)
+            ]
 
     def list_steps(self, namespace: str) -> list[StepInfo]:
         validate_namespace(namespace)

@@ -270,6 +270,14 @@ class StepIndex:
     def all_committed(self) -> list[StepRecord]:
         return [r for steps in self.committed.values() for r in steps.values()]
 
+    def owner_of(self, namespace: str, *, besides: StepRecord | None = None) -> str | None:
+        """The identity ``namespace`` belongs to on this node: the owner its steps (committed or
+        being written; ``besides`` left out) record; None while it has none here, or only steps
+        from before owners."""
+        recs = [*self.committed.get(namespace, {}).values()]
+        recs += [r for k, r in self.writing.items() if k[0] == namespace]
+        return next((r.owner for r in recs if r.owner is not None and r is not besides), None)
+
     def namespaces(self) -> list[str]:
         return sorted(set(self.committed) | {k[0] for k in self.writing})
 

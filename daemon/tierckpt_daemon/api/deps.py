@@ -1,4 +1,4 @@
-"""Request-scoped access to the daemon's parts (FastAPI dependencies)."""
+"""Request-scoped access to the daemon's parts and the caller (FastAPI dependencies)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from fastapi import Request
 
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tenants import Caller, request_caller
 
 
 def get_node(request: Request) -> Node:
@@ -15,3 +16,23 @@ def get_node(request: Request) -> Node:
 
 def get_service(request: Request) -> TierService:
     return get_node(request).service
+
+
+def get_caller(request: Request) -> Caller:
+    return request_caller(request)
+
+
+def authorize(request: Request) -> None:
+    """A route on ``/v1/namespaces/{namespace}``: refuse a caller whose uid does not own the
+    namespace on this node (:mod:`tierckpt_daemon.ownership`)."""
+    namespace = request.path_params.get("namespace")
+    caller = request_caller(request)
+    if namespace is not None:
+        get_service(request).authorize(namespace, caller.identity, admin=caller.admin)
+
+
+def reader_owner(request: Request) -> str | None:
+    """Whose steps a read by the caller may see, here and on peers (None: anyone's)."""
+    caller = request_caller(request)
+    namespace = request.path_params["namespace"]
+    return get_service(request).acting_owner(namespace, caller.identity, admin=caller.admin)

@@ -1,4 +1,7 @@
-"""Namespaces and committed steps: list, inspect, metadata, pins for readers, hydration, delete."""
+"""Namespaces and committed steps: list, inspect, metadata, pins for readers, hydration, delete.
+
+Every route is for the namespace's owner only (``authorize``; see tierckpt_daemon.ownership), and
+what it shows of peers and of the persistent tier is that owner's steps only."""
 
 from __future__ import annotations
 
@@ -15,18 +18,21 @@ from tierckpt_core.protocol import (
     StepCandidate,
     StepInfo,
 )
-from tierckpt_daemon.api.deps import get_node, get_service
+from tierckpt_daemon.api.deps import authorize, get_caller, get_node, get_service, reader_owner
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tenants import Caller
 
-router = APIRouter(prefix="/v1/namespaces")
+router = APIRouter(prefix="/v1/namespaces", dependencies=[Depends(authorize)])
 Service = Annotated[TierService, Depends(get_service)]
 NodeDep = Annotated[Node, Depends(get_node)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+Owner = Annotated[str | None, Depends(reader_owner)]
 
 
 @router.get("")
-def list_namespaces(service: Service) -> list[NamespaceInfo]:
-    return service.list_namespaces()
+def list_namespaces(service: Service, caller: CallerDep) -> list[NamespaceInfo]:
+    return service.list_namespaces(None if caller.admin else caller.identity)
 
 
 @router.get("/{namespace}/steps")
@@ -40,22 +46,23 @@ def latest(namespace: str, service: Service) -> StepInfo:
 
 
 @router.get("/{namespace}/candidates")
-def candidates(namespace: str, node: NodeDep) -> list[StepCandidate]:
-    return node.restorer.candidates(namespace)
+def candidates(namespace: str, node: NodeDep, owner: Owner) -> list[StepCandidate]:
+    return node.restorer.candidates(namespace, owner=owner)
 
 
 @router.post("/{namespace}/steps/{step}/hydrate")
 def hydrate(
-    namespace: str, step: int, node: NodeDep, req: HydrateRequest | None = None
+    namespace: str, step: int, node: NodeDep, owner: Owner, req: HydrateRequest | None = None
 ) -> StepInfo:
-    return node.restorer.hydrate(namespace, step, req.files if req is not None else None)
+    files = req.files if req is not None else None
+    return node.restorer.hydrate(namespace, step, files, owner=owner)
 
 
 @router.get("/{namespace}/steps/{step}/peer-sources")
-def peer_sources(namespace: str, step: int, node: NodeDep) -> PeerSources:
+def peer_sources(namespace: str, step: int, node: NodeDep, owner: Owner) -> PeerSources:
     """A step in no memory of this node, as its peers hold it: for a restore straight from them
     into the reader's tensors (connections handed over on the handoff socket)."""
-    manifest, copies = node.restorer.peer_sources(namespace, step)
+    manifest, copies = node.restorer.peer_sources(namespace, step, owner=owner)
     return PeerSources(
         manifest=manifest,
         holders={p: sorted(c.held) if c.held is not None else None for p, c in copies.items()},

@@ -1,5 +1,6 @@
 """The write path: leases of shard files, sealing a rank's files into a step, committing a step
-(or aborting a failed save attempt)."""
+(or aborting a failed save attempt). For the namespace's owner only (see tierckpt_daemon.ownership):
+the first save into a namespace on a node makes the caller's uid its owner there."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from tierckpt_core.protocol import (
     SealRequest,
     StepInfo,
 )
-from tierckpt_daemon.api.deps import get_node, get_service
+from tierckpt_daemon.api.deps import authorize, get_caller, get_node, get_service
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tenants import Caller
 
-router = APIRouter(prefix="/v1/namespaces/{namespace}")
+router = APIRouter(prefix="/v1/namespaces/{namespace}", dependencies=[Depends(authorize)])
 Service = Annotated[TierService, Depends(get_service)]
 NodeDep = Annotated[Node, Depends(get_node)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
 @router.post("/leases")
@@ -37,8 +40,10 @@ def release(namespace: str, lease_id: str, service: Service) -> Response:
 
 
 @router.post("/steps/{step}/attempts/{attempt}/seal")
-def seal(namespace: str, step: int, attempt: str, req: SealRequest, service: Service) -> StepInfo:
-    return service.seal(namespace, step, attempt, req)
+def seal(
+    namespace: str, step: int, attempt: str, req: SealRequest, service: Service, caller: CallerDep
+) -> StepInfo:
+    return service.seal(namespace, step, attempt, req, owner=caller.identity, admin=caller.admin)
 
 
 @router.delete("/steps/{step}/attempts/{attempt}", status_code=204)

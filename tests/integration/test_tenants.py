@@ -1,0 +1,263 @@
+"""Tenants: a namespace belongs to the uid that saved it. Real daemons on real Unix sockets, and
+clients forked under other uids (the test runs as root: root and the daemon's uid administer
+everything, so a tenant is any other uid; the socket and the tier are reachable through group 0).
+
+Each test is a boundary of docs/security.md, "Tenants and namespace ownership": one node (another
+uid's calls are refused with ``namespace_owner``), across nodes (a peer's copy never replaces a
+step this node committed, another uid's steps on a peer never become "latest" nor are read here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tierckpt_client import DaemonClient
+from tierckpt_core.errors import TierCkptError
+from tierckpt_core.protocol import CommitRequest, SealFile
+
+from helpers import DaemonProcess, new_shm_dir, ring, running, wait_until
+
+TOKEN = "peer-token-for-the-tenant-tests-0123"
+VICTIM, ATTACKER = 2001, 2002  # two tenants' uids (not root, not the daemon's)
+
+
+def as_user(uid: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
+    """``fn(*args)`` in a child forked as ``uid`` (group 0, no others): its result, or
+    ``{"error": code}`` for a daemon error. Forked, not exec'ed: the interpreter lives where
+    other uids cannot run it, and every module the call needs is loaded already."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        status = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(0)
+            os.setuid(uid)
+            try:
+                out: Any = fn(*args)
+            except TierCkptError as e:
+                out = {"error": e.code, "detail": str(e)}
+            os.write(w, json.dumps(out).encode())
+        except BaseException as e:
+            os.write(w, json.dumps({"crash": repr(e)}).encode())
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(w)
+    data, deadline = b"", time.monotonic() + timeout
+    try:
+        while True:
+            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                raise AssertionError(f"{fn.__name__} as uid {uid} did not finish in {timeout}s")
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    got = json.loads(data)
+    assert not (isinstance(got, dict) and "crash" in got), got
+    return got
+
+
+# -- what a tenant's trainer does (run in the forked child) -------------------------------------
+
+
+def save(sock: str, ns: str, step: int, payload: str) -> dict[str, Any]:
+    """A save of one file holding ``payload``."""
+    data = payload.encode()
+    with DaemonClient.from_socket(sock) as c:
+        lease = c.lease(ns, 0, len(data))
+        with open(lease.path, "r+b") as f:
+            f.write(data)
+        attempt = uuid.uuid4().hex
+        c.seal(
+            ns, step, attempt, 0, [SealFile(lease_id=lease.lease_id, name="data", length=len(data))]
+        )
+        req = CommitRequest(files=["data"], metadata={"payload": payload}, world_size=1)
+        return c.commit(ns, step, attempt, req).model_dump(mode="json")
+
+
+def load_latest(sock: str, ns: str) -> dict[str, Any]:
+    """What a reader of "latest" gets: the newest candidate, brought here, and its bytes."""
+    with DaemonClient.from_socket(sock) as c:
+        candidates = [x.step for x in c.candidates(ns)]
+        info = c.hydrate(ns, candidates[0])
+        pin = c.pin(ns, info.step)
+        try:
+            with open(pin.paths["data"], "rb") as f:
+                payload = f.read(pin.step.files[0].length).decode()
+        finally:
+            c.unpin(ns, info.step, pin.pin_id)
+        return {"candidates": candidates, "step": info.step, "payload": payload}
+
+
+def call(sock: str, what: str, ns: str, step: int = 0) -> Any:
+    """One API call by name, as a tenant's process would make it."""
+    with DaemonClient.from_socket(sock) as c:
+        if what == "namespaces":
+            return [n.namespace for n in c.namespaces()]
+        if what == "lease":
+            return c.lease(ns, 0, 4096).lease_id
+        if what == "latest":
+            return c.latest(ns).step
+        if what == "steps":
+            return [s.step for s in c.steps(ns)]
+        if what == "metadata":
+            return c.metadata(ns, step)
+        if what == "pin":
+            return c.pin(ns, step).paths
+        if what == "candidates":
+            return [x.step for x in c.candidates(ns)]
+        if what == "hydrate":
+            return c.hydrate(ns, step).step
+        if what == "delete":
+            c.delete(ns, step)
+            return "deleted"
+        raise AssertionError(what)
+
+
+def _refused(got: Any, code: str) -> dict[str, Any]:
+    """``got`` is the daemon's refusal with ``code`` (not an answer)."""
+    assert isinstance(got, dict) and got.get("error") == code, f"expected {code}, got {got!r}"
+    return got
+
+
+def _as_root(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def _payload(d: DaemonProcess, ns: str, step: int) -> str:
+    with DaemonClient.from_socket(d.socket) as c:
+        return str(c.metadata(ns, step)["payload"])
+
+
+def _step(d: DaemonProcess, ns: str, step: int) -> dict[str, Any] | None:
+    with DaemonClient.from_socket(d.socket) as c:
+        try:
+            steps = c.steps(ns)
+        except TierCkptError:
+            return None
+    got = next((s for s in steps if s.step == step), None)
+    return got.model_dump(mode="json") if got is not None else None
+
+
+def _settled(d: DaemonProcess, ns: str, step: int) -> bool:
+    """``ns/step`` committed on ``d`` and its replication over (done, or given up)."""
+    s = _step(d, ns, step)
+    return s is not None and not s["replication_pending"]
+
+
+# -- one node ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def node() -> Iterator[DaemonProcess]:
+    with running([DaemonProcess(new_shm_dir())]) as nodes:
+        yield nodes[0]
+
+
+def test_a_namespace_belongs_to_the_uid_that_saved_it(node: DaemonProcess) -> None:
+    sock = str(node.socket)
+    as_user(VICTIM, save, sock, "teamB", 1, "victim-1")
+
+    # Another uid reaches nothing of it: every call is a 403 with a code that names the cause.
+    for what in ("lease", "latest", "steps", "metadata", "pin", "candidates", "hydrate", "delete"):
+        got = _refused(as_user(ATTACKER, call, sock, what, "teamB", 1), "namespace_owner")
+        assert "teamB" in got["detail"] and f"uid:{VICTIM}" in got["detail"], got
+    _refused(as_user(ATTACKER, save, sock, "teamB", 2, "attacker"), "namespace_owner")
+    assert "teamB" not in as_user(ATTACKER, call, sock, "namespaces", "")
+    # It keeps its own namespaces, zero-config; each step says whose it is.
+    assert as_user(ATTACKER, save, sock, "teamA", 1, "attacker-1")["owner"] == f"uid:{ATTACKER}"
+    assert _step(node, "teamB", 1)["owner"] == f"uid:{VICTIM}"  # type: ignore[index]
+
+    # The owner's trainer works as before; the operator (root) reaches every namespace.
+    assert as_user(VICTIM, save, sock, "teamB", 2, "victim-2")["step"] == 2
+    assert as_user(VICTIM, load_latest, sock, "teamB") == {
+        "candidates": [2, 1],
+        "step": 2,
+        "payload": "victim-2",
+    }
+    assert _payload(node, "teamB", 1) == "victim-1"  # nothing the attacker did changed it
+    assert _as_root(call, sock, "delete", "teamB", 1) == "deleted"
+    assert sorted(_as_root(call, sock, "namespaces", "")) == ["teamA", "teamB"]
+
+
+# -- several nodes ---------------------------------------------------------------------------------
+
+
+def test_a_peers_copy_never_replaces_a_step_this_node_committed() -> None:
+    """The same job (one uid) saves step 100 on both nodes: each keeps its own save; A's push
+    of its step 100 to B, and a ``pull`` asked of B directly, are refused."""
+    with running(ring(2, token=TOKEN)) as (a, b):
+        as_user(VICTIM, save, str(b.socket), "job", 100, "from-b")
+        wait_until("B's step 100 replicated to A", lambda: _step(a, "job", 100), 60)
+        assert _step(a, "job", 100)["origin"] == b.name  # type: ignore[index]
+
+        as_user(VICTIM, save, str(a.socket), "job", 100, "from-a")  # replaces A's replica
+        wait_until("A's push of its step 100 settled", lambda: _settled(a, "job", 100), 60)
+        mine = _step(b, "job", 100)
+        assert mine is not None and mine["origin"] is None, mine
+        assert _payload(b, "job", 100) == "from-b"
+        assert _step(a, "job", 100)["replicated_to"] == []  # type: ignore[index]
+
+        resp = httpx.post(
+            f"http://{b.name}/v1/peer/namespaces/job/steps/100/pull",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            json={"origin": a.name},
+            timeout=30,
+        )
+        assert resp.status_code == 403 and resp.json()["code"] == "namespace_owner", resp.text
+        assert _payload(b, "job", 100) == "from-b"
+        assert as_user(VICTIM, load_latest, str(b.socket), "job")["payload"] == "from-b"
+
+
+def test_another_uids_steps_on_a_peer_never_become_latest() -> None:
+    """The issue's attack: a trainer on node A (another uid) saves the namespace of a job that
+    runs on node B, the same step and a far newer one; A pushes them to B."""
+    nodes = ring(2, token=TOKEN)
+    nodes[1].settings["replicas"] = 0  # B keeps its steps to itself: A knows nothing of teamB
+    with running(nodes) as (a, b):
+        as_user(VICTIM, save, str(b.socket), "teamB", 100, "victim-100")
+        as_user(ATTACKER, save, str(a.socket), "teamB", 100, "planted-100")
+        as_user(ATTACKER, save, str(a.socket), "teamB", 999999, "planted-999999")
+        for step in (100, 999999):
+            wait_until(f"A's push of step {step} settled", lambda s=step: _settled(a, "teamB", s))
+
+        assert _step(b, "teamB", 999999) is None
+        assert _payload(b, "teamB", 100) == "victim-100"
+        got = as_user(VICTIM, load_latest, str(b.socket), "teamB")
+        assert got == {"candidates": [100], "step": 100, "payload": "victim-100"}, got
+        # Asked for by number, A's step is not this tenant's either.
+        _refused(as_user(VICTIM, call, str(b.socket), "hydrate", "teamB", 999999), "step_not_found")
+
+
+def test_a_peers_steps_are_read_only_by_their_own_uid() -> None:
+    """A node that lost its memory restores a tenant's step from the peer's replica, for that
+    tenant only: another uid on the node neither sees it nor gets it."""
+    with running(ring(2, token=TOKEN)) as (a, b):
+        as_user(VICTIM, save, str(b.socket), "teamB", 7, "victim-7")
+        wait_until("B's step 7 replicated to A", lambda: _step(a, "teamB", 7), 60)
+        b.lose_node()
+        b.start()
+
+        _refused(
+            as_user(ATTACKER, call, str(b.socket), "candidates", "teamB"), "namespace_not_found"
+        )
+        _refused(as_user(ATTACKER, call, str(b.socket), "hydrate", "teamB", 7), "step_not_found")
+        got = as_user(VICTIM, load_latest, str(b.socket), "teamB")
+        assert got == {"candidates": [7], "step": 7, "payload": "victim-7"}, got
