@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import base64
 import copy
-import datetime
-import ipaddress
 import json
-import os
 import socket
-import ssl
-import subprocess
-import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +24,7 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from webhook_server import Webhook
 
 from tierckpt_daemon.webhook import InjectSettings, admission_response, mutate_pod
 from tierckpt_daemon.webhook.mutate import InjectError
@@ -175,109 +168,38 @@ def _review(pod: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tierckpt-webhook.tierckpt.svc")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("tierckpt-webhook.tierckpt.svc"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp / "tls.crt", tmp / "tls.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def test_webhook_server_end_to_end(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
-    port = _free_port()
-    # The console script's entry point, as the chart's Deployment runs it.
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from tierckpt_daemon.webhook.server import main; sys.exit(main())",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--tls-cert", str(cert), "--tls-key", str(key),
-            "--shm-dir", "/dev/shm/tierckpt", "--group", "10001",
-        ],
-        env={**os.environ},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    trust = ssl.create_default_context(cafile=str(cert))
-    url = f"https://127.0.0.1:{port}"
-    try:
-        with httpx.Client(verify=trust, timeout=10) as client:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    assert client.get(f"{url}/healthz").json() == {"ok": True}
-                    break
-                except httpx.TransportError:
-                    assert proc.poll() is None, proc.communicate()[0]
-                    assert time.monotonic() < deadline, "webhook did not start"
-                    time.sleep(0.1)
-            # A client that does not trust the certificate is refused at the handshake.
-            with pytest.raises(httpx.ConnectError), httpx.Client(timeout=5) as untrusting:
-                untrusting.get(f"{url}/healthz")
-            for name, pod in PODS.items():
-                review = _review(pod)
-                r = client.post(f"{url}/mutate", json=review)
-                assert r.status_code == 200, r.text
-                answer = r.json()
-                assert (
-                    answer["apiVersion"] == "admission.k8s.io/v1"
-                    and answer["kind"] == "AdmissionReview"
-                )
-                response = answer["response"]
-                assert response["uid"] == review["request"]["uid"] and response["allowed"] is True
-                assert response["patchType"] == "JSONPatch"
-                patch = json.loads(base64.b64decode(response["patch"]))
-                after = jsonpatch.apply_patch(pod, patch)
-                assert after == _mutated(pod), name
-                assert _injected_containers(after), name
-            unrelated = copy.deepcopy(PODS["job"])
-            del unrelated["metadata"]["labels"]["tierckpt.io/inject"]
-            response = client.post(f"{url}/mutate", json=_review(unrelated)).json()["response"]
-            assert "patch" not in response and response["allowed"] is True
-            bad = client.post(
-                f"{url}/mutate", content=b"{not json", headers={"Content-Type": "application/json"}
+def test_webhook_server_end_to_end(start_webhook: Callable[..., Webhook]) -> None:
+    hook = start_webhook()
+    url = hook.url
+    with hook.client() as client:
+        # A client that does not trust the certificate is refused at the handshake.
+        with pytest.raises(httpx.ConnectError), httpx.Client(timeout=5) as untrusting:
+            untrusting.get(f"{url}/healthz")
+        for name, pod in PODS.items():
+            review = _review(pod)
+            r = client.post(f"{url}/mutate", json=review)
+            assert r.status_code == 200, r.text
+            answer = r.json()
+            assert (
+                answer["apiVersion"] == "admission.k8s.io/v1"
+                and answer["kind"] == "AdmissionReview"
             )
-            assert bad.status_code == 400 and "bad AdmissionReview" in bad.json()["error"]
-    finally:
-        proc.terminate()
-        out = proc.communicate(timeout=10)[0].decode()
+            response = answer["response"]
+            assert response["uid"] == review["request"]["uid"] and response["allowed"] is True
+            assert response["patchType"] == "JSONPatch"
+            patch = json.loads(base64.b64decode(response["patch"]))
+            after = jsonpatch.apply_patch(pod, patch)
+            assert after == _mutated(pod), name
+            assert _injected_containers(after), name
+        unrelated = copy.deepcopy(PODS["job"])
+        del unrelated["metadata"]["labels"]["tierckpt.io/inject"]
+        response = client.post(f"{url}/mutate", json=_review(unrelated)).json()["response"]
+        assert "patch" not in response and response["allowed"] is True
+        bad = client.post(
+            f"{url}/mutate", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
+        assert bad.status_code == 400 and "bad AdmissionReview" in bad.json()["error"]
+    out = hook.output()
     assert "patched" in out and "left alone" in out
 
 
@@ -293,3 +215,171 @@ def test_null_fields_are_filled_not_appended_to() -> None:
     assert after["spec"]["securityContext"]["supplementalGroups"] == [10001]
     assert _injected_containers(after) == ["trainer"]
     assert after["spec"]["volumes"][0]["name"] == "tierckpt"
+
+
+# Hardening: anyone who reaches the webhook's port can send anything. What a user would notice on
+# the old server: a malformed body closed the connection with a traceback and no answer; any
+# apiVersion was answered as if it were v1; every connection got a thread, forever while it
+# trickled bytes, so enough slow clients took the pod (and with failurePolicy Fail, every labelled
+# pod's creation) down.
+
+
+def _post(client: httpx.Client, url: str, body: bytes) -> httpx.Response:
+    return client.post(f"{url}/mutate", content=body, headers={"Content-Type": "application/json"})
+
+
+def _refusal(r: httpx.Response, uid: str) -> str:
+    """The message of a well-formed AdmissionReview refusal answering ``uid``."""
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
+    response = answer["response"]
+    assert response["uid"] == uid and response["allowed"] is False and "patch" not in response
+    message: str = response["status"]["message"]
+    return message
+
+
+def test_malformed_reviews_are_answered_and_the_server_keeps_serving(
+    start_webhook: Callable[..., Webhook],
+) -> None:
+    hook = start_webhook()
+    listed = _review(PODS["job"])
+    listed["request"]["object"] = [PODS["job"]]
+    null_meta = _review(PODS["job"])
+    null_meta["request"]["object"] = {**PODS["job"], "metadata": None}
+    bad_labels = _review(PODS["job"])
+    bad_labels["request"]["object"] = copy.deepcopy(PODS["job"])
+    bad_labels["request"]["object"]["metadata"]["labels"] = ["tierckpt.io/inject"]
+    bad_env = _review(PODS["job"])
+    bad_env["request"]["object"] = copy.deepcopy(PODS["job"])
+    bad_env["request"]["object"]["spec"]["containers"][0]["env"] = {"A": "1"}
+    deep = _review(copy.deepcopy(PODS["job"]))  # parses, but nests far deeper than any Pod
+    deep["request"]["object"]["spec"]["x"] = json.loads("[" * 200 + "]" * 200)
+    too_deep = b'{"request": {"uid": "u", "object": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    with hook.client() as client:
+        url = hook.url
+        for review, field in (
+            (listed, "request.object is an array"),
+            (bad_labels, "metadata.labels is an array"),
+            (bad_env, "spec.containers[0].env is an object"),
+            (deep, "nests deeper than 64 levels"),
+        ):
+            r = _post(client, url, json.dumps(review).encode())
+            assert field in _refusal(r, review["request"]["uid"])
+        # metadata: null counts as absent, like every null: no label, so left alone.
+        r = _post(client, url, json.dumps(null_meta).encode())
+        assert r.status_code == 200
+        assert r.json()["response"] == {"uid": null_meta["request"]["uid"], "allowed": True}
+        # No uid to answer to: 400 naming the problem.
+        for body, error in (
+            (too_deep, "nests too deep"),
+            (b"[1, 2]", "no request.uid"),
+            (b'{"request": {"uid": ["x"]}}', "no request.uid"),
+            (b"\xff\xfe", "not JSON"),
+        ):
+            r = _post(client, url, body)
+            assert r.status_code == 400 and error in r.json()["error"], (body[:40], r.text)
+        # Still serving, on the same connection and on new ones.
+        assert _post(client, url, json.dumps(_review(PODS["job"])).encode()).json()["response"][
+            "patch"
+        ]
+        with hook.client() as fresh:
+            assert fresh.get(f"{url}/healthz").json() == {"ok": True}
+    out = hook.output()
+    assert "Traceback" not in out and " ERROR " not in out, out
+    assert "refused" in out and "patched" in out
+
+
+def test_only_v1_admission_reviews_are_served(start_webhook: Callable[..., Webhook]) -> None:
+    hook = start_webhook()
+    with hook.client() as client:
+        for version, kind in (
+            ("admission.k8s.io/v1beta1", "AdmissionReview"),
+            (None, "AdmissionReview"),
+            ("admission.k8s.io/v1", "TokenReview"),
+        ):
+            review = _review(PODS["job"])
+            review["apiVersion"] = version
+            review["kind"] = kind
+            r = client.post(f"{hook.url}/mutate", json=review)
+            message = _refusal(r, review["request"]["uid"])
+            assert "only admission.k8s.io/v1 AdmissionReview" in message, message
+            assert repr(version) in message and repr(kind) in message
+
+
+def test_oversized_bodies_and_heads_are_refused_unread(
+    start_webhook: Callable[..., Webhook],
+) -> None:
+    hook = start_webhook()
+    # Declared over the cap: refused before a byte of it is read, and the connection closed (what
+    # follows is not a next request). The body is never sent.
+    raw = socket.create_connection(("127.0.0.1", hook.port), timeout=30)
+    with hook.trust.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        tls.sendall(b"POST /mutate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (64 << 20))
+        answer = b""
+        while chunk := tls.recv(65536):  # to the end: the server closes the connection
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"Connection: close" in head, head
+    assert "at most" in json.loads(body)["error"]
+    with hook.client() as client:
+        # A head of 200 headers of 4 KiB (800 KiB; http.server alone would read up to 6 MiB):
+        # cut off at 64 KiB.
+        with pytest.raises(httpx.TransportError):
+            client.get(f"{hook.url}/healthz", headers={f"x-{i}": "a" * 4096 for i in range(200)})
+        assert client.get(f"{hook.url}/healthz").json() == {"ok": True}
+
+
+def _trickle(hook: Webhook, handshaken: threading.Semaphore, ended: list[bool]) -> None:
+    """A slow client: completes TLS, then sends a request one byte at a time, forever."""
+    raw = socket.create_connection(("127.0.0.1", hook.port), timeout=120)
+    with hook.trust.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        handshaken.release()
+        tls.settimeout(0.3)
+        deadline = time.monotonic() + 90
+        head = b"POST /mutate HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100_000
+        for i in range(len(head)):
+            if time.monotonic() > deadline:
+                return  # never cut off
+            try:
+                tls.sendall(head[i : i + 1])
+                tls.recv(1)  # an answer or the end of the connection: the server gave up on it
+            except TimeoutError:
+                continue  # nothing yet: the next byte, 0.3 s later
+            except OSError:
+                pass
+            ended.append(True)
+            return
+
+
+def test_slow_clients_cannot_exhaust_the_server(start_webhook: Callable[..., Webhook]) -> None:
+    limit, slow = 4, 12
+    hook = start_webhook("--max-connections", str(limit), "--request-timeout", "2")
+    idle = hook.threads()
+    handshaken = threading.Semaphore(0)
+    ended: list[bool] = []
+    clients = [
+        threading.Thread(target=_trickle, args=(hook, handshaken, ended), daemon=True)
+        for _ in range(slow)
+    ]
+    for t in clients:
+        t.start()
+    for _ in range(limit):  # every connection slot is held by a slow client
+        assert handshaken.acquire(timeout=60)
+    threads = [hook.threads()]
+    # A normal review still gets its answer (after the slow clients ahead of it run out of time).
+    with hook.client(timeout=60) as client:
+        review = _review(PODS["job"])
+        r = client.post(f"{hook.url}/mutate", json=review)
+        assert r.status_code == 200 and r.json()["response"]["uid"] == review["request"]["uid"]
+    for t in clients:
+        while t.is_alive():
+            threads.append(hook.threads())
+            t.join(0.2)
+    # Every slow client was cut off (one deadline per request, not per read), and the server never
+    # had more than one thread per allowed connection.
+    assert len(ended) == slow
+    assert max(threads) <= idle + limit, threads
+    out = hook.output()
+    assert "Traceback" not in out and " ERROR " not in out, out
+    assert f"all {limit} connections busy" in out

@@ -16,6 +16,10 @@ twice, is left as it is):
 Opt-in is explicit: the label ``tierckpt.io/inject: "true"`` (the webhook's objectSelector sends
 only such pods, and this code checks again). ``tierckpt.io/containers`` (an annotation, comma
 separated) names the containers to inject; without it, every container (not init containers).
+
+The API server sends well-formed AdmissionReviews only, but anyone who reaches the webhook's port
+can send anything: every field read here is checked for its type first, and a review or pod that is
+not what it claims gets a refusal naming the field (never an exception, never a patch).
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+API_VERSION = "admission.k8s.io/v1"  # the only one served (the chart's admissionReviewVersions)
+# A Pod's deepest fields (affinity terms, ephemeral volume claims) sit ~15 levels below the review;
+# anything far deeper is not a pod, and code that walks it must not recurse without a bound.
+MAX_DEPTH = 64
 INJECT_LABEL = "tierckpt.io/inject"
 CONTAINERS_ANNOTATION = "tierckpt.io/containers"
 INJECTED_ANNOTATION = "tierckpt.io/injected"
@@ -36,7 +44,83 @@ Patch = list[dict[str, Any]]
 
 
 class InjectError(ValueError):
-    """The pod asks for something the webhook cannot do (e.g. a container that does not exist)."""
+    """The pod asks for something the webhook cannot do (e.g. a container that does not exist), or
+    the review or pod is malformed: the answer refuses it with this message."""
+
+
+class BadReview(ValueError):
+    """The body is not an AdmissionReview that can be answered (not JSON, or no request.uid)."""
+
+
+_JSON_TYPES: dict[type, str] = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    type(None): "null",
+}
+
+
+def _expect(value: Any, want: type, path: str, *, nullable: bool = True) -> Any:
+    """``value`` if it is of JSON type ``want`` (or null, where null means absent)."""
+    if (value is None and nullable) or isinstance(value, want):
+        return value
+    got = _JSON_TYPES.get(type(value), type(value).__name__)
+    raise InjectError(f"{path} is {got}, not {_JSON_TYPES[want]}")
+
+
+def _objects(value: Any, path: str) -> list[dict[str, Any]]:
+    """A list of objects (null: none)."""
+    items: list[Any] = _expect(value, list, path) or []
+    for i, item in enumerate(items):
+        _expect(item, dict, f"{path}[{i}]", nullable=False)
+    return items
+
+
+def _check_pod(pod: Pod) -> None:
+    """Refuse, naming the field, a pod whose fields :func:`mutate_pod` reads have other types."""
+    meta = _expect(pod.get("metadata"), dict, "the pod's metadata") or {}
+    _expect(meta.get("annotations"), dict, "the pod's metadata.annotations")
+    spec = _expect(pod.get("spec"), dict, "the pod's spec") or {}
+    for i, v in enumerate(_objects(spec.get("volumes"), "the pod's spec.volumes")):
+        _expect(v.get("hostPath"), dict, f"the pod's spec.volumes[{i}].hostPath")
+    security = _expect(spec.get("securityContext"), dict, "the pod's spec.securityContext") or {}
+    _expect(
+        security.get("supplementalGroups"),
+        list,
+        "the pod's spec.securityContext.supplementalGroups",
+    )
+    for i, c in enumerate(_objects(spec.get("containers"), "the pod's spec.containers")):
+        _expect(c.get("name"), str, f"the pod's spec.containers[{i}].name")
+        _objects(c.get("volumeMounts"), f"the pod's spec.containers[{i}].volumeMounts")
+        _objects(c.get("env"), f"the pod's spec.containers[{i}].env")
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests more than ``limit`` levels (iterative: no recursion on input)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def parse_review(body: bytes) -> Any:
+    """The JSON of a request body; :class:`BadReview` when it is not JSON or nests too deep to parse
+    (the decoder's own recursion bound: a RecursionError, caught, not a crash)."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise BadReview(
+            f"the JSON nests too deep (an AdmissionReview nests < {MAX_DEPTH})"
+        ) from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise BadReview(f"not JSON: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -57,7 +141,8 @@ def _pointer(token: str) -> str:
 
 
 def wants_injection(pod: Pod) -> bool:
-    labels = (pod.get("metadata") or {}).get("labels") or {}
+    meta = _expect(pod.get("metadata"), dict, "the pod's metadata") or {}
+    labels = _expect(meta.get("labels"), dict, "the pod's metadata.labels") or {}
     return str(labels.get(INJECT_LABEL, "")).lower() == "true"
 
 
@@ -84,6 +169,7 @@ def mutate_pod(pod: Pod, settings: InjectSettings) -> Patch:
     """The JSON Patch (RFC 6902) that onboards ``pod``; [] for a pod that did not opt in."""
     if not wants_injection(pod):
         return []
+    _check_pod(pod)
     spec = pod.get("spec") or {}
     selected = _selected(pod)
     shm_dir = settings.shm_dir.rstrip("/")
@@ -173,31 +259,49 @@ def mutate_pod(pod: Pod, settings: InjectSettings) -> Patch:
     return ops
 
 
-def admission_response(review: dict[str, Any], settings: InjectSettings) -> dict[str, Any]:
+def admission_response(review: Any, settings: InjectSettings) -> dict[str, Any]:
     """The AdmissionReview (admission.k8s.io/v1) answering ``review``.
 
     Pods that did not opt in, and objects that are not pods, are allowed unchanged. A pod that
     opted in but cannot be onboarded is refused with the reason, rather than started without the
-    daemon's socket (it would fail later, far from the cause).
+    daemon's socket (it would fail later, far from the cause); so is a review of another version or
+    a malformed one. :class:`BadReview` when there is no ``request.uid`` to answer to.
     """
-    request = review.get("request")
-    if not isinstance(request, dict) or "uid" not in request:
-        raise ValueError("not an AdmissionReview request: no request.uid")
-    response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
-    kind = request.get("kind") or {}
-    obj = request.get("object")
-    if kind.get("kind") == "Pod" and kind.get("group", "") == "" and isinstance(obj, dict):
-        try:
-            patch = mutate_pod(obj, settings)
-        except InjectError as e:
-            response["allowed"] = False
-            response["status"] = {"code": 400, "message": f"tierckpt: {e}"}
-        else:
-            if patch:
-                response["patchType"] = "JSONPatch"
-                response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
-    return {
-        "apiVersion": review.get("apiVersion", "admission.k8s.io/v1"),
-        "kind": "AdmissionReview",
-        "response": response,
-    }
+    request = review.get("request") if isinstance(review, dict) else None
+    uid = request.get("uid") if isinstance(request, dict) else None
+    if not isinstance(uid, str) or not uid:
+        raise BadReview("not an AdmissionReview request: no request.uid")
+    assert isinstance(review, dict) and isinstance(request, dict)
+    response: dict[str, Any] = {"uid": uid, "allowed": True}
+    try:
+        patch = _patch(review, request, settings)
+    except InjectError as e:
+        response["allowed"] = False
+        response["status"] = {"code": 400, "message": f"tierckpt: {e}"}
+    else:
+        if patch:
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _patch(review: dict[str, Any], request: dict[str, Any], settings: InjectSettings) -> Patch:
+    version, kind = review.get("apiVersion"), review.get("kind")
+    if version != API_VERSION or kind != "AdmissionReview":
+        # The answer must be of the request's version, and only v1 is implemented (and asked for).
+        raise InjectError(
+            f"only {API_VERSION} AdmissionReview is served (admissionReviewVersions: [v1]), "
+            f"not apiVersion {_short(version)} kind {_short(kind)}"
+        )
+    if _deeper_than(request, MAX_DEPTH - 1):
+        raise InjectError(f"the AdmissionReview nests deeper than {MAX_DEPTH} levels: not a Pod")
+    resource = _expect(request.get("kind"), dict, "request.kind") or {}
+    if resource.get("kind") != "Pod" or resource.get("group", "") != "":
+        return []
+    pod = _expect(request.get("object"), dict, "request.object")
+    return [] if pod is None else mutate_pod(pod, settings)
