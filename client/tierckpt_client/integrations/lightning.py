@@ -1,0 +1,449 @@
+"""PyTorch Lightning strategies that checkpoint through the node's tierckpt daemon.
+
+One line changes in a Lightning script::
+
+    trainer = L.Trainer(strategy=TieredModelParallelStrategy("my-job", data_parallel_size=2), ...)
+
+Lightning's sharded strategies (``ModelParallelStrategy``, ``FSDPStrategy`` with
+``state_dict_type="sharded"``) do not use the ``CheckpointIO`` plugin: they write their shards in
+``save_checkpoint``/``load_checkpoint``/``remove_checkpoint``. Those three are overridden here.
+
+How Lightning's paths map to tierckpt steps (the seam, chosen so that ``ModelCheckpoint`` and
+``ckpt_path="last"`` keep working unchanged):
+
+* A save is ``dcp.async_save`` of the sharded model and optimizers, plus Lightning's own state
+  (loops, callbacks, hyper-parameters; pickled by ``torch.save`` as Lightning does), into step
+  ``trainer.global_step`` of the namespace. It returns once the state is in the node's memory tier;
+  one save is in flight at a time, and its error is raised by the next save or at the end of
+  ``fit`` (:meth:`teardown`), never dropped.
+* The path ``ModelCheckpoint`` chose (``.../epoch=0-step=40.ckpt``) becomes a *pointer file*: one
+  line, ``tierckpt://<namespace>/<step>``, written by local rank 0 of each node. ``last*.ckpt``
+  pointers say ``tierckpt://<namespace>`` ("latest"): resuming from one loads the newest step
+  the daemon committed, which is the one a crashed run got to. Lightning's ``ckpt_path="last"``
+  finds these files as it finds its own.
+* ``ckpt_path`` may also be an id, ``tierckpt://<namespace>/<step>`` or ``tierckpt://<namespace>``
+  (newest step), with no file at all; any other path is loaded as Lightning would load it (so a
+  run can start from a checkpoint written without tierckpt).
+* ``save_top_k`` removals delete the pointer file and the step from each node's memory tier (a
+  copy already in the persistent tier stays; its retention is the daemon's), unless another
+  pointer in the same folder still names that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import shutil
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from tierckpt_client.checkpointer import SaveFailedError, _groups
+from tierckpt_client.config import ClientConfig
+from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
+from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError
+from tierckpt_core.protocol import validate_namespace
+
+__all__ = [
+    "SaveFailedError",
+    "TieredFSDPStrategy",
+    "TieredModelParallelStrategy",
+    "read_pointer",
+]
+
+logger = logging.getLogger(__name__)
+
+_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+_META = "lightning"  # Lightning's non-tensor state, as the bytes of torch.save, in a uint8 tensor
+_POINTER_MAX = 4096  # a pointer file is one short line; anything larger is not one of ours
+_LAST_PREFIX = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST
+
+
+def read_pointer(path: _PATH) -> str | None:
+    """The tierckpt id a pointer file at ``path`` names, or None if ``path`` is not one."""
+    p = Path(path)
+    try:
+        if not p.is_file() or p.stat().st_size > _POINTER_MAX:
+            return None
+        text = p.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return None
+    return text if text.startswith(SCHEME) and "\n" not in text else None
+
+
+def _write_pointer(path: Path, checkpoint_id: str) -> None:
+    if path.is_dir():
+        if not _is_sharded_checkpoint(path):
+            raise IsADirectoryError(f"the checkpoint path exists and is a directory: {path}")
+        shutil.rmtree(path)  # Lightning's own sharded checkpoint of that name, replaced as it does
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic: a reader (ckpt_path="last" on another node of a shared folder) never sees half.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(checkpoint_id + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class _TieredSaves:
+    """The save/load/remove logic shared by the strategies below (a mixin ahead of Lightning's
+    strategy in the MRO). Not thread-safe: Lightning calls these from the training thread."""
+
+    # Provided by Lightning's ParallelStrategy.
+    global_rank: int
+    local_rank: int
+    model: Any
+    optimizers: list[Any]
+    lightning_module: Any
+    broadcast: Any
+
+    def _tiered_init(
+        self,
+        namespace: str,
+        persist_every: int | None,
+        config: ClientConfig | None,
+        async_mode: str,
+    ) -> None:
+        if persist_every is not None and persist_every < 1:
+            raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
+        if async_mode not in _MODES:
+            raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        self.namespace = validate_namespace(namespace)
+        self.persist_every = persist_every
+        self.async_mode = async_mode
+        self._config = config
+        self._ckpt_group: dist.ProcessGroup | None = None
+        self._inflight: tuple[int, Future[Any]] | None = None
+        self._last_step: int | None = None  # the newest step whose save this process started
+        self._unwinding = False
+
+    @property
+    def config(self) -> ClientConfig:
+        if self._config is None:  # read when first used: the ranks' environment, not the parent's
+            self._config = ClientConfig.from_env()
+        return self._config
+
+    def _tiered_setup_groups(self) -> None:
+        # A gloo group of its own: a THREAD-mode save runs DCP's collectives in a background
+        # thread; sharing the group FSDP trains on would interleave them with the training's.
+        self._ckpt_group, _ = _groups(None)
+
+    # -- ids -------------------------------------------------------------------------------
+    def _persist(self, step: int) -> bool | None:
+        if self.persist_every is None:
+            return None  # the daemon's policy (TIERCKPT_PERSIST_EVERY)
+        return step % self.persist_every == 0
+
+    def _pointer_id(self, path: Path, step: int) -> str:
+        latest = path.name.startswith(_LAST_PREFIX)
+        return format_checkpoint_id(self.namespace, None if latest else step)
+
+    # -- saving ----------------------------------------------------------------------------
+    def _tiered_save(self, checkpoint: dict[str, Any], filepath: _PATH, model_key: str) -> None:
+        target = self.broadcast(os.fspath(filepath))  # every rank names the same checkpoint
+        if target.startswith(SCHEME):
+            namespace, step = parse_checkpoint_id(target)
+            if namespace != self.namespace or step is None:
+                raise ValueError(
+                    f"save_checkpoint({target!r}): a save names a step of this strategy's "
+                    f"namespace, tierckpt://{self.namespace}/<step>"
+                )
+            pointer = None
+        else:
+            step, pointer = int(checkpoint["global_step"]), Path(target)
+        if step != self._last_step:
+            # Two ModelCheckpoint saves at one step (top-k and last) hold the same training
+            # state: it is saved once, and both pointers name it.
+            self._start_save(step, checkpoint, model_key)
+        if pointer is not None and self.local_rank == 0:
+            _write_pointer(pointer, self._pointer_id(pointer, step))
+
+    def _start_save(self, step: int, checkpoint: dict[str, Any], model_key: str) -> None:
+        self.wait()
+        state: dict[str, Any] = {model_key: checkpoint.pop("state_dict")}
+        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{idx}"] = optim_state
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)  # what Lightning's own sharded save writes to meta.pt
+        state[_META] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        writer = TieredStorageWriter(
+            self.namespace, step, persist=self._persist(step), config=self.config
+        )
+        result = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=self._ckpt_group,
+            async_checkpointer_type=_MODES[self.async_mode],
+        )
+        fut = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+        self._inflight = (step, fut)
+        self._last_step = step
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
+        if self._inflight is None:
+            return
+        step, fut = self._inflight
+        self._inflight = None
+        try:
+            fut.result()
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise SaveFailedError(
+                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
+                "checkpointed (the newest good step before it still is)"
+            ) from e
+
+    def _tiered_teardown(self) -> None:
+        if self._unwinding:
+            # fit is already failing: let the save finish, but do not mask the error with its own.
+            try:
+                self.wait()
+            except SaveFailedError:
+                logger.exception("%s: the last save failed while another error unwound", self)
+        else:
+            self.wait()
+
+    # -- loading ---------------------------------------------------------------------------
+    def _resolve(self, checkpoint_path: _PATH) -> str | None:
+        """The tierckpt id ``checkpoint_path`` means (rank 0 decides), or None for a plain
+        Lightning checkpoint."""
+        target = None
+        if self.global_rank == 0:
+            text = os.fspath(checkpoint_path)
+            target = text if text.startswith(SCHEME) else read_pointer(text)
+        resolved: str | None = self.broadcast(target)
+        return resolved
+
+    def _tiered_load(self, checkpoint_id: str, weights_only: bool | None) -> dict[str, Any]:
+        namespace, step = parse_checkpoint_id(checkpoint_id)
+        probe = TieredStorageReader(
+            namespace, step, config=self.config, process_group=self._ckpt_group
+        )
+        try:
+            metadata = probe.read_metadata()  # resolves "latest" on rank 0 and broadcasts it
+        except (NamespaceNotFoundError, StepNotFoundError) as e:
+            raise StepNotFoundError(
+                f"{checkpoint_id}: nothing to resume from ({e}); check the namespace, or start "
+                "without ckpt_path"
+            ) from e
+        step = probe.resolved_step
+        assert step is not None
+        meta_md = metadata.state_dict_metadata.get(_META)
+        if not isinstance(meta_md, TensorStorageMetadata):
+            raise ValueError(
+                f"tierckpt://{namespace}/{step} was not saved by a Lightning strategy (it has no "
+                f"{_META!r} entry); load it with TieredStorageReader instead"
+            )
+        model = self.model
+        state: dict[str, Any] = {
+            self._model_key: get_model_state_dict(model),
+            _META: torch.empty(meta_md.size, dtype=torch.uint8),
+        }
+        optimizers = self._optimizers_to_load()
+        for idx, optim in enumerate(optimizers):
+            state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optim)
+        reader = TieredStorageReader(
+            namespace, step, config=self.config, process_group=self._ckpt_group
+        )
+        dcp.load(state, storage_reader=reader, process_group=self._ckpt_group)
+        model.load_state_dict(state[self._model_key], strict=self.lightning_module.strict_loading)
+        for idx, optim in enumerate(optimizers):
+            set_optimizer_state_dict(
+                model,
+                optim,
+                optim_state_dict=state[f"optimizer_{idx}"],
+                options=StateDictOptions(cpu_offload=True),
+            )
+        raw = state[_META].numpy().tobytes()
+        loaded: dict[str, Any] = torch.load(io.BytesIO(raw), weights_only=weights_only)
+        self._last_step = step
+        logger.info("%s: restored step %d", namespace, step)
+        return loaded
+
+    _model_key = "state_dict"
+
+    def _optimizers_to_load(self) -> list[Any]:
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return []
+        return list(self.optimizers)
+
+    # -- removing --------------------------------------------------------------------------
+    def _tiered_remove(self, filepath: _PATH) -> bool:
+        """Remove a pointer and the step it names; False if ``filepath`` is not a pointer."""
+        path = Path(filepath)
+        checkpoint_id = read_pointer(path)
+        if checkpoint_id is None:
+            return False
+        if self.local_rank != 0:
+            return True  # each node's local rank 0 handles its node's file and daemon
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        namespace, step = parse_checkpoint_id(checkpoint_id)
+        if step is None or namespace != self.namespace:
+            return True  # "latest" pointers name no step of their own
+        if any(read_pointer(p) == checkpoint_id for p in path.parent.glob("*.ckpt")):
+            return True  # another pointer (e.g. a best-k one) still names it
+        if self._inflight is not None and self._inflight[0] == step:
+            self.wait()
+        try:
+            with DaemonClient(self.config) as client:
+                client.delete(namespace, step)
+        except StepNotFoundError:
+            pass  # already gone (retention, or another node's daemon held it)
+        return True
+
+    def _tiered_exception(self) -> None:
+        self._unwinding = True
+
+
+class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallel), checkpointing through
+    the node's tierckpt daemon (see the module docstring for how paths map to steps).
+
+    Args:
+        namespace: the job's namespace (letters, digits, ``.``, ``_``, ``-``).
+        persist_every: steps with ``global_step % persist_every == 0`` are saved with
+            ``persist=True`` (the daemon uploads them to the persistent tier), the others with
+            ``persist=False``; ``None`` leaves every step to the daemon's policy.
+        config: how to reach the daemon (default :meth:`ClientConfig.from_env`, read in each rank).
+        async_mode: ``"thread"`` or ``"process"`` (DCP's helper process), as for ``Checkpointer``.
+        **kwargs: ``ModelParallelStrategy``'s own arguments (``data_parallel_size``,
+            ``tensor_parallel_size``, ``process_group_backend``, ``timeout``).
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        persist_every: int | None = None,
+        config: ClientConfig | None = None,
+        async_mode: str = "thread",
+        **kwargs: Any,
+    ) -> None:
+        if not kwargs.get("save_distributed_checkpoint", True):
+            raise ValueError(
+                "TieredModelParallelStrategy saves sharded checkpoints; "
+                "save_distributed_checkpoint=False (one full file on rank 0) is not supported"
+            )
+        ModelParallelStrategy.__init__(self, **kwargs)
+        self._tiered_init(namespace, persist_every, config, async_mode)
+
+    def __repr__(self) -> str:
+        return f"TieredModelParallelStrategy({self.namespace!r})"
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._tiered_setup_groups()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        self._tiered_save(checkpoint, filepath, "state_dict")
+
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint_id = self._resolve(checkpoint_path)
+        if checkpoint_id is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self._tiered_load(checkpoint_id, weights_only)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if not self._tiered_remove(filepath):
+            super().remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._tiered_exception()
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        try:
+            self._tiered_teardown()
+        finally:
+            super().teardown()
+
+
+class TieredFSDPStrategy(_TieredSaves, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1; Lightning runs it on GPUs only), checkpointing
+    through the node's tierckpt daemon. Arguments as :class:`TieredModelParallelStrategy`, with
+    ``FSDPStrategy``'s own in ``**kwargs``; ``state_dict_type`` is ``"sharded"`` (the default
+    here), a ``"full"`` one is refused."""
+
+    _model_key = "model"  # the key Lightning's FSDPStrategy gives the model in sharded saves
+
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        persist_every: int | None = None,
+        config: ClientConfig | None = None,
+        async_mode: str = "thread",
+        **kwargs: Any,
+    ) -> None:
+        kind = kwargs.setdefault("state_dict_type", "sharded")
+        if kind != "sharded":
+            raise ValueError(
+                f"TieredFSDPStrategy saves sharded checkpoints; state_dict_type={kind!r} "
+                "is not supported"
+            )
+        FSDPStrategy.__init__(self, **kwargs)
+        self._tiered_init(namespace, persist_every, config, async_mode)
+
+    def __repr__(self) -> str:
+        return f"TieredFSDPStrategy({self.namespace!r})"
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._tiered_setup_groups()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        self._tiered_save(checkpoint, filepath, self._model_key)
+
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint_id = self._resolve(checkpoint_path)
+        if checkpoint_id is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self._tiered_load(checkpoint_id, weights_only)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if not self._tiered_remove(filepath):
+            super().remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._tiered_exception()
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        try:
+            self._tiered_teardown()
+        finally:
+            super().teardown()

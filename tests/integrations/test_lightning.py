@@ -1,0 +1,128 @@
+"""tierckpt_client.integrations.lightning: a Lightning FSDP2 run (ModelParallelStrategy, 2 gloo
+ranks on CPU, the example script) saving every step through a real daemon, resumed with
+``ckpt_path="last"`` bit for bit; and the strategies' argument checks and path mapping."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tierckpt_client import DaemonClient
+from tierckpt_client.config import ClientConfig
+
+from helpers import DaemonProcess, new_shm_dir, run_loop
+
+# Lightning is imported inside the tests: collecting the suite does not pay its import time.
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_fsdp2.py"
+
+
+@pytest.mark.slow
+def test_fsdp2_run_resumes_from_last_bit_exact(tmp_path: Path) -> None:
+    """An 8-step run keeps the newest 3 steps (save_top_k=3: the older ones are deleted from the
+    daemon), with every 3rd step durable. Its two newest steps are then lost (as if the run had
+    crashed before they were saved): ckpt_path="last" resumes from the newest step left, 6, and
+    steps 7 and 8 print the losses the uninterrupted run printed."""
+    from tierckpt_client.integrations.lightning import read_pointer
+
+    dirpath = tmp_path / "ckpts"
+    # keep_last above top-k: the removals seen are the strategy's, not the daemon's retention.
+    store = tmp_path / "store"
+    node = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}", keep_last=5).start()
+    args = ["--namespace", "job", "--steps", "8", "--dirpath", str(dirpath), "--top-k", "3"]
+    try:
+        ref = run_loop(EXAMPLE, [*args, "--persist-every", "3"], node.client_env, log_dir=tmp_path)
+        assert ref.returncodes == [0, 0], ref.lines
+        assert ref.start == 0 and sorted(ref.losses) == list(range(1, 9)), ref.lines
+        assert sorted(p.name for p in dirpath.glob("*.ckpt")) == [
+            "epoch=0-step=6.ckpt",
+            "epoch=0-step=7.ckpt",
+            "epoch=0-step=8.ckpt",
+            "last.ckpt",
+        ]
+        assert read_pointer(dirpath / "epoch=0-step=7.ckpt") == "tierckpt://job/7"
+        assert read_pointer(dirpath / "last.ckpt") == "tierckpt://job"
+
+        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                states = {s.step: s.state.value for s in c.steps("job")}
+                if states.get(6) == "durable" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            # top-k removed steps 1-5 from memory; only step 3 and 6 went to the persistent tier.
+            assert states == {6: "durable", 7: "committed", 8: "committed"}, states
+            assert sorted(p.name for p in (store / "job").iterdir()) == [
+                "step_000000000003",
+                "step_000000000006",
+            ]
+            c.delete("job", 7)
+            c.delete("job", 8)
+
+        resumed = run_loop(EXAMPLE, args, node.client_env, log_dir=tmp_path)
+    finally:
+        node.cleanup()
+    assert resumed.returncodes == [0, 0], resumed.lines
+    assert resumed.start == 6, resumed.lines
+    assert resumed.losses == {s: ref.losses[s] for s in (7, 8)}
+
+
+def test_strategies_refuse_unsharded_checkpoints_and_bad_arguments() -> None:
+    from tierckpt_client.integrations.lightning import (
+        TieredFSDPStrategy,
+        TieredModelParallelStrategy,
+    )
+
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
+        TieredModelParallelStrategy("job", save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="state_dict_type='full'"):
+        TieredFSDPStrategy("job", state_dict_type="full")
+    with pytest.raises(ValueError, match="persist_every"):
+        TieredModelParallelStrategy("job", persist_every=0)
+    with pytest.raises(ValueError, match="async_mode"):
+        TieredFSDPStrategy("job", async_mode="fork")
+    with pytest.raises(Exception, match="namespace"):
+        TieredModelParallelStrategy("../job")
+
+
+@pytest.mark.parametrize("name", ["TieredModelParallelStrategy", "TieredFSDPStrategy"])
+def test_paths_map_to_steps_and_persist_cadence(name: str, tmp_path: Path) -> None:
+    """What a ModelCheckpoint path becomes: a step id, or "latest" for last*.ckpt; which steps
+    are saved for the persistent tier."""
+    from tierckpt_client.integrations import lightning
+
+    cls = getattr(lightning, name)
+    strategy = cls("job", persist_every=4)
+    assert strategy.namespace == "job"
+    assert strategy._pointer_id(tmp_path / "epoch=0-step=12.ckpt", 12) == "tierckpt://job/12"
+    assert strategy._pointer_id(tmp_path / "last-v1.ckpt", 12) == "tierckpt://job"
+    assert [strategy._persist(s) for s in (3, 4, 8)] == [False, True, True]
+    assert cls("job")._persist(4) is None  # the daemon's policy
+    assert strategy._model_key == ("model" if cls is lightning.TieredFSDPStrategy else "state_dict")
+
+
+def test_read_pointer_accepts_only_pointer_files(tmp_path: Path) -> None:
+    from tierckpt_client.integrations.lightning import read_pointer
+
+    good = tmp_path / "a.ckpt"
+    good.write_text("tierckpt://job/5\n")
+    assert read_pointer(good) == "tierckpt://job/5"
+    other = tmp_path / "b.ckpt"
+    other.write_bytes(b"PK\x03\x04" + b"\0" * 100)  # a torch.save zip file
+    assert read_pointer(other) is None
+    assert read_pointer(tmp_path / "missing.ckpt") is None
+    assert read_pointer(tmp_path) is None  # a folder (Lightning's own sharded checkpoint)
+
+
+def test_tierckpt_client_imports_no_integration() -> None:
+    """The integrations are opt-in: ``import tierckpt_client`` loads neither them nor Lightning."""
+    code = (
+        "import sys, tierckpt_client; "
+        "assert not [m for m in sys.modules if m.startswith(('lightning', "
+        "'tierckpt_client.integrations'))], sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
