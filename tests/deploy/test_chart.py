@@ -64,6 +64,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "enabled": True,
             "tls": {"existingSecret": "webhook-tls", "caBundle": "LS0tLS1CRUdJTi0tLS0t"},
             "namespaceSelector": {"matchLabels": {"tierckpt.io/training": "enabled"}},
+            "networkPolicy": {"from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]},
         },
     },
     "fsx-shared-fs": {
@@ -263,7 +264,9 @@ def test_default_node_selector_is_linux() -> None:
 
 def test_network_policy_admits_only_daemons_and_scrapers_to_the_port() -> None:
     objs = _objects(VALUE_SETS["multi-node-gitops"])
-    policy = _one(objs, "NetworkPolicy")
+    (policy,) = [
+        o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "tierckpt"
+    ]
     ds = _one(objs, "DaemonSet")
     selector = ds["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["podSelector"]["matchLabels"] == selector
@@ -276,6 +279,38 @@ def test_network_policy_admits_only_daemons_and_scrapers_to_the_port() -> None:
     for rule in (daemons, scrapers):
         assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
     assert not [o for o in _objects({}) if o["kind"] == "NetworkPolicy"]
+
+
+def test_webhook_network_policy_opens_only_its_port() -> None:
+    # On by default with the webhook: its pods take the HTTPS port only, from anywhere (the API
+    # server cannot be named) unless webhook.networkPolicy.from narrows it.
+    objs = _objects(VALUE_SETS["existing-secret-webhook"])
+    (policy,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    deployment = _one(objs, "Deployment")
+    assert policy["metadata"]["name"] == "tierckpt-webhook"
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": "https", "protocol": "TCP"}]}]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == ["https"]
+    # The daemon's pods are not selected by it, nor the webhook's by the daemon's policy.
+    daemons = _one(objs, "DaemonSet")["spec"]["selector"]["matchLabels"]
+    assert not policy["spec"]["podSelector"]["matchLabels"].items() <= daemons.items()
+    narrowed = [
+        o
+        for o in _objects(VALUE_SETS["multi-node-gitops"])
+        if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "tierckpt-webhook"
+    ]
+    assert narrowed[0]["spec"]["ingress"] == [
+        {
+            "ports": [{"port": "https", "protocol": "TCP"}],
+            "from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}],
+        }
+    ]
+    off = {**VALUE_SETS["existing-secret-webhook"]}
+    off["webhook"] = {**off["webhook"], "networkPolicy": {"enabled": False}}
+    assert not [o for o in _objects(off) if o["kind"] == "NetworkPolicy"]
+    assert not [o for o in _objects({}) if o["kind"] == "NetworkPolicy"]  # no webhook: none
 
 
 def _exported_metrics() -> set[str]:
