@@ -62,7 +62,7 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
-from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError
+from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
 __all__ = [
@@ -134,6 +134,9 @@ class _TieredSaves:
         self._ckpt_group: dist.ProcessGroup | None = None
         self._inflight: tuple[int, Future[Any]] | None = None
         self._last_step: int | None = None  # the newest step whose save this process started
+        # The pointers this process saved, path -> id: every rank knows what a removal names
+        # without reading a file that another node may already have removed from a shared folder.
+        self._pointers: dict[str, str] = {}
         self._unwinding = False
 
     @property
@@ -174,8 +177,11 @@ class _TieredSaves:
             # Two ModelCheckpoint saves at one step (top-k and last) hold the same training
             # state: it is saved once, and both pointers name it.
             self._start_save(step, checkpoint, model_key)
-        if pointer is not None and self.local_rank == 0:
-            _write_pointer(pointer, self._pointer_id(pointer, step))
+        if pointer is not None:
+            checkpoint_id = self._pointer_id(pointer, step)
+            self._pointers[os.path.normpath(pointer)] = checkpoint_id
+            if self.local_rank == 0:
+                _write_pointer(pointer, checkpoint_id)
 
     def _start_save(self, step: int, checkpoint: dict[str, Any], model_key: str) -> None:
         self.wait()
@@ -292,7 +298,8 @@ class _TieredSaves:
     def _tiered_remove(self, filepath: _PATH) -> bool:
         """Remove a pointer and the step it names; False if ``filepath`` is not a pointer."""
         path = Path(filepath)
-        checkpoint_id = read_pointer(path)
+        key = os.path.normpath(path)
+        checkpoint_id = self._pointers.pop(key, None) or read_pointer(path)
         if checkpoint_id is None:
             return False
         if self.local_rank != 0:
@@ -302,15 +309,21 @@ class _TieredSaves:
         namespace, step = parse_checkpoint_id(checkpoint_id)
         if step is None or namespace != self.namespace:
             return True  # "latest" pointers name no step of their own
-        if any(read_pointer(p) == checkpoint_id for p in path.parent.glob("*.ckpt")):
-            return True  # another pointer (e.g. a best-k one) still names it
+        if checkpoint_id in self._pointers.values() or any(
+            read_pointer(p) == checkpoint_id for p in path.parent.glob("*.ckpt")
+        ):
+            return True  # another pointer (e.g. last.ckpt of a save_last="link") still names it
         if self._inflight is not None and self._inflight[0] == step:
             self.wait()
         try:
             with DaemonClient(self.config) as client:
                 client.delete(namespace, step)
         except StepNotFoundError:
-            pass  # already gone (retention, or another node's daemon held it)
+            pass  # already gone (the daemon's retention, or it never reached this node)
+        except TierCkptError as e:
+            # The step stays until the daemon's own retention (keep_last) drops it; training
+            # goes on, as it would if Lightning could not delete a checkpoint file.
+            logger.warning("%s: could not delete step %d from the daemon: %s", namespace, step, e)
         return True
 
     def _tiered_exception(self) -> None:
