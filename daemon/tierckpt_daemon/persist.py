@@ -21,8 +21,8 @@ import time
 
 from tierckpt_core.errors import (
     IntegrityError,
-    NamespaceOwnerError,
     NotFoundError,
+    StepNotFoundError,
     TierCkptError,
 )
 from tierckpt_core.layout import (
@@ -359,7 +359,7 @@ class Persister(QueueWorker[StepRecord]):
     ) -> StepInfo:
         """Bring a durable step into memory (verified), unless it is there already. Of a step
         that spanned nodes only ``files`` come (default: this node's own share). ``owner``: the
-        step must be that identity's (NamespaceOwnerError if its manifest names another)."""
+        step must be that identity's (StepNotFoundError if its manifest names another)."""
         with self._hydrate_guard:
             lock = self._hydrate_locks.setdefault((namespace, step), threading.Lock())
         with lock:
@@ -377,9 +377,11 @@ class Persister(QueueWorker[StepRecord]):
         t0 = time.monotonic()
         manifest = read_step_manifest(self.store, namespace, step)
         if not owned_by(manifest.owner, owner):
-            raise NamespaceOwnerError(
+            # Another owner's step of the same name is not this caller's: as if not there (its
+            # "latest" goes on to an older step), like another owner's copy on a peer.
+            raise StepNotFoundError(
                 f"{namespace}/step {step} in {self.store.url} was saved by {manifest.owner}, "
-                f"not by {owner}; it is not restored for them"
+                f"not by {owner}: it is not restored for them"
             )
         spanning = manifest if manifest.coordinator is not None else None
         files = manifest.files
