@@ -126,3 +126,52 @@ def test_tierckpt_client_imports_no_integration() -> None:
         "'tierckpt_client.integrations'))], sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_ckpt_paths_resolve_to_ids_or_to_lightnings_own_loading(tmp_path: Path) -> None:
+    """ckpt_path: an id is itself, a pointer file the id it names, anything else None (loaded
+    as Lightning loads it)."""
+    import torch
+
+    from tierckpt_client.integrations.lightning import TieredModelParallelStrategy
+
+    strategy = TieredModelParallelStrategy("job")
+    pointer = tmp_path / "epoch=0-step=5.ckpt"
+    pointer.write_text("tierckpt://job/5\n")
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": {}}, plain)
+    assert strategy._resolve("tierckpt://other/7") == "tierckpt://other/7"
+    assert strategy._resolve(pointer) == "tierckpt://job/5"
+    assert strategy._resolve(plain) is None
+
+
+def test_a_failed_save_is_raised_at_the_end_of_fit_not_while_another_error_unwinds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The seam only (a failed future in place of a save): the error of the save in flight is
+    raised when fit ends; while fit is already failing, it is logged instead of masking that."""
+    import logging
+    from concurrent.futures import Future
+
+    from tierckpt_client.integrations.lightning import (
+        SaveFailedError,
+        TieredModelParallelStrategy,
+    )
+
+    def failed() -> Future[None]:
+        fut: Future[None] = Future()
+        fut.set_exception(OSError("tier full"))
+        return fut
+
+    strategy = TieredModelParallelStrategy("job")
+    strategy._inflight = (5, failed())
+    with pytest.raises(SaveFailedError, match="step 5 failed: tier full") as info:
+        strategy._tiered_teardown()
+    assert isinstance(info.value.__cause__, OSError)
+    strategy._tiered_teardown()  # raised once, not again
+
+    strategy._inflight = (6, failed())
+    strategy._tiered_exception()
+    with caplog.at_level(logging.ERROR):
+        strategy._tiered_teardown()
+    assert "the last save failed while another error unwound" in caplog.text
