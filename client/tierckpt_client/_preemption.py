@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from enum import IntEnum
 from types import FrameType
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_core.errors import DaemonUnavailableError, PersistentTierError
+from tierckpt_core.errors import DaemonUnavailableError, PersistentTierError, StepNotFoundError
 from tierckpt_core.protocol import StepState
 
 logger = logging.getLogger(__name__)
@@ -75,33 +76,44 @@ class PreemptionWatcher:
         return bool(flag.item())
 
 
+class Outcome(IntEnum):
+    """Where a preempted step ended up on one rank, ordered so that the job's is the minimum."""
+
+    FAILED = 0  # not saved, or a persistent tier is configured and the step missed the deadline
+    MEMORY_ONLY = 1  # committed in the node's memory (and its replicas); no persistent tier
+    DURABLE = 2  # complete in the persistent tier
+
+
 def wait_durable(
     namespace: str,
     step: int,
     config: ClientConfig,
     deadline_s: float,
     group: dist.ProcessGroup | None,
-) -> bool:
+) -> Outcome:
     """Ask this rank's daemon to persist ``step`` now and wait until it is durable; then agree
-    with the other ranks. False if some rank's daemon did not make it durable in time."""
-    ok = _wait_local(namespace, step, config, time.monotonic() + deadline_s)
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    with the other ranks on the worst outcome. A daemon with no persistent tier cannot do more
+    than hold the committed step in memory: that rank's outcome is ``MEMORY_ONLY`` at once."""
+    local = _wait_local(namespace, step, config, time.monotonic() + deadline_s)
+    flag = torch.tensor([int(local)], dtype=torch.int32)
     if group is not None:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    return Outcome(int(flag.item()))
 
 
-def _wait_local(namespace: str, step: int, config: ClientConfig, deadline: float) -> bool:
+def _wait_local(namespace: str, step: int, config: ClientConfig, deadline: float) -> Outcome:
     client = DaemonClient.shared(config)
     try:
+        if client.status().persistent is None:
+            return _memory_only(client, namespace, step, config)
         client.persist(namespace, step)  # jump the queue; a no-op if already queued or durable
     except DaemonUnavailableError:
         if config.persist_url:
             # The writer saved straight to the persistent tier: durable when the save returned.
             logger.warning("%s: daemon unreachable; step %d was written direct", namespace, step)
-            return True
+            return Outcome.DURABLE
         logger.error("%s: daemon unreachable and no persistent tier: step %d", namespace, step)
-        return False
+        return Outcome.FAILED
     except PersistentTierError as e:
         logger.error(
             "%s: step %d is only in memory (%s); it survives this process, not the node",
@@ -109,12 +121,12 @@ def _wait_local(namespace: str, step: int, config: ClientConfig, deadline: float
             step,
             e,
         )
-        return False
+        return Outcome.FAILED
     while True:
         info = client.step(namespace, step)
         if info.state == StepState.DURABLE:
             logger.warning("%s: step %d is durable", namespace, step)
-            return True
+            return Outcome.DURABLE
         if time.monotonic() > deadline:
             logger.error(
                 "%s: step %d not durable within the preemption deadline (state %s)",
@@ -122,5 +134,31 @@ def _wait_local(namespace: str, step: int, config: ClientConfig, deadline: float
                 step,
                 info.state.value,
             )
-            return False
+            return Outcome.FAILED
         time.sleep(POLL_S)
+
+
+def _memory_only(client: DaemonClient, namespace: str, step: int, config: ClientConfig) -> Outcome:
+    """The daemon has no persistent tier: the step is as safe as it gets once it is committed in
+    memory (the daemon replicates it on its own, where it has peers)."""
+    try:
+        info = client.step(namespace, step)
+    except StepNotFoundError:
+        if config.persist_url:
+            # The daemon had no room and the writer saved straight to the trainer's persistent
+            # tier: durable when the save returned.
+            return Outcome.DURABLE
+        raise
+    if info.state in (StepState.COMMITTED, StepState.DURABLE):
+        return Outcome.MEMORY_ONLY
+    logger.error("%s: step %d is not committed (state %s)", namespace, step, info.state.value)
+    return Outcome.FAILED
+
+
+def memory_only_warning(namespace: str, step: int) -> str:
+    """The one warning a preempted job logs when its last save could not leave the node."""
+    return (
+        f"{namespace}: preempted at step {step}: the final save is in node memory (and on its "
+        "replicas, if any) only, because no persistent tier is configured (TIERCKPT_PERSIST_URL "
+        "on the daemon); a restart on this node resumes from it, a lost node loses it"
+    )

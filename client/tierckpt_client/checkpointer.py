@@ -22,7 +22,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from tierckpt_client._preemption import PreemptionWatcher, wait_durable
+from tierckpt_client._preemption import (
+    Outcome,
+    PreemptionWatcher,
+    memory_only_warning,
+    wait_durable,
+)
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
@@ -85,7 +90,8 @@ class Checkpointer:
             ``signal.SIGUSR1`` with Slurm's ``--signal``); ``None``: SIGTERM only.
         handle_signals: install the handlers (only possible from the main thread).
         preempt_deadline_s: how long a preempted save may take to become durable before the
-            process exits anyway (with status 1).
+            process exits anyway (with status 1). A daemon with no persistent tier: the save is
+            done once it is committed in memory (exit 0, with one warning).
 
     ``save(step, state)`` returns once the state is copied into the node's memory tier; the rest
     of the save runs in the background. The next save first waits for it and raises its error
@@ -255,7 +261,8 @@ class Checkpointer:
 
     def _preempt(self, step: int, state: dict[str, Any]) -> None:
         """Finish the save in flight, save this step for the persistent tier, wait until it is
-        durable (within the deadline), and exit."""
+        durable (within the deadline), and exit: 0 when it is durable, or committed in memory
+        where no persistent tier is configured; 1 when it failed or missed the deadline."""
         logger.warning(
             "%s: preemption signal received (%s); saving step %d and exiting",
             self.namespace,
@@ -271,10 +278,14 @@ class Checkpointer:
             if self.last_saved_step != step:
                 self._start(step, state, persist=True)
             self.wait()
-            if not wait_durable(
+            outcome = wait_durable(
                 self.namespace, step, self.config, self.preempt_deadline_s, self._flag_group
-            ):
+            )
+            if outcome is Outcome.FAILED:
                 code = 1
+            elif outcome is Outcome.MEMORY_ONLY and self._first_rank():
+                # The save that could be made is made; say once for the job where it is.
+                logger.warning(memory_only_warning(self.namespace, step))
         except Exception:
             logger.exception("%s: the save at preemption (step %d) failed", self.namespace, step)
             code = 1
@@ -285,6 +296,9 @@ class Checkpointer:
         # At exit, not here: ``finally`` blocks that unwind first may still use the groups.
         atexit.register(_destroy_process_groups)
         sys.exit(code)
+
+    def _first_rank(self) -> bool:
+        return self._flag_group is None or dist.get_rank(self._flag_group) == 0
 
 
 def _destroy_process_groups() -> None:

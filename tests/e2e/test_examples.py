@@ -117,6 +117,58 @@ def test_sigterm_saves_a_durable_step_exits_0_and_resumes(
         assert loss == fsdp2_reference.losses[step], step
 
 
+MEMORY_ONLY_WARNING = (
+    "the final save is in node memory (and on its replicas, if any) only, because no "
+    "persistent tier is configured"
+)
+
+
+def test_sigterm_without_a_persistent_tier_saves_to_memory_exits_0_and_resumes(
+    fsdp2_reference: LoopRun, tmp_path: Path
+) -> None:
+    """A daemon with no persistent tier: SIGTERM to one rank, every rank saves that step into
+    the node's memory, and both exit 0 with one warning (for the job, not per rank) that the save
+    is only there; a restart on the same node resumes from exactly that step."""
+    import signal
+
+    from tierckpt_client import DaemonClient
+    from tierckpt_client.config import ClientConfig
+
+    from helpers import new_shm_dir
+
+    node = DaemonProcess(new_shm_dir()).start()  # no TIERCKPT_PERSIST_URL
+    script = EXAMPLES / "fsdp2_checkpointer.py"
+    args = ["--namespace", "job", "--steps", "8"]
+    try:
+        stopped = run_loop(
+            script,
+            [*args, "--step-time", "0.5", "--preempt-deadline", "60"],
+            node.client_env,
+            log_dir=tmp_path / "stopped",
+            stop_after=3,
+            stop_signal=signal.SIGTERM,
+            signal_ranks=[1],
+        )
+        logs = "".join(p.read_text() for p in sorted((tmp_path / "stopped").glob("rank*.log")))
+        assert stopped.returncodes == [0, 0], (stopped.lines, logs)
+        final = max(stopped.losses)
+        assert final < 8, "the run was not preempted"
+        assert logs.count(MEMORY_ONLY_WARNING) == 1, logs
+        assert f"preempted at step {final}: " in logs, logs
+        assert "Traceback" not in logs, logs
+        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+            assert c.step("job", final).state.value == "committed"
+
+        resumed = run_loop(script, args, node.client_env, log_dir=tmp_path / "resumed")
+    finally:
+        node.cleanup()
+    assert resumed.returncodes == [0, 0], resumed.lines
+    assert resumed.start == final
+    assert sorted(resumed.losses) == list(range(final + 1, 9))
+    for step, loss in resumed.losses.items():
+        assert loss == fsdp2_reference.losses[step], step
+
+
 def test_ddp_loop_resumes_bit_exact(daemon: DaemonProcess, tmp_path: Path) -> None:
     script = EXAMPLES / "ddp_loop.py"
     args = ["--namespace", "ddp", "--steps", "7"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from pathlib import Path
@@ -109,11 +110,42 @@ def test_extra_signal_saves_durable_step_and_exits_0(tmp_path: Path) -> None:
         d.cleanup()
 
 
-def test_preemption_without_a_persistent_tier_exits_1(client_env: DaemonProcess) -> None:
+def test_preemption_without_a_persistent_tier_exits_0_with_one_warning(
+    client_env: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The daemon has no persistent tier: the save that can be made (into the node's memory) is
+    made, and the process exits 0, saying once where the step is."""
     ckpt = Checkpointer("pre-mem")
     os.kill(os.getpid(), signal.SIGTERM)
     with pytest.raises(SystemExit) as exited:
         ckpt.save(5, {"w": torch.ones(10)})
-    assert exited.value.code == 1  # saved, but only in this node's memory
+    assert exited.value.code == 0
     with DaemonClient() as c:
         assert c.step("pre-mem", 5).state.value == "committed"
+    warned = [r.getMessage() for r in caplog.records if "no persistent tier" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "pre-mem: preempted at step 5: the final save is in node memory" in warned[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_preemption_missing_the_deadline_exits_1(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A persistent tier is configured but the step cannot reach it within the deadline (uploads
+    capped at 16 KiB/s, 32 MB to upload): the process exits 1, naming the deadline."""
+    d = DaemonProcess(
+        new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", upload_max_rate="16K"
+    ).start()
+    try:
+        config = ClientConfig.from_env(socket=d.socket)
+        ckpt = Checkpointer("slow", config=config, preempt_deadline_s=2.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(SystemExit) as exited:
+            ckpt.save(3, {"w": torch.ones(8_000_000)})
+        assert exited.value.code == 1
+        with DaemonClient(config) as c:
+            assert c.step("slow", 3).state.value == "committed"
+    finally:
+        d.cleanup()
+    assert "slow: step 3 not durable within the preemption deadline" in caplog.text
+    assert "no persistent tier" not in caplog.text
