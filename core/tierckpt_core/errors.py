@@ -19,6 +19,8 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     │   └── IntegrityError          stored bytes do not match their recorded checksum
     ├── PersistentTierError         the persistent tier (S3, file system) failed or is misconfigured
     ├── ProtocolError               a request or answer that does not follow the wire protocol
+    │   └── NotAMemberError         a request names an address that is not a member of the peer
+    │                               ring (the peer token goes only to members)
     ├── ForbiddenError              a local-only route was called over the TCP port (or a peer
     │   │                           route on the Unix socket)
     │   └── NamespaceOwnerError     the namespace (or its step) belongs to another identity: a
@@ -103,6 +105,13 @@ class ProtocolError(TierCkptError):
     http_status = 400
 
 
+class NotAMemberError(ProtocolError):
+    """An address a request names (a commit's node, a prepare's decider) is not a member of the
+    ring: nothing is sent to it, since every peer request carries the cluster-wide token."""
+
+    code = "not_a_member"
+
+
 class IntegrityError(CheckpointFormatError):
     code = "integrity"
 
@@ -155,6 +164,7 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         StepStateError,
         CheckpointFormatError,
         ProtocolError,
+        NotAMemberError,
         ForbiddenError,
         NamespaceOwnerError,
         UnauthorizedError,

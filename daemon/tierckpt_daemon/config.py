@@ -131,6 +131,12 @@ class DaemonSettings(BaseSettings):
         le=600,
         description="connect timeout, and longest wait for the next bytes, of every peer call",
     )
+    decider_gone_s: float = Field(
+        default=600.0,
+        ge=0,
+        description="a save attempt prepared here whose decider (another node) has not been a "
+        "member of the ring for this long is aborted, unless a member holds it committed",
+    )
     replication_concurrency: int = Field(
         default=4, ge=1, le=64, description="files pushed to peers at once"
     )

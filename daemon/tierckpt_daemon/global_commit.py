@@ -18,6 +18,13 @@ ended, and, if the decider no longer knows, the other participants; it aborts on
 decider says the attempt is not committed and no participant holds it committed, and never
 guesses while the decider cannot be reached. The decider aborts its own prepared attempts found at
 restart: it never decided them.
+
+Every request carries the cluster-wide peer token, so each goes to a current member of the ring
+only: a commit naming a node that is not a member fails before anything is sent, a prepare naming
+a decider or participant that is not one is refused, and the resolver never dials a non-member. A
+prepared attempt whose decider has left the ring is asked about of every member (the decider's
+node may be back under another address, holding the decision) once it has been gone for
+``decider_gone_s``, and aborted if none holds it committed: it is not kept in doubt forever.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tierckpt_core.errors import (
+    NotAMemberError,
     PeerUnavailableError,
     ProtocolError,
     StepNotFoundError,
@@ -46,6 +54,7 @@ from tierckpt_core.protocol import (
     StepInfo,
     StepState,
 )
+from tierckpt_daemon.membership import Members
 from tierckpt_daemon.peer_client import PeerClient
 from tierckpt_daemon.records import StepRecord, read_manifest, write_prepared
 from tierckpt_daemon.service import TierService
@@ -54,13 +63,27 @@ logger = logging.getLogger(__name__)
 
 RESOLVE_INTERVAL_S = 2.0  # how often undelivered decisions and prepared attempts are looked at
 IN_DOUBT_AFTER_S = 5.0  # a prepared attempt older than this asks its decider
+DECIDER_GONE_S = 600.0  # a decider not a member this long: its prepared attempts are swept
 
 
 class GlobalCommitter:
-    def __init__(self, service: TierService, client: PeerClient, *, node: str) -> None:
+    def __init__(
+        self,
+        service: TierService,
+        client: PeerClient,
+        *,
+        node: str,
+        decider_gone_s: float = DECIDER_GONE_S,
+    ) -> None:
         self.service = service
         self.client = client
+        self.members: Members = client.members
         self.node = node
+        self.decider_gone_s = decider_gone_s
+        # (namespace, step, attempt) of a prepared attempt -> when its decider was first seen
+        # not to be a member (monotonic); only the resolver thread touches it.
+        self._gone: dict[tuple[str, int, str], float] = {}
+        self._preparing: set[tuple[str, int, str]] = set()  # under the service's lock
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="tierckpt-commit")
         self._cv = threading.Condition()
         self._undelivered: dict[tuple[str, str, int, str], DecideRequest] = {}
@@ -91,6 +114,15 @@ class GlobalCommitter:
         for name in req.files:
             shares.setdefault(nodes[name], []).append(name)
         participants = sorted(shares)
+        # Before anything is sent: every request below carries the peer token.
+        for node in participants:
+            if not self.members.is_member(node):
+                raise NotAMemberError(
+                    f"{namespace}/step {step}: the commit names node {node!r} (for "
+                    f"{', '.join(sorted(shares[node])[:4])}), which is not a member of the ring "
+                    f"({self.members.membership.describe()}); nothing was sent to it. Each "
+                    "rank's node is its daemon's TIERCKPT_NODE_NAME"
+                )
         self.service.writing_record(namespace, step, attempt)  # the decider's own part exists
         # The decider's index is the one that decides "latest": a committed step is on it.
         self.service.refuse_overwrite(namespace, step, req)
@@ -105,7 +137,7 @@ class GlobalCommitter:
                 world_size=req.world_size,
             )
             if node == self.node:
-                return self.prepare(namespace, step, attempt, prep)
+                return self._prepare_share(namespace, step, attempt, prep)
             return self.client.prepare(node, namespace, step, attempt, prep).files
 
         futures = {n: self._pool.submit(prepare, n) for n in participants}
@@ -192,9 +224,30 @@ class GlobalCommitter:
     def prepare(
         self, namespace: str, step: int, attempt: str, req: PrepareRequest
     ) -> list[FileRecord]:
-        svc = self.service
+        """A decider's prepare of this node's share (the peer route). Refused: an empty share (a
+        node takes part because it holds files), and a decider or participant that is not a
+        member of the ring (this node would send the token there, asking how the attempt
+        ended)."""
+        where = f"{namespace}/step {step}: prepare of attempt {attempt}"
+        if not req.files:
+            raise ProtocolError(f"{where} names no file: a participant holds a share of the save")
+        for node in dict.fromkeys([req.coordinator, *req.participants]):
+            role = "decider" if node == req.coordinator else "participant"
+            if not self.members.is_member(node):
+                raise NotAMemberError(
+                    f"{where} names {role} {node!r}, which is not a member of the ring "
+                    f"({self.members.membership.describe()}): refused"
+                )
+        return self._prepare_share(namespace, step, attempt, req)
+
+    def _prepare_share(
+        self, namespace: str, step: int, attempt: str, req: PrepareRequest
+    ) -> list[FileRecord]:
+        svc, key = self.service, (namespace, step, attempt)
         with svc.lock:
             rec = svc.writing_record(namespace, step, attempt)
+            if rec.prepared_at is not None or key in self._preparing:
+                return self._prepared_again(rec, req)
             svc.keep_only(rec, req.files)
             # Files the writer sent checksums for keep them (taken right after the copy).
             todo = [
@@ -202,25 +255,52 @@ class GlobalCommitter:
                 for f in rec.files.values()
                 if f.checksum is None or f.blocks is None
             ]
-        # Checksum the share now, off the trainers' stall and right after their copy: the global
-        # record carries every file's checksum to peers and the persistent tier from here on.
-        sums = {name: checksum_file_blocks(path, length) for name, path, length in todo}
-        with svc.lock:
-            if svc.index.writing.get((namespace, step, attempt)) is not rec:
-                raise StepStateError(
-                    f"{namespace}/step {step}: attempt {attempt} ended while it was prepared"
+            self._preparing.add(key)
+        try:
+            # Checksum the share now, off the trainers' stall and right after their copy: the
+            # global record carries every file's checksum to peers and the persistent tier.
+            sums = {name: checksum_file_blocks(path, length) for name, path, length in todo}
+            with svc.lock:
+                if svc.index.writing.get(key) is not rec:
+                    raise StepStateError(
+                        f"{namespace}/step {step}: attempt {attempt} ended while it was prepared"
+                    )
+                for name, (whole, size, blocks) in sums.items():
+                    f = rec.files[name]
+                    f.checksum, f.block_size, f.blocks = whole, size, blocks
+                rec.coordinator = req.coordinator
+                rec.participants = list(req.participants)
+                rec.world_size = req.world_size
+                rec.prepared_at = time.time()
+                for f in rec.files.values():
+                    f.node = self.node
+                write_prepared(rec)
+                return [f.model_copy(update={"size": None}) for f in rec.sorted_files()]
+        finally:
+            with svc.lock:
+                self._preparing.discard(key)
+
+    def _prepared_again(self, rec: StepRecord, req: PrepareRequest) -> list[FileRecord]:
+        """A second prepare of an attempt (caller holds the lock): the same one again gets the
+        same answer; any other is refused, so that no one replaces the decider's prepare of an
+        attempt in flight (dropping its sealed files, or naming another decider)."""
+        same = (
+            rec.prepared_at is not None
+            and rec.coordinator == req.coordinator
+            and rec.participants == list(req.participants)
+            and sorted(rec.files) == sorted(req.files)
+        )
+        if not same:
+            raise StepStateError(
+                f"{rec.namespace}/step {rec.step}: attempt {rec.attempt} is already "
+                + (
+                    f"prepared by decider {rec.coordinator} with files {sorted(rec.files)[:8]}"
+                    if rec.prepared_at is not None
+                    else "being prepared"
                 )
-            for name, (whole, size, blocks) in sums.items():
-                f = rec.files[name]
-                f.checksum, f.block_size, f.blocks = whole, size, blocks
-            rec.coordinator = req.coordinator
-            rec.participants = list(req.participants)
-            rec.world_size = req.world_size
-            rec.prepared_at = time.time()
-            for f in rec.files.values():
-                f.node = self.node
-            write_prepared(rec)
-            return [f.model_copy(update={"size": None}) for f in rec.sorted_files()]
+                + f"; a prepare by {req.coordinator} with files {sorted(req.files)[:8]} is refused"
+            )
+        return [f.model_copy(update={"size": None}) for f in rec.sorted_files()]
 
     def decide(self, req: DecideRequest) -> StepRecord:
         """Commit this node's share of a step with the decider's global record (idempotent)."""
@@ -235,6 +315,15 @@ class GlobalCommitter:
             if rec.prepared_at is None:
                 raise StepStateError(
                     f"{m.namespace}/step {m.step}: attempt {m.attempt} was never prepared here"
+                )
+            # Only the decision of the decider that prepared the attempt, over its participants.
+            strangers = sorted({f.node or "" for f in m.files} - set(rec.participants))
+            if m.coordinator != rec.coordinator or (rec.participants and strangers):
+                raise StepStateError(
+                    f"{m.namespace}/step {m.step}: a decision for attempt {m.attempt} by "
+                    f"{m.coordinator} (files on {', '.join(strangers) or 'its participants'}) "
+                    f"does not match its prepare by decider {rec.coordinator} with participants "
+                    f"{', '.join(rec.participants)}: refused"
                 )
             mine = {f.name for f in m.share(self.node)}
             if mine != set(rec.files):
@@ -292,6 +381,9 @@ class GlobalCommitter:
             for key, decision in undelivered.items():
                 try:
                     self.client.decide(key[0], decision)
+                except NotAMemberError as e:
+                    # It left the ring: if it comes back it asks (in doubt) how the attempt ended.
+                    logger.warning("decision for %s not delivered: %s", key, e)
                 except TierCkptError as e:
                     logger.debug("decision for %s not delivered yet: %s", key, e)
                     continue
@@ -310,17 +402,61 @@ class GlobalCommitter:
                 for r in self.service.index.writing.values()
                 if r.prepared_at is not None and now - r.prepared_at > IN_DOUBT_AFTER_S
             ]
+        keys = {(r.namespace, r.step, r.attempt) for r in doubtful}
+        for key in set(self._gone) - keys:  # resolved, or ended otherwise
+            del self._gone[key]
+        if not doubtful:
+            return
+        try:
+            members = self.members.current()
+        except PeerUnavailableError as e:  # DNS: nothing is dialed, nothing is swept
+            logger.info("prepared attempts wait: the ring's members are unknown now (%s)", e)
+            return
         for rec in doubtful:
-            self._resolve(rec)
+            self._resolve(rec, members)
 
-    def _resolve(self, rec: StepRecord) -> None:
+    def _resolve(self, rec: StepRecord, members: frozenset[str]) -> None:
         ns, step, attempt = rec.namespace, rec.step, rec.attempt
         if rec.coordinator == self.node:
             # This daemon was the decider and has no MANIFEST.json for it: it never decided.
             self.abort(ns, step, attempt)
             return
+        key = (ns, step, attempt)
+        if rec.coordinator in members:
+            self._gone.pop(key, None)
+            ask = [rec.coordinator, *rec.participants]
+        else:
+            # Never dialed (the token goes to members only). Its participants may hold the
+            # decision; once it has been gone a while, so may any member (the decider's node
+            # back under another address): then ask them all, once, and abort if none does.
+            gone_at = self._gone.setdefault(key, time.monotonic())
+            if time.monotonic() - gone_at < self.decider_gone_s:
+                ask = list(rec.participants)
+            else:
+                ask = sorted(members)
+        if self._ask_about(rec, [n for n in ask if n in members]):
+            return
+        gone_for = time.monotonic() - self._gone.get(key, time.monotonic())
+        if rec.coordinator not in members and gone_for >= self.decider_gone_s:
+            logger.warning(
+                "%s/step %d: attempt %s was prepared by decider %s, which has not been a member "
+                "of the ring for %.0f s, and no member holds it committed: aborting it",
+                ns,
+                step,
+                attempt,
+                rec.coordinator,
+                gone_for,
+            )
+            self._gone.pop(key, None)
+            self.abort(ns, step, attempt)
+
+    def _ask_about(self, rec: StepRecord, nodes: list[str]) -> bool:
+        """Ask ``nodes`` (members) how ``rec``'s attempt ended: take the decision if one holds
+        it committed; abort if its decider (asked) does not know it and every other answered.
+        True when the attempt was settled either way."""
+        ns, step, attempt = rec.namespace, rec.step, rec.attempt
         asked: dict[str, OutcomeResponse | None] = {}
-        for node in [rec.coordinator or "", *rec.participants]:
+        for node in nodes:
             if not node or node == self.node or node in asked:
                 continue
             try:
@@ -343,7 +479,7 @@ class GlobalCommitter:
                     self.decide(DecideRequest(manifest=answer.manifest, persist=answer.persist))
                 except (StepNotFoundError, StepStateError) as e:
                     logger.warning("%s/step %d: cannot take the decision: %s", ns, step, e)
-                return
+                return True
         decider = asked.get(rec.coordinator or "")
         if (
             decider is not None
@@ -359,3 +495,5 @@ class GlobalCommitter:
                 rec.coordinator,
             )
             self.abort(ns, step, attempt)
+            return True
+        return False

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierckpt_core.errors import PeerUnavailableError
+from tierckpt_core.errors import NotAMemberError, PeerUnavailableError
 
 DNS_PREFIX = "dns:"
 
@@ -92,6 +94,52 @@ class Membership:
                 f"cannot resolve the peers' DNS name {host} (TIERCKPT_PEERS): {e}"
             ) from e
         return sorted({format_member(str(info[4][0]), port) for info in infos})
+
+
+class Members:
+    """The current members of the ring: the one check made before the peer token leaves.
+
+    The token is a cluster-wide key, so every request that carries it goes to a member, never to
+    an address a request named (a trainer's commit, a peer's prepare). A static list is fixed;
+    a DNS membership is resolved at most every ``refresh_s`` (and again when an address is not
+    in the last answer, so a pod that just joined is found). Thread-safe.
+    """
+
+    def __init__(self, membership: Membership, node: str, *, refresh_s: float = 1.0) -> None:
+        self.membership = membership
+        self.node = node
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._known: frozenset[str] = frozenset(membership.static) | {node}
+        self._resolved_at = -float("inf")
+
+    def current(self, *, fresh: bool = False) -> frozenset[str]:
+        """Every member, this node included (resolves DNS when the last answer is older than
+        ``refresh_s``, or with ``fresh``: call from a thread). PeerUnavailableError when DNS
+        cannot be resolved."""
+        if self.membership.dns is None:
+            return self._known
+        with self._lock:
+            if fresh or time.monotonic() - self._resolved_at > self.refresh_s:
+                self._known = frozenset(self.membership.members()) | {self.node}
+                self._resolved_at = time.monotonic()
+            return self._known
+
+    def is_member(self, peer: str) -> bool:
+        """Whether ``peer`` is a member now (exactly as listed: the address that is dialed)."""
+        if peer in self.current():
+            return True
+        with self._lock:
+            recent = time.monotonic() - self._resolved_at <= self.refresh_s
+        return not recent and peer in self.current(fresh=True)
+
+    def require(self, peer: str, what: str) -> None:
+        """NotAMemberError, naming ``peer`` and ``what`` wanted it, unless it is a member."""
+        if not self.is_member(peer):
+            raise NotAMemberError(
+                f"{what}: {peer!r} is not a member of the ring ({self.membership.describe()}); "
+                "the peer token goes only to members, so nothing was sent to it"
+            )
 
 
 def successors(members: Sequence[str], node: str) -> list[str]:

@@ -129,15 +129,18 @@ def build_node(settings: DaemonSettings) -> Node:
         service.persist_every = settings.persist_every
         service.add_listener(persister)
     if settings.peers:
-        from tierckpt_daemon.membership import Membership
+        from tierckpt_daemon.membership import Members, Membership
         from tierckpt_daemon.peer_client import PeerClient
 
         assert settings.peer_secret is not None and settings.node_name is not None  # validated
+        # The one list of who may receive the peer token (each client checks every request).
+        members = Members(Membership.parse(settings.peers), settings.node_name)
         replicator = Replicator(
             service,
-            Membership.parse(settings.peers),
+            members.membership,
             PeerClient(
                 settings.peer_secret.get_secret_value(),
+                members=members,
                 timeout_s=settings.peer_timeout_s,
                 tls=settings.peer_tls,
             ),
@@ -156,10 +159,12 @@ def build_node(settings: DaemonSettings) -> Node:
             service,
             PeerClient(
                 settings.peer_secret.get_secret_value(),
+                members=members,
                 timeout_s=settings.peer_timeout_s,
                 tls=settings.peer_tls,
             ),
             node=settings.node_name,
+            decider_gone_s=settings.decider_gone_s,
         )
     fetcher = PeerFetcher(replicator) if replicator is not None else None
     restorer = Restorer(service, peers=fetcher, durable=persister)

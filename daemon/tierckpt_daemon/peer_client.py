@@ -1,6 +1,8 @@
 """HTTP client of the daemon-to-daemon routes (``/v1/peer/...`` on a peer's TCP port).
 
-Thread-safe (one pooled ``httpx.Client``). Every call carries the shared token and has a timeout:
+Thread-safe (one pooled ``httpx.Client``). Every call carries the shared token, so every call goes
+to a current member of the ring and nowhere else (:class:`~tierckpt_daemon.membership.Members`,
+checked where each URL or connection is made: NotAMemberError, nothing sent), and has a timeout:
 ``timeout_s`` to connect and for each read or write (a transfer that keeps moving may take longer in
 total; one that stalls fails). Transport failures become :class:`PeerUnavailableError` naming the
 peer; a peer's JSON errors map back to their classes by ``code``. Idempotent calls are retried a
@@ -50,6 +52,7 @@ from tierckpt_core.protocol import (
     PrepareResponse,
     StepInfo,
 )
+from tierckpt_daemon.membership import Members
 from tierckpt_daemon.peer_bodies import (
     MAX_HEAD,
     RangeStream,
@@ -90,7 +93,15 @@ class _HTTPSConnection(http.client.HTTPSConnection):
 
 
 class PeerClient:
-    def __init__(self, token: str, *, timeout_s: float = 10.0, tls: PeerTLS | None = None) -> None:
+    def __init__(
+        self,
+        token: str,
+        *,
+        members: Members,
+        timeout_s: float = 10.0,
+        tls: PeerTLS | None = None,
+    ) -> None:
+        self.members = members
         self.timeout_s = timeout_s
         self.tls = tls
         self._scheme = "https" if tls is not None else "http"
@@ -111,6 +122,7 @@ class PeerClient:
 
     # -- plumbing ---------------------------------------------------------------------------
     def _url(self, peer: str, path: str) -> str:
+        self.members.require(peer, f"peer request {path}")
         return f"{self._scheme}://{peer}{path}"
 
     def _extensions(self) -> dict[str, Any]:
@@ -120,6 +132,7 @@ class PeerClient:
         return {}
 
     def _connection(self, peer: str) -> http.client.HTTPConnection:
+        self.members.require(peer, "peer request")
         if self.tls is None or self._ssl is None:
             return http.client.HTTPConnection(peer, timeout=self.timeout_s)
         return _HTTPSConnection(
@@ -339,6 +352,7 @@ class PeerClient:
                 )
 
         def plain() -> socket.socket:
+            self.members.require(peer, f"peer request {url}")
             addr = http.client.HTTPConnection(peer)  # parses host:port as requests to peers do
             try:
                 sock = socket.create_connection((addr.host, addr.port), timeout=self.timeout_s)

@@ -21,6 +21,7 @@ from tierckpt_core.errors import IntegrityError
 from tierckpt_core.integrity import checksum
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_daemon import peer_client
+from tierckpt_daemon.membership import Members, Membership
 from tierckpt_daemon.peer_client import PeerClient
 
 from helpers import DaemonProcess, free_port, new_shm_dir
@@ -28,6 +29,11 @@ from helpers import DaemonProcess, free_port, new_shm_dir
 TOKEN = "peer-token-for-the-transfer-tests-0123456789"
 NS = "xfer"
 N = 3 << 20  # float32 elements: a 12 MiB file, larger than any socket buffer
+
+
+def _client(peer: str) -> PeerClient:
+    """A peer client of a ring whose only member is ``peer`` (it sends the token nowhere else)."""
+    return PeerClient(TOKEN, members=Members(Membership.parse(peer), peer), timeout_s=30)
 
 
 @pytest.fixture
@@ -42,7 +48,7 @@ def served() -> Iterator[tuple[DaemonProcess, str, StepManifest, FileRecord]]:
         writer = TieredStorageWriter(NS, 1, config=ClientConfig.from_env(socket=d.socket))
         dcp.save(state, storage_writer=writer, no_dist=True)
         peer = f"127.0.0.1:{port}"
-        client = PeerClient(TOKEN, timeout_s=30)
+        client = _client(peer)
         try:
             manifest = client.manifest(peer, NS, 1)
         finally:
@@ -90,7 +96,7 @@ def test_every_file_fetched_into_a_local_file_matches_the_writers_checksums(
     served: tuple[DaemonProcess, str, StepManifest, FileRecord], tmp_path: Path
 ) -> None:
     _, peer, manifest, _ = served
-    client = PeerClient(TOKEN, timeout_s=30)
+    client = _client(peer)
     try:
         for f in manifest.files:
             dst = tmp_path / "dst"
@@ -174,7 +180,7 @@ def test_a_large_file_comes_in_parallel_ranges_each_block_checked(
     assert manifest.attempt is not None and big.block_size and big.blocks
     monkeypatch.setattr(peer_client, "RANGE_MIN", 1)  # 12 MiB: 4 ranges
     dst = tmp_path / "dst"
-    client = PeerClient(TOKEN, timeout_s=30)
+    client = _client(peer)
     try:
         dst.write_bytes(b"\xff" * big.length)
         client.get_file_blocks(

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from tierckpt_core.errors import PeerUnavailableError
+from tierckpt_core.errors import NotAMemberError, PeerUnavailableError
+from tierckpt_core.manifest import StepManifest
+from tierckpt_core.protocol import DecideRequest, PrepareRequest
 from tierckpt_daemon.config import DaemonSettings
-from tierckpt_daemon.membership import Membership, successors
+from tierckpt_daemon.launcher import free_port
+from tierckpt_daemon.membership import Members, Membership, successors
+from tierckpt_daemon.peer_client import PeerClient
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -86,3 +92,63 @@ def test_peers_need_a_token_and_a_place_on_the_ring(tmp_path: Path) -> None:
     with pytest.raises(ValidationError, match=r"TIERCKPT_PEER_TOKEN_FILE .*missing"):
         DaemonSettings(peer_token_file=tmp_path / "missing")
     assert DaemonSettings().peers is None  # replication is off by default
+
+
+def test_members_are_the_listed_addresses_exactly() -> None:
+    static = Members(Membership.parse("10.0.0.1:8474,10.0.0.2:8474"), "10.0.0.1:8474")
+    assert static.is_member("10.0.0.2:8474")
+    for other in ("10.0.0.3:8474", "10.0.0.2:8475", "10.0.0.2:8474/x", ""):
+        assert not static.is_member(other)
+    # DNS: what the name resolves to now, and this node even when DNS does not list it yet.
+    dns = Members(Membership.parse("dns:localhost:8474"), "10.9.9.9:8474")
+    assert dns.is_member("127.0.0.1:8474") and dns.is_member("10.9.9.9:8474")
+    assert not dns.is_member("127.0.0.1:8475")
+    with pytest.raises(NotAMemberError, match=r"'127\.0\.0\.1:8475' is not a member of the ring"):
+        dns.require("127.0.0.1:8475", "a test")
+
+
+def test_the_peer_client_sends_nothing_to_an_address_outside_the_ring(tmp_path: Path) -> None:
+    """Whatever a call site passes it, the client that attaches the token dials members only."""
+    member = f"127.0.0.1:{free_port()}"
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 10)
+    manifest = StepManifest(
+        namespace="job",
+        step=1,
+        attempt="a1",
+        world_size=1,
+        files=[],
+        metadata={},
+        coordinator=member,
+    )
+    decision = DecideRequest(manifest=manifest, persist=False)
+    prepare = PrepareRequest(coordinator=member, participants=[member], files=["x"], world_size=1)
+    ear = socket.socket()
+    ear.bind(("127.0.0.1", 0))
+    ear.listen(16)  # connections would queue here, accepted or not
+    ear.setblocking(False)
+    stranger = f"127.0.0.1:{ear.getsockname()[1]}"
+    client = PeerClient(TOKEN, members=Members(Membership.parse(member), member), timeout_s=2)
+    calls: list[Callable[[], object]] = [
+        lambda: client.list_steps(stranger, "job"),
+        lambda: client.inventory(stranger),
+        lambda: client.manifest(stranger, "job", 1),
+        lambda: client.get_file(stranger, "job", 1, "a1", "x", str(path), 10),
+        lambda: client.get_file_blocks(stranger, "job", 1, "a1", "x", str(path), 10, 10, ["c"]),
+        lambda: client.open_range(stranger, "job", 1, "a1", "x", 0, 10),
+        lambda: client.read_range(stranger, "job", 1, "x", 0, 10),
+        lambda: client.prepare(stranger, "job", 1, "a1", prepare),
+        lambda: client.decide(stranger, decision),
+        lambda: client.abort(stranger, "job", 1, "a1"),
+        lambda: client.outcome(stranger, "job", 1, "a1"),
+        lambda: client.pull(stranger, "job", 1, member, 10),
+    ]
+    try:
+        for call in calls:
+            with pytest.raises(NotAMemberError, match="not a member of the ring"):
+                call()
+        with pytest.raises(BlockingIOError):  # no connection was ever made
+            ear.accept()
+    finally:
+        client.close()
+        ear.close()
