@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -157,6 +158,28 @@ class DaemonSettings(BaseSettings):
         description="the name every peer's certificate must carry (unset: the host of the "
         "peer's address, a DNS name or an IP address)",
     )
+    peer_max_record_bytes: int = Field(
+        default=256 << 20,
+        gt=0,
+        description="largest body of a commit record a peer sends (prepare, decision: the job's "
+        "metadata and block checksums), bytes with K/M/G suffix; larger is refused (413) unread",
+    )
+    peer_max_body_bytes: int = Field(
+        default=1 << 20,
+        gt=0,
+        description="largest body of any other request on the TCP port (413 unread above it)",
+    )
+    handoff_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="a trainer on the handoff socket sends its whole request line within this",
+    )
+    metrics_namespace_labels: Literal["hashed", "plain", "off"] = Field(
+        default="hashed",
+        description="the namespace label of the per-namespace gauges on the unauthenticated "
+        "/metrics: a short hash of the name, the name itself, or no per-namespace series",
+    )
     log_level: str = Field(default="INFO")
     log_json: bool = Field(default=False)
 
@@ -182,6 +205,11 @@ class DaemonSettings(BaseSettings):
             except TierCkptError as e:
                 raise ValueError(str(e)) from None
         return v
+
+    @field_validator("peer_max_record_bytes", "peer_max_body_bytes", mode="before")
+    @classmethod
+    def _parse_byte_size(cls, v: object) -> object:
+        return parse_size(v) if isinstance(v, str) else v
 
     @field_validator("upload_max_rate")
     @classmethod

@@ -20,6 +20,7 @@ from tierckpt_daemon import __version__, housekeeping
 from tierckpt_daemon.api.cluster import router as cluster_router
 from tierckpt_daemon.api.health import router as health_router
 from tierckpt_daemon.api.namespaces import router as namespaces_router
+from tierckpt_daemon.api.peer_gate import PEER_PREFIX, PeerGate
 from tierckpt_daemon.api.peers import router as peers_router
 from tierckpt_daemon.api.writes import router as writes_router
 from tierckpt_daemon.config import DaemonSettings
@@ -32,12 +33,11 @@ logger = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 10.0
 
 # Routes that the TCP port serves to anyone (probes, docs). The peer routes are served on the TCP
-# port only, behind the peer token (api/peers.py). Everything else is for local clients on the Unix
-# socket.
+# port only, behind the peer token (checked before a body is read: api/peer_gate.py). Everything
+# else is for local clients on the Unix socket.
 PUBLIC_PATHS = frozenset(
     {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect"}
 )
-PEER_PREFIX = "/v1/peer/"
 
 # Every route can answer an error, always as ErrorBody (a stable ``code`` and a ``detail``): the
 # document says so, so that a client generated from it (or a fuzzer) expects what it gets; 422
@@ -46,7 +46,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     "4XX": {
         "model": ErrorBody,
         "description": "The request cannot be served: bad input (400, 422), no token (401), the "
-        "wrong port (403), nothing there (404), a conflicting state (409).",
+        "wrong port (403), nothing there (404), a conflicting state (409), a body over the "
+        "limit (413).",
     },
     "5XX": {
         "model": ErrorBody,
@@ -183,6 +184,14 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
     app.include_router(writes_router)
     app.include_router(peers_router)
     app.include_router(cluster_router)
+    # The last added runs first: the wrong port is refused, then a peer route's token checked and
+    # every body capped, all before a body is read.
+    app.add_middleware(
+        PeerGate,
+        secret=settings.peer_secret,
+        max_record_bytes=settings.peer_max_record_bytes,
+        max_body_bytes=settings.peer_max_body_bytes,
+    )
     app.add_middleware(LocalOnlyGuard)
     return app
 

@@ -9,12 +9,11 @@ reads above on the caller). Commits across nodes: ``prepare``, ``commit`` (the d
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request, Response
 
-from tierckpt_core.errors import ForbiddenError, ProtocolError, UnauthorizedError
+from tierckpt_core.errors import ForbiddenError, ProtocolError
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import (
     DecideRequest,
@@ -30,30 +29,16 @@ from tierckpt_core.protocol import (
     validate_step,
 )
 from tierckpt_daemon import cluster
+from tierckpt_daemon.api.peer_gate import check_peer_token
 from tierckpt_daemon.global_commit import GlobalCommitter
 from tierckpt_daemon.peer_server import PeerServer
 from tierckpt_daemon.zerocopy import FileResponse, parse_range
 
 
 async def require_peer_token(request: Request) -> None:
-    secret = request.app.state.settings.peer_secret
-    if secret is None:
-        raise ForbiddenError(
-            "replication is off on this daemon (no TIERCKPT_PEERS / TIERCKPT_PEER_TOKEN), so it "
-            "serves no peer routes"
-        )
-    header = request.headers.get("authorization")
-    if not header:
-        raise UnauthorizedError(
-            "missing peer token: peer routes need 'Authorization: Bearer <TIERCKPT_PEER_TOKEN>'"
-        )
-    scheme, _, presented = header.partition(" ")
-    expected = secret.get_secret_value().encode()
-    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected):
-        raise UnauthorizedError(
-            "wrong peer token: the caller's TIERCKPT_PEER_TOKEN differs from this daemon's (every "
-            "daemon must have the same one)"
-        )
+    # Checked before the body is read by api/peer_gate.PeerGate; again here, so that the routes
+    # stay closed whatever serves them.
+    check_peer_token(request.app.state.settings.peer_secret, request.headers.get("authorization"))
 
 
 def get_peer_server(request: Request) -> PeerServer:
