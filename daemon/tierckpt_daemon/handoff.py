@@ -29,6 +29,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,11 @@ from tierckpt_daemon.replication import Replicator
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST = 4096  # bytes of one request line
-REQUEST_TIMEOUT_S = 10.0  # for the trainer to send its request and take the answer
+# For the trainer to send its whole request line (TIERCKPT_HANDOFF_TIMEOUT_S): one deadline, not
+# a timeout per read, or a client sending a byte every few seconds would hold a slot for ever, and
+# MAX_CONNECTIONS of them would block every restore on the node.
+REQUEST_TIMEOUT_S = 10.0
+ANSWER_TIMEOUT_S = 1.0  # at least, to take the one-line answer after the deadline
 MAX_CONNECTIONS = 32  # served at once (relays included); more wait to be accepted
 RELAY_CHUNK = 1 << 20  # bytes per read from a TLS peer
 RELAY_TIMEOUT_S = 60.0  # for the trainer to take the next relayed piece
@@ -54,12 +59,21 @@ RELAY_TIMEOUT_S = 60.0  # for the trainer to take the next relayed piece
 
 class HandoffServer:
     """Serves hand-over requests on ``sock`` (a bound, listening Unix socket), one thread per
-    connection, at most :data:`MAX_CONNECTIONS` at once."""
+    connection, at most :data:`MAX_CONNECTIONS` at once; a request line not whole within
+    ``request_timeout_s`` of the connection's acceptance is answered with an error and closed."""
 
-    def __init__(self, sock: socket.socket, path: Path, replicator: Replicator) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        path: Path,
+        replicator: Replicator,
+        *,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
         self.sock = sock
         self.path = path
         self.replicator = replicator
+        self.request_timeout_s = request_timeout_s
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="tierckpt-handoff", daemon=True)
@@ -96,19 +110,22 @@ class HandoffServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             with conn:
-                conn.settimeout(REQUEST_TIMEOUT_S)
+                deadline = time.monotonic() + self.request_timeout_s
                 try:
-                    req = _request(conn)
+                    req = _request(conn, deadline, self.request_timeout_s)
                     peer = self._opened(req)
                 except TierCkptError as e:
+                    conn.settimeout(max(deadline - time.monotonic(), ANSWER_TIMEOUT_S))
                     _answer(conn, {"ok": False, "code": e.code, "detail": str(e)})
                     return
                 except OSError:  # the trainer's side: slow, or gone
                     raise
                 except Exception as e:
                     logger.exception("handoff: serving a request failed")
+                    conn.settimeout(ANSWER_TIMEOUT_S)
                     _answer(conn, {"ok": False, "code": "internal", "detail": repr(e)})
                     return
+                conn.settimeout(max(deadline - time.monotonic(), ANSWER_TIMEOUT_S))
                 if isinstance(peer, socket.socket):  # plain TCP: the connection itself
                     with peer:
                         _answer(conn, {"ok": True}, peer.fileno())
@@ -167,10 +184,20 @@ def _relay(body: RangeStream, out: socket.socket) -> None:
         logger.warning("handoff: relaying %s stopped: %s", body.what, e)
 
 
-def _request(conn: socket.socket) -> dict[str, Any]:
+def _request(conn: socket.socket, deadline: float, timeout_s: float) -> dict[str, Any]:
     data = bytearray()
     while not data.endswith(b"\n"):
-        chunk = conn.recv(MAX_REQUEST + 1 - len(data))
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            conn.settimeout(left)
+            chunk = conn.recv(MAX_REQUEST + 1 - len(data))
+        except TimeoutError:
+            raise ProtocolError(
+                f"handoff request: no whole line within {timeout_s:g}s of connecting "
+                "(TIERCKPT_HANDOFF_TIMEOUT_S)"
+            ) from None
         if not chunk:
             raise ProtocolError("handoff request: the connection closed before a whole line")
         data += chunk

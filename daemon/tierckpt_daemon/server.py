@@ -100,7 +100,9 @@ def _start_handoff(settings: DaemonSettings, node: Node) -> HandoffServer | None
             e,
         )
         return None
-    server = HandoffServer(sock, path, node.replicator)
+    server = HandoffServer(
+        sock, path, node.replicator, request_timeout_s=settings.handoff_timeout_s
+    )
     server.start()
     return server
 
