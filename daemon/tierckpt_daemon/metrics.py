@@ -6,11 +6,17 @@ from the service when Prometheus scrapes, so they can never drift from the truth
 Labels stay bounded: ``state`` and ``reason`` take a few fixed values; ``namespace`` (only on the
 two "seconds since" gauges) is limited to the most recently active namespaces
 (:data:`tierckpt_daemon.freshness.MAX_NAMESPACES`).
+
+``/metrics`` needs no token (the TCP port serves it to anyone who reaches it), and a namespace's
+name can say whose job it is: by default (``TIERCKPT_METRICS_NAMESPACE_LABELS=hashed``) the label is
+a short hash of the name (:func:`namespace_label`), the same on every node, so that dashboards and
+alerts still group by it; ``plain`` shows names, ``off`` drops the per-namespace series.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import platform
 from collections.abc import Callable, Iterator
@@ -111,9 +117,25 @@ class Metrics:
             )
         )
 
-    def attach(self, snapshot: Callable[[], Snapshot]) -> None:
-        """Compute the state gauges from ``snapshot()`` at every scrape."""
-        self.registry.register(_StateCollector(snapshot))
+    def attach(self, snapshot: Callable[[], Snapshot], namespace_labels: str = "hashed") -> None:
+        """Compute the state gauges from ``snapshot()`` at every scrape, their namespaces
+        labelled as ``namespace_labels`` says (``hashed``, ``plain`` or ``off``)."""
+        if namespace_labels not in NAMESPACE_LABELS:
+            raise ValueError(f"namespace_labels must be one of {NAMESPACE_LABELS}")
+        self.registry.register(_StateCollector(snapshot, namespace_labels))
+
+
+NAMESPACE_LABELS = ("hashed", "plain", "off")
+
+
+def namespace_label(namespace: str, mode: str = "hashed") -> str:
+    """The ``namespace`` label of ``namespace``'s series: the name itself (``plain``), or the first
+    12 hex digits of the SHA-256 of its UTF-8 bytes (``hashed``; in a shell,
+    ``printf %s NAME | sha256sum | cut -c1-12``). A hash hides a name from whoever scrapes, not
+    from someone who guesses it: ``off`` for that."""
+    if mode == "plain":
+        return namespace
+    return hashlib.sha256(namespace.encode()).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -140,8 +162,9 @@ def build_labels() -> dict[str, str]:
 
 
 class _StateCollector(Collector):
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], Snapshot], namespace_labels: str) -> None:
         self.snapshot = snapshot
+        self.namespace_labels = namespace_labels
         self.build = build_labels()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -193,10 +216,13 @@ class _StateCollector(Collector):
             "Seconds since this node last made a step of the namespace durable (absent before one)",
             labels=["namespace"],
         )
-        for ns, (committed, durable) in sorted(snap.ages.items()):
+        mode = self.namespace_labels
+        ages = sorted(snap.ages.items()) if mode != "off" else []
+        for ns, (committed, durable) in ages:
+            label = namespace_label(ns, mode)
             if committed is not None:
-                since_commit.add_metric([ns], committed)
+                since_commit.add_metric([label], committed)
             if durable is not None:
-                since_durable.add_metric([ns], durable)
+                since_durable.add_metric([label], durable)
         yield since_commit
         yield since_durable

@@ -37,9 +37,10 @@ class Node:
     cluster: ClusterLister | None = None  # with peers: asks them what they hold
     # With peers on plain TCP, once serving: hands trainers connections to peers for restores.
     handoff: HandoffServer | None = None
+    metrics_namespace_labels: str = "hashed"  # TIERCKPT_METRICS_NAMESPACE_LABELS
 
     def __post_init__(self) -> None:
-        self.service.metrics.attach(self.snapshot)
+        self.service.metrics.attach(self.snapshot, self.metrics_namespace_labels)
 
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
         """A trainer's commit: on this daemon alone, or, when the ranks used several daemons,
@@ -168,4 +169,12 @@ def build_node(settings: DaemonSettings) -> Node:
         )
     fetcher = PeerFetcher(replicator) if replicator is not None else None
     restorer = Restorer(service, peers=fetcher, durable=persister)
-    return Node(service, restorer, persister, replicator, committer, lister)
+    return Node(
+        service,
+        restorer,
+        persister,
+        replicator,
+        committer,
+        lister,
+        metrics_namespace_labels=settings.metrics_namespace_labels,
+    )

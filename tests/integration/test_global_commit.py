@@ -21,6 +21,7 @@ from tierckpt_client import DaemonClient
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile
+from tierckpt_daemon.metrics import namespace_label
 
 from helpers import DaemonProcess, ring, running
 
@@ -121,7 +122,8 @@ def _prepare(
 def _since_commit(d: DaemonProcess) -> list[str]:
     """The node's ``tierckpt_seconds_since_committed_step`` samples of the namespace."""
     text = httpx.get(f"http://{d.name}/metrics", timeout=10).text
-    pattern = rf'^tierckpt_seconds_since_committed_step\{{namespace="{NS}"\}} \S+$'
+    label = namespace_label(NS)  # hashed: /metrics shows no names by default
+    pattern = rf'^tierckpt_seconds_since_committed_step\{{namespace="{label}"\}} \S+$'
     return re.findall(pattern, text, re.MULTILINE)
 
 

@@ -4,6 +4,7 @@ want to alert on."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import platform
 import time
@@ -19,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import tierckpt_daemon
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
+from tierckpt_daemon.metrics import namespace_label
 
 from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
 
@@ -83,6 +85,7 @@ def test_seconds_since_the_last_committed_and_durable_step_per_namespace(
         host="127.0.0.1",
         capacity="64M",
         persist_url=(tmp_path / "tier").as_uri(),
+        metrics_namespace_labels="plain",  # the names themselves, for readable keys below
     )
     since_commit = "tierckpt_seconds_since_committed_step"
     since_durable = "tierckpt_seconds_since_durable_step"
@@ -148,6 +151,35 @@ def test_seconds_since_the_last_committed_and_durable_step_per_namespace(
         )
     finally:
         d.cleanup()
+
+
+@pytest.mark.parametrize("labels", ["hashed", "plain", "off", None])
+def test_metrics_show_namespace_names_only_when_told(
+    labels: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/metrics needs no token: by default a job's namespace shows as a short hash of its name,
+    the same on every node (dashboards group by it); ``plain`` shows the name, ``off`` none."""
+    port = free_port()
+    settings = {"metrics_namespace_labels": labels} if labels is not None else {}
+    d = DaemonProcess(new_shm_dir(), port=port, host="127.0.0.1", capacity="64M", **settings)
+    name = "acme-secret-finetune"
+    since_commit = "tierckpt_seconds_since_committed_step"
+    try:
+        d.start()
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        _save(name, 1, persist=False)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        series = {k[1] for k in _scrape(port) if k[0] == since_commit}
+    finally:
+        d.cleanup()
+    if labels == "plain":
+        assert series == {(("namespace", name),)}
+    elif labels == "off":
+        assert series == set() and name not in text
+    else:  # hashed, the default
+        assert name not in text
+        digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+        assert series == {(("namespace", digest),)} and namespace_label(name) == digest
 
 
 def test_replication_skips_are_counted_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
