@@ -96,6 +96,11 @@ def test_a_large_body_without_the_token_is_refused_before_it_is_read(node: Daemo
             assert sent < size, "the daemon took the whole body of a caller without the token"
     grown = (_status_kib(pid, "VmHWM") - before) * 1024
     assert grown < 64 * MiB, f"the daemon's peak RSS grew by {grown / MiB:.0f} MiB"
+    # A local route over TCP is refused from its head too, and the connection closed.
+    with _connect(node) as s:
+        s.sendall(_head("/v1/namespaces/job/leases", length=size, token=None) + filler[:MiB])
+        status, doc, headers = _answer(s)
+    assert status == 403 and headers["connection"] == "close", doc
     # The routes still serve whoever has the token.
     with _connect(node) as s:
         s.sendall(_head(PULL, length=2, token=TOKEN) + b"{}")

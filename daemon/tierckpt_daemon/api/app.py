@@ -80,7 +80,12 @@ class LocalOnlyGuard:
                     f"{path} is a peer route, served on the daemon's TCP port only"
                 )
             if err is not None:
-                response = JSONResponse({"code": err.code, "detail": str(err)}, status_code=403)
+                # Unread, and the connection closed: a body that follows is not read either.
+                response = JSONResponse(
+                    {"code": err.code, "detail": str(err)},
+                    status_code=403,
+                    headers={"Connection": "close"},
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
