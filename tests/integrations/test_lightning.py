@@ -18,7 +18,7 @@ from helpers import DaemonProcess, new_shm_dir, run_loop
 
 # Lightning is imported inside the tests: collecting the suite does not pay its import time.
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_fsdp2.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_trainer.py"
 
 
 @pytest.mark.slow
@@ -69,6 +69,33 @@ def test_fsdp2_run_resumes_from_last_bit_exact(tmp_path: Path) -> None:
     assert resumed.returncodes == [0, 0], resumed.lines
     assert resumed.start == 6, resumed.lines
     assert resumed.losses == {s: ref.losses[s] for s in (7, 8)}
+
+
+@pytest.mark.slow
+def test_ddp_checkpoint_io_resumes_from_a_given_step_bit_exact(tmp_path: Path) -> None:
+    """DDP with TieredCheckpointIO (rank 0 saves the whole checkpoint): a 6-step run keeps the
+    newest 3 steps; a second run started with ckpt_path="tierckpt://ddp/4" continues from step 4
+    with the losses of the first."""
+    from tierckpt_client.integrations.lightning import read_pointer
+
+    dirpath = tmp_path / "ckpts"
+    node = DaemonProcess(new_shm_dir(), keep_last=5).start()
+    args = ["--namespace", "ddp", "--strategy", "ddp", "--steps", "6", "--dirpath", str(dirpath)]
+    try:
+        ref = run_loop(EXAMPLE, [*args, "--top-k", "3"], node.client_env, log_dir=tmp_path)
+        assert ref.returncodes == [0, 0], ref.lines
+        assert sorted(ref.losses) == list(range(1, 7)), ref.lines
+        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+            assert sorted(s.step for s in c.steps("ddp")) == [4, 5, 6]
+        assert read_pointer(dirpath / "epoch=0-step=4.ckpt") == "tierckpt://ddp/4"
+        resumed = run_loop(
+            EXAMPLE, [*args, "--ckpt-path", "tierckpt://ddp/4"], node.client_env, log_dir=tmp_path
+        )
+    finally:
+        node.cleanup()
+    assert resumed.returncodes == [0, 0], resumed.lines
+    assert resumed.start == 4, resumed.lines
+    assert resumed.losses == {s: ref.losses[s] for s in (5, 6)}
 
 
 def test_strategies_refuse_unsharded_checkpoints_and_bad_arguments() -> None:
@@ -175,3 +202,43 @@ def test_a_failed_save_is_raised_at_the_end_of_fit_not_while_another_error_unwin
     with caplog.at_level(logging.ERROR):
         strategy._tiered_teardown()
     assert "the last save failed while another error unwound" in caplog.text
+
+
+def test_checkpoint_io_takes_tensors_out_and_puts_them_back() -> None:
+    """What TieredCheckpointIO stores besides the tensors loads with weights_only=True: the
+    tensors' places are strings; each comes back where it was, containers as they were."""
+    import io
+    from collections import OrderedDict
+
+    import torch
+
+    from tierckpt_client.integrations._lightning_io import _put_tensors, _take_tensors
+
+    w, m = torch.arange(6.0).reshape(2, 3), torch.ones(3)
+    checkpoint = {
+        "global_step": 4,
+        "state_dict": OrderedDict([("w", w)]),
+        "optimizer_states": [{"state": {0: {"exp_avg": m, "step": torch.tensor(4.0)}}}],
+        "pair": (w, "x"),
+    }
+    tensors: list[torch.Tensor] = []
+    rest = _take_tensors(checkpoint, tensors)
+    assert len(tensors) == 4 and not any(t is w for t in checkpoint.values())
+    buf = io.BytesIO()
+    torch.save(rest, buf)
+    buf.seek(0)
+    back = _put_tensors(torch.load(buf, weights_only=True), dict(enumerate(tensors)))
+    assert isinstance(back["state_dict"], OrderedDict) and back["state_dict"]["w"] is w
+    assert back["optimizer_states"][0]["state"][0]["exp_avg"] is m
+    assert back["pair"][0] is w and back["pair"][1] == "x" and back["global_step"] == 4
+
+
+def test_checkpoint_io_refuses_bad_arguments() -> None:
+    from tierckpt_client.integrations.lightning import TieredCheckpointIO
+
+    with pytest.raises(ValueError, match="persist_every"):
+        TieredCheckpointIO("job", persist_every=0)
+    with pytest.raises(ValueError, match="async_mode"):
+        TieredCheckpointIO("job", async_mode="fork")
+    with pytest.raises(ValueError, match="namespace"):
+        TieredCheckpointIO("job").save_checkpoint({"global_step": 1}, "tierckpt://other/1")

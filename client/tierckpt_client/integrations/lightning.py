@@ -3,6 +3,7 @@
 One line changes in a Lightning script::
 
     trainer = L.Trainer(strategy=TieredModelParallelStrategy("my-job", data_parallel_size=2), ...)
+    trainer = L.Trainer(strategy="ddp", plugins=[TieredCheckpointIO("my-job")], ...)  # DDP
 
 Lightning's sharded strategies (``ModelParallelStrategy``, ``FSDPStrategy`` with
 ``state_dict_type="sharded"``) do not use the ``CheckpointIO`` plugin: they write their shards in
@@ -35,8 +36,6 @@ import contextlib
 import io
 import logging
 import os
-import shutil
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.checkpoint.api import CheckpointException
@@ -61,12 +59,15 @@ from tierckpt_client.checkpointer import SaveFailedError, _groups
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp._ids import SCHEME, parse_checkpoint_id
+from tierckpt_client.integrations._lightning_io import TieredCheckpointIO
+from tierckpt_client.integrations._pointers import pointer_id, read_pointer, write_pointer
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
 __all__ = [
     "SaveFailedError",
+    "TieredCheckpointIO",
     "TieredFSDPStrategy",
     "TieredModelParallelStrategy",
     "read_pointer",
@@ -76,32 +77,6 @@ logger = logging.getLogger(__name__)
 
 _MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 _META = "lightning"  # Lightning's non-tensor state, as the bytes of torch.save, in a uint8 tensor
-_POINTER_MAX = 4096  # a pointer file is one short line; anything larger is not one of ours
-_LAST_PREFIX = "last"  # ModelCheckpoint.CHECKPOINT_NAME_LAST
-
-
-def read_pointer(path: _PATH) -> str | None:
-    """The tierckpt id a pointer file at ``path`` names, or None if ``path`` is not one."""
-    p = Path(path)
-    try:
-        if not p.is_file() or p.stat().st_size > _POINTER_MAX:
-            return None
-        text = p.read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
-        return None
-    return text if text.startswith(SCHEME) and "\n" not in text else None
-
-
-def _write_pointer(path: Path, checkpoint_id: str) -> None:
-    if path.is_dir():
-        if not _is_sharded_checkpoint(path):
-            raise IsADirectoryError(f"the checkpoint path exists and is a directory: {path}")
-        shutil.rmtree(path)  # Lightning's own sharded checkpoint of that name, replaced as it does
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic: a reader (ckpt_path="last" on another node of a shared folder) never sees half.
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_text(checkpoint_id + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 class _TieredSaves:
@@ -157,8 +132,7 @@ class _TieredSaves:
         return step % self.persist_every == 0
 
     def _pointer_id(self, path: Path, step: int) -> str:
-        latest = path.name.startswith(_LAST_PREFIX)
-        return format_checkpoint_id(self.namespace, None if latest else step)
+        return pointer_id(self.namespace, path, step)
 
     # -- saving ----------------------------------------------------------------------------
     def _tiered_save(self, checkpoint: dict[str, Any], filepath: _PATH, model_key: str) -> None:
@@ -181,7 +155,7 @@ class _TieredSaves:
             checkpoint_id = self._pointer_id(pointer, step)
             self._pointers[os.path.normpath(pointer)] = checkpoint_id
             if self.local_rank == 0:
-                _write_pointer(pointer, checkpoint_id)
+                write_pointer(pointer, checkpoint_id)
 
     def _start_save(self, step: int, checkpoint: dict[str, Any], model_key: str) -> None:
         self.wait()

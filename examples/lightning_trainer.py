@@ -1,9 +1,10 @@
-"""A PyTorch Lightning FSDP2 run checkpointed through tierckpt: one line differs from plain
-Lightning (the strategy).
+"""A PyTorch Lightning run checkpointed through tierckpt: one line differs from plain Lightning
+(the strategy for FSDP2, a plugin for DDP).
 
 Run on CPU with gloo, next to a running ``tierckpt-daemon``::
 
-    torchrun --nproc-per-node 2 examples/lightning_fsdp2.py --namespace demo --steps 20
+    torchrun --nproc-per-node 2 examples/lightning_trainer.py --namespace demo --steps 20
+    torchrun --nproc-per-node 2 examples/lightning_trainer.py --namespace demo-ddp --strategy ddp
 
 It saves every step (``ModelCheckpoint(every_n_train_steps=1, save_last=True)``): the step goes to
 the node's memory tier, and a one-line pointer file per checkpoint to ``--dirpath``. Kill it and
@@ -27,18 +28,21 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
-from tierckpt_client.integrations.lightning import TieredModelParallelStrategy
+from tierckpt_client.integrations.lightning import TieredCheckpointIO, TieredModelParallelStrategy
 
 
 class Net(L.LightningModule):
-    def __init__(self, step_time: float) -> None:
+    def __init__(self, step_time: float, fsdp2: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         # Odd sizes: FSDP2 shards dim 0 unevenly across 2 ranks.
         self.net = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 4))
         self.step_time = step_time
+        self.fsdp2 = fsdp2
 
     def configure_model(self) -> None:
+        if not self.fsdp2:
+            return  # DDP wraps the model itself
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, nn.Linear):
@@ -71,17 +75,29 @@ def main() -> None:
     parser.add_argument("--persist-every", type=int, default=None)
     parser.add_argument("--top-k", type=int, default=1)
     parser.add_argument("--step-time", type=float, default=0.0)
+    parser.add_argument("--strategy", choices=["fsdp2", "ddp"], default="fsdp2")
+    parser.add_argument(
+        "--ckpt-path", default="last", help='"last", or a step: tierckpt://<namespace>/<step>'
+    )
     args = parser.parse_args()
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=TieredModelParallelStrategy(  # the one line that differs
+    # The one line that differs from plain Lightning, for each kind of strategy.
+    if args.strategy == "fsdp2":
+        strategy: Any = TieredModelParallelStrategy(
             args.namespace,
             persist_every=args.persist_every,
             data_parallel_size=2,
             tensor_parallel_size=1,
-        ),
+        )
+        plugins = []
+    else:
+        strategy = "ddp"
+        plugins = [TieredCheckpointIO(args.namespace, persist_every=args.persist_every)]
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        plugins=plugins,
         max_steps=args.steps,
         callbacks=[
             ModelCheckpoint(
@@ -100,7 +116,7 @@ def main() -> None:
     )
     # The batches' content is made in training_step; the loader only sets the epoch's length.
     data = DataLoader(list(range(4 * args.steps)), batch_size=1)
-    trainer.fit(Net(args.step_time), data, ckpt_path="last")
+    trainer.fit(Net(args.step_time, args.strategy == "fsdp2"), data, ckpt_path=args.ckpt_path)
 
 
 if __name__ == "__main__":
