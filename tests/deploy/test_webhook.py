@@ -255,7 +255,8 @@ def test_malformed_reviews_are_answered_and_the_server_keeps_serving(
     bad_env["request"]["object"]["spec"]["containers"][0]["env"] = {"A": "1"}
     deep = _review(copy.deepcopy(PODS["job"]))  # parses, but nests far deeper than any Pod
     deep["request"]["object"]["spec"]["x"] = json.loads("[" * 200 + "]" * 200)
-    too_deep = b'{"request": {"uid": "u", "object": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    too_deep = b'{"request": {"uid": "u", "object": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}"
+    too_many = b'{"request": {"uid": "u", "object": [' + b"{}," * 200_000 + b"{}]}}"
     with hook.client() as client:
         url = hook.url
         for review, field in (
@@ -273,6 +274,7 @@ def test_malformed_reviews_are_answered_and_the_server_keeps_serving(
         # No uid to answer to: 400 naming the problem.
         for body, error in (
             (too_deep, "nests too deep"),
+            (too_many, "more than 100000 objects and arrays"),
             (b"[1, 2]", "no request.uid"),
             (b'{"request": {"uid": ["x"]}}', "no request.uid"),
             (b"\xff\xfe", "not JSON"),

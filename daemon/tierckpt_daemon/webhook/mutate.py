@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ API_VERSION = "admission.k8s.io/v1"  # the only one served (the chart's admissio
 # A Pod's deepest fields (affinity terms, ephemeral volume claims) sit ~15 levels below the review;
 # anything far deeper is not a pod, and code that walks it must not recurse without a bound.
 MAX_DEPTH = 64
+# Objects and arrays in a body, counted before parsing ('{' and '[', those in strings too): a pod
+# has hundreds; a crafted body of a million empty ones parses to ~25x its size.
+MAX_CONTAINERS = 100_000
 INJECT_LABEL = "tierckpt.io/inject"
 CONTAINERS_ANNOTATION = "tierckpt.io/containers"
 INJECTED_ANNOTATION = "tierckpt.io/injected"
@@ -99,20 +103,27 @@ def _check_pod(pod: Pod) -> None:
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests more than ``limit`` levels (iterative: no recursion on input)."""
-    stack = [(value, 1)]
+    """Whether ``value`` nests more than ``limit`` levels: iterative (no recursion on input), and
+    holding one iterator per level, not the nodes (a crafted review has a million)."""
+    stack: list[Iterator[Any]] = [iter((value,))]
     while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        if depth > limit:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+        for node in stack[-1]:
+            if isinstance(node, (dict, list)):
+                if len(stack) > limit:
+                    return True
+                stack.append(iter(node.values() if isinstance(node, dict) else node))
+                break
+        else:
+            stack.pop()
     return False
 
 
 def parse_review(body: bytes) -> Any:
     """The JSON of a request body; :class:`BadReview` when it is not JSON or nests too deep to parse
-    (the decoder's own recursion bound: a RecursionError, caught, not a crash)."""
+    (the decoder's own recursion bound: a RecursionError, caught, not a crash), or holds more
+    than :data:`MAX_CONTAINERS` objects and arrays."""
+    if body.count(b"{") + body.count(b"[") > MAX_CONTAINERS:
+        raise BadReview(f"more than {MAX_CONTAINERS} objects and arrays: not a Pod's review")
     try:
         return json.loads(body)
     except RecursionError:
