@@ -162,9 +162,12 @@ class _TieredSaves:
         state: dict[str, Any] = {model_key: checkpoint.pop("state_dict")}
         for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{idx}"] = optim_state
-        buf = io.BytesIO()
-        torch.save(checkpoint, buf)  # what Lightning's own sharded save writes to meta.pt
-        state[_META] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        if self.global_rank == 0:
+            # Rank 0's, as Lightning's own sharded save writes only rank 0's meta.pt: a tensor
+            # every rank offered would have to be the same size on all of them.
+            buf = io.BytesIO()
+            torch.save(checkpoint, buf)
+            state[_META] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         writer = TieredStorageWriter(
             self.namespace, step, persist=self._persist(step), config=self.config
         )
