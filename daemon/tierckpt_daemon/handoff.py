@@ -13,7 +13,9 @@ Trust: the token never leaves this daemon (the request carrying it is sent befor
 and the peer closes the connection after the response, so the socket buys the trainer nothing but
 those bytes). Only the configured peers are dialed, for names that pass the same checks as the
 API's. The socket is 0660 in the directory of the daemon's API socket: whoever can reach one can
-reach the other, and reading a step through the API needs no more. A TLS session
+reach the other, and reading a step through the API needs no more: like the API's reads, a
+request is served only for a copy of the caller's own uid (its credentials off the socket; the
+copy's owner from the peer's listing, see tierckpt_daemon.ownership). A TLS session
 cannot change hands: with peer TLS the trainer gets one end of a socket pair instead, and this
 daemon relays the decrypted body into the other (still no tmpfs pages on the way).
 
@@ -33,7 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt_core.errors import InvalidNameError, ProtocolError, TierCkptError
+from tierckpt_core.errors import (
+    InvalidNameError,
+    ProtocolError,
+    StepNotFoundError,
+    TierCkptError,
+)
 from tierckpt_core.names import (
     MAX_FILE_BYTES,
     validate_attempt,
@@ -41,8 +48,10 @@ from tierckpt_core.names import (
     validate_namespace,
     validate_step,
 )
+from tierckpt_daemon.ownership import owned_by
 from tierckpt_daemon.peer_bodies import RangeStream
 from tierckpt_daemon.replication import Replicator
+from tierckpt_daemon.tenants import Caller, caller_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,7 @@ ANSWER_TIMEOUT_S = 1.0  # at least, to take the one-line answer after the deadli
 MAX_CONNECTIONS = 32  # served at once (relays included); more wait to be accepted
 RELAY_CHUNK = 1 << 20  # bytes per read from a TLS peer
 RELAY_TIMEOUT_S = 60.0  # for the trainer to take the next relayed piece
+OWNERS_KEPT = 256  # owners of peers' copies remembered (a restore asks for many ranges of one)
 
 
 class HandoffServer:
@@ -75,6 +85,9 @@ class HandoffServer:
         self.replicator = replicator
         self.request_timeout_s = request_timeout_s
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        # (peer, namespace, step, attempt) -> the owner of that copy (see _check_owner)
+        self._owners: dict[tuple[str, str, int, str], str | None] = {}
+        self._owners_lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="tierckpt-handoff", daemon=True)
 
@@ -113,7 +126,7 @@ class HandoffServer:
                 deadline = time.monotonic() + self.request_timeout_s
                 try:
                     req = _request(conn, deadline, self.request_timeout_s)
-                    peer = self._opened(req)
+                    peer = self._opened(req, caller_of(conn))
                 except TierCkptError as e:
                     conn.settimeout(max(deadline - time.monotonic(), ANSWER_TIMEOUT_S))
                     _answer(conn, {"ok": False, "code": e.code, "detail": str(e)})
@@ -144,9 +157,9 @@ class HandoffServer:
         finally:
             self._slots.release()
 
-    def _opened(self, req: dict[str, Any]) -> socket.socket | RangeStream:
+    def _opened(self, req: dict[str, Any], caller: Caller | None) -> socket.socket | RangeStream:
         """The peer's answer to ``req``, its head read: the connection (plain TCP), or the body
-        to relay (TLS)."""
+        to relay (TLS); for the owner of the peer's copy only (as the API's reads)."""
         try:
             namespace = validate_namespace(req.get("namespace"))
             step = validate_step(req.get("step"))
@@ -167,7 +180,46 @@ class HandoffServer:
                 f"handoff request: {peer!r} is not one of this daemon's peers "
                 f"({', '.join(sorted(members)) or 'none'})"
             )
+        self._check_owner(caller, peer, namespace, step, attempt)
         return self.replicator.client.open_range(peer, namespace, step, attempt, name, start, stop)
+
+    def _check_owner(
+        self, caller: Caller | None, peer: str, namespace: str, step: int, attempt: str
+    ) -> None:
+        """Refuse a caller a copy on ``peer`` that is not its uid's: NamespaceOwnerError if the
+        namespace is another uid's here, StepNotFoundError if the copy is (or is not there)."""
+        if caller is None:
+            raise ProtocolError("handoff request: the daemon cannot tell which user is calling")
+        service = self.replicator.service
+        service.authorize(namespace, caller.identity, admin=caller.admin)
+        wanted = service.acting_owner(namespace, caller.identity, admin=caller.admin)
+        key = (peer, namespace, step, attempt)
+        with self._owners_lock:
+            known = key in self._owners
+            owner = self._owners.get(key)
+        if not known:  # one listing per copy, not per range
+            copy = next(
+                (
+                    s
+                    for s in self.replicator.client.list_steps(peer, namespace)
+                    if s.step == step and s.attempt == attempt
+                ),
+                None,
+            )
+            if copy is None:
+                raise StepNotFoundError(
+                    f"{namespace}/step {step}: {peer} holds no attempt {attempt}"
+                )
+            owner = copy.owner
+            with self._owners_lock:
+                if len(self._owners) >= OWNERS_KEPT:
+                    self._owners.pop(next(iter(self._owners)))
+                self._owners[key] = owner
+        if not owned_by(owner, wanted):
+            raise StepNotFoundError(
+                f"{namespace}/step {step} on {peer} belongs to {owner}, not to the caller "
+                f"({caller.identity})"
+            )
 
 
 def _relay(body: RangeStream, out: socket.socket) -> None:

@@ -235,7 +235,7 @@ class Replicator(QueueWorker[StepRecord]):
             with self._cv:
                 self._last_error = None
             return True
-        if len(have) + len(refused) >= min(self.replicas, len(targets)) and refused:
+        if refused and all(p in have or p in refused for p in targets):
             self._record_failure(rec, f"{ns}/step {step}: {'; '.join(errors)}")
             self._skip(rec, "refused")
             return True

@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tierckpt_client import DaemonClient
+from tierckpt_client import ClientConfig, DaemonClient
+from tierckpt_client.dcp._peered import Handoff
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.protocol import CommitRequest, SealFile
 
@@ -135,6 +136,16 @@ def _refused(got: Any, code: str) -> dict[str, Any]:
     """``got`` is the daemon's refusal with ``code`` (not an answer)."""
     assert isinstance(got, dict) and got.get("error") == code, f"expected {code}, got {got!r}"
     return got
+
+
+def handoff_range(sock: str, peer: str, ns: str, step: int, attempt: str) -> str:
+    """The first 4 bytes of a peer's copy of ``ns/step``'s file, through the handoff socket."""
+    handoff = Handoff(ClientConfig.from_env(socket=sock))
+    with handoff.open(peer, ns, step, attempt, "data", 0, 4) as conn:
+        data = b""
+        while len(data) < 4 and (chunk := conn.recv(4 - len(data))):
+            data += chunk
+    return data.decode()
 
 
 def _as_root(fn: Callable[..., Any], *args: Any) -> Any:
@@ -254,6 +265,18 @@ def test_a_peers_steps_are_read_only_by_their_own_uid() -> None:
         wait_until("B's step 7 replicated to A", lambda: _step(a, "teamB", 7), 60)
         b.lose_node()
         b.start()
+
+        # A's copy, asked for straight through B's handoff socket (as a restore from a peer
+        # does), by its attempt id: served to its owner only.
+        listing = httpx.get(
+            f"http://{a.name}/v1/peer/namespaces/teamB/steps",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=30,
+        ).json()
+        attempt = next(s["attempt"] for s in listing if s["step"] == 7)
+        ask = (str(b.socket), a.name, "teamB", 7, attempt)
+        _refused(as_user(ATTACKER, handoff_range, *ask), "step_not_found")
+        assert as_user(VICTIM, handoff_range, *ask) == "vict"
 
         _refused(
             as_user(ATTACKER, call, str(b.socket), "candidates", "teamB"), "namespace_not_found"
