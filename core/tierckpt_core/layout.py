@@ -104,7 +104,16 @@ def read_step_manifest(store: ObjectStore, namespace: str, step: int) -> StepMan
         raise StepNotFoundError(
             f"{namespace}/step {step} is not durable in {store.url} (no commit marker)"
         ) from None
-    manifest_bytes = store.get_bytes(manifest_key(namespace, step))
+    try:
+        manifest_bytes = store.get_bytes(manifest_key(namespace, step))
+    except NotFoundError:
+        # Retention deletes the marker first, then the rest: a manifest gone after its marker was
+        # read is a step deleted under the reader, not a torn one.
+        if store.exists(marker_key(namespace, step)):
+            raise
+        raise StepNotFoundError(
+            f"{namespace}/step {step} was deleted from {store.url} while it was being read"
+        ) from None
     check_marker(marker, manifest_bytes, where=where)
     manifest = StepManifest.decode(manifest_bytes, where=where)
     manifest.require_checksums(where=where)
