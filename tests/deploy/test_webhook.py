@@ -27,7 +27,7 @@ import yaml
 from webhook_server import Webhook
 
 from tierckpt_daemon.webhook import InjectSettings, admission_response, mutate_pod
-from tierckpt_daemon.webhook.mutate import InjectError
+from tierckpt_daemon.webhook.mutate import BadReview, InjectError
 
 SAMPLES = Path(__file__).parent / "samples"
 SETTINGS = InjectSettings(shm_dir="/dev/shm/tierckpt", group=10001)
@@ -290,6 +290,47 @@ def test_malformed_reviews_are_answered_and_the_server_keeps_serving(
     out = hook.output()
     assert "Traceback" not in out and " ERROR " not in out, out
     assert "refused" in out and "patched" in out
+
+
+def test_malformed_reviews_never_raise_past_admission_response() -> None:
+    # The pure function, on shapes no API server sends: each is a refusal, a pass, or BadReview.
+    deep = json.loads("[" * 900 + "]" * 900)
+    pod = copy.deepcopy(PODS["job"])
+    cases: list[Any] = [
+        [],
+        {"request": None},
+        {"request": {"uid": 7}},
+        {**_review(pod), "apiVersion": deep},
+        {**_review(pod), "kind": {"a": deep}},
+        {**_review(pod), "request": {**_review(pod)["request"], "kind": "Pod"}},
+        {**_review(pod), "request": {**_review(pod)["request"], "object": "pod"}},
+    ]
+    for field in ("metadata", "spec"):
+        for value in ([], "x", 1, True):
+            review = _review(copy.deepcopy(pod))
+            review["request"]["object"][field] = value
+            cases.append(review)
+    for field, value in (
+        ("volumes", [None]),
+        ("volumes", [{"name": "v", "hostPath": "/x"}]),
+        ("securityContext", {"supplementalGroups": 5}),
+        ("containers", {"name": "trainer"}),
+        ("containers", [{"name": ["trainer"]}]),
+        ("containers", [{"name": "trainer", "volumeMounts": [[]]}]),
+    ):
+        broken = copy.deepcopy(pod)
+        broken["spec"][field] = value
+        cases.append(_review(broken))
+    for review in cases:
+        try:
+            answer = admission_response(review, SETTINGS)
+        except BadReview:
+            continue
+        response = answer["response"]
+        assert answer["apiVersion"] == "admission.k8s.io/v1" and "uid" in response
+        assert response["allowed"] is False or "patch" not in response, review
+        if response["allowed"] is False:
+            assert response["status"]["message"].startswith("tierckpt: ")
 
 
 def test_only_v1_admission_reviews_are_served(start_webhook: Callable[..., Webhook]) -> None:

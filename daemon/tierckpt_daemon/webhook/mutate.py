@@ -297,11 +297,16 @@ def admission_response(review: Any, settings: InjectSettings) -> dict[str, Any]:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    """A client's value for a message: scalars shown (shortened), containers only named."""
+    if isinstance(value, (dict, list)):
+        return _JSON_TYPES[type(value)]
+    text = repr(value[:80] if isinstance(value, str) else value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _patch(review: dict[str, Any], request: dict[str, Any], settings: InjectSettings) -> Patch:
+    if _deeper_than(review, MAX_DEPTH):
+        raise InjectError(f"the AdmissionReview nests deeper than {MAX_DEPTH} levels: not a Pod")
     version, kind = review.get("apiVersion"), review.get("kind")
     if version != API_VERSION or kind != "AdmissionReview":
         # The answer must be of the request's version, and only v1 is implemented (and asked for).
@@ -309,8 +314,6 @@ def _patch(review: dict[str, Any], request: dict[str, Any], settings: InjectSett
             f"only {API_VERSION} AdmissionReview is served (admissionReviewVersions: [v1]), "
             f"not apiVersion {_short(version)} kind {_short(kind)}"
         )
-    if _deeper_than(request, MAX_DEPTH - 1):
-        raise InjectError(f"the AdmissionReview nests deeper than {MAX_DEPTH} levels: not a Pod")
     resource = _expect(request.get("kind"), dict, "request.kind") or {}
     if resource.get("kind") != "Pod" or resource.get("group", "") != "":
         return []
