@@ -25,11 +25,17 @@ logger = logging.getLogger(__name__)
 
 
 def lower_priority(nice: int) -> None:
-    """Set the calling thread's niceness to ``nice`` (0: leave it alone)."""
-    if nice <= 0:
+    """Set the calling thread's niceness to ``nice`` (0: leave it alone).
+
+    Only ever lowers the priority: a daemon started niced (``nice -n 15 tierckpt-daemon``) keeps
+    its background threads at least as nice as itself, never above the threads that answer the
+    trainers (and a non-root daemon could not raise it anyway).
+    """
+    tid = threading.get_native_id()
+    if nice <= 0 or os.getpriority(os.PRIO_PROCESS, tid) >= nice:
         return
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
     except OSError as e:  # e.g. a seccomp profile that forbids it: run at normal priority
         logger.warning("could not lower the priority of a background thread: %s", e)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -322,9 +323,12 @@ def test_transfer_threads_yield_the_cpu_to_training(
         _wait_durable("nice", {1})
         assert d.proc is not None
         nices = _thread_nices(d.proc.pid)
-        # The thread that answers the trainers keeps normal priority; the uploader's do not.
-        assert 0 in nices
-        assert (nices.count(nice) >= 2) if nice else set(nices) == {0}
+        # The thread that answers the trainers keeps the priority the daemon started with (this
+        # test's own: pytest may run niced); the uploader's are lowered to `nice`, never raised.
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        background = max(base, nice)
+        assert base in nices
+        assert (nices.count(background) >= 2) if background != base else set(nices) == {base}
     finally:
         d.cleanup()
 
