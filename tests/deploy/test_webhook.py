@@ -397,7 +397,7 @@ def _trickle(hook: Webhook, handshaken: threading.Semaphore, ended: list[bool]) 
 
 def test_slow_clients_cannot_exhaust_the_server(start_webhook: Callable[..., Webhook]) -> None:
     limit, slow = 4, 12
-    hook = start_webhook("--max-connections", str(limit), "--request-timeout", "2")
+    hook = start_webhook("--max-connections", str(limit), "--request-timeout", "3")
     idle = hook.threads()
     handshaken = threading.Semaphore(0)
     ended: list[bool] = []

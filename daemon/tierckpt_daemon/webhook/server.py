@@ -8,13 +8,13 @@ restart.
 
 Anyone who reaches the port can connect, so nothing a client does may take the server down or
 out of memory (the chart gives it 128 MiB): at most ``--max-connections`` connections are served
-at once, each by one thread, and further ones wait in the kernel's listen queue (no thread, no
-memory of ours) until one is done; each request must arrive whole, TLS handshake included, within
-``--request-timeout`` of the connection's start or of the previous answer (one deadline for the
-request, not per read: a client trickling a byte at a time is cut off too); bodies are capped
-(refused unread above the cap), bodies being read share a byte budget, and one body is parsed at
-a time. Malformed input gets an answer (an AdmissionReview refusal naming the problem, or 400 when
-there is no request uid to answer to), never a traceback.
+at once, by as many reused worker threads, and further ones wait in the kernel's listen queue (no
+thread, no memory of ours) until one is done; each request must arrive whole, TLS handshake
+included, within ``--request-timeout`` of the connection's start or of the previous answer (one
+deadline for the request, not per read: a client trickling a byte at a time is cut off too);
+heads and bodies are capped (bodies refused unread above the cap), bodies being read share a byte
+budget, and one body is parsed at a time. Malformed input gets an answer (an AdmissionReview
+refusal naming the problem, or 400 when there is no request uid to answer to), never a traceback.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import builtins
 import json
 import logging
 import os
+import queue
 import socket
 import ssl
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +151,11 @@ class _Tls:
             return self._context
 
 
-class WebhookServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # Connections beyond max_connections wait here, in the kernel, until a thread is free.
+class WebhookServer(HTTPServer):
+    """Connections are served by at most ``max_connections`` worker threads, started as needed and
+    reused (not a thread per connection: the count never exceeds the limit, even for a moment)."""
+
+    # Connections beyond max_connections wait here, in the kernel, until a worker is free.
     request_queue_size = 256
 
     def __init__(
@@ -171,6 +174,9 @@ class WebhookServer(ThreadingHTTPServer):
         self.bodies = _Budget(BODY_BUDGET)
         self.parsing = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._work: queue.SimpleQueue[tuple[Any, Any]] = queue.SimpleQueue()
+        self._workers_lock = threading.Lock()
+        self._idle_workers = 0
         self._full_logged = 0.0
 
     def get_request(self) -> tuple[socket.socket, Any]:
@@ -193,17 +199,26 @@ class WebhookServer(ThreadingHTTPServer):
                     self.request_timeout_s,
                 )
             self._slots.acquire()
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
+        with self._workers_lock:
+            start = self._idle_workers == 0  # then fewer than max_connections workers exist
+            if not start:
+                self._idle_workers -= 1
+        self._work.put((request, client_address))
+        if start:
+            threading.Thread(target=self._worker, name="webhook-worker", daemon=True).start()
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    def _worker(self) -> None:
+        while True:
+            request, client_address = self._work.get()
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+                with self._workers_lock:
+                    self._idle_workers += 1
+                self._slots.release()
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         # In the request's own thread: a slow or broken client cannot hold up accept().
