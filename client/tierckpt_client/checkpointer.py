@@ -242,14 +242,31 @@ class Checkpointer:
         except (NamespaceNotFoundError, StepNotFoundError) as e:
             logger.info("%s: no step to restore, starting fresh (%s)", self.namespace, e)
             return None
-        step = probe.resolved_step
-        assert step is not None
+        # "latest" again, not the probe's step: a step found corrupt while it is read falls
+        # back to the newest older one that verifies, on every rank together.
         reader = TieredStorageReader(
-            self.namespace, step, config=self.config, process_group=self.process_group
+            self.namespace, config=self.config, process_group=self.process_group
         )
-        dcp.load(
-            state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
-        )
+        try:
+            dcp.load(
+                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
+            )
+        except CheckpointException as e:
+            older = _fallback_step(e)
+            if older is None:
+                raise
+            # That older step was saved with another layout than the corrupt one, so the load's
+            # plan could not serve it: plan again, on that step (the same on every rank: every
+            # rank sees every rank's failure).
+            logger.warning("%s: loading step %d with a plan of its own", self.namespace, older)
+            reader = TieredStorageReader(
+                self.namespace, older, config=self.config, process_group=self.process_group
+            )
+            dcp.load(
+                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
+            )
+        step = reader.resolved_step
+        assert step is not None
         self.last_saved_step = step
         logger.info("%s: restored step %d", self.namespace, step)
         return step
@@ -304,3 +321,11 @@ class Checkpointer:
 def _destroy_process_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _fallback_step(e: CheckpointException) -> int | None:
+    """The older step a load of "latest" could not switch to in its plan (the reader's
+    ``fallback_step``), if that is why it failed."""
+    steps = {getattr(exc, "fallback_step", None) for exc, _ in e.failures.values()}
+    steps.discard(None)
+    return steps.pop() if len(steps) == 1 else None

@@ -25,6 +25,7 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     TierCkptError,
 )
+from tierckpt_core.integrity import checksum_file_blocks
 from tierckpt_core.layout import (
     MARKER,
     delete_sidecars,
@@ -447,6 +448,28 @@ class Persister(QueueWorker[StepRecord]):
                 os.close(fd)
         try:
             verify_file(got, f, namespace, step, self.store.url)
-        except IntegrityError:
+        except IntegrityError as e:
             self.service.metrics.verification_failures.inc()
-            raise
+            block = _first_bad_block(path, f)
+            if block is None:
+                raise
+            # The reader's warning names the block, as a reader's own block checks do.
+            assert f.block_size
+            n = min(f.block_size, f.length - block * f.block_size)
+            raise IntegrityError(
+                f"{namespace}/step {step}: file {f.name} in {self.store.url} is corrupt: block "
+                f"{block} (bytes {block * f.block_size}+{n}) does not match the checksum taken "
+                "when it was written"
+            ) from e
+
+
+def _first_bad_block(path: str, f: FileRecord) -> int | None:
+    """The first block of a downloaded file that does not match its block checksum (read again
+    only after the whole-file checksum failed), or None if it has none or all match."""
+    if not (f.blocks and f.block_size and f.length):
+        return None
+    try:
+        _, _, blocks = checksum_file_blocks(path, f.length)
+    except OSError:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(blocks, f.blocks, strict=False)) if a != b), None)

@@ -62,9 +62,11 @@ class PersistentTier:
         self._discard = discard
 
     # -- reads ------------------------------------------------------------------------------
-    def newest_good_step(self, namespace: str) -> int:
+    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
         skipped = []
         for step in reversed(durable_steps(self.store, namespace)):
+            if below is not None and step >= below:
+                continue
             try:
                 self.manifest(namespace, step)
             except (CheckpointFormatError, NotFoundError) as e:
@@ -73,7 +75,9 @@ class PersistentTier:
                 continue
             return step
         raise StepNotFoundError(
-            f"namespace {namespace} has no durable step in {self.url}"
+            f"namespace {namespace} has no durable step"
+            + (f" older than step {below}" if below is not None else "")
+            + f" in {self.url}"
             + (f" that could be read ({'; '.join(skipped)})" if skipped else "")
         )
 

@@ -35,6 +35,7 @@ from tierckpt_client.errors import (
     CheckpointFormatError,
     PeerUnavailableError,
     ProtocolError,
+    StepNotFoundError,
     TierCkptError,
     error_from_code,
 )
@@ -213,8 +214,13 @@ class PeerTier(MemoryFill):
             )
         return cls(sources, config)
 
-    def newest_good_step(self, namespace: str) -> int:
-        return self.sources.manifest.step
+    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
+        step = self.sources.manifest.step
+        if below is not None and step >= below:
+            raise StepNotFoundError(
+                f"{namespace}: the peers' step {step} is not older than {below}"
+            )
+        return step
 
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
         return self.sources.manifest.metadata

@@ -369,8 +369,8 @@ class StreamedTier(MemoryFill):
         self.tier = tier
         self.concurrency = concurrency
 
-    def newest_good_step(self, namespace: str) -> int:
-        return self.tier.newest_good_step(namespace)
+    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
+        return self.tier.newest_good_step(namespace, below)
 
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
         return self.tier.metadata(namespace, step)

@@ -114,7 +114,9 @@ def overwrite_refused(namespace: str, step: int) -> StepStateError:
 
 
 class ReadSource(Protocol):
-    def newest_good_step(self, namespace: str) -> int: ...
+    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
+        """The newest step (older than ``below``) that is complete and verifies."""
+        ...
 
     def metadata(self, namespace: str, step: int) -> dict[str, Any]: ...
 
@@ -224,11 +226,14 @@ class MemoryTier:
             f.unlock()
 
     # -- load -------------------------------------------------------------------------------
-    def newest_good_step(self, namespace: str) -> int:
-        """The newest step in memory or durable that is complete and verifies; older ones are
-        tried when a newer one is corrupt or incomplete, with a warning naming the step."""
+    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
+        """The newest step in memory or durable (older than ``below``) that is complete and
+        verifies; older ones are tried when a newer one is corrupt or incomplete, with a warning
+        naming the step."""
         skipped: list[str] = []
         for cand in self.daemon.candidates(namespace):
+            if below is not None and cand.step >= below:
+                continue
             if cand.in_memory:
                 return cand.step
             try:
@@ -240,8 +245,9 @@ class MemoryTier:
                 skipped.append(f"step {cand.step}: {e}")
                 continue
             return cand.step
+        older = f" older than step {below}" if below is not None else ""
         raise StepNotFoundError(
-            f"namespace {namespace}: no step could be restored ({'; '.join(skipped)})"
+            f"namespace {namespace}: no step{older} could be restored ({'; '.join(skipped)})"
         )
 
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:

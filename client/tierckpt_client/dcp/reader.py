@@ -6,11 +6,10 @@ import contextlib
 import io
 import logging
 import os
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +24,16 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._direct import PersistentTier
+from tierckpt_client.dcp._fallback import (
+    FAILED,
+    OK,
+    Agreement,
+    agree,
+    agreement,
+    decide,
+    outcome,
+    plan_misfit,
+)
 from tierckpt_client.dcp._files import StepFiles
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, copy_tensor, decode_metadata
@@ -41,40 +50,12 @@ from tierckpt_client.errors import (
     PersistentTierError,
     StepStateError,
     TierCkptError,
-    error_from_code,
 )
 from tierckpt_client.protocol import StepCandidate, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RANGED_READ_MAX", "TieredStorageReader"]
-
-
-@dataclass(frozen=True)
-class _LoadCall:
-    """What the ``dcp.load`` calling this reader was asked: alone, or on which group."""
-
-    no_dist: bool
-    group: dist.ProcessGroup | None
-
-
-def _dcp_load_call() -> _LoadCall | None:
-    """How the ``dcp.load`` calling this reader runs: with ``no_dist=True``, and on which group.
-
-    DCP does not tell a storage reader (``read_metadata`` comes before ``set_up_storage_reader``,
-    and neither says it), yet a one-rank ``no_dist`` load on a job with a process group must not
-    wait in a broadcast that the other ranks never join, and a load on a sub-group must agree on
-    the step within that group, not with ranks loading something else. So look at the loader's
-    frame; None when there is none (a caller driving the reader itself)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_load_state_dict" and code.co_filename.endswith("state_dict_loader.py"):
-            local = frame.f_locals
-            group = getattr(local.get("distW"), "group", local.get("process_group"))
-            return _LoadCall(bool(local.get("no_dist", False)), group)
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 class TieredStorageReader(StorageReader):
@@ -136,6 +117,9 @@ class TieredStorageReader(StorageReader):
         self._streamed: StreamedTier | None = None
         self._elsewhere: MemoryFill | None = None  # the last of those two a load read from
         self._resolved: int | None = None
+        # Whom a load of "latest" agrees with on falling back past a step found corrupt while
+        # it is read (set when the step is resolved; None for an explicit step).
+        self._agreement: Agreement | None = None
         self._storage: dict[Any, ShardRef] = {}
         self.load_id = uuid.uuid4().hex
         # What this rank's last read_data read: bytes of stored items, and of those the bytes in
@@ -162,6 +146,7 @@ class TieredStorageReader(StorageReader):
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._resolved = None
+        self._agreement = None
         self._source = self._memory
         self._elsewhere = None
         self.load_id = uuid.uuid4().hex
@@ -193,39 +178,25 @@ class TieredStorageReader(StorageReader):
     def _resolve_step(self) -> int:
         namespace = self._require_namespace()
         if self.step is not None:
+            self._agreement = None  # an explicit step: no fallback, nothing to agree on
             return self.step
-        call = _dcp_load_call()
-        if not (dist.is_available() and dist.is_initialized()) or (call and call.no_dist):
-            return self._newest_good_step(
-                namespace
-            )  # this process loads alone: no one to agree with
-        # The ranks to agree with are those of the group dcp.load runs on (the one given here
-        # wins): ranks of other groups may be loading other namespaces at the same time.
-        group = self.process_group
-        if group is None and call is not None:
-            group = call.group
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        box: list[Any] = [None]
-        if dist.get_rank(group) == 0:
-            try:
-                box[0] = ("step", self._newest_good_step(namespace))
-            except TierCkptError as e:
-                box[0] = ("error", e.code, str(e))
-        dist.broadcast_object_list(box, src=src, group=group)
-        decision = box[0]
-        if decision[0] == "error":
-            raise error_from_code(
-                decision[1], f"rank 0 could not resolve the latest step: {decision[2]}"
-            )
-        return int(decision[1])
+        self._agreement = agreement(self.process_group)
+        return self._decide(namespace, None)
 
-    def _newest_good_step(self, namespace: str) -> int:
-        """The newest step in memory or durable that is complete and verifies; older ones are
-        tried when a newer one is corrupt or incomplete, with a warning naming the step."""
+    def _decide(self, namespace: str, below: int | None) -> int:
+        """The newest good step (older than ``below``), the same on every rank that loads."""
+        assert self._agreement is not None
+        what = "the latest step" if below is None else f"a step older than {below}"
+        return decide(self._agreement, lambda: self._newest_good_step(namespace, below), what)
+
+    def _newest_good_step(self, namespace: str, below: int | None = None) -> int:
+        """The newest step in memory or durable that is complete and verifies (and older than
+        ``below``); older ones are tried when a newer one is corrupt or incomplete, with a
+        warning naming the step."""
         try:
-            return self._source.newest_good_step(namespace)
+            return self._source.newest_good_step(namespace, below)
         except (DaemonUnavailableError, CapacityExceededError) as e:
-            return self._go_direct(e).newest_good_step(namespace)
+            return self._go_direct(e).newest_good_step(namespace, below)
 
     def _go_direct(self, cause: TierCkptError) -> PersistentTier:
         """No daemon, or a step too large for its memory tier (saved straight to the persistent
@@ -304,12 +275,16 @@ class TieredStorageReader(StorageReader):
     # No **kwargs on purpose: DCP then does not retry with rank-local metadata (which tierckpt
     # does not have), and the user sees this reader's error rather than a second, misleading one.
     def read_metadata(self) -> Metadata:
-        namespace = self._require_namespace()
+        self._require_namespace()
         # Each load starts from this node's memory (DCP calls reset() only when given a
         # checkpoint_id): a reader reused after a load from elsewhere must not stay there.
         self._source = self._memory
         self._elsewhere = None
-        step = self._resolve_step()
+        return self._step_metadata(self._resolve_step())
+
+    def _step_metadata(self, step: int) -> Metadata:
+        """Make ``step`` the one this reader loads, and return its metadata."""
+        namespace = self._require_namespace()
         self._resolved = step
         try:
             doc = self._source.metadata(namespace, step)
@@ -327,18 +302,93 @@ class TieredStorageReader(StorageReader):
         self._storage = dict(metadata.storage_data or {})
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return replace(plan, storage_data=self._resolved)
+        # Whether the rank falls back past a corrupt step goes with the step: ranks that differ
+        # would not meet in read_data's agreement.
+        return replace(plan, storage_data=(self._resolved, self._agreement is not None))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         steps = {p.storage_data for p in plans}
+        kind = {True: "latest", False: "explicit"}
         if len(steps) > 1:
             raise StepStateError(
-                f"{self.namespace}: ranks resolved different steps {sorted(map(str, steps))}; pass "
-                "process_group= to TieredStorageReader (the group dcp.load runs on) or an explicit step"
+                f"{self.namespace}: ranks resolved different steps "
+                f"{sorted(f'{s} ({kind[latest]})' for s, latest in steps)}; "
+                "pass process_group= to TieredStorageReader (the group dcp.load runs on) or an "
+                "explicit step"
             )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._agreement is None:  # an explicit step: it is read, or the load fails
+            self._read_plan(plan, planner)
+        else:
+            self._read_latest(plan, planner, self._agreement)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_latest(self, plan: LoadPlan, planner: LoadPlanner, how: Agreement) -> None:
+        """Read the plan from the step "latest" resolved to; if any rank finds it corrupt, every
+        rank reads the next older step that verifies instead, into the same destinations (see
+        ``_fallback``). A step of another layout than the plan's fails the load, naming it."""
+        namespace = self._require_namespace()
+        corrupt: list[str] = []
+        older: int | None = None
+        while True:
+            error: Exception | None = None
+            try:
+                if older is not None:
+                    self._switch(plan, older)
+                self._read_plan(plan, planner)
+            except Exception as e:  # every rank must reach the agreement, whatever it met
+                error = e
+            status, found = agree(outcome(error), how)
+            if status == OK:
+                return
+            if status == FAILED:  # not corruption: the load fails (the ranks that failed say why)
+                if error is not None:
+                    raise error
+                return
+            bad = self._resolved
+            assert bad is not None
+            corrupt.append(f"step {bad}: {'; '.join(found)}")
+            if not isinstance(self._source, PersistentTier):  # the daemon's way, unless it is gone
+                self._source = self._memory
+            self._elsewhere = None
+            try:
+                older = self._decide(namespace, bad)
+            except NotFoundError as e:
+                raise IntegrityError(
+                    f"{namespace}: {'; '.join(corrupt)}; and no older step could be restored ({e})"
+                ) from None
+            logger.warning(
+                "%s/step %d is corrupt (%s); loading step %d, the newest older step that "
+                "verifies, on every rank",
+                namespace,
+                bad,
+                "; ".join(found),
+                older,
+            )
+
+    def _switch(self, plan: LoadPlan, step: int) -> None:
+        """Point the reader at ``step`` for the same ``plan``, if that step can serve it."""
+        bad = self._resolved
+        new = dict(self._step_metadata(step).storage_data or {})
+        why = plan_misfit(plan, self._storage, new)
+        if why is not None:
+            error = StepStateError(
+                f"{self.namespace}/step {bad} is corrupt, and the newest older step that "
+                f"verifies, step {step}, cannot be read into this load's plan ({why}): load it "
+                f"explicitly (TieredStorageReader({self.namespace!r}, {step}), or "
+                f"checkpoint_id={format_checkpoint_id(self._require_namespace(), step)!r})"
+            )
+            error.fallback_step = step  # type: ignore[attr-defined]  # see Checkpointer.restore
+            raise error
+        self._storage = new
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Copy every item of ``plan`` out of the step's files, from this reader's source (a
+        failed read from the peers falls back to the daemon's own way)."""
         refs = [ref for i in plan.items if (ref := self._storage.get(i.storage_index))]
         try:
             with self.open_files(refs) as files:
@@ -364,9 +414,6 @@ class TieredStorageReader(StorageReader):
                 self._memory.peer_files = peer_files
         self.read_bytes = sum(ref.length for ref in refs)
         self.fetched_bytes = sum(ref.length for ref in refs if ref.file in self._fetched)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     @contextlib.contextmanager
     def open_files(self, refs: list[ShardRef] | None = None) -> Iterator[StepFiles]:
@@ -457,4 +504,5 @@ class TieredStorageReader(StorageReader):
         state["_source"] = state["_memory"]
         state["_streamed"] = None
         state["_elsewhere"] = None
+        state["_agreement"] = None
         return state

@@ -1,0 +1,176 @@
+"""A load of "latest" whose newest durable step is corrupt in the persistent tier loads the newest
+older step that verifies, on every rank together; an explicit corrupt step fails naming it.
+
+Two ranks (spawn + gloo) on one node, a real daemon persisting to a real S3 bucket (SeaweedFS),
+steps 5 and 6 durable, one byte of step 6's largest object flipped, the node's memory wiped. The
+trainer reads the tier straight into its tensors (the corruption is found during the read, by one
+rank only), or its daemon hydrates the step first (found before the read)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from tierckpt_client import DaemonClient, IntegrityError
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_core.layout import read_step_manifest
+from tierckpt_core.objectstore import StoreSettings, open_store
+
+from helpers import DaemonProcess, run_ranks, wait_until
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+ROWS = 256  # 256 x 1000 float32, sharded by rows: ~0.5 MB per rank's file, 16 KiB+ blocks
+
+
+def _full(step: int) -> torch.Tensor:
+    return torch.randn(ROWS, 1000, generator=torch.Generator().manual_seed(step))
+
+
+def _state(step: int, mesh: object) -> dict[str, object]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {
+        "w": distribute_tensor(_full(step), mesh, [Shard(0)]),  # type: ignore[arg-type]
+        "b": torch.randn(33, generator=g),
+        "extra": {"step": step},
+    }
+
+
+def _empty(mesh: object) -> dict[str, object]:
+    return {
+        "w": distribute_tensor(torch.zeros(ROWS, 1000), mesh, [Shard(0)]),  # type: ignore[arg-type]
+        "b": torch.zeros(33),
+        "extra": {"step": -1},
+    }
+
+
+def _assert_step(out: dict[str, object], step: int, mesh: object) -> None:
+    ref = _state(step, mesh)
+    assert torch.equal(out["w"].to_local(), ref["w"].to_local())  # type: ignore[attr-defined]
+    assert torch.equal(out["b"], ref["b"])  # type: ignore[arg-type]
+    assert out["extra"] == {"step": step}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _save_worker(rank: int, world: int, socket: str) -> None:
+    os.environ["TIERCKPT_SOCKET"] = socket
+    mesh = init_device_mesh("cpu", (world,))
+    for step in (5, 6):
+        dcp.save(_state(step, mesh), storage_writer=TieredStorageWriter("job", step))
+
+
+def _load_worker(rank: int, world: int, socket: str, names: list[str], direct: bool) -> None:
+    """Latest loads step 5 on every rank, warning about step 6's corrupt file and block; an
+    explicit step 6 fails with an IntegrityError naming it."""
+    os.environ["TIERCKPT_SOCKET"] = socket
+    mesh = init_device_mesh("cpu", (world,))
+    seen = _Warnings()
+    logging.getLogger("tierckpt_client").addHandler(seen)
+    out = _empty(mesh)
+    reader = TieredStorageReader("job")
+    dcp.load(out, storage_reader=reader)
+    assert reader.resolved_step == 5
+    _assert_step(out, 5, mesh)
+    if rank == 0:  # rank 0 found it (it reads the file, and decides "latest")
+        assert any(all(re.search(n, m) for n in names) for m in seen.messages), (
+            names,
+            seen.messages,
+        )
+    # Every rank loaded step 5 (none a mix): the same answer from each.
+    steps: list[object] = [None] * world
+    dist.all_gather_object(steps, (reader.resolved_step, out["extra"]))
+    assert steps == [(5, {"step": 5})] * world
+
+    with pytest.raises(CheckpointException) as err:
+        dcp.load(_empty(mesh), storage_reader=TieredStorageReader("job", 6))
+    failures = [exc for exc, _ in err.value.failures.values()]
+    assert failures, err.value
+    for e in failures:
+        assert all(re.search(n, str(e)) for n in names), (names, e)
+        if direct:  # found while the plan is read: the reader's own error
+            assert isinstance(e, IntegrityError), e
+        else:  # found by the daemon's hydration in read_metadata, whose errors DCP re-raises
+            # as an AssertionError carrying their message
+            assert "is corrupt" in str(e), e
+
+
+def _wait_durable(steps: set[int], timeout: float = 60.0) -> None:
+    with DaemonClient() as c:
+        wait_until(
+            f"steps {sorted(steps)} durable",
+            lambda: (
+                all(s.state.value == "durable" for s in c.steps("job") if s.step in steps)
+                and {s.step for s in c.steps("job")} >= steps
+            ),
+            timeout,
+            describe=lambda: c.status().persistent,
+        )
+
+
+def _corrupt_newest(tier_url: str) -> list[str]:
+    """Flip one byte in the middle of step 6's largest object (a rank's file: its shard of "w");
+    what the warning about it must name (patterns): the step, the file, the block the byte is
+    in, the tier."""
+    store = open_store(tier_url, StoreSettings.from_env())
+    obj = max(store.list("job/step_000000000006/"), key=lambda o: o.size)
+    name = obj.key.rsplit("/", 1)[1]
+    record = next(f for f in read_step_manifest(store, "job", 6).files if f.name == name)
+    assert record.block_size and record.length > 4 * record.block_size
+    data = bytearray(store.get_bytes(obj.key))
+    at = len(data) // 2
+    data[at] ^= 0x01
+    store.put_bytes(obj.key, bytes(data))
+    return ["step 6", re.escape(name), rf"block {at // record.block_size}\b", re.escape(tier_url)]
+
+
+def _scenario(
+    node: DaemonProcess, tier_url: str, monkeypatch: pytest.MonkeyPatch, *, direct: bool
+) -> None:
+    run_ranks(_save_worker, WORLD, str(node.socket))
+    _wait_durable({5, 6})
+    names = _corrupt_newest(tier_url)
+    node.kill()  # the node loses its memory
+    shutil.rmtree(node.shm_dir)
+    node.start()
+    if direct:
+        monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
+        monkeypatch.setenv("TIERCKPT_RESTORE_DIRECT", "on")
+    else:  # the trainer does not know the tier: its daemon hydrates
+        monkeypatch.delenv("TIERCKPT_PERSIST_URL", raising=False)
+    run_ranks(_load_worker, WORLD, str(node.socket), names, direct)
+
+
+@pytest.mark.parametrize("tier_url", ["s3"], indirect=True)
+def test_latest_falls_back_past_a_step_found_corrupt_while_read_from_s3(
+    node: DaemonProcess, tier_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer reads S3 straight into its tensors: one rank finds the bad block mid-read,
+    and both ranks load step 5 instead."""
+    _scenario(node, tier_url, monkeypatch, direct=True)
+
+
+@pytest.mark.parametrize("tier_url", ["s3"], indirect=True)
+def test_latest_falls_back_past_a_step_the_daemon_finds_corrupt(
+    node: DaemonProcess, tier_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon hydrates from S3 (the trainer does not read the tier)."""
+    _scenario(node, tier_url, monkeypatch, direct=False)
