@@ -130,7 +130,10 @@ def test_a_claimed_pre_lease_is_not_taken_back(tmp_path: Path) -> None:
 def test_a_dead_trainers_pre_lease_expires_and_a_claimed_one_is_renewed_once(
     tmp_path: Path,
 ) -> None:
-    svc = make(tmp_path / "tier", ttl=0.05)
+    # The TTL is long enough that a loaded machine never lets the pre-lease's wait for step 2
+    # expire between asking and committing; the sleeps outlast it.
+    ttl = 0.5
+    svc = make(tmp_path / "tier", ttl=ttl)
     for pre_claimed in (False, True):
         save(svc, "job", 1)
         lease = svc.lease("job", 0, MiB)
@@ -138,7 +141,7 @@ def test_a_dead_trainers_pre_lease_expires_and_a_claimed_one_is_renewed_once(
         pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=2, attempt="a2"))
         commit(svc, "job", 2)
         assert os.path.exists(pre.path)
-        time.sleep(0.1)
+        time.sleep(ttl * 1.5)
         if not pre_claimed:  # nobody holds it: gone at the first sweep past its TTL
             sweep(svc)
             assert not os.path.exists(pre.path)
@@ -148,7 +151,7 @@ def test_a_dead_trainers_pre_lease_expires_and_a_claimed_one_is_renewed_once(
         with claimed(pre.path):
             sweep(svc)  # held: it lives one more TTL
             assert os.path.exists(pre.path)
-            time.sleep(0.1)
+            time.sleep(ttl * 1.5)
             sweep(svc)  # held past that too: reclaimed like a plain lease
             assert not os.path.exists(pre.path)
     assert svc.leases.held_bytes == 0
