@@ -193,7 +193,8 @@ def ring(
     per_node: list[dict[str, Any]] | None = None,
     **settings: Any,
 ) -> list[DaemonProcess]:
-    """``n`` daemons (not started) that are each other's peers, as ``n`` nodes on this machine."""
+    """``n`` daemons (not started) that are each other's peers, as ``n`` nodes on this machine;
+    ``per_node[i]`` overrides settings (``replicas`` included) of the i-th."""
     ports = [free_port() for _ in range(n)]
     peers = ",".join(f"127.0.0.1:{p}" for p in ports)
     extra = per_node or [{} for _ in range(n)]
@@ -205,8 +206,7 @@ def ring(
             node_name=f"127.0.0.1:{port}",
             peers=peers,
             peer_token=token,
-            replicas=replicas,
-            **{**settings, **more},
+            **{"replicas": replicas, **settings, **more},
         )
         for port, more in zip(ports, extra, strict=True)
     ]
