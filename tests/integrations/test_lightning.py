@@ -21,54 +21,97 @@ from helpers import DaemonProcess, new_shm_dir, run_loop
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_trainer.py"
 
 
+def _states(
+    node: DaemonProcess, namespace: str, until_durable: int | None = None
+) -> dict[int, str]:
+    """The steps the daemon lists for ``namespace`` and their states (once ``until_durable`` is
+    durable, or after a minute)."""
+    with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+        deadline = time.monotonic() + 60
+        while True:
+            states = {s.step: s.state.value for s in c.steps(namespace)}
+            if until_durable is None or states.get(until_durable) == "durable":
+                return states
+            if time.monotonic() > deadline:
+                return states
+            time.sleep(0.1)
+
+
 @pytest.mark.slow
-def test_fsdp2_run_resumes_from_last_bit_exact(tmp_path: Path) -> None:
-    """An 8-step run keeps the newest 3 steps (save_top_k=3: the older ones are deleted from the
-    daemon), with every 3rd step durable. Its two newest steps are then lost (as if the run had
-    crashed before they were saved): ckpt_path="last" resumes from the newest step left, 6, and
-    steps 7 and 8 print the losses the uninterrupted run printed."""
+def test_fsdp2_sigterm_saves_durable_and_last_resumes_bit_exact(tmp_path: Path) -> None:
+    """An uninterrupted 8-step FSDP2 run (the reference) keeps the newest 3 steps (save_top_k=3:
+    the older ones are deleted from the daemon), every 3rd step durable. A second run gets
+    SIGTERM on both ranks after step 3: Lightning stops fit, the strategy saves that step for the
+    persistent tier and waits until it is durable, both ranks exit 0. The node then loses its
+    memory; ckpt_path="last" resumes at that step from the persistent tier, and every later step
+    prints the reference's loss."""
+    import shutil
+    import signal
+
     from tierckpt_client.integrations.lightning import read_pointer
 
-    dirpath = tmp_path / "ckpts"
     # keep_last above top-k: the removals seen are the strategy's, not the daemon's retention.
     store = tmp_path / "store"
     node = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}", keep_last=5).start()
-    args = ["--namespace", "job", "--steps", "8", "--dirpath", str(dirpath), "--top-k", "3"]
+    refdir = tmp_path / "ref"
+
+    def argv(namespace: str, dirpath: Path, *more: str) -> list[str]:
+        common = ["--steps", "8", "--top-k", "3"]
+        return ["--namespace", namespace, "--dirpath", str(dirpath), *common, *more]
+
+    # Regular steps of the second run stay in memory: only the save at SIGTERM asks for the
+    # persistent tier.
+    args = argv("job", tmp_path / "job", "--persist-every", "1000")
     try:
-        ref = run_loop(EXAMPLE, [*args, "--persist-every", "3"], node.client_env, log_dir=tmp_path)
+        ref = run_loop(
+            EXAMPLE,
+            argv("ref", refdir, "--persist-every", "3"),
+            node.client_env,
+            log_dir=tmp_path,
+        )
         assert ref.returncodes == [0, 0], ref.lines
         assert ref.start == 0 and sorted(ref.losses) == list(range(1, 9)), ref.lines
-        assert sorted(p.name for p in dirpath.glob("*.ckpt")) == [
+        assert sorted(p.name for p in refdir.glob("*.ckpt")) == [
             "epoch=0-step=6.ckpt",
             "epoch=0-step=7.ckpt",
             "epoch=0-step=8.ckpt",
             "last.ckpt",
         ]
-        assert read_pointer(dirpath / "epoch=0-step=7.ckpt") == "tierckpt://job/7"
-        assert read_pointer(dirpath / "last.ckpt") == "tierckpt://job"
+        assert read_pointer(refdir / "epoch=0-step=7.ckpt") == "tierckpt://ref/7"
+        assert read_pointer(refdir / "last.ckpt") == "tierckpt://ref"
+        # top-k removed steps 1-5 from memory; only steps 3 and 6 went to the persistent tier.
+        states = _states(node, "ref", until_durable=6)
+        assert states == {6: "durable", 7: "committed", 8: "committed"}, states
+        assert sorted(p.name for p in (store / "ref").iterdir()) == [
+            "step_000000000003",
+            "step_000000000006",
+        ]
 
-        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                states = {s.step: s.state.value for s in c.steps("job")}
-                if states.get(6) == "durable" or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-            # top-k removed steps 1-5 from memory; only step 3 and 6 went to the persistent tier.
-            assert states == {6: "durable", 7: "committed", 8: "committed"}, states
-            assert sorted(p.name for p in (store / "job").iterdir()) == [
-                "step_000000000003",
-                "step_000000000006",
-            ]
-            c.delete("job", 7)
-            c.delete("job", 8)
+        stopped = run_loop(
+            EXAMPLE,
+            [*args, "--step-time", "0.5"],
+            node.client_env,
+            log_dir=tmp_path,
+            stop_after=3,
+            stop_signal=signal.SIGTERM,
+            signal_ranks=[0, 1],
+        )
+        assert stopped.returncodes == [0, 0], stopped.lines
+        final = max(stopped.losses)
+        assert final < 8, "the run was not stopped"
+        states = _states(node, "job")
+        assert states[final] == "durable", states
+        assert all(v != "durable" for k, v in states.items() if k != final), states
 
+        node.kill()
+        shutil.rmtree(node.shm_dir)  # the node lost its memory: only the persistent tier is left
+        node.start()
         resumed = run_loop(EXAMPLE, args, node.client_env, log_dir=tmp_path)
     finally:
         node.cleanup()
     assert resumed.returncodes == [0, 0], resumed.lines
-    assert resumed.start == 6, resumed.lines
-    assert resumed.losses == {s: ref.losses[s] for s in (7, 8)}
+    assert resumed.start == final, resumed.lines
+    assert resumed.losses == {s: ref.losses[s] for s in range(final + 1, 9)}
 
 
 @pytest.mark.slow
@@ -198,7 +241,7 @@ def test_a_failed_save_is_raised_at_the_end_of_fit_not_while_another_error_unwin
     strategy._tiered_teardown()  # raised once, not again
 
     strategy._inflight = (6, failed())
-    strategy._tiered_exception()
+    strategy._tiered_exception(RuntimeError("boom"))
     with caplog.at_level(logging.ERROR):
         strategy._tiered_teardown()
     assert "the last save failed while another error unwound" in caplog.text

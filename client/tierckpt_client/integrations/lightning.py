@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -55,11 +56,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from tierckpt_client._preemption import Outcome, wait_durable
 from tierckpt_client.checkpointer import SaveFailedError, _groups
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import SCHEME, parse_checkpoint_id
+from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.integrations._lightning_io import TieredCheckpointIO
 from tierckpt_client.integrations._pointers import pointer_id, read_pointer, write_pointer
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
@@ -97,7 +99,10 @@ class _TieredSaves:
         persist_every: int | None,
         config: ClientConfig | None,
         async_mode: str,
+        preempt_deadline_s: float,
     ) -> None:
+        if preempt_deadline_s <= 0:
+            raise ValueError(f"preempt_deadline_s must be > 0, got {preempt_deadline_s}")
         if persist_every is not None and persist_every < 1:
             raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
         if async_mode not in _MODES:
@@ -106,7 +111,10 @@ class _TieredSaves:
         self.persist_every = persist_every
         self.async_mode = async_mode
         self._config = config
+        self.preempt_deadline_s = preempt_deadline_s
         self._ckpt_group: dist.ProcessGroup | None = None
+        self._flag_group: dist.ProcessGroup | None = None
+        self._force_persist = False  # the save at SIGTERM goes to the persistent tier
         self._inflight: tuple[int, Future[Any]] | None = None
         self._last_step: int | None = None  # the newest step whose save this process started
         # The pointers this process saved, path -> id: every rank knows what a removal names
@@ -123,10 +131,12 @@ class _TieredSaves:
     def _tiered_setup_groups(self) -> None:
         # A gloo group of its own: a THREAD-mode save runs DCP's collectives in a background
         # thread; sharing the group FSDP trains on would interleave them with the training's.
-        self._ckpt_group, _ = _groups(None)
+        self._ckpt_group, self._flag_group = _groups(None)
 
     # -- ids -------------------------------------------------------------------------------
     def _persist(self, step: int) -> bool | None:
+        if self._force_persist:
+            return True
         if self.persist_every is None:
             return None  # the daemon's policy (TIERCKPT_PERSIST_EVERY)
         return step % self.persist_every == 0
@@ -303,8 +313,40 @@ class _TieredSaves:
             logger.warning("%s: could not delete step %d from the daemon: %s", namespace, step, e)
         return True
 
-    def _tiered_exception(self) -> None:
+    def _tiered_exception(self, exception: BaseException) -> None:
         self._unwinding = True
+        if isinstance(exception, SIGTERMException):
+            self._save_durable()
+
+    def _save_durable(self) -> None:
+        """Lightning stopped fit on SIGTERM (every rank raises ``SIGTERMException`` after the
+        same step): save that step unless it is saved, and wait until it is durable (within
+        ``preempt_deadline_s``), so that the restart loses nothing even on a new node."""
+        trainer = self.lightning_module.trainer
+        step = trainer.global_step
+        logger.warning("%s: SIGTERM; saving step %d for the persistent tier", self.namespace, step)
+        try:
+            self.wait()
+        except SaveFailedError:
+            logger.exception("%s: the save before SIGTERM failed", self.namespace)
+        try:
+            if self._last_step != step:
+                self._force_persist = True
+                try:
+                    trainer.save_checkpoint(format_checkpoint_id(self.namespace, step))
+                finally:
+                    self._force_persist = False
+                self.wait()
+            outcome = wait_durable(
+                self.namespace, step, self.config, self.preempt_deadline_s, self._flag_group
+            )
+        except Exception:
+            logger.exception("%s: the save at SIGTERM (step %d) failed", self.namespace, step)
+            return
+        if outcome == Outcome.FAILED:
+            logger.error("%s: step %d is not durable after SIGTERM", self.namespace, step)
+        else:
+            logger.warning("%s: step %d saved at SIGTERM (%s)", self.namespace, step, outcome.name)
 
 
 class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
@@ -318,6 +360,8 @@ class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
             ``persist=False``; ``None`` leaves every step to the daemon's policy.
         config: how to reach the daemon (default :meth:`ClientConfig.from_env`, read in each rank).
         async_mode: ``"thread"`` or ``"process"`` (DCP's helper process), as for ``Checkpointer``.
+        preempt_deadline_s: on SIGTERM (Lightning stops ``fit`` after the step it is in), how long
+            the last step may take to become durable in the persistent tier.
         **kwargs: ``ModelParallelStrategy``'s own arguments (``data_parallel_size``,
             ``tensor_parallel_size``, ``process_group_backend``, ``timeout``).
     """
@@ -329,6 +373,7 @@ class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
         persist_every: int | None = None,
         config: ClientConfig | None = None,
         async_mode: str = "thread",
+        preempt_deadline_s: float = 300.0,
         **kwargs: Any,
     ) -> None:
         if not kwargs.get("save_distributed_checkpoint", True):
@@ -337,7 +382,7 @@ class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
                 "save_distributed_checkpoint=False (one full file on rank 0) is not supported"
             )
         ModelParallelStrategy.__init__(self, **kwargs)
-        self._tiered_init(namespace, persist_every, config, async_mode)
+        self._tiered_init(namespace, persist_every, config, async_mode, preempt_deadline_s)
 
     def __repr__(self) -> str:
         return f"TieredModelParallelStrategy({self.namespace!r})"
@@ -366,7 +411,7 @@ class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
             super().remove_checkpoint(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
-        self._tiered_exception()
+        self._tiered_exception(exception)
         super().on_exception(exception)
 
     def teardown(self) -> None:
@@ -391,6 +436,7 @@ class TieredFSDPStrategy(_TieredSaves, FSDPStrategy):
         persist_every: int | None = None,
         config: ClientConfig | None = None,
         async_mode: str = "thread",
+        preempt_deadline_s: float = 300.0,
         **kwargs: Any,
     ) -> None:
         kind = kwargs.setdefault("state_dict_type", "sharded")
@@ -400,7 +446,7 @@ class TieredFSDPStrategy(_TieredSaves, FSDPStrategy):
                 "is not supported"
             )
         FSDPStrategy.__init__(self, **kwargs)
-        self._tiered_init(namespace, persist_every, config, async_mode)
+        self._tiered_init(namespace, persist_every, config, async_mode, preempt_deadline_s)
 
     def __repr__(self) -> str:
         return f"TieredFSDPStrategy({self.namespace!r})"
@@ -429,7 +475,7 @@ class TieredFSDPStrategy(_TieredSaves, FSDPStrategy):
             super().remove_checkpoint(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
-        self._tiered_exception()
+        self._tiered_exception(exception)
         super().on_exception(exception)
 
     def teardown(self) -> None:
