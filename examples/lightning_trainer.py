@@ -10,6 +10,8 @@ It saves every step (``ModelCheckpoint(every_n_train_steps=1, save_last=True)``)
 the node's memory tier, and a one-line pointer file per checkpoint to ``--dirpath``. Kill it and
 run it again: ``trainer.fit(..., ckpt_path="last")`` resumes from the newest step the daemon holds
 and prints the losses an uninterrupted run prints (``step <n> loss <float.hex>``).
+Send SIGTERM to every rank (as torchrun, Slurm and Kubernetes do): with FSDP2 the step it stops
+at is saved for the persistent tier and waited for until durable, and the run exits 0.
 
 The batches are a function of the step, so that resuming mid-epoch sees the batches an
 uninterrupted run sees; with a real dataset, use a stateful data loader for that.

@@ -25,6 +25,8 @@ How Lightning's paths map to tierckpt steps (the seam, chosen so that ``ModelChe
 * ``ckpt_path`` may also be an id, ``tierckpt://<namespace>/<step>`` or ``tierckpt://<namespace>``
   (newest step), with no file at all; any other path is loaded as Lightning would load it (so a
   run can start from a checkpoint written without tierckpt).
+* On SIGTERM Lightning stops ``fit`` after the step it is in; the strategies then make that step
+  durable in the persistent tier before the process exits (:meth:`_TieredSaves._save_durable`).
 * ``save_top_k`` removals delete the pointer file and the step from each node's memory tier (a
   copy already in the persistent tier stays; its retention is the daemon's), unless another
   pointer in the same folder still names that step.
