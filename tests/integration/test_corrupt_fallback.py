@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tierckpt_client import DaemonClient, IntegrityError
+from tierckpt_client import Checkpointer, DaemonClient, IntegrityError, StepStateError
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.layout import read_step_manifest
 from tierckpt_core.objectstore import StoreSettings, open_store
@@ -38,10 +38,10 @@ def _full(step: int) -> torch.Tensor:
     return torch.randn(ROWS, 1000, generator=torch.Generator().manual_seed(step))
 
 
-def _state(step: int, mesh: object) -> dict[str, object]:
+def _state(step: int, mesh: object, dim: int = 0) -> dict[str, object]:
     g = torch.Generator().manual_seed(1000 + step)
     return {
-        "w": distribute_tensor(_full(step), mesh, [Shard(0)]),  # type: ignore[arg-type]
+        "w": distribute_tensor(_full(step), mesh, [Shard(dim)]),  # type: ignore[arg-type]
         "b": torch.randn(33, generator=g),
         "extra": {"step": step},
     }
@@ -71,11 +71,18 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _save_worker(rank: int, world: int, socket: str) -> None:
+def _save_worker(rank: int, world: int, socket: str, dims: dict[int, int]) -> None:
+    """Steps 5 and 6, "w" sharded along ``dims[step]``."""
     os.environ["TIERCKPT_SOCKET"] = socket
     mesh = init_device_mesh("cpu", (world,))
     for step in (5, 6):
-        dcp.save(_state(step, mesh), storage_writer=TieredStorageWriter("job", step))
+        dcp.save(_state(step, mesh, dims[step]), storage_writer=TieredStorageWriter("job", step))
+
+
+def _restored(mesh: object) -> tuple[int | None, dict[str, object]]:
+    out = _empty(mesh)
+    with Checkpointer("job", handle_signals=False) as ckpt:
+        return ckpt.restore(out), out
 
 
 def _load_worker(rank: int, world: int, socket: str, names: list[str], direct: bool) -> None:
@@ -90,7 +97,7 @@ def _load_worker(rank: int, world: int, socket: str, names: list[str], direct: b
     dcp.load(out, storage_reader=reader)
     assert reader.resolved_step == 5
     _assert_step(out, 5, mesh)
-    if rank == 0:  # rank 0 found it (it reads the file, and decides "latest")
+    if rank == 0:  # rank 0 says so (reading straight from S3 every rank does)
         assert any(all(re.search(n, m) for n in names) for m in seen.messages), (
             names,
             seen.messages,
@@ -99,6 +106,10 @@ def _load_worker(rank: int, world: int, socket: str, names: list[str], direct: b
     steps: list[object] = [None] * world
     dist.all_gather_object(steps, (reader.resolved_step, out["extra"]))
     assert steps == [(5, {"step": 5})] * world
+    # The Checkpointer's restore falls back the same way and says which step it loaded.
+    step, again = _restored(mesh)
+    assert step == 5
+    _assert_step(again, 5, mesh)
 
     with pytest.raises(CheckpointException) as err:
         dcp.load(_empty(mesh), storage_reader=TieredStorageReader("job", 6))
@@ -142,15 +153,21 @@ def _corrupt_newest(tier_url: str) -> list[str]:
     return ["step 6", re.escape(name), rf"block {at // record.block_size}\b", re.escape(tier_url)]
 
 
+def _corrupt_and_wipe(node: DaemonProcess, tier_url: str, dims: dict[int, int]) -> list[str]:
+    """Steps 5 and 6 durable, step 6 corrupt in the tier, the node's memory lost."""
+    run_ranks(_save_worker, WORLD, str(node.socket), dims)
+    _wait_durable({5, 6})
+    names = _corrupt_newest(tier_url)
+    node.kill()
+    shutil.rmtree(node.shm_dir)
+    node.start()
+    return names
+
+
 def _scenario(
     node: DaemonProcess, tier_url: str, monkeypatch: pytest.MonkeyPatch, *, direct: bool
 ) -> None:
-    run_ranks(_save_worker, WORLD, str(node.socket))
-    _wait_durable({5, 6})
-    names = _corrupt_newest(tier_url)
-    node.kill()  # the node loses its memory
-    shutil.rmtree(node.shm_dir)
-    node.start()
+    names = _corrupt_and_wipe(node, tier_url, {5: 0, 6: 0})
     if direct:
         monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
         monkeypatch.setenv("TIERCKPT_RESTORE_DIRECT", "on")
@@ -174,3 +191,30 @@ def test_latest_falls_back_past_a_step_the_daemon_finds_corrupt(
 ) -> None:
     """The daemon hydrates from S3 (the trainer does not read the tier)."""
     _scenario(node, tier_url, monkeypatch, direct=False)
+
+
+def _resharded_worker(rank: int, world: int, socket: str) -> None:
+    """Step 5's "w" is sharded by columns, step 6's (and the destination's) by rows: the plan
+    made on step 6 cannot read step 5, so dcp.load fails naming step 5; the Checkpointer's
+    restore then loads step 5 with a plan of its own."""
+    os.environ["TIERCKPT_SOCKET"] = socket
+    mesh = init_device_mesh("cpu", (world,))
+    with pytest.raises(CheckpointException) as err:
+        dcp.load(_empty(mesh), storage_reader=TieredStorageReader("job"))
+    failures = [exc for exc, _ in err.value.failures.values()]
+    assert failures and all(isinstance(e, StepStateError) for e in failures), failures
+    assert all(getattr(e, "fallback_step", None) == 5 for e in failures), failures
+    assert all("step 6 is corrupt" in str(e) and "step 5" in str(e) for e in failures), failures
+    step, out = _restored(mesh)
+    assert step == 5
+    _assert_step(out, 5, mesh)
+
+
+@pytest.mark.parametrize("tier_url", ["s3"], indirect=True)
+def test_latest_falls_back_to_an_older_step_of_another_sharding(
+    node: DaemonProcess, tier_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _corrupt_and_wipe(node, tier_url, {5: 1, 6: 0})
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
+    monkeypatch.setenv("TIERCKPT_RESTORE_DIRECT", "on")
+    run_ranks(_resharded_worker, WORLD, str(node.socket))
