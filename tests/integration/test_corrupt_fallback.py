@@ -218,3 +218,49 @@ def test_latest_falls_back_to_an_older_step_of_another_sharding(
     monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
     monkeypatch.setenv("TIERCKPT_RESTORE_DIRECT", "on")
     run_ranks(_resharded_worker, WORLD, str(node.socket))
+
+
+def _flat(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(ROWS * 1000, generator=g), "extra": {"step": step}}
+
+
+@pytest.mark.parametrize("tier_url", ["s3"], indirect=True)
+def test_one_process_falls_back_and_fails_naming_every_corrupt_step(
+    node: DaemonProcess,
+    tier_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A load alone (``no_dist``): every step corrupt fails with an IntegrityError naming each;
+    with step 5 good again, "latest" loads it."""
+    for step in (5, 6):
+        dcp.save(_flat(step), storage_writer=TieredStorageWriter("job", step), no_dist=True)
+    _wait_durable({5, 6})
+    store = open_store(tier_url, StoreSettings.from_env())
+    obj = max(store.list("job/step_000000000005/"), key=lambda o: o.size)
+    good = store.get_bytes(obj.key)
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01
+    store.put_bytes(obj.key, bytes(bad))
+    _corrupt_newest(tier_url)
+    node.kill()
+    shutil.rmtree(node.shm_dir)
+    node.start()
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
+    monkeypatch.setenv("TIERCKPT_RESTORE_DIRECT", "on")
+
+    out = {"w": torch.zeros(ROWS * 1000), "extra": {"step": -1}}
+    with pytest.raises(CheckpointException) as err:
+        dcp.load(out, storage_reader=TieredStorageReader("job"), no_dist=True)
+    (failure, _), *_ = err.value.failures.values()
+    assert isinstance(failure, IntegrityError), failure
+    assert re.search(r"step 6: .*block \d+.*step 5: .*block \d+", str(failure)), failure
+
+    store.put_bytes(obj.key, good)
+    reader = TieredStorageReader("job")
+    with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
+        dcp.load(out, storage_reader=reader, no_dist=True)
+    assert reader.resolved_step == 5
+    assert torch.equal(out["w"], _flat(5)["w"]) and out["extra"] == {"step": 5}  # type: ignore[arg-type]
+    assert any("job/step 6 is corrupt" in r.getMessage() for r in caplog.records)
