@@ -82,12 +82,17 @@ def decide(how: Agreement, find: Callable[[], int], what: str) -> int:
     group = how.group
     src = dist.get_global_rank(group, 0) if group is not None else 0
     box: list[Any] = [None]
+    failed: Exception | None = None
     if dist.get_rank(group) == 0:
         try:
             box[0] = ("step", find())
-        except TierCkptError as e:
-            box[0] = ("error", e.code, str(e))
+        except Exception as e:  # any error: the other ranks must not wait for the broadcast
+            failed = e
+            code = e.code if isinstance(e, TierCkptError) else TierCkptError.code
+            box[0] = ("error", code, str(e))
     dist.broadcast_object_list(box, src=src, group=group)
+    if failed is not None:
+        raise failed
     decision = box[0]
     if decision[0] == "error":
         raise error_from_code(decision[1], f"rank 0 could not resolve {what}: {decision[2]}")
