@@ -362,8 +362,8 @@ class TieredStorageReader(StorageReader):
                     f"{namespace}: {'; '.join(corrupt)}; and no older step could be restored ({e})"
                 ) from None
             logger.warning(
-                "%s/step %d is corrupt (%s); loading step %d, the newest older step that "
-                "verifies, on every rank",
+                "%s/step %d is corrupt (%s); loading the next older step, %d, on every rank "
+                "instead",
                 namespace,
                 bad,
                 "; ".join(found),
