@@ -65,9 +65,10 @@ class TieredStorageReader(StorageReader):
         namespace: the job's namespace; may come from ``checkpoint_id="tierckpt://<namespace>[/<step>]"``.
         step: the step to load; ``None`` loads the newest step that is committed in memory or
             durable in the persistent tier and verifies (older ones are tried, with a warning, when
-            a newer one is corrupt or incomplete). Rank 0 of ``process_group`` decides and
-            broadcasts it, so all ranks load the same step; a ``dcp.load(..., no_dist=True)``, or
-            one without a process group, decides it alone.
+            a newer one is corrupt or incomplete, or is found corrupt while it is read: then
+            every rank reads the older one; :attr:`resolved_step` says which was loaded). Rank 0
+            of ``process_group`` decides and broadcasts it, so all ranks load the same step; a
+            ``dcp.load(..., no_dist=True)``, or one without a process group, decides it alone.
         config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
         process_group: the group to agree on the step with when ``step`` is ``None`` (default:
             the group ``dcp.load`` runs on).
@@ -82,7 +83,9 @@ class TieredStorageReader(StorageReader):
         prepare_local_plan()        all ranks: tag the plan with the step this rank resolved
         prepare_global_plan()       coordinator: check every rank resolved the same step
         read_data()                 all ranks: pin the step, map its files, copy each requested
-                                    region into the destination tensor, unpin
+                                    region into the destination tensor, unpin; for "latest",
+                                    agree that no rank found the step corrupt, else read the
+                                    next older step on every rank (see ``_fallback``)
 
     Tensors are stored raw (dtype, shape and offset in the metadata), so reading a tensor is a view
     of the mapped file and one copy into the destination; resharding narrows the stored chunk to
