@@ -21,8 +21,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
+from tierckpt_client.dcp._ids import format_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.errors import IntegrityError, TierCkptError, error_from_code
+from tierckpt_client.errors import IntegrityError, StepStateError, TierCkptError, error_from_code
 
 OK, CORRUPT, FAILED = 0, 1, 2
 
@@ -132,3 +133,15 @@ def plan_misfit(plan: LoadPlan, old: dict[Any, ShardRef], new: dict[Any, ShardRe
         if was is not None and (now.dtype, now.shape) != (was.dtype, was.shape):
             return f"its {what} is {now.dtype} {now.shape}, not {was.dtype} {was.shape}"
     return None
+
+
+def misfit_error(namespace: str, bad: int | None, step: int, why: str) -> StepStateError:
+    """The load's error when the older step cannot serve its plan; it carries the step as
+    ``fallback_step`` (``Checkpointer.restore`` then loads it with a plan of its own)."""
+    error = StepStateError(
+        f"{namespace}/step {bad} is corrupt, and the next older step (step {step}) cannot be read "
+        f"into this load's plan ({why}): load it explicitly (TieredStorageReader({namespace!r}, "
+        f"{step}), or checkpoint_id={format_checkpoint_id(namespace, step)!r})"
+    )
+    error.fallback_step = step  # type: ignore[attr-defined]
+    return error

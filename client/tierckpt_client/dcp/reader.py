@@ -31,6 +31,7 @@ from tierckpt_client.dcp._fallback import (
     agree,
     agreement,
     decide,
+    misfit_error,
     outcome,
     plan_misfit,
 )
@@ -379,14 +380,7 @@ class TieredStorageReader(StorageReader):
         new = dict(self._step_metadata(step).storage_data or {})
         why = plan_misfit(plan, self._storage, new)
         if why is not None:
-            error = StepStateError(
-                f"{self.namespace}/step {bad} is corrupt, and the newest older step that "
-                f"verifies, step {step}, cannot be read into this load's plan ({why}): load it "
-                f"explicitly (TieredStorageReader({self.namespace!r}, {step}), or "
-                f"checkpoint_id={format_checkpoint_id(self._require_namespace(), step)!r})"
-            )
-            error.fallback_step = step  # type: ignore[attr-defined]  # see Checkpointer.restore
-            raise error
+            raise misfit_error(self._require_namespace(), bad, step, why)
         self._storage = new
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
