@@ -31,7 +31,7 @@ from tierckpt_client.config import ClientConfig
 from helpers import DaemonProcess, new_shm_dir, run_ranks
 
 WORLD = 2
-STEPS = 8  # interval 2: steps 2, 4, 6, 8 saved; 8 is the last step (persisted)
+STEPS = 8  # interval 2: steps 2, 4, 6, 8 saved; 8 is the last step
 
 
 class TrainState(Stateful):
@@ -76,7 +76,7 @@ def _manager(
         namespace="titan",
         interval=2,
         keep_latest_k=2,
-        persist_every=4,
+        persist_every=3,  # step 6; step 8 goes to the persistent tier as the last step
         last_save_model_only=False,  # the last step keeps the optimizer: it is resumed from
         **kw,
     )
@@ -172,16 +172,16 @@ def test_manager_round_trips_fsdp2_model_optimizer_and_schedulers(tmp_path: Path
         run_ranks(_train_and_save, WORLD, str(node.socket), str(tmp_path))
         with DaemonClient(ClientConfig.from_env(socket=node.socket)) as client:
             deadline = time.monotonic() + 60
-            while True:  # step 4 (persist_every) and 8 (the last step) go to the tier
+            while True:  # step 6 (persist_every) and 8 (the last step) go to the tier
                 states = {s.step: s.state.value for s in client.steps("titan")}
-                if states.get(4) == states.get(8) == "durable" or time.monotonic() > deadline:
+                if states.get(6) == states.get(8) == "durable" or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
         # keep_latest_k=2 deleted step 2 from the daemon at step 6's save (torchtitan does not
         # purge after the last step); nothing went to a step folder.
-        assert states == {4: "durable", 6: "committed", 8: "durable"}, states
+        assert states == {4: "committed", 6: "durable", 8: "durable"}, states
         assert sorted(p.name for p in (store / "titan").iterdir()) == [
-            "step_000000000004",
+            "step_000000000006",
             "step_000000000008",
         ]
         assert not (Path.cwd() / "checkpoint").exists()

@@ -201,7 +201,8 @@ class TieredCheckpointManager(CheckpointManager):
 
     def _close(self) -> None:
         try:
-            if self.save_future is not None:
+            # getattr: close() also runs from __del__, after an __init__ that may have failed.
+            if getattr(self, "save_future", None) is not None:
                 self._wait_for_saving()  # a save in flight finishes (or raises) before the exit
         finally:
             super()._close()
