@@ -67,18 +67,22 @@ def _parts(seed: int) -> tuple[nn.Module, Any, Any]:
 
 
 def _manager(
-    model: nn.Module, optimizers: Any, schedulers: Any, state: TrainState, **kw: Any
+    model: nn.Module,
+    optimizers: Any,
+    schedulers: Any,
+    state: TrainState,
+    dump: str,
+    namespace: str = "titan",
 ) -> Any:
     from tierckpt_client.integrations.torchtitan import TieredCheckpointManager
 
     config = TieredCheckpointManager.Config(
         enable=True,
-        namespace="titan",
+        namespace=namespace,
         interval=2,
         keep_latest_k=2,
         persist_every=3,  # step 6; step 8 goes to the persistent tier as the last step
         last_save_model_only=False,  # the last step keeps the optimizer: it is resumed from
-        **kw,
     )
     return config.build(
         dataloader=None,
@@ -87,6 +91,7 @@ def _manager(
         lr_schedulers=schedulers,
         states={"train_state": state},
         sd_adapter=None,
+        base_folder=dump,  # torchtitan's step folders would go here (checkpoint.folder)
     )
 
 
@@ -138,7 +143,7 @@ def _train_and_save(rank: int, world: int, socket: str, out: str) -> None:
     os.environ["TIERCKPT_SOCKET"] = socket
     model, optimizers, schedulers = _parts(seed=0)
     state = TrainState()
-    manager = _manager(model, optimizers, schedulers, state)
+    manager = _manager(model, optimizers, schedulers, state, str(Path(out) / "dump"))
     assert manager.load() is False  # an empty namespace, no folder: a fresh start
     for step in range(1, STEPS + 1):
         _step(model, optimizers, schedulers, step)
@@ -155,7 +160,7 @@ def _restore(rank: int, world: int, socket: str, out: str) -> None:
     os.environ["TIERCKPT_SOCKET"] = socket
     model, optimizers, schedulers = _parts(seed=1)  # other weights: the load must replace them
     state = TrainState()
-    manager = _manager(model, optimizers, schedulers, state)
+    manager = _manager(model, optimizers, schedulers, state, str(Path(out) / "dump"))
     assert manager.load() is True
     manager.close()
     got = _full(model, optimizers, schedulers, state)
@@ -184,7 +189,7 @@ def test_manager_round_trips_fsdp2_model_optimizer_and_schedulers(tmp_path: Path
             "step_000000000006",
             "step_000000000008",
         ]
-        assert not (Path.cwd() / "checkpoint").exists()
+        assert not (tmp_path / "dump").exists()
         run_ranks(_restore, WORLD, str(node.socket), str(tmp_path))
     finally:
         node.cleanup()
@@ -200,6 +205,47 @@ class RunConfig(Configurable.Config):
         default_factory=CheckpointManager.Config
     )
     override: OverrideConfig = dataclasses.field(default_factory=OverrideConfig)
+
+
+def _migrate(rank: int, world: int, socket: str, out: str) -> None:
+    """A step folder written by torchtitan's own manager, then a tiered manager on the same
+    folder and an empty namespace: it loads that folder's newest step."""
+    os.environ["TIERCKPT_SOCKET"] = socket
+    dump = str(Path(out) / "dump")
+    model, optimizers, schedulers = _parts(seed=0)
+    state = TrainState()
+    plain = CheckpointManager.Config(enable=True, interval=2, keep_latest_k=0).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": state},
+        sd_adapter=None,
+        base_folder=dump,
+    )
+    for step in (1, 2):
+        _step(model, optimizers, schedulers, step)
+        state.step = step
+        plain.save(step)
+    plain.close()
+    expected = _full(model, optimizers, schedulers, state)
+
+    model, optimizers, schedulers = _parts(seed=1)
+    state = TrainState()
+    manager = _manager(model, optimizers, schedulers, state, dump, namespace="migrated")
+    assert manager.load() is True
+    manager.close()
+    _assert_equal(expected, _full(model, optimizers, schedulers, state), f"rank{rank}")
+
+
+@pytest.mark.slow
+def test_an_empty_namespace_resumes_from_torchtitans_own_step_folder(tmp_path: Path) -> None:
+    node = DaemonProcess(new_shm_dir()).start()
+    try:
+        run_ranks(_migrate, WORLD, str(node.socket), str(tmp_path))
+    finally:
+        node.cleanup()
+    assert (tmp_path / "dump" / "checkpoint" / "step-2" / ".metadata").is_file()
 
 
 def tiny_run() -> RunConfig:
