@@ -51,7 +51,17 @@ SPARE_WAIT_S = 60.0
 
 
 class Lease:
-    __slots__ = ("expires", "lease_id", "namespace", "path", "pre", "rank", "renewed", "size")
+    __slots__ = (
+        "expires",
+        "lease_id",
+        "namespace",
+        "owner",
+        "path",
+        "pre",
+        "rank",
+        "renewed",
+        "size",
+    )
 
     def __init__(
         self,
@@ -63,12 +73,17 @@ class Lease:
         ttl: float,
         *,
         pre: bool = False,
+        owner: str | None = None,
     ):
         self.lease_id = lease_id
         self.namespace = namespace
         self.rank = rank
         self.path = path
         self.size = size
+        # The identity that took it (None: the daemon's own, e.g. a hydration): until the
+        # namespace's first seal here claims it, the namespace has no owner, and the lease ids
+        # can be read off the tier directory, so the lease itself says who may seal or release it.
+        self.owner = owner
         self.expires = time.monotonic() + ttl
         self.pre = pre  # a pre-lease: taken back when nobody holds its flock
         self.renewed = False
@@ -77,7 +92,17 @@ class Lease:
 class Ahead:
     """A pre-lease asked for, granted when its save attempt commits."""
 
-    __slots__ = ("attempt", "expires", "lease_id", "namespace", "path", "rank", "size", "step")
+    __slots__ = (
+        "attempt",
+        "expires",
+        "lease_id",
+        "namespace",
+        "owner",
+        "path",
+        "rank",
+        "size",
+        "step",
+    )
 
     def __init__(
         self,
@@ -88,7 +113,9 @@ class Ahead:
         size: int,
         step: int,
         attempt: str,
+        owner: str | None = None,
     ) -> None:
+        self.owner = owner
         self.lease_id = lease_id
         self.namespace = namespace
         self.rank = rank
@@ -142,7 +169,9 @@ class Leases:
     def held_bytes(self) -> int:
         return sum(le.size for le in self._leases.values())
 
-    def grant(self, namespace: str, rank: int, size: int, *, prefault: bool) -> LeaseResponse:
+    def grant(
+        self, namespace: str, rank: int, size: int, *, prefault: bool, owner: str | None = None
+    ) -> LeaseResponse:
         validate_namespace(namespace)
         size = round_up(size)
         lease_id = uuid.uuid4().hex
@@ -158,7 +187,9 @@ class Leases:
             if self.arena.take_from_pool(size, path):
                 if prefault:
                     self._maybe_spare(namespace, size)
-                return self._grant(lease_id, namespace, rank, path, size, recycled=True)
+                return self._grant(
+                    lease_id, namespace, rank, path, size, recycled=True, owner=owner
+                )
             self._make_room(size, namespace)
             self.arena.reserve(size)
         try:
@@ -170,12 +201,22 @@ class Leases:
             self.arena.track(path, size)
             if prefault:
                 self._maybe_spare(namespace, size)
-            return self._grant(lease_id, namespace, rank, path, size, recycled=False)
+            return self._grant(lease_id, namespace, rank, path, size, recycled=False, owner=owner)
 
     def _grant(
-        self, lease_id: str, namespace: str, rank: int, path: Path, size: int, *, recycled: bool
+        self,
+        lease_id: str,
+        namespace: str,
+        rank: int,
+        path: Path,
+        size: int,
+        *,
+        recycled: bool,
+        owner: str | None,
     ) -> LeaseResponse:
-        self._leases[lease_id] = Lease(lease_id, namespace, rank, path, size, self.ttl_s)
+        self._leases[lease_id] = Lease(
+            lease_id, namespace, rank, path, size, self.ttl_s, owner=owner
+        )
         logger.debug(
             "lease %s: %s rank %d, %d bytes, recycled=%s",
             lease_id,
@@ -191,7 +232,13 @@ class Leases:
 
     # -- pre-leases -------------------------------------------------------------------------
     def ask_ahead(
-        self, namespace: str, rank: int, size: int, step: int, attempt: str
+        self,
+        namespace: str,
+        rank: int,
+        size: int,
+        step: int,
+        attempt: str,
+        owner: str | None = None,
     ) -> LeaseResponse:
         """Name a file for ``rank``'s next save, put in place when ``attempt`` commits (at once
         if it already has, from the pool)."""
@@ -201,7 +248,14 @@ class Leases:
         size = round_up(size)
         lease_id = uuid.uuid4().hex
         ahead = Ahead(
-            lease_id, namespace, rank, self.arena.lease_dir / f"{lease_id}.bin", size, step, attempt
+            lease_id,
+            namespace,
+            rank,
+            self.arena.lease_dir / f"{lease_id}.bin",
+            size,
+            step,
+            attempt,
+            owner,
         )
         with self._lock:
             ahead.expires = time.monotonic() + self.ttl_s
@@ -240,7 +294,7 @@ class Leases:
             )
             return
         self._leases[a.lease_id] = Lease(
-            a.lease_id, a.namespace, a.rank, a.path, a.size, self.ttl_s, pre=True
+            a.lease_id, a.namespace, a.rank, a.path, a.size, self.ttl_s, pre=True, owner=a.owner
         )
         self.metrics.leases.labels(recycled="true").inc()
         self.metrics.leased_bytes.inc(a.size)
@@ -282,21 +336,35 @@ class Leases:
                 )
                 arena.trim_pool(size)
 
-    def get(self, namespace: str, lease_id: str) -> Lease | None:
+    def get(
+        self, namespace: str, lease_id: str, owner: str | None = None, *, admin: bool = False
+    ) -> Lease | None:
+        """The lease, if it is of ``namespace`` and (unless ``owner`` is None or ``admin``) the
+        identity ``owner`` took it: another uid's lease is as unknown as a made-up id."""
         lease = self._leases.get(lease_id)
-        return lease if lease is not None and lease.namespace == namespace else None
+        if lease is None or lease.namespace != namespace:
+            return None
+        if owner is not None and not admin and lease.owner not in (None, owner):
+            return None
+        return lease
 
     def take(self, lease: Lease) -> None:
         """The lease's file now belongs to a step (it was sealed)."""
         del self._leases[lease.lease_id]
 
-    def release(self, namespace: str, lease_id: str) -> None:
+    def release(
+        self, namespace: str, lease_id: str, owner: str | None = None, *, admin: bool = False
+    ) -> None:
         with self._lock:
             ahead = self._ahead.get(lease_id)
-            if ahead is not None and ahead.namespace == namespace:
+            if (
+                ahead is not None
+                and ahead.namespace == namespace
+                and (owner is None or admin or ahead.owner in (None, owner))
+            ):
                 del self._ahead[lease_id]  # a pre-lease not granted yet: never will be
                 return
-            lease = self.get(namespace, lease_id)
+            lease = self.get(namespace, lease_id, owner, admin=admin)
             if lease is None:
                 raise LeaseNotFoundError(f"namespace {namespace}: no lease {lease_id}")
             del self._leases[lease_id]

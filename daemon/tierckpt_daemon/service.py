@@ -139,20 +139,24 @@ class TierService(WorkerReports, Ownership):
         *,
         prefault: bool = True,
         after: LeaseAfter | None = None,
+        owner: str | None = None,
     ) -> LeaseResponse:
         """A file of ``size`` bytes for ``rank``. ``prefault=False`` (a download will write every
         byte anyway) neither zero-fills new pages nor prepares a spare. ``after``: a pre-lease,
-        granted when that save attempt commits (see :mod:`tierckpt_daemon.leases`)."""
+        granted when that save attempt commits (see :mod:`tierckpt_daemon.leases`). ``owner``: the
+        caller's identity; only it (or an administrator) may seal or release the lease."""
         if after is not None:
-            return self.leases.ask_ahead(namespace, rank, size, after.step, after.attempt)
+            return self.leases.ask_ahead(namespace, rank, size, after.step, after.attempt, owner)
         with self.metrics.lease_seconds.time():
-            lease = self.leases.grant(namespace, rank, size, prefault=prefault)
+            lease = self.leases.grant(namespace, rank, size, prefault=prefault, owner=owner)
         self.metrics.leases.labels(recycled=str(lease.recycled).lower()).inc()
         self.metrics.leased_bytes.inc(lease.size)
         return lease
 
-    def release_lease(self, namespace: str, lease_id: str) -> None:
-        self.leases.release(namespace, lease_id)
+    def release_lease(
+        self, namespace: str, lease_id: str, owner: str | None = None, *, admin: bool = False
+    ) -> None:
+        self.leases.release(namespace, lease_id, owner, admin=admin)
 
     # -- seal and commit --------------------------------------------------------------------
     def seal(
@@ -172,7 +176,13 @@ class TierService(WorkerReports, Ownership):
         validate_step(step)
         validate_file_name(attempt)
         with self.lock:
+            caller = owner
             owner = self.claim(namespace, owner, admin=admin)
+            # Every lease is the caller's before the attempt begins: a refused seal must not
+            # leave a record behind, which would claim the namespace for the caller.
+            for f in req.files:
+                if self.leases.get(namespace, f.lease_id, caller, admin=admin) is None:
+                    raise self._unknown_lease(namespace, step, req.rank, f.lease_id, f.name)
             rec = self.index.begin(namespace, step, attempt)
             if rec.owner is None:
                 rec.owner = owner
@@ -180,12 +190,9 @@ class TierService(WorkerReports, Ownership):
                 validate_file_name(f.name)
                 if f.name.startswith(MANIFEST):
                     raise StepStateError(f"file name {f.name!r} is reserved")
-                lease = self.leases.get(namespace, f.lease_id)
-                if lease is None:
-                    raise LeaseNotFoundError(
-                        f"{namespace}/step {step} rank {req.rank}: lease {f.lease_id} for file "
-                        f"{f.name} is unknown or expired (was the daemon restarted during the save?)"
-                    )
+                lease = self.leases.get(namespace, f.lease_id, caller, admin=admin)
+                if lease is None:  # the same lease named twice
+                    raise self._unknown_lease(namespace, step, req.rank, f.lease_id, f.name)
                 if f.name in rec.files:
                     raise StepStateError(
                         f"{namespace}/step {step}: file {f.name} was already sealed by rank "
@@ -227,6 +234,15 @@ class TierService(WorkerReports, Ownership):
                 extra=step_fields(namespace, step, attempt, rank=req.rank),
             )
             return rec.info()
+
+    @staticmethod
+    def _unknown_lease(
+        namespace: str, step: int, rank: int, lease_id: str, name: str
+    ) -> LeaseNotFoundError:
+        return LeaseNotFoundError(
+            f"{namespace}/step {step} rank {rank}: lease {lease_id} for file {name} is unknown or "
+            "expired, or another user's (was the daemon restarted during the save?)"
+        )
 
     def commit(
         self,

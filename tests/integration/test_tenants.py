@@ -208,6 +208,56 @@ def test_a_namespace_belongs_to_the_uid_that_saved_it(node: DaemonProcess) -> No
     assert sorted(_as_root(call, sock, "namespaces", "")) == ["teamA", "teamB"]
 
 
+def take_lease(sock: str, ns: str, payload: str) -> str:
+    """A trainer's first save begins: a lease in a namespace no one owns here yet, filled."""
+    data = payload.encode()
+    with DaemonClient.from_socket(sock) as c:
+        lease = c.lease(ns, 0, len(data))
+        with open(lease.path, "r+b") as f:
+            f.write(data)
+        return lease.lease_id
+
+
+def leases_in_tier(sock: str) -> list[str]:
+    """The lease ids a member of the daemon's group reads off the tier directory."""
+    with DaemonClient.from_socket(sock) as c:
+        path = c.lease("scratch", 0, 4096).path  # its own lease shows where they live
+    return [n.removesuffix(".bin") for n in os.listdir(os.path.dirname(path))]
+
+
+def seal_lease(sock: str, ns: str, step: int, lease_id: str, length: int) -> dict[str, Any]:
+    """Seal and commit one file from ``lease_id``."""
+    with DaemonClient.from_socket(sock) as c:
+        attempt = uuid.uuid4().hex
+        c.seal(ns, step, attempt, 0, [SealFile(lease_id=lease_id, name="data", length=length)])
+        req = CommitRequest(files=["data"], metadata={"payload": "sealed"}, world_size=1)
+        return c.commit(ns, step, attempt, req).model_dump(mode="json")
+
+
+def release_lease(sock: str, ns: str, lease_id: str) -> str:
+    with DaemonClient.from_socket(sock) as c:
+        c.release(ns, lease_id)
+    return "released"
+
+
+def test_a_lease_serves_only_the_uid_that_took_it(node: DaemonProcess) -> None:
+    """Between a trainer's lease and its first seal, its namespace has no owner here yet: another
+    uid, reading the lease ids off the tier directory, must not seal (claiming the namespace with
+    the victim's bytes, and failing the victim's save) nor release the victim's leases."""
+    sock = str(node.socket)
+    mine = as_user(VICTIM, take_lease, sock, "teamB", "victim-1")
+    other = as_user(VICTIM, take_lease, sock, "teamB", "victim-2")
+    assert mine in as_user(ATTACKER, leases_in_tier, sock)
+
+    _refused(as_user(ATTACKER, seal_lease, sock, "teamB", 1, mine, 8), "lease_not_found")
+    _refused(as_user(ATTACKER, release_lease, sock, "teamB", other), "lease_not_found")
+    assert _step(node, "teamB", 1) is None  # nothing claimed the namespace
+
+    # The victim's save goes through with both of its leases.
+    assert as_user(VICTIM, seal_lease, sock, "teamB", 1, mine, 8)["owner"] == f"uid:{VICTIM}"
+    assert as_user(VICTIM, release_lease, sock, "teamB", other) == "released"
+
+
 # -- several nodes ---------------------------------------------------------------------------------
 
 

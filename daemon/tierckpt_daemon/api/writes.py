@@ -27,15 +27,15 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
 @router.post("/leases")
-def lease(namespace: str, req: LeaseRequest, service: Service) -> LeaseResponse:
+def lease(namespace: str, req: LeaseRequest, service: Service, caller: CallerDep) -> LeaseResponse:
     """A file to fill now, or with ``after`` a pre-lease: the rank's next file, put in place when
     that save attempt commits (``pending``; its path does not exist until then)."""
-    return service.lease(namespace, req.rank, req.size, after=req.after)
+    return service.lease(namespace, req.rank, req.size, after=req.after, owner=caller.identity)
 
 
 @router.delete("/leases/{lease_id}", status_code=204)
-def release(namespace: str, lease_id: str, service: Service) -> Response:
-    service.release_lease(namespace, lease_id)
+def release(namespace: str, lease_id: str, service: Service, caller: CallerDep) -> Response:
+    service.release_lease(namespace, lease_id, caller.identity, admin=caller.admin)
     return Response(status_code=204)
 
 
