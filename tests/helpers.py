@@ -135,15 +135,27 @@ def launch_script(
 class LoopRun:
     """What a training script's rank 0 printed: ``start <step>`` and ``step <n> loss <hex>``."""
 
-    def __init__(self, lines: list[str], returncodes: list[int | None]) -> None:
+    def __init__(
+        self, lines: list[str], returncodes: list[int | None], log_dir: Path | None = None
+    ) -> None:
         self.lines = lines
         self.returncodes = returncodes
+        self.log_dir = log_dir
         self.start = next((int(x.split()[1]) for x in lines if x.startswith("start ")), None)
         self.losses = {
             int(x.split()[1]): x.split()[3]
             for x in lines
             if x.startswith("step ") and " loss " in x
         }
+
+    def __repr__(self) -> str:
+        """What an assertion shows: exit codes, rank 0's output, and each rank's stderr tail
+        (a rank that died of a signal says why only there)."""
+        logs = ""
+        if self.log_dir is not None:
+            for p in sorted(self.log_dir.glob("rank*.log")):
+                logs += f"\n--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}"
+        return f"LoopRun(returncodes={self.returncodes}, lines={self.lines}){logs}"
 
 
 def run_loop(
@@ -189,7 +201,7 @@ def run_loop(
             _killpg(p.pid)
             if p.stdout is not None:
                 p.stdout.close()
-    return LoopRun(lines, list(codes))
+    return LoopRun(lines, list(codes), log_dir)
 
 
 def _killpg(pid: int) -> None:

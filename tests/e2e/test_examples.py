@@ -20,7 +20,7 @@ def assert_resumed(ref: LoopRun, killed: LoopRun, resumed: LoopRun, steps: int) 
     """``resumed`` restarted from a step ``killed`` saved, and every loss it printed equals the
     uninterrupted run's for that step (``ref``; or ``killed`` itself for the steps it got to)."""
     assert killed.returncodes[0] != 0, "the first run was not killed"
-    assert resumed.returncodes == [0, 0], resumed.lines
+    assert resumed.returncodes == [0, 0], resumed
     assert resumed.start is not None and resumed.start >= 1, resumed.lines
     assert resumed.start < max(killed.losses), "nothing to compare: resumed past the kill"
     assert sorted(resumed.losses) == list(range(resumed.start + 1, steps + 1))
@@ -45,7 +45,7 @@ def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> LoopRun:
         )
     finally:
         d.cleanup()
-    assert ref.returncodes == [0, 0] and sorted(ref.losses) == list(range(1, 9)), ref.lines
+    assert ref.returncodes == [0, 0] and sorted(ref.losses) == list(range(1, 9)), ref
     return ref
 
 
@@ -94,7 +94,7 @@ def test_sigterm_saves_a_durable_step_exits_0_and_resumes(
             stop_signal=signal.SIGTERM,
             signal_ranks=[1],
         )
-        assert stopped.returncodes == [0, 0], stopped.lines
+        assert stopped.returncodes == [0, 0], stopped
         assert time.monotonic() - t0 < 60 + 30
         final = max(stopped.losses)
         assert final < 8, "the run was not preempted"
@@ -110,7 +110,7 @@ def test_sigterm_saves_a_durable_step_exits_0_and_resumes(
         resumed = run_loop(script, args, node.client_env, log_dir=tmp_path)
     finally:
         node.cleanup()
-    assert resumed.returncodes == [0, 0], resumed.lines
+    assert resumed.returncodes == [0, 0], resumed
     assert resumed.start == final
     assert sorted(resumed.losses) == list(range(final + 1, 9))
     for step, loss in resumed.losses.items():
@@ -162,7 +162,7 @@ def test_sigterm_without_a_persistent_tier_saves_to_memory_exits_0_and_resumes(
         resumed = run_loop(script, args, node.client_env, log_dir=tmp_path / "resumed")
     finally:
         node.cleanup()
-    assert resumed.returncodes == [0, 0], resumed.lines
+    assert resumed.returncodes == [0, 0], resumed
     assert resumed.start == final
     assert sorted(resumed.losses) == list(range(final + 1, 9))
     for step, loss in resumed.losses.items():
