@@ -365,7 +365,7 @@ class Persister(QueueWorker[StepRecord]):
             lock = self._hydrate_locks.setdefault((namespace, step), threading.Lock())
         with lock:
             try:
-                rec = self.service.record(namespace, step)
+                rec = self.service.record(namespace, step, owner=owner)
             except NotFoundError:
                 return self._hydrate(namespace, step, files, owner)
             if files and not files <= set(rec.files):

@@ -104,7 +104,7 @@ class Restorer:
         skipped (with a warning), never waited for long."""
         validate_namespace(namespace)
         on_peers = self.peers.peer_steps(namespace, owner=owner) if self.peers is not None else {}
-        in_memory = {r.step: r.state for r in self.service.records(namespace)}
+        in_memory = {r.step: r.state for r in self.service.records(namespace, owner=owner)}
         durable: set[int] = set()
         tier_error: PersistentTierError | None = None
         if self.durable is not None:
@@ -138,7 +138,7 @@ class Restorer:
         """Whether ``step`` spans nodes and some of its files are on no reachable node (it says
         which, in a warning); a step of one node is whole wherever it is."""
         try:
-            rec = self.service.record(namespace, step)
+            rec = self.service.record(namespace, step, owner=owner)
         except NotFoundError:
             rec = None
         if self.peers is None:
@@ -204,11 +204,17 @@ class Restorer:
         raise StepNotFoundError(f"{namespace}/step {step}: no reachable peer holds it{why}")
 
     def read_ranges(
-        self, namespace: str, step: int, name: str, ranges: list[tuple[int, int]]
+        self,
+        namespace: str,
+        step: int,
+        name: str,
+        ranges: list[tuple[int, int]],
+        *,
+        owner: str | None = None,
     ) -> bytes:
         """Parts of a file of a step spanning nodes that another node holds (a reader here needs
         a little of a big file: fetched in verified blocks, not whole)."""
-        rec = self.service.record(namespace, step)
+        rec = self.service.record(namespace, step, owner=owner)
         f = rec.remote.get(name)
         if f is None:
             if name in rec.files:
@@ -242,7 +248,7 @@ class Restorer:
             lock = self._locks.setdefault((namespace, step), threading.Lock())
         with lock:
             try:
-                rec = self.service.record(namespace, step)
+                rec = self.service.record(namespace, step, owner=owner)
             except NotFoundError as e:
                 missing: NotFoundError = e
             else:

@@ -54,7 +54,7 @@ from tierckpt_daemon.freshness import Freshness
 from tierckpt_daemon.leases import Leases
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
-from tierckpt_daemon.ownership import Ownership
+from tierckpt_daemon.ownership import Ownership, owned_by
 from tierckpt_daemon.records import (
     MANIFEST,
     StepRecord,
@@ -441,7 +441,7 @@ class TierService(WorkerReports, Ownership):
         self._commits_since_persist[namespace] = n
         return False
 
-    def persist_now(self, namespace: str, step: int) -> StepInfo:
+    def persist_now(self, namespace: str, step: int, *, owner: str | None = None) -> StepInfo:
         """Queue a committed step for upload now, whatever the policy said at commit."""
         if not self.persistent:
             raise StepStateError(
@@ -449,7 +449,7 @@ class TierService(WorkerReports, Ownership):
                 "on this daemon (set TIERCKPT_PERSIST_URL on the daemon)"
             )
         with self.lock:
-            rec = self.index.get(namespace, step)
+            rec = self.record(namespace, step, owner=owner)
             queue = rec.state == StepState.COMMITTED and not rec.persist_pending
             if queue:
                 rec.persist_pending = True
@@ -461,33 +461,39 @@ class TierService(WorkerReports, Ownership):
         return info
 
     # -- reads ------------------------------------------------------------------------------
-    def record(self, namespace: str, step: int) -> StepRecord:
+    # ``owner`` (the reader's identity, see Ownership.acting_owner; None: anyone's): a
+    # namespace no trainer of this node saved into yet may hold replicas of several owners'
+    # steps, and a reader sees only its own (and those from before owners).
+    def record(self, namespace: str, step: int, *, owner: str | None = None) -> StepRecord:
         with self.lock:
-            return self.index.get(namespace, step)
+            rec = self.index.get(namespace, step)
+            if not owned_by(rec.owner, owner):
+                raise StepNotFoundError(f"{namespace}/step {step} is not committed in memory")
+            return rec
 
-    def records(self, namespace: str) -> list[StepRecord]:
+    def records(self, namespace: str, *, owner: str | None = None) -> list[StepRecord]:
         """The committed steps of ``namespace`` in memory, oldest first."""
         validate_namespace(namespace)
         with self.lock:
-            return [r for _, r in sorted(self.index.committed.get(namespace, {}).items())]
+            steps = sorted(self.index.committed.get(namespace, {}).items())
+            return [r for _, r in steps if owned_by(r.owner, owner)]
 
-    def get_step(self, namespace: str, step: int) -> StepInfo:
+    def get_step(self, namespace: str, step: int, *, owner: str | None = None) -> StepInfo:
         with self.lock:
-            return self.index.get(namespace, step).info()
+            return self.record(namespace, step, owner=owner).info()
 
-    def latest(self, namespace: str) -> StepInfo:
-        validate_namespace(namespace)
+    def latest(self, namespace: str, *, owner: str | None = None) -> StepInfo:
         with self.lock:
-            steps = self.index.committed.get(namespace)
-            if not steps:
+            recs = self.records(namespace, owner=owner)
+            if not recs:
                 raise NamespaceNotFoundError(
                     f"namespace {namespace} has no committed step in memory"
                 )
-            return steps[max(steps)].info()
+            return recs[-1].info()
 
-    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
+    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
         with self.lock:
-            path = self.index.get(namespace, step).manifest_path()
+            path = self.record(namespace, step, owner=owner).manifest_path()
         return read_manifest(path).metadata
 
     def list_namespaces(self, owner: str | None = None) -> list[NamespaceInfo]:
@@ -499,18 +505,21 @@ class TierService(WorkerReports, Ownership):
                 if owner is None or self.index.owner_of(ns) in (None, owner)
             ]
 
-    def list_steps(self, namespace: str) -> list[StepInfo]:
+    def list_steps(self, namespace: str, *, owner: str | None = None) -> list[StepInfo]:
         validate_namespace(namespace)
         with self.lock:
             recs = list(self.index.committed.get(namespace, {}).values())
             recs += [r for k, r in self.index.writing.items() if k[0] == namespace]
+            recs = [r for r in recs if owned_by(r.owner, owner)]
             if not recs:
                 raise NamespaceNotFoundError(f"namespace {namespace} is unknown to this daemon")
             return [r.info() for r in sorted(recs, key=lambda r: (r.step, r.state.value))]
 
-    def pin(self, namespace: str, step: int, attempt: str | None = None) -> PinResponse:
+    def pin(
+        self, namespace: str, step: int, attempt: str | None = None, *, owner: str | None = None
+    ) -> PinResponse:
         with self.lock:
-            rec = self.index.get(namespace, step)
+            rec = self.record(namespace, step, owner=owner)
             if attempt is not None and rec.attempt != attempt:
                 raise StepStateError(
                     f"{namespace}/step {step}: attempt {attempt} was superseded by {rec.attempt}"
@@ -534,7 +543,7 @@ class TierService(WorkerReports, Ownership):
                     return
             raise LeaseNotFoundError(f"{namespace}/step {step}: no pin {pin_id}")
 
-    def delete_step(self, namespace: str, step: int) -> None:
+    def delete_step(self, namespace: str, step: int, *, owner: str | None = None) -> None:
         with self.lock:
-            self.index.retire(self.index.get(namespace, step))
+            self.index.retire(self.record(namespace, step, owner=owner))
             self.metrics.evictions.labels(reason="deleted").inc()

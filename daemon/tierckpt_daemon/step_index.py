@@ -33,6 +33,7 @@ from tierckpt_daemon.records import (
     MANIFEST,
     PREPARED,
     StepRecord,
+    committed_here,
     parse_step_dir_name,
     read_manifest,
     record_from_manifest,
@@ -69,7 +70,9 @@ class StepIndex:
                 ns_dir.rmdir()
         retired = []
         for ns, steps in self.committed.items():
-            for victim in self.policy.after_commit(list(steps.values())):
+            owners: set[str | None] = {r.owner for r in steps.values()} - {None}
+            victims = {id(v): v for o in owners or {None} for v in self.retention(ns, o)}
+            for victim in victims.values():
                 self.retire(victim)
                 retired.append(victim)
             logger.info("namespace %s: committed steps %s", ns, sorted(steps))
@@ -191,10 +194,18 @@ class StepIndex:
         steps[rec.step] = rec
         if old is not None:
             self.retire(old)
-        victims = self.policy.after_commit(list(steps.values()))
+        victims = self.retention(rec.namespace, rec.owner)
         for victim in victims:
             self.retire(victim)
         return old, victims
+
+    def retention(self, namespace: str, owner: str | None) -> list[StepRecord]:
+        """The steps of ``owner`` (and those from before owners) that retention lets go. Each
+        owner's steps are counted apart: a namespace no trainer of this node claimed yet may hold
+        copies of several owners' steps, and one owner's (far newer) steps must never retire
+        another's."""
+        steps = self.committed.get(namespace, {}).values()
+        return self.policy.after_commit([r for r in steps if _same_tenant(r.owner, owner)])
 
     # -- leaving memory ---------------------------------------------------------------------
     def retire(self, rec: StepRecord) -> None:
@@ -271,12 +282,21 @@ class StepIndex:
         return [r for steps in self.committed.values() for r in steps.values()]
 
     def owner_of(self, namespace: str, *, besides: StepRecord | None = None) -> str | None:
-        """The identity ``namespace`` belongs to on this node: the owner its steps (committed or
-        being written; ``besides`` left out) record; None while it has none here, or only steps
-        from before owners."""
+        """The identity ``namespace`` belongs to on this node: the owner that this node's own
+        saves of it (committed or being written; ``besides`` left out) record; None while it has
+        none here, or only steps from before owners. Copies from elsewhere (replicas, restores)
+        never claim a namespace: a peer's push of another uid's steps would lock this node's
+        own trainers out of it."""
         recs = [*self.committed.get(namespace, {}).values()]
         recs += [r for k, r in self.writing.items() if k[0] == namespace]
-        return next((r.owner for r in recs if r.owner is not None and r is not besides), None)
+        return next(
+            (
+                r.owner
+                for r in recs
+                if r.owner is not None and r is not besides and committed_here(r)
+            ),
+            None,
+        )
 
     def namespaces(self) -> list[str]:
         return sorted(set(self.committed) | {k[0] for k in self.writing})
@@ -291,6 +311,11 @@ class StepIndex:
             bytes=sum(r.bytes for r in committed.values()) + sum(r.bytes for r in writing),
             latest_committed=max(committed) if committed else None,
         )
+
+
+def _same_tenant(a: str | None, b: str | None) -> bool:
+    """Whether steps of owners ``a`` and ``b`` count together (None: from before owners)."""
+    return a is None or b is None or a == b
 
 
 def _is_real_dir(path: Path) -> bool:

@@ -334,3 +334,33 @@ def test_a_peers_steps_are_read_only_by_their_own_uid() -> None:
         _refused(as_user(ATTACKER, call, str(b.socket), "hydrate", "teamB", 7), "step_not_found")
         got = as_user(VICTIM, load_latest, str(b.socket), "teamB")
         assert got == {"candidates": [7], "step": 7, "payload": "victim-7"}, got
+
+
+def test_a_replica_does_not_claim_a_namespace_on_its_receiver() -> None:
+    """A namespace's owner on a node is claimed by that node's own trainers only: replicas of
+    another uid's ``teamB`` pushed to B (which never held teamB) must not lock the victim's job
+    out of its namespace when it moves to B, become its "latest", nor (far newer, as many as
+    retention keeps) make retention drop the victim's own save there."""
+    with running(ring(2, token=TOKEN)) as (a, b):
+        planted = (999998, 999999)  # TIERCKPT_KEEP_LAST is 2
+        for step in planted:
+            as_user(ATTACKER, save, str(a.socket), "teamB", step, f"planted-{step}")
+            wait_until(f"A's step {step} replicated to B", lambda s=step: _step(b, "teamB", s))
+        bsock = str(b.socket)
+
+        # Before its first save on B, the victim sees none of the attacker's copies.
+        _refused(as_user(VICTIM, call, bsock, "latest", "teamB"), "namespace_not_found")
+        _refused(as_user(VICTIM, call, bsock, "candidates", "teamB"), "namespace_not_found")
+        _refused(as_user(VICTIM, call, bsock, "metadata", "teamB", planted[1]), "step_not_found")
+        _refused(as_user(VICTIM, call, bsock, "pin", "teamB", planted[1]), "step_not_found")
+
+        saved = as_user(VICTIM, save, bsock, "teamB", 3, "victim-3")
+        assert saved["owner"] == f"uid:{VICTIM}", saved
+        assert as_user(VICTIM, call, bsock, "latest", "teamB") == 3
+        assert as_user(VICTIM, call, bsock, "steps", "teamB") == [3]
+        got = as_user(VICTIM, load_latest, bsock, "teamB")
+        assert got == {"candidates": [3], "step": 3, "payload": "victim-3"}, got
+        # The namespace is the victim's on B now: the attacker is refused there, and the
+        # operator's view of it (its owner's) shows none of the attacker's copies.
+        _refused(as_user(ATTACKER, call, bsock, "latest", "teamB"), "namespace_owner")
+        assert _step(b, "teamB", planted[1]) is None

@@ -36,13 +36,13 @@ def list_namespaces(service: Service, caller: CallerDep) -> list[NamespaceInfo]:
 
 
 @router.get("/{namespace}/steps")
-def list_steps(namespace: str, service: Service) -> list[StepInfo]:
-    return service.list_steps(namespace)
+def list_steps(namespace: str, service: Service, owner: Owner) -> list[StepInfo]:
+    return service.list_steps(namespace, owner=owner)
 
 
 @router.get("/{namespace}/latest")
-def latest(namespace: str, service: Service) -> StepInfo:
-    return service.latest(namespace)
+def latest(namespace: str, service: Service, owner: Owner) -> StepInfo:
+    return service.latest(namespace, owner=owner)
 
 
 @router.get("/{namespace}/candidates")
@@ -72,29 +72,29 @@ def peer_sources(namespace: str, step: int, node: NodeDep, owner: Owner) -> Peer
 
 
 @router.post("/{namespace}/steps/{step}/persist")
-def persist(namespace: str, step: int, service: Service) -> StepInfo:
-    return service.persist_now(namespace, step)
+def persist(namespace: str, step: int, service: Service, owner: Owner) -> StepInfo:
+    return service.persist_now(namespace, step, owner=owner)
 
 
 @router.get("/{namespace}/steps/{step}")
-def get_step(namespace: str, step: int, service: Service) -> StepInfo:
-    return service.get_step(namespace, step)
+def get_step(namespace: str, step: int, service: Service, owner: Owner) -> StepInfo:
+    return service.get_step(namespace, step, owner=owner)
 
 
 @router.get("/{namespace}/steps/{step}/metadata")
-def get_metadata(namespace: str, step: int, service: Service) -> dict[str, Any]:
-    return service.metadata(namespace, step)
+def get_metadata(namespace: str, step: int, service: Service, owner: Owner) -> dict[str, Any]:
+    return service.metadata(namespace, step, owner=owner)
 
 
 @router.delete("/{namespace}/steps/{step}", status_code=204)
-def delete_step(namespace: str, step: int, service: Service) -> Response:
-    service.delete_step(namespace, step)
+def delete_step(namespace: str, step: int, service: Service, owner: Owner) -> Response:
+    service.delete_step(namespace, step, owner=owner)
     return Response(status_code=204)
 
 
 @router.post("/{namespace}/steps/{step}/pins")
-def pin(namespace: str, step: int, service: Service) -> PinResponse:
-    return service.pin(namespace, step)
+def pin(namespace: str, step: int, service: Service, owner: Owner) -> PinResponse:
+    return service.pin(namespace, step, owner=owner)
 
 
 @router.delete("/{namespace}/steps/{step}/pins/{pin_id}", status_code=204)
@@ -105,8 +105,8 @@ def unpin(namespace: str, step: int, pin_id: str, service: Service) -> Response:
 
 @router.post("/{namespace}/steps/{step}/files/{name}/ranges", response_class=Response)
 def read_ranges(
-    namespace: str, step: int, name: str, req: RangesRequest, node: NodeDep
+    namespace: str, step: int, name: str, req: RangesRequest, node: NodeDep, owner: Owner
 ) -> Response:
     """Parts of a file that another node holds (a step spanning nodes), verified, concatenated."""
-    data = node.restorer.read_ranges(namespace, step, name, list(req.ranges))
+    data = node.restorer.read_ranges(namespace, step, name, list(req.ranges), owner=owner)
     return Response(data, media_type="application/octet-stream")
