@@ -180,8 +180,8 @@ class DaemonSettings(BaseSettings):
         description="the namespace label of the per-namespace gauges on the unauthenticated "
         "/metrics: a short hash of the name, the name itself, or no per-namespace series",
     )
-    log_level: str = Field(default="INFO")
-    log_json: bool = Field(default=False)
+    log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING, ERROR")
+    log_json: bool = Field(default=False, description="one JSON object per log line")
 
     capacity_bytes: int = Field(default=0, exclude=True)
     peer_secret: SecretStr | None = Field(default=None, exclude=True)  # from token or file
