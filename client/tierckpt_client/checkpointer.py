@@ -50,6 +50,36 @@ class SaveFailedError(TierCkptError):
     code = "save_failed"
 
 
+class SaveInFlight:
+    """The one asynchronous save a loop has in flight (the :class:`Checkpointer`, the framework
+    integrations): its step, and its error raised once, as :class:`SaveFailedError`, by
+    :meth:`wait` rather than dropped."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.step: int | None = None
+        self._future: Future[Any] | None = None
+
+    def start(self, step: int, result: Any) -> None:
+        """Track what ``dcp.async_save`` returned for ``step`` (a future or a response)."""
+        self._future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+        self.step = step
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
+        step, fut = self.step, self._future
+        if fut is None:
+            return
+        self.step = self._future = None
+        try:
+            fut.result()
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise SaveFailedError(
+                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
+                "checkpointed (the newest good step before it still is)"
+            ) from e
+
+
 def _groups(
     process_group: dist.ProcessGroup | None,
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -134,7 +164,7 @@ class Checkpointer:
         self.on_unavailable = on_unavailable
         self.preempt_deadline_s = preempt_deadline_s
         self.process_group, self._flag_group = _groups(process_group)
-        self._inflight: tuple[int, Future[Any]] | None = None
+        self._inflight = SaveInFlight(self.namespace)
         self.last_saved_step: int | None = None  # the newest step whose save has been started
         self._closed = False
         signals: list[int] = [signal.SIGTERM]
@@ -195,23 +225,12 @@ class Checkpointer:
             async_checkpointer_type=_MODES[self.async_mode],
             no_dist=self.no_dist,
         )
-        fut = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
-        self._inflight = (step, fut)
+        self._inflight.start(step, result)
         self.last_saved_step = step
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
-        if self._inflight is None:
-            return
-        step, fut = self._inflight
-        self._inflight = None
-        try:
-            fut.result()
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise SaveFailedError(
-                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
-                "checkpointed (the newest good step before it still is)"
-            ) from e
+        self._inflight.wait()
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error) and remove the signal handlers."""

@@ -234,13 +234,13 @@ def test_a_failed_save_is_raised_at_the_end_of_fit_not_while_another_error_unwin
         return fut
 
     strategy = TieredModelParallelStrategy("job")
-    strategy._inflight = (5, failed())
+    strategy._inflight.start(5, failed())
     with pytest.raises(SaveFailedError, match="step 5 failed: tier full") as info:
         strategy._tiered_teardown()
     assert isinstance(info.value.__cause__, OSError)
     strategy._tiered_teardown()  # raised once, not again
 
-    strategy._inflight = (6, failed())
+    strategy._inflight.start(6, failed())
     strategy._tiered_exception(RuntimeError("boom"))
     with caplog.at_level(logging.ERROR):
         strategy._tiered_teardown()

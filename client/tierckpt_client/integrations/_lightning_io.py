@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,10 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from tierckpt_client.checkpointer import SaveFailedError, _groups
+from tierckpt_client.checkpointer import SaveFailedError, SaveInFlight, _groups
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -106,7 +104,7 @@ class TieredCheckpointIO(CheckpointIO):
         self.persist_every = persist_every
         self.async_mode = async_mode
         self._config = config
-        self._inflight: tuple[int, Future[Any]] | None = None
+        self._inflight = SaveInFlight(self.namespace)
         self._last_step: int | None = None
         self._pointers: dict[str, str] = {}
 
@@ -162,23 +160,12 @@ class TieredCheckpointIO(CheckpointIO):
                 async_checkpointer_type=_MODES[self.async_mode],
                 no_dist=True,  # rank 0 alone holds (and saves) the whole checkpoint
             )
-        fut = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
-        self._inflight = (step, fut)
+        self._inflight.start(step, result)
         self._last_step = step
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
-        if self._inflight is None:
-            return
-        step, fut = self._inflight
-        self._inflight = None
-        try:
-            fut.result()
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise SaveFailedError(
-                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
-                "checkpointed (the newest good step before it still is)"
-            ) from e
+        self._inflight.wait()
 
     def teardown(self) -> None:
         # Lightning calls this from an ``except`` block when fit fails: the save's error is then
@@ -240,7 +227,7 @@ class TieredCheckpointIO(CheckpointIO):
             read_pointer(p) == checkpoint_id for p in Path(path).parent.glob("*.ckpt")
         ):
             return  # another pointer still names it
-        if self._inflight is not None and self._inflight[0] == step:
+        if self._inflight.step == step:
             self.wait()
         try:
             with DaemonClient(self.config) as client:

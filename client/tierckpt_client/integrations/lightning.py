@@ -38,7 +38,6 @@ import contextlib
 import io
 import logging
 import os
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,6 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,10 +54,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client._preemption import Outcome, wait_durable
-from tierckpt_client.checkpointer import SaveFailedError, _groups
+from tierckpt_client.checkpointer import SaveFailedError, SaveInFlight, _groups
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -117,7 +115,7 @@ class _TieredSaves:
         self._ckpt_group: dist.ProcessGroup | None = None
         self._flag_group: dist.ProcessGroup | None = None
         self._force_persist = False  # the save at SIGTERM goes to the persistent tier
-        self._inflight: tuple[int, Future[Any]] | None = None
+        self._inflight = SaveInFlight(self.namespace)
         self._last_step: int | None = None  # the newest step whose save this process started
         # The pointers this process saved, path -> id: every rank knows what a removal names
         # without reading a file that another node may already have removed from a shared folder.
@@ -189,23 +187,12 @@ class _TieredSaves:
             process_group=self._ckpt_group,
             async_checkpointer_type=_MODES[self.async_mode],
         )
-        fut = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
-        self._inflight = (step, fut)
+        self._inflight.start(step, result)
         self._last_step = step
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
-        if self._inflight is None:
-            return
-        step, fut = self._inflight
-        self._inflight = None
-        try:
-            fut.result()
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise SaveFailedError(
-                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
-                "checkpointed (the newest good step before it still is)"
-            ) from e
+        self._inflight.wait()
 
     def _tiered_teardown(self) -> None:
         if self._unwinding:
@@ -302,7 +289,7 @@ class _TieredSaves:
             read_pointer(p) == checkpoint_id for p in path.parent.glob("*.ckpt")
         ):
             return True  # another pointer (e.g. last.ckpt of a save_last="link") still names it
-        if self._inflight is not None and self._inflight[0] == step:
+        if self._inflight.step == step:
             self.wait()
         try:
             with DaemonClient(self.config) as client:
