@@ -31,8 +31,8 @@ HEADER = f"""\
      (client/tierckpt_client/config.py). Do not edit by hand: tests/unit/test_settings_doc.py
      fails when this file and the code differ. -->
 
-Every setting is an environment variable. The daemon also takes each as a flag `--<name>`, which
-wins over the variable. Helm values, the S3 variables (`TIERCKPT_S3_*`, the AWS credential chain)
+Every setting is an environment variable. A few daemon settings are flags too (`--shm-dir`,
+`--capacity`, ...: `tierckpt-daemon --help`), which win over the variable. Helm values, the S3 variables (`TIERCKPT_S3_*`, the AWS credential chain)
 and advice on choosing values are in [operations.md](operations.md#settings).
 """
 
