@@ -303,3 +303,40 @@ def test_config_refuses_what_it_cannot_do() -> None:
         cfg(namespace="job", last_save_in_hf=True)
     with pytest.raises(ValueError, match="async_mode"):
         cfg(namespace="job", async_mode="sometimes")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_example_killed_and_run_again_resumes_bit_exact(tmp_path: Path) -> None:
+    """examples/torchtitan_manager.py as a user runs it: an uninterrupted 6-step run (the
+    reference); a second run SIGKILLed after step 3 (every rank, mid-save perhaps), then run
+    again: it resumes from a step the first run saved and prints the reference's losses."""
+    from helpers import run_loop
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_manager.py"
+    node = DaemonProcess(new_shm_dir()).start()
+    try:
+        ref = run_loop(
+            example,
+            ["--namespace", "ref", "--steps", "6"],
+            node.client_env,
+            log_dir=tmp_path / "ref",
+        )
+        assert ref.returncodes == [0, 0], ref
+        assert ref.start == 0 and sorted(ref.losses) == list(range(1, 7)), ref
+        args = ["--namespace", "job", "--steps", "6"]
+        killed = run_loop(
+            example,
+            [*args, "--step-time", "0.5"],
+            node.client_env,
+            log_dir=tmp_path / "killed",
+            stop_after=3,
+        )
+        resumed = run_loop(example, args, node.client_env, log_dir=tmp_path / "resumed")
+    finally:
+        node.cleanup()
+    assert killed.returncodes[0] != 0 and max(killed.losses) < 6, "the run was not killed"
+    assert resumed.returncodes == [0, 0], resumed
+    assert resumed.start is not None and 1 <= resumed.start <= max(killed.losses), resumed
+    assert resumed.losses == {s: ref.losses[s] for s in range(resumed.start + 1, 7)}, resumed
+    for step, loss in killed.losses.items():
+        assert loss == ref.losses[step], f"step {step}"
