@@ -30,6 +30,22 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
 
+# The tensors of the last few agreements, kept alive on purpose. gloo's worker thread drops its
+# reference to a collective's tensors a moment after the caller's wait returns; if that is the
+# last reference, it decrefs the Python object from that thread, and if the interpreter is
+# already exiting (the all-reduce just before a preempted rank's sys.exit), taking the GIL there
+# ends the thread inside C++ and the process aborts with SIGABRT ("terminate called without an
+# active exception", seen in a core dump) instead of exiting with its code.
+_KEPT: list[torch.Tensor] = []
+
+
+def _all_reduce_int(value: int, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup) -> int:
+    flag = torch.tensor([value], dtype=torch.int32)
+    dist.all_reduce(flag, op=op, group=group)
+    _KEPT.append(flag)
+    del _KEPT[:-8]  # each lives for 8 more agreements: long after gloo let go of it
+    return int(flag.item())
+
 
 class PreemptionWatcher:
     """Handlers for ``signals`` that set a flag; the previous handlers come back on uninstall."""
@@ -70,10 +86,10 @@ class PreemptionWatcher:
         signals watched, as on every rank of a job that turned handling off, no collective)."""
         if not self.signals:
             return False
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
-        if group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        mine = 1 if self.received else 0
+        if group is None:
+            return bool(mine)
+        return bool(_all_reduce_int(mine, dist.ReduceOp.MAX, group))
 
 
 class Outcome(IntEnum):
@@ -95,10 +111,9 @@ def wait_durable(
     with the other ranks on the worst outcome. A daemon with no persistent tier cannot do more
     than hold the committed step in memory: that rank's outcome is ``MEMORY_ONLY`` at once."""
     local = _wait_local(namespace, step, config, time.monotonic() + deadline_s)
-    flag = torch.tensor([int(local)], dtype=torch.int32)
-    if group is not None:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return Outcome(int(flag.item()))
+    if group is None:
+        return local
+    return Outcome(_all_reduce_int(int(local), dist.ReduceOp.MIN, group))
 
 
 def _wait_local(namespace: str, step: int, config: ClientConfig, deadline: float) -> Outcome:
