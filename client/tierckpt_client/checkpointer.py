@@ -50,6 +50,15 @@ class SaveFailedError(TierCkptError):
     code = "save_failed"
 
 
+def check_save_options(persist_every: int | None, async_mode: str) -> None:
+    """ValueError naming the argument, for the options every save loop here takes (the
+    :class:`Checkpointer`, the framework integrations)."""
+    if persist_every is not None and persist_every < 1:
+        raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
+    if async_mode not in _MODES:
+        raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+
+
 class SaveInFlight:
     """The one asynchronous save a loop has in flight (the :class:`Checkpointer`, the framework
     integrations): its step, and its error raised once, as :class:`SaveFailedError`, by
@@ -150,10 +159,7 @@ class Checkpointer:
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
-        if persist_every is not None and persist_every < 1:
-            raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
-        if async_mode not in _MODES:
-            raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        check_save_options(persist_every, async_mode)
         if preempt_deadline_s <= 0:
             raise ValueError(f"preempt_deadline_s must be > 0, got {preempt_deadline_s}")
         self.namespace = validate_namespace(namespace)

@@ -27,9 +27,14 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from tierckpt_client.checkpointer import SaveFailedError, SaveInFlight, _groups
+from tierckpt_client.checkpointer import (
+    _MODES,
+    SaveFailedError,
+    SaveInFlight,
+    _groups,
+    check_save_options,
+)
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -40,7 +45,6 @@ from tierckpt_core.protocol import validate_namespace
 
 logger = logging.getLogger(__name__)
 
-_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 _META = "lightning"  # the checkpoint without its tensors, as the bytes of torch.save
 _TENSOR = "tensor."  # DCP keys of the tensors taken out: tensor.0, tensor.1, ...
 _HOLE = "\0tierckpt-tensor:"  # what stands in a tensor's place in the pickled rest: a string,
@@ -96,10 +100,7 @@ class TieredCheckpointIO(CheckpointIO):
         config: ClientConfig | None = None,
         async_mode: str = "thread",
     ) -> None:
-        if persist_every is not None and persist_every < 1:
-            raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
-        if async_mode not in _MODES:
-            raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        check_save_options(persist_every, async_mode)
         self.namespace = validate_namespace(namespace)
         self.persist_every = persist_every
         self.async_mode = async_mode

@@ -54,10 +54,15 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client._preemption import Outcome, wait_durable
-from tierckpt_client.checkpointer import SaveFailedError, SaveInFlight, _groups
+from tierckpt_client.checkpointer import (
+    _MODES,
+    SaveFailedError,
+    SaveInFlight,
+    _groups,
+    check_save_options,
+)
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -77,7 +82,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 _META = "lightning"  # Lightning's non-tensor state, as the bytes of torch.save, in a uint8 tensor
 
 
@@ -103,10 +107,7 @@ class _TieredSaves:
     ) -> None:
         if preempt_deadline_s <= 0:
             raise ValueError(f"preempt_deadline_s must be > 0, got {preempt_deadline_s}")
-        if persist_every is not None and persist_every < 1:
-            raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
-        if async_mode not in _MODES:
-            raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        check_save_options(persist_every, async_mode)
         self.namespace = validate_namespace(namespace)
         self.persist_every = persist_every
         self.async_mode = async_mode
