@@ -13,8 +13,16 @@ For each size (GiB), interleaved per iteration, from a CUDA state dict of 16 flo
   daemon into the CUDA tensors (verified), checked bit-exact.
 
 The first pinned save of each recycled tier file pays its registration (reported apart, as
-``tier_first_pinned_s``). Targets (issue 15): tierckpt stall >= 0.9x the raw D2H bandwidth, and at or
-below torch's best stager. Without CUDA the script writes a JSON that says so and exits 0.
+``tier_first_pinned_s``; ``arena_after`` counts the tier files this process has mapped and how many
+of them are registered, to show the registration is kept across steps). Targets (issue 15):
+tierckpt stall >= 0.9x the raw D2H bandwidth, and at or below torch's best stager.
+
+``--paths`` first measures the device->host copy alone, per destination, from the same 16 CUDA
+tensors (:func:`d2h_paths`): pageable memory, a tmpfs file mapped through the client's mapping cache
+unregistered and registered (``cudaHostRegister``, timed once), a pinned buffer, ``.to("cpu",
+non_blocking=True)`` and torch's reused pinned ``DefaultStager``; for each, how long the copy calls
+take to return (an asynchronous copy returns at once) and until the data is there.
+Without CUDA the script writes a JSON that says so and exits 0.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sizes-gib", default="1,2,4,8", help="comma-separated GiB")
     p.add_argument("--iters", type=int, default=6, help="saves per contender and size (> 3)")
     p.add_argument("--smoke", action="store_true", help="0.25 GiB, 4 iterations")
+    p.add_argument(
+        "--paths", action="store_true", help="also time the device->host copy per destination"
+    )
+    p.add_argument("--no-saves", action="store_true", help="only --paths (no daemon)")
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_staging.json"))
     args = p.parse_args()
     if args.smoke:
@@ -75,6 +87,93 @@ def timed(fn: Any) -> float:
     fn()
     sync()
     return time.perf_counter() - t
+
+
+def d2h_paths(gib: float, iters: int) -> dict[str, Any]:
+    """The device->host copy alone, into each destination, interleaved per iteration."""
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+    from tierckpt_client.dcp import _arena
+
+    sd = state(gib)
+    src = gpu_tensors(sd)
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    shm = Path(tempfile.mkdtemp(prefix="tierckpt-gpu-paths-", dir="/dev/shm"))
+    maps = {}
+    for name in ("arena_unregistered", "arena_registered"):
+        path = shm / name
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        maps[name] = _arena.map_file(str(path))
+        maps[name].buffer.fill_(0)  # touched, as a recycled tier file is
+    t = time.perf_counter()
+    ok = _arena.pin(maps["arena_registered"])
+    register_s = time.perf_counter() - t
+    assert ok and maps["arena_registered"].pinned, "cudaHostRegister failed"
+
+    def views(m: _arena.FileMapping) -> list[torch.Tensor]:
+        out, off = [], 0
+        for s in src:
+            out.append(m.tensor_at(off, s.dtype, s.shape))
+            off += s.numel() * s.element_size()
+        return out
+
+    dests = {
+        "pageable": [torch.empty_like(s, device="cpu").fill_(0) for s in src],
+        "arena_unregistered": views(maps["arena_unregistered"]),
+        "arena_registered": views(maps["arena_registered"]),
+        "pinned_buffer": [torch.empty_like(s, device="cpu").pin_memory() for s in src],
+    }
+    stager = StateDictStager(pin_memory=True, share_memory=False)
+    res: dict[str, dict[str, list[float]]] = {}
+
+    def record(key: str, fn: Any) -> None:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        r = res.setdefault(key, {"returned_s": [], "done_s": []})
+        r["returned_s"].append(t1 - t0)
+        r["done_s"].append(t2 - t0)
+
+    for _ in range(iters):
+        for key, dst in dests.items():
+            record(key, lambda dst=dst: [d.copy_(s, non_blocking=True) for d, s in zip(dst, src)])
+        record("to_cpu_non_blocking", lambda: [s.to("cpu", non_blocking=True) for s in src])
+        record("torch_stager_pinned", lambda: stager.stage(sd, non_blocking=True))
+    for key, dst in dests.items():
+        assert all(torch.equal(d, s.cpu()) for d, s in zip(dst, src)), f"{key} differs"
+    out: dict[str, Any] = {"bytes": nbytes, "register_s": register_s}
+    for key, r in res.items():
+        steady = r["done_s"][1:] or r["done_s"]
+        med = statistics.median(steady)
+        out[key] = {
+            "median_s": med,
+            "best_s": min(steady),
+            "gbps": nbytes / med / 1e9,
+            "returned_median_s": statistics.median(r["returned_s"][1:] or r["returned_s"]),
+            "first_s": r["done_s"][0],
+        }
+    t = time.perf_counter()
+    _arena.clear_cache()  # unregisters the registered file
+    out["unregister_s"] = time.perf_counter() - t
+    del dests, stager
+    import shutil
+
+    shutil.rmtree(shm, ignore_errors=True)
+    return out
+
+
+def arena_counts() -> dict[str, int]:
+    from tierckpt_client.dcp import _arena
+
+    with _arena._lock:
+        return {
+            "mapped": len(_arena._by_base),
+            "registered": sum(1 for m in _arena._by_base if m.pinned),
+        }
 
 
 def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
@@ -167,7 +266,12 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
             )
             assert all(torch.equal(out[k], sd[k]) for k in out if k != "extra"), "restore differs"
         stager.close()
-        summary: dict[str, Any] = {"bytes": nbytes, "tier_first_pinned_s": first, "iters": res}
+        summary: dict[str, Any] = {
+            "bytes": nbytes,
+            "tier_first_pinned_s": first,
+            "arena_after": arena_counts(),
+            "iters": res,
+        }
         for k, v in res.items():
             med = statistics.median(v)
             summary[k] = {"median_s": med, "best_s": min(v), "gbps": nbytes / med / 1e9}
@@ -195,6 +299,23 @@ def main() -> None:
         return
     info["gpu"] = torch.cuda.get_device_name()
     res: dict[str, Any] = {}
+    if args.paths:
+        paths = res["d2h_paths"] = {}
+        for gib in args.sizes:
+            r = paths[str(gib)] = d2h_paths(gib, args.iters)
+            print(
+                f"{gib} GiB D2H: register {r['register_s'] * 1e3:.1f} ms, unregister "
+                f"{r['unregister_s'] * 1e3:.1f} ms; "
+                + ", ".join(
+                    f"{k} {v['gbps']:.1f} GB/s (returns in {v['returned_median_s'] * 1e3:.2f} ms)"
+                    for k, v in r.items()
+                    if isinstance(v, dict)
+                ),
+                flush=True,
+            )
+    if args.no_saves:
+        write_results(args.out, info, res)
+        return
     with tempfile.TemporaryDirectory(prefix="tierckpt-gpu-bench-") as tmp:
         for gib in args.sizes:
             r = run_size(gib, args.iters, Path(tmp))
@@ -207,7 +328,7 @@ def main() -> None:
                 f"(tierckpt/torch {q['tier_over_torch_stall']:.2f}; target <= 1), unpinned "
                 f"{q['unpinned_over_pinned_stall']:.1f}x slower, first pinned saves "
                 f"{', '.join(f'{s:.2f}' for s in r['tier_first_pinned_s'])} s; restore H2D "
-                f"{q['tier_restore_h2d_over_raw']:.2f}x raw",
+                f"{q['tier_restore_h2d_over_raw']:.2f}x raw; arena after {r['arena_after']}",
                 flush=True,
             )
     write_results(args.out, info, res)

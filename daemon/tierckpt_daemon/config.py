@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tierckpt_daemon.tls import PeerTLS
+from tierckpt_daemon.peers.tls import PeerTLS
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -229,7 +229,7 @@ class DaemonSettings(BaseSettings):
         return self
 
     def _derive_peers(self) -> None:
-        from tierckpt_daemon.membership import Membership, format_member, normalize_member
+        from tierckpt_daemon.peers.membership import Membership, format_member, normalize_member
 
         self.peer_secret = _read_token(self.peer_token, self.peer_token_file)
         self.peer_tls = PeerTLS.from_settings(
@@ -268,7 +268,7 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _check_peers(cls, v: str | None) -> str | None:
         if v and v.strip():
-            from tierckpt_daemon.membership import Membership
+            from tierckpt_daemon.peers.membership import Membership
 
             Membership.parse(v)
             return v.strip()

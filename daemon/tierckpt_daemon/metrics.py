@@ -5,7 +5,7 @@ from the service when Prometheus scrapes, so they can never drift from the truth
 
 Labels stay bounded: ``state`` and ``reason`` take a few fixed values; ``namespace`` (only on the
 two "seconds since" gauges) is limited to the most recently active namespaces
-(:data:`tierckpt_daemon.freshness.MAX_NAMESPACES`).
+(:data:`tierckpt_daemon.tier.freshness.MAX_NAMESPACES`).
 
 ``/metrics`` needs no token (the TCP port serves it to anyone who reaches it), and a namespace's
 name can say whose job it is: by default (``TIERCKPT_METRICS_NAMESPACE_LABELS=hashed``) the label is

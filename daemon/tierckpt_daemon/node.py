@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from tierckpt_core.errors import StepStateError
 from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
 from tierckpt_daemon import __version__
-from tierckpt_daemon.arena import Arena
-from tierckpt_daemon.cluster import ClusterLister
 from tierckpt_daemon.config import DaemonSettings, parse_size
-from tierckpt_daemon.global_commit import GlobalCommitter
-from tierckpt_daemon.handoff import HandoffServer
 from tierckpt_daemon.metrics import Snapshot
-from tierckpt_daemon.peer_fetch import PeerFetcher
-from tierckpt_daemon.persist import Persister
-from tierckpt_daemon.replication import Replicator
-from tierckpt_daemon.restore import Restorer
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.peers.cluster import ClusterLister
+from tierckpt_daemon.peers.commit import GlobalCommitter
+from tierckpt_daemon.peers.fetch import PeerFetcher
+from tierckpt_daemon.peers.handoff import HandoffServer
+from tierckpt_daemon.peers.replication import Replicator
+from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.persist import Persister
+from tierckpt_daemon.tier.restore import Restorer
+from tierckpt_daemon.tier.service import TierService
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Node:
 
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
         """A trainer's commit: on this daemon alone, or, when the ranks used several daemons,
-        across all of them (:mod:`tierckpt_daemon.global_commit`)."""
+        across all of them (:mod:`tierckpt_daemon.peers.commit`)."""
         nodes = set((req.nodes or {}).values())
         if self.committer is None or not nodes or nodes == {self.committer.node}:
             if nodes and self.committer is None:
@@ -130,8 +130,8 @@ def build_node(settings: DaemonSettings) -> Node:
         service.persist_every = settings.persist_every
         service.add_listener(persister)
     if settings.peers:
-        from tierckpt_daemon.membership import Members, Membership
-        from tierckpt_daemon.peer_client import PeerClient
+        from tierckpt_daemon.peers.client import PeerClient
+        from tierckpt_daemon.peers.membership import Members, Membership
 
         assert settings.peer_secret is not None and settings.node_name is not None  # validated
         # The one list of who may receive the peer token (each client checks every request).

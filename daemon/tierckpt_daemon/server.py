@@ -17,11 +17,11 @@ import uvicorn
 
 from tierckpt_core.protocol import handoff_socket
 from tierckpt_daemon.api import create_app
-from tierckpt_daemon.arena import make_dir
 from tierckpt_daemon.config import DaemonSettings
-from tierckpt_daemon.handoff import HandoffServer
 from tierckpt_daemon.node import Node, build_node
-from tierckpt_daemon.tenants import CallerH11Protocol
+from tierckpt_daemon.peers.handoff import HandoffServer
+from tierckpt_daemon.tier.arena import make_dir
+from tierckpt_daemon.tier.tenants import CallerH11Protocol
 
 logger = logging.getLogger(__name__)
 

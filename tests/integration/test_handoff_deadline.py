@@ -1,6 +1,6 @@
-"""The handoff socket (``tierckpt_daemon.handoff``) gives a trainer one deadline for its whole
+"""The handoff socket (``tierckpt_daemon.peers.handoff``) gives a trainer one deadline for its whole
 request line, not a timeout per read: a client that sends a byte every so often used to hold its
-slot for as long as it went on, and :data:`~tierckpt_daemon.handoff.MAX_CONNECTIONS` such clients
+slot for as long as it went on, and :data:`~tierckpt_daemon.peers.handoff.MAX_CONNECTIONS` such clients
 blocked every restore on the node. A real daemon, its deadline shortened by its setting."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from tierckpt_core.protocol import handoff_socket
-from tierckpt_daemon.handoff import MAX_CONNECTIONS
+from tierckpt_daemon.peers.handoff import MAX_CONNECTIONS
 
 from helpers import DaemonProcess, ring, running
 

@@ -1,5 +1,5 @@
 """A restore after a node loss, read by the trainer straight from the peers that hold the step into
-its tensors, through connections its own daemon dials and hands over (``tierckpt_daemon.handoff``),
+its tensors, through connections its own daemon dials and hands over (``tierckpt_daemon.peers.handoff``),
 each block verified as it lands; the daemon brings the step into memory afterwards. A bad copy on
 one peer is read from the next; when every peer's copy is bad, the daemon's own restore (the
 persistent tier) takes over. The handoff socket dials only the daemon's peers."""

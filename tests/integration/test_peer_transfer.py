@@ -1,5 +1,5 @@
 """A peer's file bytes as another daemon fetches them: by sendfile on a plain TCP connection
-(``tierckpt_daemon.zerocopy``), framed as ordinary HTTP, whole or in ranges, verified against the
+(``tierckpt_daemon.peers.zerocopy``), framed as ordinary HTTP, whole or in ranges, verified against the
 checksums taken at writing (block by block for a file fetched in parallel ranges); a fetcher that
 hangs up midway costs the serving daemon nothing."""
 
@@ -20,9 +20,9 @@ from tierckpt_client.dcp import TieredStorageWriter
 from tierckpt_core.errors import IntegrityError
 from tierckpt_core.integrity import checksum
 from tierckpt_core.manifest import FileRecord, StepManifest
-from tierckpt_daemon import peer_client
-from tierckpt_daemon.membership import Members, Membership
-from tierckpt_daemon.peer_client import PeerClient
+from tierckpt_daemon.peers import client as peer_client
+from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import Members, Membership
 
 from helpers import DaemonProcess, free_port, new_shm_dir
 

@@ -23,7 +23,7 @@ from tierckpt_client import DaemonClient
 from tierckpt_core.errors import NamespaceNotFoundError, NotAMemberError
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile
-from tierckpt_daemon.global_commit import IN_DOUBT_AFTER_S, RESOLVE_INTERVAL_S
+from tierckpt_daemon.peers.commit import IN_DOUBT_AFTER_S, RESOLVE_INTERVAL_S
 
 from helpers import DaemonProcess, free_port, ring, running, wait_until
 

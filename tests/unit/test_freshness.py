@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt_daemon.freshness import MAX_NAMESPACES, Freshness
-from tierckpt_daemon.records import StepRecord
+from tierckpt_daemon.tier.freshness import MAX_NAMESPACES, Freshness
+from tierckpt_daemon.tier.records import StepRecord
 
 
 class Clock:

@@ -14,8 +14,8 @@ from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import DecideRequest, PrepareRequest
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.launcher import free_port
-from tierckpt_daemon.membership import Members, Membership, successors
-from tierckpt_daemon.peer_client import PeerClient
+from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import Members, Membership, successors
 
 TOKEN = "s3cret-token-0123456789"
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tierckpt_core.errors import PeerUnavailableError, ProtocolError
-from tierckpt_daemon.peer_bodies import read_head
+from tierckpt_daemon.peers.bodies import read_head
 
 HEAD = (
     b"HTTP/1.1 206 Partial Content\r\ncontent-length: 10\r\nContent-Range: bytes 5-14/100\r\n\r\n"

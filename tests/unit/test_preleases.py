@@ -15,9 +15,9 @@ import pytest
 
 from tierckpt_core.errors import CapacityExceededError, LeaseNotFoundError
 from tierckpt_core.protocol import CommitRequest, LeaseAfter, SealFile, SealRequest
-from tierckpt_daemon.arena import Arena
-from tierckpt_daemon.housekeeping import sweep
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.housekeeping import sweep
+from tierckpt_daemon.tier.service import TierService
 
 MiB = 1 << 20
 

@@ -16,11 +16,11 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
-from tierckpt_daemon.arena import Arena
-from tierckpt_daemon.housekeeping import sweep
 from tierckpt_daemon.node import Node
-from tierckpt_daemon.restore import Restorer
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.housekeeping import sweep
+from tierckpt_daemon.tier.restore import Restorer
+from tierckpt_daemon.tier.service import TierService
 
 MiB = 1 << 20
 

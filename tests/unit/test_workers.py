@@ -19,13 +19,13 @@ from tierckpt_core.layout import durable_steps, read_step_manifest
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import FileStore
 from tierckpt_core.protocol import CommitRequest, PeerStep, SealFile, SealRequest, StepInfo
-from tierckpt_daemon.arena import Arena
-from tierckpt_daemon.membership import Membership
-from tierckpt_daemon.peer_fetch import PeerFetcher
-from tierckpt_daemon.peer_server import PeerServer
-from tierckpt_daemon.persist import Persister
-from tierckpt_daemon.replication import Replicator
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.peers.fetch import PeerFetcher
+from tierckpt_daemon.peers.membership import Membership
+from tierckpt_daemon.peers.replication import Replicator
+from tierckpt_daemon.peers.server import PeerServer
+from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.persist import Persister
+from tierckpt_daemon.tier.service import TierService
 
 MiB = 1 << 20
 

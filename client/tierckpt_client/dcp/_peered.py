@@ -4,7 +4,7 @@ in the background (see docs/design.md, "Restore straight from a peer").
 
 Trainers talk to their own daemon only (no peer token, no TCP of their own: the chart's
 NetworkPolicy lets only daemons reach each other). So the daemon dials the peer, sends the request
-with its token and hands the connected socket over (``tierckpt_daemon.handoff``); the peer sends
+with its token and hands the connected socket over (``tierckpt_daemon.peers.handoff``); the peer sends
 the bytes by ``sendfile``, and this process receives them into its tensors and checks each block
 against the manifest's checksums (``RangedFiles``). Before, the daemon wrote the step into fresh
 tmpfs pages (half its time) and the reader then copied it from there.

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tierckpt_core.errors import ForbiddenError, NotFoundError, ProtocolError, TierCkptError
 from tierckpt_core.protocol import API_VERSION, ErrorBody
-from tierckpt_daemon import __version__, housekeeping
+from tierckpt_daemon import __version__
 from tierckpt_daemon.api.cluster import router as cluster_router
 from tierckpt_daemon.api.health import router as health_router
 from tierckpt_daemon.api.namespaces import router as namespaces_router
@@ -25,8 +25,9 @@ from tierckpt_daemon.api.peers import router as peers_router
 from tierckpt_daemon.api.writes import router as writes_router
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node
-from tierckpt_daemon.peer_server import PeerServer
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.peers.server import PeerServer
+from tierckpt_daemon.tier import housekeeping
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 
 from tierckpt_core.protocol import ClusterListing, NodeListing
-from tierckpt_daemon import cluster
 from tierckpt_daemon.api.deps import get_node
 from tierckpt_daemon.node import Node
+from tierckpt_daemon.peers import cluster
 
 router = APIRouter(prefix="/v1/cluster")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import Request
 
 from tierckpt_daemon.node import Node
-from tierckpt_daemon.service import TierService
-from tierckpt_daemon.tenants import Caller, request_caller
+from tierckpt_daemon.tier.service import TierService
+from tierckpt_daemon.tier.tenants import Caller, request_caller
 
 
 def get_node(request: Request) -> Node:
@@ -24,7 +24,7 @@ def get_caller(request: Request) -> Caller:
 
 def authorize(request: Request) -> None:
     """A route on ``/v1/namespaces/{namespace}``: refuse a caller whose uid does not own the
-    namespace on this node (:mod:`tierckpt_daemon.ownership`)."""
+    namespace on this node (:mod:`tierckpt_daemon.tier.ownership`)."""
     namespace = request.path_params.get("namespace")
     caller = request_caller(request)
     if namespace is not None:

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tierckpt_core.protocol import StatusResponse
 from tierckpt_daemon.api.deps import get_node, get_service
 from tierckpt_daemon.node import Node
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tier.service import TierService
 
 router = APIRouter()
 

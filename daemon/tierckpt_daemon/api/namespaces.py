@@ -1,6 +1,6 @@
 """Namespaces and committed steps: list, inspect, metadata, pins for readers, hydration, delete.
 
-Every route is for the namespace's owner only (``authorize``; see tierckpt_daemon.ownership), and
+Every route is for the namespace's owner only (``authorize``; see tierckpt_daemon.tier.ownership), and
 what it shows of peers and of the persistent tier is that owner's steps only."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.api.deps import authorize, get_caller, get_node, get_service, reader_owner
 from tierckpt_daemon.node import Node
-from tierckpt_daemon.service import TierService
-from tierckpt_daemon.tenants import Caller
+from tierckpt_daemon.tier.service import TierService
+from tierckpt_daemon.tier.tenants import Caller
 
 router = APIRouter(prefix="/v1/namespaces", dependencies=[Depends(authorize)])
 Service = Annotated[TierService, Depends(get_service)]

@@ -28,11 +28,11 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon import cluster
 from tierckpt_daemon.api.peer_gate import check_peer_token
-from tierckpt_daemon.global_commit import GlobalCommitter
-from tierckpt_daemon.peer_server import PeerServer
-from tierckpt_daemon.zerocopy import FileResponse, parse_range
+from tierckpt_daemon.peers import cluster
+from tierckpt_daemon.peers.commit import GlobalCommitter
+from tierckpt_daemon.peers.server import PeerServer
+from tierckpt_daemon.peers.zerocopy import FileResponse, parse_range
 
 
 async def require_peer_token(request: Request) -> None:
@@ -108,7 +108,7 @@ def get_file(
     except ValueError as e:
         f.close()
         raise ProtocolError(f"{namespace}/step {step}/{name}: {e}") from None
-    # By sendfile on a plain connection, else streamed (see tierckpt_daemon.zerocopy).
+    # By sendfile on a plain connection, else streamed (see tierckpt_daemon.peers.zerocopy).
     if span is None:
         return FileResponse(f.fd, f.length, f.close)
     return FileResponse(f.fd, span[1], f.close, offset=span[0], total=f.length)
@@ -127,7 +127,7 @@ def pull(namespace: str, step: int, req: PeerPullRequest, request: Request) -> S
     return info
 
 
-# -- commits across nodes (see tierckpt_daemon.global_commit) -------------------------------
+# -- commits across nodes (see tierckpt_daemon.peers.commit) -------------------------------
 def get_committer(request: Request) -> GlobalCommitter:
     committer: GlobalCommitter | None = request.app.state.node.committer
     if committer is None:

@@ -1,5 +1,5 @@
 """The write path: leases of shard files, sealing a rank's files into a step, committing a step
-(or aborting a failed save attempt). For the namespace's owner only (see tierckpt_daemon.ownership):
+(or aborting a failed save attempt). For the namespace's owner only (see tierckpt_daemon.tier.ownership):
 the first save into a namespace on a node makes the caller's uid its owner there."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.api.deps import authorize, get_caller, get_node, get_service
 from tierckpt_daemon.node import Node
-from tierckpt_daemon.service import TierService
-from tierckpt_daemon.tenants import Caller
+from tierckpt_daemon.tier.service import TierService
+from tierckpt_daemon.tier.tenants import Caller
 
 router = APIRouter(prefix="/v1/namespaces/{namespace}", dependencies=[Depends(authorize)])
 Service = Annotated[TierService, Depends(get_service)]

@@ -2,7 +2,7 @@
 the persistent tier; and which steps "latest" may pick from across those tiers.
 
 The sources are small Protocols, so this module knows neither the uploader nor the replicator
-(they fill the memory tier through :func:`tierckpt_daemon.hydration.fill_step`); the daemon's
+(they fill the memory tier through :func:`tierckpt_daemon.tier.hydration.fill_step`); the daemon's
 wiring (:mod:`tierckpt_daemon.node`) hands them in.
 """
 
@@ -30,8 +30,8 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon.ownership import owned_by
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 

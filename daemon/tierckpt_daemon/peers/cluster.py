@@ -15,9 +15,9 @@ import time
 
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.protocol import ClusterListing, NodeListing, NodeStep, validate_namespace
-from tierckpt_daemon.membership import Membership
-from tierckpt_daemon.peer_client import PeerClient
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import Membership
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 

@@ -54,10 +54,10 @@ from tierckpt_core.protocol import (
     StepInfo,
     StepState,
 )
-from tierckpt_daemon.membership import Members
-from tierckpt_daemon.peer_client import PeerClient
-from tierckpt_daemon.records import StepRecord, read_manifest, write_prepared
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import Members
+from tierckpt_daemon.tier.records import StepRecord, read_manifest, write_prepared
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 

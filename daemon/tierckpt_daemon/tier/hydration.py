@@ -23,8 +23,8 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
-from tierckpt_daemon.records import StepRecord, update_manifest
-from tierckpt_daemon.service import HOLD_S, TierService
+from tierckpt_daemon.tier.records import StepRecord, update_manifest
+from tierckpt_daemon.tier.service import HOLD_S, TierService
 
 Fetch = Callable[[FileRecord, str], None]
 """``fetch(file, path)``: write ``file``'s bytes into the leased ``path`` and verify them (raise

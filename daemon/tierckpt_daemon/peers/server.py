@@ -24,8 +24,8 @@ from tierckpt_core.protocol import (
     PeerStep,
     validate_file_name,
 )
-from tierckpt_daemon.records import read_manifest
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tier.records import read_manifest
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 

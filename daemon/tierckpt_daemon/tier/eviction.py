@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from tierckpt_daemon.records import StepRecord
+from tierckpt_daemon.tier.records import StepRecord
 
 
 class EvictionPolicy(Protocol):

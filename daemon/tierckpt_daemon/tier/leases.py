@@ -39,10 +39,10 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon.arena import Arena, round_up
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
-from tierckpt_daemon.step_index import StepIndex
+from tierckpt_daemon.tier.arena import Arena, round_up
+from tierckpt_daemon.tier.index import StepIndex
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 and checksummed, or block by block, each checked as it lands: :func:`receive`,
 :func:`receive_blocks`); the head of an answer off a raw socket without a byte of its body, so that
 the socket can be handed to a trainer (:func:`read_head`); a TLS peer's body to relay
-(:class:`RangeStream`). :mod:`tierckpt_daemon.peer_client` makes the requests."""
+(:class:`RangeStream`). :mod:`tierckpt_daemon.peers.client` makes the requests."""
 
 from __future__ import annotations
 

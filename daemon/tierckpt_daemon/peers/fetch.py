@@ -2,10 +2,10 @@
 from a peer's replica, the lost share of a step spanning nodes, and parts of files another node
 holds, each verified before it is used.
 
-Every read is for one owner (``owner``, see :mod:`tierckpt_daemon.ownership`; None: anyone's):
+Every read is for one owner (``owner``, see :mod:`tierckpt_daemon.tier.ownership`; None: anyone's):
 peers' copies of another owner's steps count as not there.
 
-The :class:`~tierckpt_daemon.replication.Replicator` pushes; this module reads. It uses the
+The :class:`~tierckpt_daemon.peers.replication.Replicator` pushes; this module reads. It uses the
 replicator's ring, peer client and copy path (:meth:`Replicator.copy_from`).
 """
 
@@ -27,9 +27,9 @@ from tierckpt_core.errors import (
 from tierckpt_core.integrity import block_digest
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import PeerStep, StepInfo
-from tierckpt_daemon.ownership import owned_by
-from tierckpt_daemon.records import StepRecord
-from tierckpt_daemon.replication import PEER_ERRORS, Replicator
+from tierckpt_daemon.peers.replication import PEER_ERRORS, Replicator
+from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.records import StepRecord
 
 logger = logging.getLogger(__name__)
 

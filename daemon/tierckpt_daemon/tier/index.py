@@ -1,13 +1,13 @@
 """The daemon's step tables: which steps are committed, being written or retiring, per namespace,
 and their rebuild from the tier directory after a (re)start.
 
-The tier directory is the journal (see :mod:`tierckpt_daemon.records`): a step directory with a
+The tier directory is the journal (see :mod:`tierckpt_daemon.tier.records`): a step directory with a
 commit record is committed, anything else found at start is a save that never finished, and its
 files go back to the pool. A retired step leaves the tables at once but keeps its files until no
 reader pins it and nothing (upload, replication) still needs it; then :meth:`StepIndex.drop` gives
 them to the pool.
 
-Not thread-safe by itself: :class:`~tierckpt_daemon.service.TierService` holds its lock around
+Not thread-safe by itself: :class:`~tierckpt_daemon.tier.service.TierService` holds its lock around
 every call.
 """
 
@@ -27,9 +27,9 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.protocol import NamespaceInfo, StepState, validate_namespace, validate_step
-from tierckpt_daemon.arena import DIR_MODE, Arena, make_dir
-from tierckpt_daemon.eviction import EvictionPolicy, safe_to_evict
-from tierckpt_daemon.records import (
+from tierckpt_daemon.tier.arena import DIR_MODE, Arena, make_dir
+from tierckpt_daemon.tier.eviction import EvictionPolicy, safe_to_evict
+from tierckpt_daemon.tier.records import (
     MANIFEST,
     PREPARED,
     StepRecord,

@@ -15,7 +15,7 @@ those bytes). Only the configured peers are dialed, for names that pass the same
 API's. The socket is 0660 in the directory of the daemon's API socket: whoever can reach one can
 reach the other, and reading a step through the API needs no more: like the API's reads, a
 request is served only for a copy of the caller's own uid (its credentials off the socket; the
-copy's owner from the peer's listing, see tierckpt_daemon.ownership). A TLS session
+copy's owner from the peer's listing, see tierckpt_daemon.tier.ownership). A TLS session
 cannot change hands: with peer TLS the trainer gets one end of a socket pair instead, and this
 daemon relays the decrypted body into the other (still no tmpfs pages on the way).
 
@@ -48,10 +48,10 @@ from tierckpt_core.names import (
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon.ownership import owned_by
-from tierckpt_daemon.peer_bodies import RangeStream
-from tierckpt_daemon.replication import Replicator
-from tierckpt_daemon.tenants import Caller, caller_of
+from tierckpt_daemon.peers.bodies import RangeStream
+from tierckpt_daemon.peers.replication import Replicator
+from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.tenants import Caller, caller_of
 
 logger = logging.getLogger(__name__)
 

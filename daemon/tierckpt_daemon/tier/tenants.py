@@ -26,7 +26,7 @@ from typing import Any
 from starlette.requests import Request
 
 from tierckpt_core.errors import ForbiddenError
-from tierckpt_daemon.zerocopy import SendfileH11Protocol
+from tierckpt_daemon.peers.zerocopy import SendfileH11Protocol
 
 # Where a connection's caller is kept: its requests' ``scope["state"]`` (uvicorn copies the
 # protocol's state into each request's scope, so every request on the connection sees it).

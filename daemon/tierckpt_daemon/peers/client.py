@@ -1,14 +1,14 @@
 """HTTP client of the daemon-to-daemon routes (``/v1/peer/...`` on a peer's TCP port).
 
 Thread-safe (one pooled ``httpx.Client``). Every call carries the shared token, so every call goes
-to a current member of the ring and nowhere else (:class:`~tierckpt_daemon.membership.Members`,
+to a current member of the ring and nowhere else (:class:`~tierckpt_daemon.peers.membership.Members`,
 checked where each URL or connection is made: NotAMemberError, nothing sent), and has a timeout:
 ``timeout_s`` to connect and for each read or write (a transfer that keeps moving may take longer in
 total; one that stalls fails). Transport failures become :class:`PeerUnavailableError` naming the
 peer; a peer's JSON errors map back to their classes by ``code``. Idempotent calls are retried a
 few times with tenacity; a replication (``pull``) is retried by the replicator.
 
-With :class:`~tierckpt_daemon.tls.PeerTLS` every call is HTTPS: the peer's certificate must chain
+With :class:`~tierckpt_daemon.peers.tls.PeerTLS` every call is HTTPS: the peer's certificate must chain
 to the CA and carry the peer's name (or the configured server name), and this daemon presents its
 own; a refused certificate fails at once (no retry: it will not fix itself) with a message that
 says which peer and why.
@@ -52,8 +52,7 @@ from tierckpt_core.protocol import (
     PrepareResponse,
     StepInfo,
 )
-from tierckpt_daemon.membership import Members
-from tierckpt_daemon.peer_bodies import (
+from tierckpt_daemon.peers.bodies import (
     MAX_HEAD,
     RangeStream,
     read_head,
@@ -61,7 +60,8 @@ from tierckpt_daemon.peer_bodies import (
     receive_blocks,
     recv_exact,
 )
-from tierckpt_daemon.tls import PeerTLS, describe_tls_error
+from tierckpt_daemon.peers.membership import Members
+from tierckpt_daemon.peers.tls import PeerTLS, describe_tls_error
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ class PeerClient:
         self, peer: str, namespace: str, step: int, attempt: str, name: str, start: int, stop: int
     ) -> socket.socket | RangeStream:
         """Bytes ``[start, stop)`` of file ``name`` of ``peer``'s step, unverified (for
-        :mod:`tierckpt_daemon.handoff`: the trainer it hands them to checks each block). The
+        :mod:`tierckpt_daemon.peers.handoff`: the trainer it hands them to checks each block). The
         request is sent (with this daemon's token, ``Connection: close``) and the response's head
         read and checked (206, the range asked for, its length). On plain TCP: the connection,
         on which the body comes next (its head was read without taking a byte of the body), to

@@ -1,6 +1,6 @@
 """What the uploader and the replicator ask of the memory tier and report back to it.
 
-:class:`~tierckpt_daemon.service.TierService` inherits these: they are the background workers'
+:class:`~tierckpt_daemon.tier.service.TierService` inherits these: they are the background workers'
 half of its interface (which steps wait for an upload or a replica, and what became of them),
 kept apart from the lease -> seal -> commit -> pin -> evict state machine the trainers drive. Each
 method takes the service's lock; a report about a step that was meanwhile retired lets retention
@@ -13,9 +13,9 @@ import threading
 import time
 
 from tierckpt_core.protocol import StepState
-from tierckpt_daemon.freshness import Freshness
-from tierckpt_daemon.records import StepRecord, update_manifest
-from tierckpt_daemon.step_index import StepIndex
+from tierckpt_daemon.tier.freshness import Freshness
+from tierckpt_daemon.tier.index import StepIndex
+from tierckpt_daemon.tier.records import StepRecord, update_manifest
 
 
 class WorkerReports:

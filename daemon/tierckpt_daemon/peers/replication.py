@@ -36,13 +36,13 @@ from tierckpt_core.protocol import (
     ReplicationStatus,
     StepInfo,
 )
-from tierckpt_daemon.background import QueueWorker, background_pool
-from tierckpt_daemon.hydration import fill_step
 from tierckpt_daemon.logfields import step_fields
-from tierckpt_daemon.membership import Membership, successors
-from tierckpt_daemon.peer_client import PeerClient
-from tierckpt_daemon.records import StepRecord
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import Membership, successors
+from tierckpt_daemon.tier.background import QueueWorker, background_pool
+from tierckpt_daemon.tier.hydration import fill_step
+from tierckpt_daemon.tier.records import StepRecord
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 

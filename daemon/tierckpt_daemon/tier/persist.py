@@ -48,12 +48,12 @@ from tierckpt_core.protocol import (
     StepInfo,
     StepState,
 )
-from tierckpt_daemon.background import QueueWorker, background_pool
-from tierckpt_daemon.hydration import fill_step
 from tierckpt_daemon.logfields import step_fields
-from tierckpt_daemon.ownership import owned_by
-from tierckpt_daemon.records import StepRecord, read_manifest
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tier.background import QueueWorker, background_pool
+from tierckpt_daemon.tier.hydration import fill_step
+from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.records import StepRecord, read_manifest
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 

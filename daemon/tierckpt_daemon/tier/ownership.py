@@ -1,8 +1,8 @@
 """Which identity a namespace belongs to on this node, and the checks that keep tenants apart.
 
-A namespace belongs to the identity (``uid:<n>``, see :mod:`tierckpt_daemon.tenants`) that first
+A namespace belongs to the identity (``uid:<n>``, see :mod:`tierckpt_daemon.tier.tenants`) that first
 saved into it here; its steps record that owner (``StepRecord.owner``, the manifest's ``owner``),
-which travels with every replica and every copy a peer serves. :class:`~tierckpt_daemon.service.
+which travels with every replica and every copy a peer serves. :class:`~tierckpt_daemon.tier.service.
 TierService` inherits these methods; each takes the service's lock.
 
 The rules: a local caller reaches a namespace only if it owns it, or it has no owner here yet (the
@@ -17,8 +17,8 @@ import threading
 
 from tierckpt_core.errors import NamespaceOwnerError
 from tierckpt_core.protocol import validate_namespace
-from tierckpt_daemon.records import StepRecord, committed_here
-from tierckpt_daemon.step_index import StepIndex
+from tierckpt_daemon.tier.index import StepIndex
+from tierckpt_daemon.tier.records import StepRecord, committed_here
 
 
 def owned_by(step_owner: str | None, owner: str | None) -> bool:

@@ -2,7 +2,7 @@
 
 One :class:`TierService` per daemon. Every public method is safe to call from several threads: the
 state is guarded by one lock, and the only slow operation (allocating fresh tmpfs pages for a new
-file) runs outside it against a reservation (see :mod:`tierckpt_daemon.leases`).
+file) runs outside it against a reservation (see :mod:`tierckpt_daemon.tier.leases`).
 
 Write path of one save attempt (one per ``dcp.save``/``async_save`` call)::
 
@@ -13,8 +13,8 @@ Write path of one save attempt (one per ``dcp.save``/``async_save`` call)::
                                   and the step listeners (uploader, replicator) hear of it
 
 Evicted files go to the pool; the next lease of the same size takes them back (see arena.py). The
-step tables and their rebuild live in :mod:`tierckpt_daemon.step_index`; where a step not in
-memory comes from, in :mod:`tierckpt_daemon.restore`.
+step tables and their rebuild live in :mod:`tierckpt_daemon.tier.index`; where a step not in
+memory comes from, in :mod:`tierckpt_daemon.tier.restore`.
 """
 
 from __future__ import annotations
@@ -48,14 +48,15 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
-from tierckpt_daemon.arena import Arena
-from tierckpt_daemon.eviction import EvictionPolicy, KeepLatestN
-from tierckpt_daemon.freshness import Freshness
-from tierckpt_daemon.leases import Leases
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
-from tierckpt_daemon.ownership import Ownership, owned_by
-from tierckpt_daemon.records import (
+from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.eviction import EvictionPolicy, KeepLatestN
+from tierckpt_daemon.tier.freshness import Freshness
+from tierckpt_daemon.tier.index import StepIndex
+from tierckpt_daemon.tier.leases import Leases
+from tierckpt_daemon.tier.ownership import Ownership, owned_by
+from tierckpt_daemon.tier.records import (
     MANIFEST,
     StepRecord,
     committed_here,
@@ -63,8 +64,7 @@ from tierckpt_daemon.records import (
     update_manifest,
     write_manifest,
 )
-from tierckpt_daemon.step_index import StepIndex
-from tierckpt_daemon.worker_reports import WorkerReports
+from tierckpt_daemon.tier.worker_reports import WorkerReports
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class TierService(WorkerReports, Ownership):
     ) -> LeaseResponse:
         """A file of ``size`` bytes for ``rank``. ``prefault=False`` (a download will write every
         byte anyway) neither zero-fills new pages nor prepares a spare. ``after``: a pre-lease,
-        granted when that save attempt commits (see :mod:`tierckpt_daemon.leases`). ``owner``: the
+        granted when that save attempt commits (see :mod:`tierckpt_daemon.tier.leases`). ``owner``: the
         caller's identity; only it (or an administrator) may seal or release the lease."""
         if after is not None:
             return self.leases.ask_ahead(namespace, rank, size, after.step, after.attempt, owner)

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tierckpt_daemon.records import StepRecord, filled_by_daemon
+from tierckpt_daemon.tier.records import StepRecord, filled_by_daemon
 
 MAX_NAMESPACES = 64
 

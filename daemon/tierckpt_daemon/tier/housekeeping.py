@@ -4,7 +4,7 @@ its own when nobody comes back for it.
 Unsealed leases and stalled save attempts (a trainer that died mid-save) are reclaimed after the
 lease TTL; expired reader pins are dropped, so retention can take their steps; pool files idle for
 ``POOL_IDLE_S`` give their memory back. A prepared attempt of a step spanning nodes is never
-reclaimed here: it waits for its decider (:mod:`tierckpt_daemon.global_commit` resolves it).
+reclaimed here: it waits for its decider (:mod:`tierckpt_daemon.peers.commit` resolves it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import time
 
 from tierckpt_daemon.logfields import step_fields
-from tierckpt_daemon.service import TierService
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 
