@@ -17,6 +17,8 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     ├── StepStateError              the step is in the wrong state (commit with missing files, ...)
     ├── CheckpointFormatError       stored metadata or layout is malformed or does not match the load
     │   └── IntegrityError          stored bytes do not match their recorded checksum
+    │       └── BlockMismatchError  a block received or copied did not match the checksum taken
+    │                               when it was written (names the file, block and source)
     ├── PersistentTierError         the persistent tier (S3, file system) failed or is misconfigured
     ├── ProtocolError               a request or answer that does not follow the wire protocol
     │   └── NotAMemberError         a request names an address that is not a member of the peer
@@ -116,6 +118,29 @@ class IntegrityError(CheckpointFormatError):
     code = "integrity"
 
 
+class BlockMismatchError(IntegrityError):
+    """A block of a stored file, received or copied, did not match the checksum taken when it was
+    written (raised by :mod:`tierckpt_core.verified` as the block lands). ``file``, ``block`` and
+    ``source`` say which and from where: a reader may try another copy of the file (another peer),
+    but a store must not retry the same one (a stored block that is wrong stays wrong). The three
+    are keywords, so the message stays the only positional argument and the error pickles whole."""
+
+    code = "block_mismatch"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        block: int | None = None,
+        source: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.file = file
+        self.block = block
+        self.source = source
+
+
 class PersistentTierError(TierCkptError):
     code = "persistent_tier"
     http_status = 502
@@ -170,6 +195,7 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         UnauthorizedError,
         PeerUnavailableError,
         IntegrityError,
+        BlockMismatchError,
         PersistentTierError,
         PersistentTierUnavailableError,
     )

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tierckpt_core.errors import (
+    BlockMismatchError,
     IntegrityError,
     InvalidNameError,
     NotFoundError,
@@ -252,6 +253,8 @@ class S3Store:
                 )
             except S3Exception as e:
                 raise self._map_crt(what, key, e) from e
+            except BlockMismatchError:
+                raise  # a stored block that does not match its checksum stays wrong
             except IntegrityError as e:
                 # A body of the wrong size: a cut-short transfer is worth another try; a stored
                 # object of the wrong size stays wrong, and says so after the last one.

@@ -1,0 +1,202 @@
+"""The one verified stream (tierckpt_core.verified): exact bytes land, a flipped byte in any block
+fails naming the file, the block and the source, a source that ends early fails."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tierckpt_core.errors import (
+    BlockMismatchError,
+    IntegrityError,
+    PeerUnavailableError,
+    UnavailableError,
+    error_from_code,
+)
+from tierckpt_core.integrity import checksum, checksum_blocks
+from tierckpt_core.manifest import FileRecord
+from tierckpt_core.verified import (
+    BlockStream,
+    BlockSums,
+    check_blocks,
+    copy_verified,
+    receive_into,
+    receive_to,
+)
+
+BLOCK = 16 << 10
+LENGTH = 10 * BLOCK + 1234  # a short last block
+
+
+def _file(length: int = LENGTH) -> tuple[bytes, BlockSums]:
+    data = random.Random(length).randbytes(length)
+    whole, size, blocks = checksum_blocks(memoryview(data))
+    assert size == BLOCK
+    rec = FileRecord(
+        name="r0.data", rank=0, length=length, checksum=whole, block_size=size, blocks=blocks
+    )
+    return data, BlockSums.of(rec, where="job/step 3", source="from peer n2:7000")
+
+
+def _reader(data: bytes, short_by: int = 0, piece: int = 7777) -> Callable[[memoryview, int], int]:
+    """``read(view, offset)`` over ``data`` that hands out at most ``piece`` bytes at a time."""
+    end = len(data) - short_by
+
+    def read(view: memoryview, off: int) -> int:
+        n = max(0, min(len(view), piece, end - off))
+        view[:n] = data[off : off + n]
+        return n
+
+    return read
+
+
+def _flipped(data: bytes, at: int) -> bytes:
+    bad = bytearray(data)
+    bad[at] ^= 0x01
+    return bytes(bad)
+
+
+def test_exact_bytes_land_from_a_stream() -> None:
+    data, sums = _file()
+    dest = bytearray(LENGTH)
+    assert receive_into(_reader(data), memoryview(dest), sums, 0, chunk=5000) == LENGTH
+    assert dest == data
+    # a range of whole blocks in the middle, into a buffer of just that size
+    lo, hi = sums.span(3 * BLOCK + 10, 5 * BLOCK + 1)
+    part = bytearray(hi - lo)
+    assert receive_into(_reader(data), memoryview(part), sums, lo) == hi - lo == 3 * BLOCK
+    assert part == data[lo:hi]
+
+
+@pytest.mark.parametrize("at", [0, BLOCK - 1, 4 * BLOCK + 99, LENGTH - 1])
+def test_a_flipped_byte_in_any_block_fails_naming_file_block_and_source(at: int) -> None:
+    data, sums = _file()
+    with pytest.raises(BlockMismatchError) as err:
+        receive_into(_reader(_flipped(data, at)), bytearray(LENGTH), sums, 0)
+    e = err.value
+    block = at // BLOCK
+    assert (e.file, e.block, e.source) == ("r0.data", block, "from peer n2:7000")
+    assert str(e) == (
+        f"job/step 3: r0.data from peer n2:7000 does not match the checksum taken when it was "
+        f"written (block {block}, bytes {block * BLOCK}+{min(BLOCK, LENGTH - block * BLOCK)})"
+    )
+    assert isinstance(e, IntegrityError)  # what callers that handle any corruption catch
+    with pytest.raises(BlockMismatchError, match=rf"\(block {block}, "):
+        receive_to(_reader(_flipped(data, at)), lambda v, o: None, sums, 0, LENGTH)
+    with pytest.raises(BlockMismatchError, match=rf"\(block {block}, "):
+        check_blocks(_flipped(data, at), sums, 0)
+    with pytest.raises(BlockMismatchError, match=rf"\(block {block}, "):
+        copy_verified(_flipped(data, at), bytearray(LENGTH), sums, 0)
+
+
+def test_a_short_stream_fails() -> None:
+    data, sums = _file()
+    with pytest.raises(PeerUnavailableError, match=r"r0.data from peer n2:7000: bytes 0-.* ended"):
+        receive_into(
+            _reader(data, short_by=1), bytearray(LENGTH), sums, 0, short=PeerUnavailableError
+        )
+    with pytest.raises(UnavailableError, match="ended after"):
+        receive_to(_reader(data, short_by=BLOCK), lambda v, o: None, sums, 0, LENGTH)
+    stream = BlockStream(sums, 0)
+    stream.update(data[:-1])
+    assert not stream.done and stream.checked == 10 * BLOCK  # the last block is never passed
+
+
+def test_receive_from_a_socket_and_write_to_a_file(tmp_path: Path) -> None:
+    data, sums = _file()
+    a, b = socket.socketpair()
+
+    def send() -> None:
+        with a:
+            a.sendall(data)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+
+        def put(view: memoryview, off: int) -> None:
+            os.pwrite(fd, view, off)
+
+        with b:
+            got = receive_to(lambda v, _off: b.recv_into(v), put, sums, 0, LENGTH, chunk=4096)
+    finally:
+        os.close(fd)
+        sender.join()
+    assert got == LENGTH and path.read_bytes() == data
+
+
+def test_a_stream_in_pieces_of_any_size_and_a_restart() -> None:
+    data, sums = _file()
+    rng = random.Random(1)
+    stream = BlockStream(sums, 2 * BLOCK, 6 * BLOCK)
+    stream.update(b"garbage")  # a first attempt that a retry starts over
+    stream.restart()
+    off = 2 * BLOCK
+    while off < 6 * BLOCK:
+        n = min(rng.randint(1, 3 * BLOCK), 6 * BLOCK - off)
+        stream.update(memoryview(data)[off : off + n])
+        off += n
+    assert stream.done and stream.checked == 4 * BLOCK
+    with pytest.raises(ValueError, match="run past the end"):
+        stream.update(b"x")
+    with pytest.raises(ValueError, match="not whole blocks"):
+        BlockStream(sums, 1, BLOCK)
+
+
+@pytest.mark.parametrize("chunk", [4096, BLOCK, 1 << 20])
+def test_copy_verified_lands_exact_bytes_of_any_range(chunk: int) -> None:
+    data, sums = _file()
+    for lo, hi in [(0, LENGTH), (BLOCK, 3 * BLOCK), (100, 5 * BLOCK + 7), (LENGTH - 5, LENGTH)]:
+        dest = bytearray(hi - lo)
+        checked = copy_verified(data, dest, sums, lo, chunk=chunk)
+        assert dest == data[lo:hi]
+        assert checked == sums.span(lo, hi)[1] - sums.span(lo, hi)[0]
+
+
+def test_copy_verified_checks_the_edges_of_a_part() -> None:
+    """A tensor covering part of a block: the whole block is checked, even the bytes it skips."""
+    data, sums = _file()
+    bad = _flipped(data, 2 * BLOCK + 5)  # before the part, in its first block
+    dest = bytearray(2 * BLOCK)
+    with pytest.raises(BlockMismatchError, match=r"\(block 2, "):
+        copy_verified(bad, dest, sums, 2 * BLOCK + 100)
+    assert dest == bytes(len(dest))  # nothing of the bad block landed
+
+
+def test_a_file_without_block_checksums_is_one_block() -> None:
+    data = b"abc" * 1000
+    rec = FileRecord(name="r1.data", rank=1, length=len(data), checksum=checksum(data))
+    sums = BlockSums.of(rec)
+    assert check_blocks(data, sums, 0) == len(data)
+    with pytest.raises(
+        BlockMismatchError, match=r"r1.data does not match .* \(block 0, bytes 0\+3000\)$"
+    ):
+        check_blocks(_flipped(data, 2999), sums, 0)
+    with pytest.raises(IntegrityError, match="no checksum"):
+        BlockSums.of(FileRecord(name="r1.data", rank=1, length=3))
+
+
+def test_a_segment_checksummed_alone() -> None:
+    data, _ = _file()
+    seg = data[5000:5100]
+    sums = BlockSums("r0.data", 100, 100, [checksum(seg).partition(":")[2]], origin=5000)
+    assert check_blocks(seg, sums, 5000) == 100
+    with pytest.raises(BlockMismatchError, match=r"\(block 0, bytes 5000\+100\)"):
+        check_blocks(_flipped(seg, 3), sums, 5000)
+
+
+def test_the_mismatch_pickles_whole_and_maps_back_from_its_code() -> None:
+    e = BlockMismatchError("r0.data block 3", file="r0.data", block=3, source="from peer x")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is BlockMismatchError and str(back) == "r0.data block 3"
+    assert (back.file, back.block, back.source) == ("r0.data", 3, "from peer x")
+    assert type(error_from_code("block_mismatch", "d")) is BlockMismatchError
