@@ -27,6 +27,7 @@ COPY pyproject.toml README.md LICENSE /src/
 COPY core /src/core
 COPY daemon /src/daemon
 COPY client /src/client
+COPY webhook /src/webhook
 RUN pip wheel --no-deps --no-build-isolation --wheel-dir /wheels /src
 
 FROM ${BASE_IMAGE}

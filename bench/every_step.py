@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4, help="(off, on) block pairs")
     p.add_argument("--async-mode", choices=["thread", "process"], default="thread")
     args = p.parse_args()
-    from tierckpt_daemon.launcher import DaemonProcess, new_shm_dir
+    from tierckpt_core.launcher import DaemonProcess, new_shm_dir
 
     params = args.layers * (args.dim * args.dim + args.dim)
     state_mb = params * 4 * 3 / 1e6  # fp32 params + AdamW's two moments

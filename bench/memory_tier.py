@@ -35,7 +35,7 @@ from torch.futures import Future
 from tierckpt_client import DaemonClient
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_daemon.launcher import DaemonProcess
+from tierckpt_core.launcher import DaemonProcess
 
 NAMESPACE = "bench"
 N_TENSORS = 16

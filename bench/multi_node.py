@@ -37,7 +37,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tierckpt_client import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_daemon.launcher import DaemonProcess, new_shm_dir, ring
+from tierckpt_core.launcher import DaemonProcess, new_shm_dir, ring
 
 TOKEN = "bench-peer-token-not-a-secret-0123456789"
 NS = "bench-multi"

@@ -40,7 +40,7 @@ from persistent_tier import (
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_daemon.launcher import DaemonProcess
+from tierckpt_core.launcher import DaemonProcess
 
 NAMESPACE = "bench"
 TOKEN = "tierckpt-bench-peer-token-" + uuid.uuid4().hex

@@ -31,8 +31,8 @@ from _common import add_rates, machine_info, write_results
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_core.launcher import DaemonProcess
 from tierckpt_core.layout import marker_key
-from tierckpt_daemon.launcher import DaemonProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from seaweed import SeaweedS3  # test helper: S3 on loopback

@@ -54,7 +54,7 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _prelease
 from tierckpt_client.dcp import writer as writer_module
-from tierckpt_daemon.launcher import DaemonProcess
+from tierckpt_core.launcher import DaemonProcess
 
 N_TENSORS = 16
 KEEP_LAST = 2

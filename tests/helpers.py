@@ -1,5 +1,5 @@
 """Test helpers: real daemons in subprocesses on real Unix sockets (the project's one launcher,
-:mod:`tierckpt_daemon.launcher`), and spawned gloo ranks."""
+:mod:`tierckpt_core.launcher`), and spawned gloo ranks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tierckpt_daemon import launcher
-from tierckpt_daemon.launcher import DaemonProcess, free_port, ring
+from tierckpt_core import launcher
+from tierckpt_core.launcher import DaemonProcess, free_port, ring
 
 __all__ = [
     "DaemonProcess",

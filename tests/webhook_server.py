@@ -108,7 +108,7 @@ def start_webhook(tmp_path: Path, *args: str) -> Webhook:
             [
                 sys.executable,
                 "-c",
-                "import sys; from tierckpt_daemon.webhook.server import main; sys.exit(main())",
+                "import sys; from tierckpt_webhook.server import main; sys.exit(main())",
                 "--host", "127.0.0.1", "--port", str(port),
                 "--tls-cert", str(cert), "--tls-key", str(key),
                 "--shm-dir", "/dev/shm/tierckpt", "--group", "10001",

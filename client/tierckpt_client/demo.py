@@ -123,7 +123,7 @@ def _rank(
 def _run(world: int, sockets: list[str], first: int, last: int, save: bool) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from tierckpt_daemon.launcher import free_port
+    from tierckpt_core.launcher import free_port
 
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.crash_at < args.steps:
         p.error("--crash-at must be at least 1 and below --steps")
-    from tierckpt_daemon.launcher import ring
+    from tierckpt_core.launcher import ring
 
     world = 2 * RANKS_PER_NODE
     store = Path(tempfile.mkdtemp(prefix="tierckpt-demo-store-"))

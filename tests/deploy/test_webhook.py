@@ -26,8 +26,8 @@ import pytest
 import yaml
 from webhook_server import Webhook
 
-from tierckpt_daemon.webhook import InjectSettings, admission_response, mutate_pod
-from tierckpt_daemon.webhook.mutate import BadReview, InjectError
+from tierckpt_webhook import InjectSettings, admission_response, mutate_pod
+from tierckpt_webhook.mutate import BadReview, InjectError
 
 SAMPLES = Path(__file__).parent / "samples"
 SETTINGS = InjectSettings(shm_dir="/dev/shm/tierckpt", group=10001)

@@ -10,10 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from tierckpt_core.errors import NotAMemberError, PeerUnavailableError
+from tierckpt_core.launcher import free_port
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import DecideRequest, PrepareRequest
 from tierckpt_daemon.config import DaemonSettings
-from tierckpt_daemon.launcher import free_port
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.membership import Members, Membership, successors
 

@@ -34,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
-from tierckpt_daemon.webhook.mutate import (
+from tierckpt_webhook.mutate import (
     BadReview,
     InjectSettings,
     admission_response,

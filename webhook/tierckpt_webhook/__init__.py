@@ -10,7 +10,7 @@ the standard library only (no torch, no web framework) from the daemon's image.
 
 from __future__ import annotations
 
-from tierckpt_daemon.webhook.mutate import (
+from tierckpt_webhook.mutate import (
     INJECT_LABEL,
     InjectSettings,
     admission_response,

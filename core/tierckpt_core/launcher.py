@@ -8,7 +8,10 @@ them peers of each other: each gets its own TCP port and node name (``127.0.0.1:
 the others in ``TIERCKPT_PEERS`` and share one peer token. A training rank is put on a node by
 giving it that node's :attr:`DaemonProcess.client_env` (``TIERCKPT_SOCKET``).
 
-Torch-free, and free of the client package: readiness is one ``GET /v1/status`` over the socket.
+A dev and test tool, not part of a deployment. It lives in the core so that the demo
+(:mod:`tierckpt_client.demo`), the tests and the benchmarks share it while the client still never
+imports the daemon package: a daemon is started as a process, by module name. Standard library
+only; readiness is one ``GET /v1/status`` over the socket.
 """
 
 from __future__ import annotations
