@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.errors import StepStateError
+from tierckpt_core.errors import StepStateError
 
 from helpers import DaemonProcess, run_ranks
 

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_core.errors import CheckpointFormatError
 
 from helpers import DaemonProcess
 

@@ -16,7 +16,7 @@ from tierckpt_client.dcp._fallback import (
     plan_misfit,
 )
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.errors import IntegrityError, StepStateError
+from tierckpt_core.errors import IntegrityError, StepStateError
 
 
 def _item(fqn: str, offset: tuple[int, ...], kind: LoadItemType = LoadItemType.TENSOR) -> ReadItem:

@@ -1,4 +1,4 @@
-"""``RangedFiles``: reads of a durable file's ranges straight into destination tensors, verified
+"""``StreamedFiles``: reads of a durable file's ranges straight into destination tensors, verified
 block by block, through a real ``FileStore`` (the S3 store is exercised by
 tests/integration/test_restore_direct.py)."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.dcp._streamed import RangedFiles
-from tierckpt_client.errors import IntegrityError
+from tierckpt_client.dcp.sources.files import LocalFiles
+from tierckpt_client.dcp.sources.streamed import StreamedFiles
+from tierckpt_core.errors import IntegrityError
 from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.objectstore.file import FileStore
@@ -36,16 +36,16 @@ def _stored(tmp_path: Path) -> tuple[FileStore, FileRecord, bytes]:
     return store, rec, raw
 
 
-def _files(store: object, rec: FileRecord) -> RangedFiles:
+def _files(store: object, rec: FileRecord) -> StreamedFiles:
     def no_whole(name: str) -> torch.Tensor:
         raise AssertionError("a file with block checksums is never downloaded whole")
 
-    return RangedFiles(
+    return StreamedFiles(
         "ns/step 1",
         store,  # type: ignore[arg-type]
         {rec.name: KEY},
         {rec.name: rec},
-        Files("ns/step 1", no_whole, {}),
+        LocalFiles("ns/step 1", no_whole, {}),
         concurrency=2,
     )
 

@@ -10,7 +10,7 @@ import torch
 
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._metadata_codec import DTYPES
-from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_core.errors import CheckpointFormatError
 
 SIZE = 1 << 16
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_core.errors import CheckpointFormatError
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import uuid
 
-from tierckpt_client.errors import InvalidNameError
-from tierckpt_client.protocol import validate_namespace, validate_step
+from tierckpt_core.errors import InvalidNameError
+from tierckpt_core.protocol import validate_namespace, validate_step
 
 SCHEME = "tierckpt://"
 

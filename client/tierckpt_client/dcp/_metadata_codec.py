@@ -2,7 +2,7 @@
 
 The JSON form is documented in docs/format.md. Decoding treats its input as untrusted: every field is
 type-checked and dtypes come from a fixed table, and any problem raises
-:class:`~tierckpt_client.errors.CheckpointFormatError` naming the field.
+:class:`~tierckpt_core.errors.CheckpointFormatError` naming the field.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_core.errors import CheckpointFormatError
 
 FORMAT = "tierckpt-dcp-metadata/1"
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._metadata_codec import copy_tensor, dtype_name
-from tierckpt_client.errors import CheckpointFormatError
+from tierckpt_core.errors import CheckpointFormatError
 
 ALIGN = 64
 

@@ -36,14 +36,14 @@ from tierckpt_client.dcp._metadata_codec import encode_metadata
 from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_client.dcp._targets import MemoryTier, OutFile, SaveTarget
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     CapacityExceededError,
     DaemonUnavailableError,
     InvalidNameError,
     StepStateError,
     TierCkptError,
 )
-from tierckpt_client.protocol import CommitRequest, validate_namespace, validate_step
+from tierckpt_core.protocol import CommitRequest, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
 
