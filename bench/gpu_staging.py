@@ -28,6 +28,7 @@ Without CUDA the script writes a JSON that says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,10 +38,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from _common import machine_info, write_results
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from tierckpt_client import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_daemon.launcher import DaemonProcess
+from tierckpt_core.launcher import DaemonProcess
 
 N_TENSORS = 16
 KEEP_LAST = 2
@@ -140,11 +142,16 @@ def d2h_paths(gib: float, iters: int) -> dict[str, Any]:
 
     for _ in range(iters):
         for key, dst in dests.items():
-            record(key, lambda dst=dst: [d.copy_(s, non_blocking=True) for d, s in zip(dst, src)])
+            record(
+                key,
+                lambda dst=dst: [
+                    d.copy_(s, non_blocking=True) for d, s in zip(dst, src, strict=True)
+                ],
+            )
         record("to_cpu_non_blocking", lambda: [s.to("cpu", non_blocking=True) for s in src])
         record("torch_stager_pinned", lambda: stager.stage(sd, non_blocking=True))
     for key, dst in dests.items():
-        assert all(torch.equal(d, s.cpu()) for d, s in zip(dst, src)), f"{key} differs"
+        assert all(torch.equal(d, s.cpu()) for d, s in zip(dst, src, strict=True)), f"{key} differs"
     out: dict[str, Any] = {"bytes": nbytes, "register_s": register_s}
     for key, r in res.items():
         steady = r["done_s"][1:] or r["done_s"]
@@ -159,11 +166,35 @@ def d2h_paths(gib: float, iters: int) -> dict[str, Any]:
     t = time.perf_counter()
     _arena.clear_cache()  # unregisters the registered file
     out["unregister_s"] = time.perf_counter() - t
-    del dests, stager
-    import shutil
-
+    dests.clear()
     shutil.rmtree(shm, ignore_errors=True)
     return out
+
+
+class PinnedStager(AsyncStager):
+    """torch's reused pinned stager as ``DefaultStager(StagingOptions(use_pinned_memory=True,
+    use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True))`` runs it: its
+    ``StateDictStager`` with pinned memory, then one synchronize. Called directly: torch 2.11's
+    ``DefaultStager`` fails on the state ``async_save`` hands it (a KeyError on ``type`` in its
+    deepcopy table), which ``dict(state_dict)`` avoids."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+        self.inner = StateDictStager(pin_memory=True, share_memory=False)
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = self.inner.stage(dict(state_dict), non_blocking=True)
+        sync()
+        return out
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def arena_counts() -> dict[str, int]:
@@ -178,7 +209,6 @@ def arena_counts() -> dict[str, int]:
 
 def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     shm = Path(tempfile.mkdtemp(prefix="tierckpt-gpu-", dir="/dev/shm"))
     d = DaemonProcess(
@@ -194,14 +224,7 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
         pinned = [torch.empty_like(t, device="cpu").pin_memory() for t in gpu_tensors(sd)]
         cfg = ClientConfig.from_env(socket=d.socket)
         unpinned_cfg = ClientConfig.from_env(socket=d.socket, pin_memory=False)
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=True,
-            )
-        )
+        stager = PinnedStager()
         res: dict[str, list[float]] = {
             k: []
             for k in (
