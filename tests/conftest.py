@@ -2,14 +2,17 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess, new_shm_dir, ring, started
+
+PEER_TOKEN = "test-peer-token-not-a-secret-0123456789"
 
 
 @pytest.fixture
@@ -17,12 +20,8 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
     """A real daemon on a real Unix socket; settings from ``@pytest.mark.daemon_settings(...)``."""
     marker = request.node.get_closest_marker("daemon_settings")
     settings = dict(marker.kwargs) if marker else {}
-    d = DaemonProcess(new_shm_dir(), **settings)
-    try:
-        d.start()
+    with started(**settings) as d:
         yield d
-    finally:
-        d.cleanup()
 
 
 @pytest.fixture
@@ -30,6 +29,51 @@ def client_env(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> Daemon
     """Point this process's clients (ClientConfig.from_env) at ``daemon``."""
     monkeypatch.setenv("TIERCKPT_SOCKET", str(daemon.socket))
     return daemon
+
+
+@pytest.fixture
+def make_node(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., DaemonProcess]]:
+    """``make_node(**settings)``: a daemon with these ``TIERCKPT_*`` settings on a fresh tier
+    directory, started (``start=False``: not yet); ``client=True`` also points this process's
+    clients (``TIERCKPT_SOCKET``) at it. Every daemon made is cleaned up after the test."""
+    made: list[DaemonProcess] = []
+
+    def make(*, start: bool = True, client: bool = False, **settings: Any) -> DaemonProcess:
+        d = DaemonProcess(new_shm_dir(), **settings)
+        made.append(d)
+        if client:
+            monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        return d.start() if start else d
+
+    try:
+        yield make
+    finally:
+        for d in made:
+            d.cleanup()
+
+
+@pytest.fixture
+def make_ring() -> Iterator[Callable[..., list[DaemonProcess]]]:
+    """``make_ring(n, **settings)``: ``n`` daemons that are each other's peers (``helpers.ring``:
+    ports, node names, one peer token unless ``token=`` is given), started (``start=False``: not
+    yet). Every daemon made is cleaned up after the test."""
+    made: list[DaemonProcess] = []
+
+    def make(
+        n: int, *, token: str = PEER_TOKEN, start: bool = True, **settings: Any
+    ) -> list[DaemonProcess]:
+        nodes = ring(n, token=token, prefix="tierckpt-test", **settings)
+        made.extend(nodes)
+        if start:
+            for d in nodes:
+                d.start()
+        return nodes
+
+    try:
+        yield make
+    finally:
+        for d in made:
+            d.cleanup()
 
 
 def pytest_configure(config: pytest.Config) -> None:

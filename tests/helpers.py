@@ -20,6 +20,8 @@ __all__ = [
     "new_shm_dir",
     "ring",
     "run_ranks",
+    "running",
+    "started",
     "wait_until",
 ]
 
@@ -62,6 +64,18 @@ def running(nodes: list[DaemonProcess]) -> Iterator[list[DaemonProcess]]:
 
 def new_shm_dir() -> Path:
     return launcher.new_shm_dir("tierckpt-test")
+
+
+@contextlib.contextmanager
+def started(**settings: Any) -> Iterator[DaemonProcess]:
+    """One daemon with these ``TIERCKPT_*`` settings on a fresh tier directory, started, and
+    cleaned up (stopped, tier removed) however the block ends. In a test, the ``make_node``
+    fixture does the same without the block."""
+    d = DaemonProcess(new_shm_dir(), **settings)
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
 
 
 def _rank_entry(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from seaweed import SeaweedS3
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess, started
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -24,9 +24,6 @@ def tier_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 @pytest.fixture
 def node(tier_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
     """A daemon persisting to ``tier_url`` (keep_last 2), this process's clients pointed at it."""
-    d = DaemonProcess(new_shm_dir(), persist_url=tier_url, keep_last=2)
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        yield d.start()
-    finally:
-        d.cleanup()
+    with started(persist_url=tier_url, keep_last=2) as d:
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        yield d

@@ -22,30 +22,9 @@ from tierckpt_client import (
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
 from helpers import DaemonProcess
+from kit import blank_state, load, save, seeded_state
 
-
-def _state(step: int, n: int = 4096) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(n, generator=g), "meta": {"step": step}}
-
-
-def _empty(n: int = 4096) -> dict[str, object]:
-    return {"w": torch.zeros(n), "meta": {"step": -1}}
-
-
-def _save(ns: str, step: int, n: int = 4096, *, staged: bool = False) -> None:
-    writer = TieredStorageWriter(ns, step)
-    if staged:  # async_save: stage() copies into the leased .data file
-        dcp.async_save(_state(step, n), storage_writer=writer, no_dist=True).result()
-    else:  # plain save: write_data copies into the .extra file
-        dcp.save(_state(step, n), storage_writer=writer, no_dist=True)
-
-
-def _load(ns: str, step: int | None = None, n: int = 4096) -> tuple[int | None, dict[str, object]]:
-    out = _empty(n)
-    reader = TieredStorageReader(ns, step)
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return reader.resolved_step, out
+N = 4096
 
 
 def _interrupted_save(socket: str, ns: str, step: int) -> None:
@@ -56,15 +35,15 @@ def _interrupted_save(socket: str, ns: str, step: int) -> None:
         def finish(self, metadata, results):  # type: ignore[no-untyped-def]
             os._exit(17)
 
-    dcp.save(_state(step), storage_writer=DiesBeforeCommit(ns, step), no_dist=True)
+    dcp.save(seeded_state(step, N), storage_writer=DiesBeforeCommit(ns, step), no_dist=True)
 
 
 def test_committed_steps_survive_sigkill_and_partial_save_is_reclaimed(
     client_env: DaemonProcess,
 ) -> None:
     daemon = client_env
-    _save("job", 10)
-    _save("job", 20)
+    save("job", 10, seeded_state(10, N), staged=False)
+    save("job", 20, seeded_state(20, N), staged=False)
     ctx = mp.get_context("spawn")
     p = ctx.Process(target=_interrupted_save, args=(str(daemon.socket), "job", 30))
     p.start()
@@ -76,11 +55,11 @@ def test_committed_steps_survive_sigkill_and_partial_save_is_reclaimed(
     daemon.kill(signal.SIGKILL)
     daemon.start()
 
-    step, out = _load("job")
+    step, out = load("job", blank_state(N))
     assert step == 20  # the interrupted step 30 is never "latest"
-    assert torch.equal(out["w"], _state(20)["w"]) and out["meta"] == {"step": 20}
-    step, out = _load("job", 10)
-    assert torch.equal(out["w"], _state(10)["w"])
+    assert torch.equal(out["w"], seeded_state(20, N)["w"]) and out["meta"] == {"step": 20}
+    step, out = load("job", blank_state(N), 10)
+    assert torch.equal(out["w"], seeded_state(10, N)["w"])
     with DaemonClient() as c:
         assert [(s.step, s.state.value) for s in c.steps("job")] == [
             (10, "committed"),
@@ -98,7 +77,7 @@ def test_keep_last_and_files_are_recycled(client_env: DaemonProcess) -> None:
     inodes: dict[int, set[int]] = {}
     with DaemonClient() as c:
         for step in (1, 2, 3, 4):
-            _save("keep", step, n=1 << 16, staged=True)
+            save("keep", step, seeded_state(step, 1 << 16))
             pin = c.pin("keep", step)
             inodes[step] = {os.stat(p).st_ino for n, p in pin.paths.items() if n.endswith(".data")}
             c.unpin("keep", step, pin.pin_id)
@@ -107,26 +86,27 @@ def test_keep_last_and_files_are_recycled(client_env: DaemonProcess) -> None:
     # the same inode, whose pages are already allocated (and mapped in this process).
     assert all(inodes.values())
     assert inodes[4] == inodes[1]
-    step, out = _load("keep", n=1 << 16)
-    assert step == 4 and torch.equal(out["w"], _state(4, 1 << 16)["w"])
+    step, out = load("keep", blank_state(1 << 16))
+    assert step == 4 and torch.equal(out["w"], seeded_state(4, 1 << 16)["w"])
 
 
 @pytest.mark.daemon_settings(capacity="1M", keep_last=1)
 def test_over_capacity_save_fails_with_clear_error_and_keeps_last_step(
     client_env: DaemonProcess,
 ) -> None:
-    _save("cap", 1, n=1024)
+    save("cap", 1, seeded_state(1, 1024), staged=False)
     with pytest.raises(
         CapacityExceededError, match=r"namespace cap: a lease of \d+ bytes does not fit"
     ):
         # async_save stages in the caller: the daemon's error surfaces directly.
         dcp.async_save(
-            _state(2, n=1 << 19), storage_writer=TieredStorageWriter("cap", 2), no_dist=True
+            seeded_state(2, 1 << 19), storage_writer=TieredStorageWriter("cap", 2), no_dist=True
         )
     with pytest.raises(CheckpointException, match="does not fit in the memory tier"):
-        _save("cap", 3, n=1 << 19)  # plain save: DCP wraps write_data's error
-    step, out = _load("cap", n=1024)
-    assert step == 1 and torch.equal(out["w"], _state(1, 1024)["w"])
+        # plain save: DCP wraps write_data's error
+        save("cap", 3, seeded_state(3, 1 << 19), staged=False)
+    step, out = load("cap", blank_state(1024))
+    assert step == 1 and torch.equal(out["w"], seeded_state(1, 1024)["w"])
 
 
 def test_daemon_unreachable_is_a_clear_error(tmp_path: object) -> None:
@@ -135,7 +115,7 @@ def test_daemon_unreachable_is_a_clear_error(tmp_path: object) -> None:
     with pytest.raises(
         DaemonUnavailableError, match="cannot reach the tierckpt daemon at /nonexistent"
     ):
-        dcp.async_save(_state(1), storage_writer=writer, no_dist=True)
+        dcp.async_save(seeded_state(1, N), storage_writer=writer, no_dist=True)
 
 
 def test_invalid_names_are_rejected_before_anything_is_written() -> None:
@@ -149,23 +129,23 @@ def test_invalid_names_are_rejected_before_anything_is_written() -> None:
 
 def test_missing_namespace_and_step_name_what_is_missing(client_env: DaemonProcess) -> None:
     with pytest.raises(CheckpointException, match=r"namespace nope has no committed step"):
-        _load("nope")
-    _save("have", 5)
+        load("nope", blank_state(N))
+    save("have", 5, seeded_state(5, N), staged=False)
     with pytest.raises(
         CheckpointException, match=r"have/step 6 is not committed in memory \(committed: \[5\]\)"
     ):
-        _load("have", 6)
+        load("have", blank_state(N), 6)
 
 
 def test_checkpoint_id_form(client_env: DaemonProcess) -> None:
     dcp.save(
-        _state(7),
+        seeded_state(7, N),
         checkpoint_id="tierckpt://ids/7",
         storage_writer=TieredStorageWriter(),
         no_dist=True,
     )
-    out = _empty()
+    out = blank_state(N)
     dcp.load(
         out, checkpoint_id="tierckpt://ids/7", storage_reader=TieredStorageReader(), no_dist=True
     )
-    assert torch.equal(out["w"], _state(7)["w"])
+    assert torch.equal(out["w"], seeded_state(7, N)["w"])

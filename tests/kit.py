@@ -1,0 +1,96 @@
+"""The tests' shared kit for one-rank saves and loads: state dicts to save, blank destinations of
+the same structure, and a save or load through the tiered writer and reader on this process (no
+process group). Daemons come from :mod:`helpers` (``started``) and the fixtures of
+``tests/conftest.py`` (``make_node``, ``make_ring``); spawned ranks from ``helpers.run_ranks``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierckpt_client import ClientConfig
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+
+from helpers import DaemonProcess
+
+__all__ = ["blank_like", "blank_state", "config", "load", "reader", "save", "seeded_state"]
+
+
+def seeded_state(step: int, numel: int, *, seed: int | None = None, **meta: Any) -> dict[str, Any]:
+    """``{"w": numel random floats, "meta": {"step": step, **meta}}``, the same for the same
+    ``seed`` (``step`` by default): what a test saves, and what it expects back."""
+    g = torch.Generator().manual_seed(step if seed is None else seed)
+    return {"w": torch.randn(numel, generator=g), "meta": {"step": step, **meta}}
+
+
+def blank_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A destination for loading ``state``: the same keys, zeroed tensors of the same shapes and
+    dtypes, and ``-1`` where ``state`` holds anything else (a load replaces those whole)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = torch.zeros_like(value)
+        elif isinstance(value, dict):
+            out[key] = blank_like(value)
+        else:
+            out[key] = -1
+    return out
+
+
+def blank_state(numel: int, **meta: Any) -> dict[str, Any]:
+    """A destination for a :func:`seeded_state` of ``numel`` floats and these ``meta`` keys."""
+    return blank_like(seeded_state(0, numel, **meta))
+
+
+def config(node: DaemonProcess | None) -> ClientConfig | None:
+    """A client configuration that reaches ``node``, or None (``TIERCKPT_SOCKET`` from the
+    environment, as a trainer's would)."""
+    return ClientConfig.from_env(socket=node.socket) if node is not None else None
+
+
+def save(
+    ns: str,
+    step: int,
+    state: dict[str, Any],
+    *,
+    node: DaemonProcess | None = None,
+    staged: bool = True,
+    **writer: Any,
+) -> TieredStorageWriter:
+    """Save ``state`` as ``ns``/``step`` on one rank: staged (``async_save``, which copies into
+    the leased files, then waits for the commit) or, with ``staged=False``, a plain ``dcp.save``
+    (``write_data`` copies). ``writer`` goes to :class:`TieredStorageWriter` (``persist=...``)."""
+    w = TieredStorageWriter(ns, step, config=config(node), **writer)
+    if staged:
+        dcp.async_save(state, storage_writer=w, no_dist=True).result()
+    else:
+        dcp.save(state, storage_writer=w, no_dist=True)
+    return w
+
+
+def reader(
+    ns: str,
+    dest: dict[str, Any],
+    step: int | None = None,
+    *,
+    node: DaemonProcess | None = None,
+) -> TieredStorageReader:
+    """Load ``ns``/``step`` (the latest if None) into ``dest`` on one rank, and return the reader
+    (which step it read, ``resolved_step``, and from where)."""
+    r = TieredStorageReader(ns, step, config=config(node))
+    dcp.load(dest, storage_reader=r, no_dist=True)
+    return r
+
+
+def load(
+    ns: str,
+    dest: dict[str, Any],
+    step: int | None = None,
+    *,
+    node: DaemonProcess | None = None,
+) -> tuple[int | None, dict[str, Any]]:
+    """Load ``ns``/``step`` (the latest if None) into ``dest`` on one rank: the step read, and
+    ``dest``."""
+    return reader(ns, dest, step, node=node).resolved_step, dest
