@@ -17,17 +17,16 @@ from typing import TypeVar
 import httpx
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from prometheus_client.parser import text_string_to_metric_families
 from s3proxy import Fault, S3FaultProxy
 from seaweed import SeaweedS3
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import PersistentStatus
 
-from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
+from helpers import DaemonProcess, free_port, wait_until
+from kit import blank_state, load, save, seeded_state
 
 N = 1 << 16
 BIG = 5 << 20  # floats: 20 MiB, three multipart parts of 8 MiB
@@ -35,25 +34,8 @@ BIG = 5 << 20  # floats: 20 MiB, three multipart parts of 8 MiB
 _T = TypeVar("_T")
 
 
-def _state(step: int, n: int = N) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(n, generator=g), "meta": {"step": step}}
-
-
-def _save(ns: str, step: int, n: int = N) -> None:
-    writer = TieredStorageWriter(ns, step)
-    dcp.async_save(_state(step, n), storage_writer=writer, no_dist=True).result()
-
-
-def _load(ns: str, step: int | None = None, n: int = N) -> tuple[int | None, dict[str, object]]:
-    out: dict[str, object] = {"w": torch.zeros(n), "meta": {"step": -1}}
-    reader = TieredStorageReader(ns, step)
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return reader.resolved_step, out
-
-
 def _assert_state(out: dict[str, object], step: int, n: int = N) -> None:
-    ref = _state(step, n)
+    ref = seeded_state(step, n)
     assert torch.equal(out["w"], ref["w"])  # type: ignore[arg-type]
     assert out["meta"] == {"step": step}
 
@@ -103,15 +85,14 @@ def start_node(
     s3_env: SeaweedS3,
     proxy: S3FaultProxy,
     request: pytest.FixtureRequest,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Callable[..., DaemonProcess]]:
+    make_node: Callable[..., DaemonProcess],
+) -> Callable[..., DaemonProcess]:
     """Start a daemon whose persistent tier is SeaweedFS behind ``proxy``."""
-    started: list[DaemonProcess] = []
     prefix = request.node.name
 
     def start(**settings: object) -> DaemonProcess:
-        d = DaemonProcess(
-            new_shm_dir(),
+        return make_node(
+            client=True,
             persist_url=f"s3://{s3_env.bucket}/{prefix}",
             s3_endpoint=proxy.endpoint,
             port=free_port(),
@@ -119,15 +100,8 @@ def start_node(
             keep_last=4,  # every step of a test stays in memory (retention is not tested here)
             **settings,
         )
-        started.append(d)
-        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-        return d.start()
 
-    try:
-        yield start
-    finally:
-        for d in started:
-            d.cleanup()
+    return start
 
 
 def _reboot(node: DaemonProcess) -> None:
@@ -150,7 +124,7 @@ def test_transient_faults_every_step_becomes_durable_and_restores_bit_exact(
     proxy.add(Fault("delay", 0.5), op="UploadPart", times=3)
     proxy.add("503", op="DeleteObjects", times=1)
     for step in (1, 2, 3):
-        _save("job", step, BIG if step == 2 else N)
+        save("job", step, seeded_state(step, BIG if step == 2 else N))
     _wait_durable("job", {1, 2, 3})
     st = _persistent()
     assert st.uploaded_steps == 3 and st.healthy is True and st.last_error is None
@@ -166,12 +140,12 @@ def test_transient_faults_every_step_becomes_durable_and_restores_bit_exact(
     proxy.add("short", op="GetObject", times=2)
     proxy.add("503", op="ListObjects", times=1)
     _reboot(node)
-    step, out = _load("job", n=N)
+    step, out = load("job", blank_state(N))
     assert step == 3
     _assert_state(out, 3)
-    _step, out = _load("job", 2, n=BIG)
+    _step, out = load("job", blank_state(BIG), 2)
     _assert_state(out, 2, BIG)
-    _step, out = _load("job", 1)
+    _step, out = load("job", blank_state(N), 1)
     _assert_state(out, 1)
     assert proxy.injected() - upload_faults == 9, proxy.faults
     print(f"faults injected: {dict(proxy.faults)}; requests: {dict(proxy.requests)}")
@@ -184,19 +158,19 @@ def test_corrupted_transfers_are_never_restored(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     node = start_node(s3_timeout=10, s3_max_attempts=2)
-    _save("job", 10)
+    save("job", 10, seeded_state(10, N))
     _wait_durable("job", {10})
     # Step 20's data is corrupted on its way up (plain HTTP, unsigned payload: S3 stores it).
     proxy.add("flip_body", op="UploadPart", key=r"step_000000000020/r\d+\.data")
-    _save("job", 20)
-    _save("job", 30)
+    save("job", 20, seeded_state(20, N))
+    save("job", 30, seeded_state(30, N))
     _wait_durable("job", {20, 30})
     # Step 30 is stored intact, but every download of its data is corrupted on the way back.
     proxy.clear()
     proxy.add("flip", op="GetObject", key=r"step_000000000030/r\d+\.data")
     _reboot(node)
     with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
-        step, out = _load("job")
+        step, out = load("job", blank_state(N))
     assert step == 10
     _assert_state(out, 10)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -204,7 +178,7 @@ def test_corrupted_transfers_are_never_restored(
     assert any("skipping step 20" in w and "corrupt" in w for w in warnings), warnings
     for bad in (20, 30):
         with pytest.raises(CheckpointException, match=r"r00000\.data .* is corrupt"):
-            _load("job", bad)
+            load("job", blank_state(N), bad)
     assert proxy.faults["flip GetObject"] >= 1 and proxy.faults["flip_body UploadPart"] >= 1
     assert _scrape(node.settings["port"])["tierckpt_verification_failures_total"] >= 2
 
@@ -216,7 +190,7 @@ def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memo
     node = start_node(s3_timeout=5, s3_max_attempts=2)
     port = node.settings["port"]
     rule = proxy.add("503", op="UploadPart")  # S3 throttles every upload, for as long as it takes
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N))
     st = _wait("a failed upload", lambda: (s := _persistent()).failed_uploads and s, 30)
     assert st.healthy is False
     assert "job/step 1: upload to s3://" in (st.last_error or "")
@@ -227,7 +201,7 @@ def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memo
     assert metrics["tierckpt_upload_failures_total"] >= 1
     assert metrics["tierckpt_upload_queue_steps"] == 1
     assert _states("job") == {1: "committed"}
-    _step, out = _load("job")  # the memory tier keeps serving it
+    _step, out = load("job", blank_state(N))  # the memory tier keeps serving it
     _assert_state(out, 1)
     assert rule.hits >= 2
 
@@ -246,7 +220,7 @@ def test_a_stalled_upload_is_bounded_by_the_timeout_and_the_queue_moves_on(
     node = start_node(s3_timeout=timeout, s3_max_attempts=1)
     # The server stops answering the upload of step 1's data (as if stopped with SIGSTOP).
     proxy.add("stall", op="UploadPart", key=r"step_000000000001/")
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N))
     t0 = time.monotonic()
     assert _wait("the upload to start", lambda: proxy.faults["stall UploadPart"], 10)
     st = _persistent()
@@ -258,10 +232,10 @@ def test_a_stalled_upload_is_bounded_by_the_timeout_and_the_queue_moves_on(
     assert st.healthy is False and "TIERCKPT_S3_TIMEOUT=3s" in (st.last_error or "")
     assert _scrape(node.settings["port"])["tierckpt_persistent_healthy"] == 0
 
-    _save("job", 2)  # committed behind the stuck step: it must not wait for it
+    save("job", 2, seeded_state(2, N))  # committed behind the stuck step: it must not wait for it
     _wait_durable("job", {2}, timeout=30)
     assert _states("job")[1] == "committed"
-    _step, out = _load("job", 1)
+    _step, out = load("job", blank_state(N), 1)
     _assert_state(out, 1)
 
     proxy.clear()
@@ -278,7 +252,7 @@ def test_a_server_that_stops_answering_everything_is_reported_within_the_timeout
     start_node(s3_timeout=timeout, s3_max_attempts=1)
     _wait("the start-up health check", lambda: _persistent().healthy, 30)
     proxy.add("stall")  # control calls (boto3) and data calls (CRT) alike
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N))
     t0 = time.monotonic()
     st = _wait("the stalled upload to fail", lambda: (s := _persistent()).failed_uploads and s, 30)
     elapsed = time.monotonic() - t0
