@@ -109,7 +109,7 @@ class BlockSums:
     def mismatch(self, block: int) -> BlockMismatchError:
         lo, hi = self.bounds(block)
         return BlockMismatchError(
-            f"{self.where + ': ' if self.where else ''}{self.name}"
+            f"{self.where + ': ' if self.where else ''}file {self.name}"
             f"{' ' + self.source if self.source else ''} does not match the checksum taken when it "
             f"was written (block {block}, bytes {lo}+{hi - lo})"
             f"{': ' + self.remedy if self.remedy else ''}",
@@ -120,7 +120,7 @@ class BlockSums:
 
     def short(self, got: int, start: int, stop: int, error: type[TierCkptError]) -> TierCkptError:
         return error(
-            f"{self.where + ': ' if self.where else ''}{self.name}"
+            f"{self.where + ': ' if self.where else ''}file {self.name}"
             f"{' ' + self.source if self.source else ''}: bytes {start}-{stop} ended after {got}"
         )
 

@@ -202,7 +202,7 @@ def test_a_large_file_comes_in_parallel_ranges_each_block_checked(
             byte = f.read(1)
             f.seek(corrupt)
             f.write(bytes([byte[0] ^ 0x01]))
-        with pytest.raises(IntegrityError, match=r"block 5 \(bytes"):
+        with pytest.raises(IntegrityError, match=r"\(block 5, bytes"):
             client.get_file_blocks(
                 peer,
                 NS,

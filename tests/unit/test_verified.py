@@ -84,7 +84,7 @@ def test_a_flipped_byte_in_any_block_fails_naming_file_block_and_source(at: int)
     block = at // BLOCK
     assert (e.file, e.block, e.source) == ("r0.data", block, "from peer n2:7000")
     assert str(e) == (
-        f"job/step 3: r0.data from peer n2:7000 does not match the checksum taken when it was "
+        f"job/step 3: file r0.data from peer n2:7000 does not match the checksum taken when it was "
         f"written (block {block}, bytes {block * BLOCK}+{min(BLOCK, LENGTH - block * BLOCK)})"
     )
     assert isinstance(e, IntegrityError)  # what callers that handle any corruption catch
@@ -98,7 +98,9 @@ def test_a_flipped_byte_in_any_block_fails_naming_file_block_and_source(at: int)
 
 def test_a_short_stream_fails() -> None:
     data, sums = _file()
-    with pytest.raises(PeerUnavailableError, match=r"r0.data from peer n2:7000: bytes 0-.* ended"):
+    with pytest.raises(
+        PeerUnavailableError, match=r"file r0.data from peer n2:7000: bytes 0-.* ended"
+    ):
         receive_into(
             _reader(data, short_by=1), bytearray(LENGTH), sums, 0, short=PeerUnavailableError
         )
@@ -178,7 +180,7 @@ def test_a_file_without_block_checksums_is_one_block() -> None:
     sums = BlockSums.of(rec)
     assert check_blocks(data, sums, 0) == len(data)
     with pytest.raises(
-        BlockMismatchError, match=r"r1.data does not match .* \(block 0, bytes 0\+3000\)$"
+        BlockMismatchError, match=r"file r1.data does not match .* \(block 0, bytes 0\+3000\)$"
     ):
         check_blocks(_flipped(data, 2999), sums, 0)
     with pytest.raises(IntegrityError, match="no checksum"):

@@ -1,22 +1,19 @@
-"""Bodies of peers' answers, read the ways the daemon needs them: into a local tier file (whole
-and checksummed, or block by block, each checked as it lands: :func:`receive`,
-:func:`receive_blocks`); the head of an answer off a raw socket without a byte of its body, so that
-the socket can be handed to a trainer (:func:`read_head`); a TLS peer's body to relay
-(:class:`RangeStream`). :mod:`tierckpt_daemon.peers.client` makes the requests."""
+"""Bodies of peers' answers, read the ways the daemon needs them: into a local tier file, whole
+and checksummed (:func:`receive`; block by block, each checked as it lands, is
+:func:`tierckpt_core.verified.receive_to`); the head of an answer off a raw socket without a byte
+of its body, so that the socket can be handed to a trainer (:func:`read_head`); a TLS peer's body
+to relay (:class:`RangeStream`). :mod:`tierckpt_daemon.peers.client` makes the requests."""
 
 from __future__ import annotations
 
 import http.client
 import socket
 
-import xxhash
-
-from tierckpt_core.errors import IntegrityError, PeerUnavailableError, ProtocolError
+from tierckpt_core.errors import PeerUnavailableError, ProtocolError
 from tierckpt_core.integrity import Hasher
 from tierckpt_core.objectstore import pwriter
+from tierckpt_core.verified import CHUNK
 
-GET_CHUNK = 1 << 20  # bytes per read from a peer: the buffer stays in the cache while it is
-# checksummed and written (8 MiB cost the fetching side 10-15% more CPU time)
 MAX_HEAD = 64 << 10  # bytes of a response's status line and headers
 
 
@@ -58,7 +55,7 @@ def receive(resp: http.client.HTTPResponse, fd: int, length: int, what: str) -> 
     tmpfs pages cost more by faults (zeroed first) than by pwrite (allocated as written).
     """
     h = Hasher()
-    buf = memoryview(bytearray(min(GET_CHUNK, max(length, 1))))
+    buf = memoryview(bytearray(min(CHUNK, max(length, 1))))
     put = pwriter(fd)
     off = 0
     while off < length:
@@ -71,41 +68,6 @@ def receive(resp: http.client.HTTPResponse, fd: int, length: int, what: str) -> 
     if off != length:
         raise PeerUnavailableError(f"{what} ended after {off} of {length} bytes")
     return h.hexdigest()
-
-
-def receive_blocks(
-    resp: http.client.HTTPResponse,
-    fd: int,
-    start: int,
-    stop: int,
-    block_size: int,
-    blocks: list[str],
-    what: str,
-) -> None:
-    """Read bytes ``start``-``stop`` (whole blocks, or up to the file's end) of a file from
-    ``resp`` into ``fd`` at their offsets, checking each block against its checksum in ``blocks``
-    in the same pass (each piece is hashed while it is in the cache, then written)."""
-    buf = memoryview(bytearray(min(GET_CHUNK, block_size)))
-    put = pwriter(fd)
-    off = start
-    while off < stop:
-        b = off // block_size
-        end = min((b + 1) * block_size, stop)
-        h = xxhash.xxh3_128()
-        while off < end:
-            n = resp.readinto(buf[: min(len(buf), end - off)])
-            if not n:
-                raise PeerUnavailableError(
-                    f"{what} ended after {off - start} of {stop - start} bytes"
-                )
-            h.update(buf[:n])
-            put(buf[:n], off)
-            off += n
-        if h.hexdigest() != blocks[b]:
-            raise IntegrityError(
-                f"{what} is corrupt: block {b} (bytes {b * block_size}-{end}) has checksum "
-                f"{h.hexdigest()}, the manifest says {blocks[b]}"
-            )
 
 
 def recv_exact(sock: socket.socket, n: int, what: str) -> bytes:

@@ -42,6 +42,7 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.http import decode_response
 from tierckpt_core.manifest import StepManifest
+from tierckpt_core.objectstore import pwriter
 from tierckpt_core.protocol import (
     DecideRequest,
     NodeStep,
@@ -52,12 +53,12 @@ from tierckpt_core.protocol import (
     PrepareResponse,
     StepInfo,
 )
+from tierckpt_core.verified import BlockSums, receive_to
 from tierckpt_daemon.peers.bodies import (
     MAX_HEAD,
     RangeStream,
     read_head,
     receive,
-    receive_blocks,
     recv_exact,
 )
 from tierckpt_daemon.peers.membership import Members
@@ -260,15 +261,23 @@ class PeerClient:
         """Fetch one file of ``peer``'s step into the local file ``path`` in up to
         ``RANGE_STREAMS`` ranges at once (one connection each, whole blocks), checking every
         block against ``blocks`` (the writer's checksums) as it arrives, while it is in the cache.
-        IntegrityError names the first block that does not match. A peer that does not answer
-        ranges sends the whole file in one stream, checked the same way."""
+        BlockMismatchError (an IntegrityError) names the first block that does not match. A peer
+        that does not answer ranges sends the whole file in one stream, checked the same way."""
         if block_size <= 0 or len(blocks) != -(-length // block_size):
             raise ProtocolError(
                 f"peer {peer}: {name} has {len(blocks)} block checksums of {block_size} bytes "
                 f"for {length} bytes"
             )
         url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
-        what = f"{namespace}/step {step}: file {name} in peer {peer}"
+        sums = BlockSums(
+            name,
+            length,
+            block_size,
+            blocks,
+            where=f"{namespace}/step {step}",
+            source=f"in peer {peer}",
+            remedy="that copy is corrupt",
+        )
         per = max(1, -(-len(blocks) // RANGE_STREAMS) if length >= RANGE_MIN else len(blocks))
         parts = [(b, min(b + per, len(blocks))) for b in range(0, len(blocks), per)]
 
@@ -303,7 +312,14 @@ class PeerClient:
                         raise ProtocolError(
                             f"peer {peer}: {url} sent {resp.length} bytes for {start}-{stop - 1}"
                         )
-                    receive_blocks(resp, fd, start, stop, block_size, blocks, what)
+                    receive_to(
+                        lambda view, _at: resp.readinto(view),
+                        pwriter(fd),
+                        sums,
+                        start,
+                        stop,
+                        short=PeerUnavailableError,
+                    )
                     return True
                 except (OSError, http.client.HTTPException) as e:
                     raise self._unavailable(peer, "GET", url, e) from e

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 from tierckpt_core.errors import (
+    BlockMismatchError,
     CheckpointFormatError,
     IntegrityError,
     NotFoundError,
@@ -24,9 +26,9 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     TierCkptError,
 )
-from tierckpt_core.integrity import block_digest
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import PeerStep, StepInfo
+from tierckpt_core.verified import BlockSums, check_blocks
 from tierckpt_daemon.peers.replication import PEER_ERRORS, Replicator
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord
@@ -218,13 +220,12 @@ class PeerFetcher:
         parts: dict[tuple[int, int], bytes] = {}
         for off, n in ranges:
             if n and (off, n) in segments:
-                parts[(off, n)] = self._fetch_verified(
-                    peers, f, namespace, step, off, n, [segments[(off, n)]], n
-                )
+                alone = BlockSums(f.name, n, n, [segments[(off, n)]], origin=off)
+                parts[(off, n)] = self._fetch_verified(peers, namespace, step, off, n, alone)
         rest = [(off, n) for off, n in ranges if n and (off, n) not in parts]
         if rest:
-            size, digests = f.block_size, f.blocks
-            if not size or digests is None:
+            size = f.block_size
+            if not size or f.blocks is None:
                 raise CheckpointFormatError(
                     f"{namespace}/step {step}: {f.name} has no block checksums to verify a range"
                 )
@@ -241,7 +242,7 @@ class PeerFetcher:
             for run in runs:
                 start, end = run[0] * size, min((run[-1] + 1) * size, f.length)
                 data = self._fetch_verified(
-                    peers, f, namespace, step, start, end - start, [digests[b] for b in run], size
+                    peers, namespace, step, start, end - start, BlockSums.of(f)
                 )
                 blocks.update({b: data[(b - run[0]) * size : (b - run[0] + 1) * size] for b in run})
             for off, n in rest:
@@ -251,36 +252,33 @@ class PeerFetcher:
         return b"".join(parts.get((off, n), b"") for off, n in ranges)
 
     def _fetch_verified(
-        self,
-        peers: list[str],
-        f: FileRecord,
-        namespace: str,
-        step: int,
-        start: int,
-        length: int,
-        digests: list[str],
-        piece: int,
+        self, peers: list[str], namespace: str, step: int, start: int, length: int, sums: BlockSums
     ) -> bytes:
-        """``length`` bytes at ``start`` of ``f`` from the first peer whose bytes match
-        ``digests``, one per ``piece`` bytes."""
+        """``length`` bytes at ``start`` of a file (whole blocks of ``sums``) from the first peer
+        whose bytes match their checksums."""
         errors = []
+        where = f"{namespace}/step {step}"
         for peer in peers:
             try:
                 data = self.replicator.client.read_range(
-                    peer, namespace, step, f.name, start, length
+                    peer, namespace, step, sums.name, start, length
                 )
             except PEER_ERRORS as e:
                 errors.append(f"{peer}: {e}")
                 continue
-            pieces = [data[i : i + piece] for i in range(0, len(data), piece)]
-            if [block_digest(p) for p in pieces] != digests:
+            if len(data) != length:
+                errors.append(f"{peer}: sent {len(data)} bytes of {sums.name} for {length}")
+                continue
+            try:
+                check_blocks(data, replace(sums, where=where, source=f"in peer {peer}"), start)
+            except BlockMismatchError as e:
                 self.replicator.service.metrics.verification_failures.inc()
-                errors.append(f"{peer}: bytes {start}-{start + length} of {f.name} are corrupt")
+                errors.append(str(e))
                 continue
             self.replicator.service.metrics.peer_hydrated_bytes.inc(len(data))
             return data
         raise StepNotFoundError(
-            f"{namespace}/step {step}: no peer could send {f.name} bytes {start}-{start + length} "
+            f"{where}: no peer could send {sums.name} bytes {start}-{start + length} "
             f"({'; '.join(errors) or 'no peer holds it'})"
         )
 
