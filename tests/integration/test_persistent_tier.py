@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient, DaemonUnavailableError
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.dcp import TieredStorageWriter
 from tierckpt_core.objectstore import StoreSettings, open_store
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess
+from kit import blank_like, load, save
 
 N = 1 << 16
 
@@ -33,25 +35,6 @@ def _state(step: int) -> dict[str, object]:
         "b": torch.randn(33, generator=g),
         "meta": {"step": step},
     }
-
-
-def _empty() -> dict[str, object]:
-    return {"w": torch.zeros(N), "b": torch.zeros(33), "meta": {"step": -1}}
-
-
-def _save(ns: str, step: int, *, staged: bool = True) -> None:
-    writer = TieredStorageWriter(ns, step)
-    if staged:
-        dcp.async_save(_state(step), storage_writer=writer, no_dist=True).result()
-    else:
-        dcp.save(_state(step), storage_writer=writer, no_dist=True)
-
-
-def _load(ns: str, step: int | None = None) -> tuple[int | None, dict[str, object]]:
-    out = _empty()
-    reader = TieredStorageReader(ns, step)
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return reader.resolved_step, out
 
 
 def _assert_state(out: dict[str, object], step: int) -> None:
@@ -82,8 +65,8 @@ def _reboot(node: DaemonProcess) -> None:
 
 
 def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
-    _save("job", 10)
-    _save("job", 20, staged=False)
+    save("job", 10, _state(10))
+    save("job", 20, _state(20), staged=False)
     _wait_durable("job", {10, 20})
     _reboot(node)
     with DaemonClient() as c:
@@ -91,10 +74,10 @@ def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
             (20, False, True),
             (10, False, True),
         ]
-    step, out = _load("job")
+    step, out = load("job", blank_like(_state(0)))
     assert step == 20
     _assert_state(out, 20)
-    step, out = _load("job", 10)
+    step, out = load("job", blank_like(_state(0)), 10)
     _assert_state(out, 10)
     with DaemonClient() as c:
         assert {s.step: s.state.value for s in c.steps("job")} == {10: "durable", 20: "durable"}
@@ -103,15 +86,15 @@ def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
 def test_an_older_durable_step_stays_hydrated_until_its_reader_is_done(node: DaemonProcess) -> None:
     """Retention (keep_last=2) must not evict a step the moment it is hydrated for a reader."""
     for step in (10, 20, 30):
-        _save("job", step)
+        save("job", step, _state(step))
         _wait_durable("job", {step})
     with DaemonClient() as c:
         assert sorted(s.step for s in c.steps("job") if s.in_memory) == [20, 30]
         assert {x.step for x in c.candidates("job") if x.durable} == {10, 20, 30}
-    step, out = _load("job", 10)
+    step, out = load("job", blank_like(_state(0)), 10)
     assert step == 10
     _assert_state(out, 10)
-    _save("job", 40)  # the next commit applies retention again: step 10 leaves memory
+    save("job", 40, _state(40))  # the next commit applies retention again: step 10 leaves memory
     with DaemonClient() as c:
         assert sorted(s.step for s in c.steps("job") if s.in_memory) == [30, 40]
 
@@ -119,8 +102,8 @@ def test_an_older_durable_step_stays_hydrated_until_its_reader_is_done(node: Dae
 def test_corrupt_object_falls_back_to_older_step(
     node: DaemonProcess, tier_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _save("job", 10)
-    _save("job", 20)
+    save("job", 10, _state(10))
+    save("job", 20, _state(20))
     _wait_durable("job", {10, 20})
     store = open_store(tier_url, StoreSettings.from_env())
     key = next(o.key for o in store.list("job/step_000000000020/") if o.key.endswith(".data"))
@@ -129,51 +112,46 @@ def test_corrupt_object_falls_back_to_older_step(
     store.put_bytes(key, bytes(data))
     _reboot(node)
     with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
-        step, out = _load("job")
+        step, out = load("job", blank_like(_state(0)))
     assert step == 10
     _assert_state(out, 10)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "skipping step 20" in warnings[0] and "corrupt" in warnings[0]
     with pytest.raises(CheckpointException, match=r"file r00000\.data .* is corrupt"):
-        _load("job", 20)
+        load("job", blank_like(_state(0)), 20)
 
 
 def test_upload_failure_is_reported_and_resumes_after_restart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     root = tmp_path / "store"
     root.mkdir()
     (root / "job").write_text("a file where the namespace directory must go")
-    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{root}")
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        d.start()
-        _save("job", 5)
-        with DaemonClient() as c:
-            deadline = time.monotonic() + 30
-            while (st := c.status().persistent) is None or st.failed_uploads == 0:
-                assert time.monotonic() < deadline, st
-                time.sleep(0.05)
-            assert st.healthy is False and "job/step 5: upload to file://" in (st.last_error or "")
-            assert [s.state.value for s in c.steps("job")] == ["committed"]
-        # The memory tier keeps working while the persistent tier is broken.
-        _step, out = _load("job")
-        _assert_state(out, 5)
+    d = make_node(client=True, persist_url=f"file://{root}")
+    save("job", 5, _state(5))
+    with DaemonClient() as c:
+        deadline = time.monotonic() + 30
+        while (st := c.status().persistent) is None or st.failed_uploads == 0:
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)
+        assert st.healthy is False and "job/step 5: upload to file://" in (st.last_error or "")
+        assert [s.state.value for s in c.steps("job")] == ["committed"]
+    # The memory tier keeps working while the persistent tier is broken.
+    _step, out = load("job", blank_like(_state(0)))
+    _assert_state(out, 5)
 
-        d.kill()  # SIGKILL with the upload still pending
-        (root / "job").unlink()
-        d.start()
-        _wait_durable("job", {5})
-        store = open_store(f"file://{root}")
-        names = {o.key for o in store.list("job/")}
-        assert names == {
-            "job/step_000000000005/r00000.data",
-            "job/step_000000000005/r00000.extra",
-            "job/step_000000000005/manifest.json",
-            "job/step_000000000005/COMMITTED",
-        }
-    finally:
-        d.cleanup()
+    d.kill()  # SIGKILL with the upload still pending
+    (root / "job").unlink()
+    d.start()
+    _wait_durable("job", {5})
+    store = open_store(f"file://{root}")
+    names = {o.key for o in store.list("job/")}
+    assert names == {
+        "job/step_000000000005/r00000.data",
+        "job/step_000000000005/r00000.extra",
+        "job/step_000000000005/manifest.json",
+        "job/step_000000000005/COMMITTED",
+    }
 
 
 def test_without_a_daemon_restore_and_save_use_the_tier_directly(
@@ -182,27 +160,27 @@ def test_without_a_daemon_restore_and_save_use_the_tier_directly(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    _save("job", 10)
+    save("job", 10, _state(10))
     _wait_durable("job", {10})
     node.kill()
     monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
 
     with caplog.at_level(logging.WARNING):
-        step, out = _load("job")
-        _save("job", 20)  # async_save: stages privately, uploads in write_data
-        _save("job", 30, staged=False)
+        step, out = load("job", blank_like(_state(0)))
+        save("job", 20, _state(20))  # async_save: stages privately, uploads in write_data
+        save("job", 30, _state(30), staged=False)
     assert step == 10
     _assert_state(out, 10)
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("restoring straight from the persistent tier" in m for m in msgs)
     assert sum("saving straight to the persistent tier" in m for m in msgs) == 1  # said once
-    step, out = _load("job", 20)
+    step, out = load("job", blank_like(_state(0)), 20)
     _assert_state(out, 20)
 
     # The daemon comes back (empty memory): the degraded saves are ordinary durable steps to it.
     shutil.rmtree(node.shm_dir)
     node.start()
-    step, out = _load("job")
+    step, out = load("job", blank_like(_state(0)))
     assert step == 30
     _assert_state(out, 30)
 
@@ -218,7 +196,7 @@ def test_degraded_save_can_be_refused(node: DaemonProcess, monkeypatch: pytest.M
 
 
 def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path: Path) -> None:
-    _save("job", 10, staged=False)
+    save("job", 10, _state(10), staged=False)
     _wait_durable("job", {10})
     _reboot(node)  # export from the persistent tier, through the daemon's hydration
     dest = tmp_path / "exported"
@@ -230,7 +208,7 @@ def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     assert "exported job step 10" in proc.stdout
-    out = _empty()
+    out = blank_like(_state(0))
     dcp.load(out, storage_reader=FileSystemReader(dest), no_dist=True)
     _assert_state(out, 10)
     again = subprocess.run(
@@ -250,51 +228,47 @@ def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path
     ],
 )
 def test_bad_s3_settings_are_reported_and_memory_keeps_working(
-    s3_env: SeaweedS3, monkeypatch: pytest.MonkeyPatch, setting: str, value: str, message: str
+    s3_env: SeaweedS3,
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str,
+    value: str,
+    message: str,
+    make_node: Callable[..., DaemonProcess],
 ) -> None:
     bucket = value if setting == "bucket" else s3_env.bucket
     if setting != "bucket":
         monkeypatch.setenv(setting, value)
-    d = DaemonProcess(new_shm_dir(), persist_url=f"s3://{bucket}/x")
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        d.start()
-        with DaemonClient() as c:
-            deadline = time.monotonic() + 60
-            while (st := c.status().persistent) is None or st.healthy is None:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        assert st.healthy is False and message in (st.last_error or ""), st
-        assert message in d.log()
-        _save("job", 1)
-        step, out = _load("job")
-        assert step == 1
-        _assert_state(out, 1)
-    finally:
-        d.cleanup()
+    d = make_node(client=True, persist_url=f"s3://{bucket}/x")
+    with DaemonClient() as c:
+        deadline = time.monotonic() + 60
+        while (st := c.status().persistent) is None or st.healthy is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert st.healthy is False and message in (st.last_error or ""), st
+    assert message in d.log()
+    save("job", 1, _state(1))
+    step, out = load("job", blank_like(_state(0)))
+    assert step == 1
+    _assert_state(out, 1)
 
 
 def test_persistent_retention_keeps_newest_and_collects_incomplete(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     root = tmp_path / "store"
-    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{root}", persist_keep_last=2)
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    d = make_node(client=True, start=False, persist_url=f"file://{root}", persist_keep_last=2)
     store = open_store(f"file://{root}")
     store.put_bytes("job/step_000000000001/r00000.data", b"an upload that never finished")
-    try:
-        d.start()
-        for step in (2, 3, 4):
-            _save("job", step)
-            _wait_durable("job", {step})
-        # Retention runs right after a step is marked durable: give it a moment.
-        want = {"step_000000000003", "step_000000000004"}
-        deadline = time.monotonic() + 30
-        while (keys := {o.key.split("/")[1] for o in store.list("job/")}) != want:
-            assert time.monotonic() < deadline, keys
-            time.sleep(0.05)
-    finally:
-        d.cleanup()
+    d.start()
+    for step in (2, 3, 4):
+        save("job", step, _state(step))
+        _wait_durable("job", {step})
+    # Retention runs right after a step is marked durable: give it a moment.
+    want = {"step_000000000003", "step_000000000004"}
+    deadline = time.monotonic() + 30
+    while (keys := {o.key.split("/")[1] for o in store.list("job/")}) != want:
+        assert time.monotonic() < deadline, keys
+        time.sleep(0.05)
 
 
 def _thread_nices(pid: int) -> list[int]:
@@ -311,64 +285,52 @@ def _thread_nices(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("nice", [7, 0])
 def test_transfer_threads_yield_the_cpu_to_training(
-    nice: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nice: int, tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
-    d = DaemonProcess(
-        new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", background_nice=nice
-    )
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        d.start()
-        _save("nice", 1)
-        _wait_durable("nice", {1})
-        assert d.proc is not None
-        nices = _thread_nices(d.proc.pid)
-        # The thread that answers the trainers keeps the priority the daemon started with (this
-        # test's own: pytest may run niced); the uploader's are lowered to `nice`, never raised.
-        base = os.getpriority(os.PRIO_PROCESS, 0)
-        background = max(base, nice)
-        assert base in nices
-        assert (nices.count(background) >= 2) if background != base else set(nices) == {base}
-    finally:
-        d.cleanup()
+    d = make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", background_nice=nice)
+    save("nice", 1, _state(1))
+    _wait_durable("nice", {1})
+    assert d.proc is not None
+    nices = _thread_nices(d.proc.pid)
+    # The thread that answers the trainers keeps the priority the daemon started with (this
+    # test's own: pytest may run niced); the uploader's are lowered to `nice`, never raised.
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    background = max(base, nice)
+    assert base in nices
+    assert (nices.count(background) >= 2) if background != base else set(nices) == {base}
 
 
 def test_every_step_queued_for_upload_is_uploaded_or_reported_skipped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     """Uploads slower than the saves, keep_last=2: a queued step that retention takes out of memory
     before its upload starts is not uploaded, and says so (log line, metric, status)."""
-    d = DaemonProcess(
-        new_shm_dir(),
+    d = make_node(
+        client=True,
         persist_url=f"file://{tmp_path / 'store'}",
         keep_last=2,
         # ~16 s per step of ~260 KiB. Saves go on until one queued step was skipped (three
         # saves during one upload), so a loaded machine whose saves are slow only saves more.
         upload_max_rate="16K",
     )
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        d.start()
-        steps: list[int] = []
-        with DaemonClient() as c:
-            for step in range(0, 120, 10):
-                _save("job", step)
-                steps.append(step)
-                p = c.status().persistent
-                assert p is not None
-                if p.skipped_uploads:
-                    break
-            deadline = time.monotonic() + 180
-            while (p := c.status().persistent) is not None and (p.queued_steps or p.uploads):
-                assert time.monotonic() < deadline, p
-                time.sleep(0.1)
+    steps: list[int] = []
+    with DaemonClient() as c:
+        for step in range(0, 120, 10):
+            save("job", step, _state(step))
+            steps.append(step)
+            p = c.status().persistent
             assert p is not None
-            durable = {x.step for x in c.candidates("job") if x.durable}
-        skipped = set(steps) - durable
-        assert steps[-1] in durable and skipped, (steps, durable, "uploads kept pace with saves")
-        assert p.skipped_uploads == len(skipped)
-        log = d.log()
-        for step in skipped:
-            assert f"job/step {step} is not uploaded: it left memory first: retention" in log
-    finally:
-        d.cleanup()
+            if p.skipped_uploads:
+                break
+        deadline = time.monotonic() + 180
+        while (p := c.status().persistent) is not None and (p.queued_steps or p.uploads):
+            assert time.monotonic() < deadline, p
+            time.sleep(0.1)
+        assert p is not None
+        durable = {x.step for x in c.candidates("job") if x.durable}
+    skipped = set(steps) - durable
+    assert steps[-1] in durable and skipped, (steps, durable, "uploads kept pace with saves")
+    assert p.skipped_uploads == len(skipped)
+    log = d.log()
+    for step in skipped:
+        assert f"job/step {step} is not uploaded: it left memory first: retention" in log
