@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from tierckpt_client import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
 from helpers import DaemonProcess
 
-__all__ = ["blank_like", "blank_state", "config", "load", "reader", "save", "seeded_state"]
+__all__ = ["blank_like", "blank_state", "client_config", "load", "reader", "save", "seeded_state"]
 
 
 def seeded_state(step: int, numel: int, *, seed: int | None = None, **meta: Any) -> dict[str, Any]:
@@ -44,9 +45,13 @@ def blank_state(numel: int, **meta: Any) -> dict[str, Any]:
     return blank_like(seeded_state(0, numel, **meta))
 
 
-def config(node: DaemonProcess | None) -> ClientConfig | None:
-    """A client configuration that reaches ``node``, or None (``TIERCKPT_SOCKET`` from the
-    environment, as a trainer's would)."""
+def client_config(
+    node: DaemonProcess | None, config: ClientConfig | None = None
+) -> ClientConfig | None:
+    """``config`` if given, else one that reaches ``node``, else None (``TIERCKPT_SOCKET`` from
+    the environment, as a trainer's would)."""
+    if config is not None:
+        return config
     return ClientConfig.from_env(socket=node.socket) if node is not None else None
 
 
@@ -56,13 +61,14 @@ def save(
     state: dict[str, Any],
     *,
     node: DaemonProcess | None = None,
+    config: ClientConfig | None = None,
     staged: bool = True,
     **writer: Any,
 ) -> TieredStorageWriter:
     """Save ``state`` as ``ns``/``step`` on one rank: staged (``async_save``, which copies into
     the leased files, then waits for the commit) or, with ``staged=False``, a plain ``dcp.save``
     (``write_data`` copies). ``writer`` goes to :class:`TieredStorageWriter` (``persist=...``)."""
-    w = TieredStorageWriter(ns, step, config=config(node), **writer)
+    w = TieredStorageWriter(ns, step, config=client_config(node, config), **writer)
     if staged:
         dcp.async_save(state, storage_writer=w, no_dist=True).result()
     else:
@@ -76,11 +82,13 @@ def reader(
     step: int | None = None,
     *,
     node: DaemonProcess | None = None,
+    config: ClientConfig | None = None,
+    planner: LoadPlanner | None = None,
 ) -> TieredStorageReader:
     """Load ``ns``/``step`` (the latest if None) into ``dest`` on one rank, and return the reader
     (which step it read, ``resolved_step``, and from where)."""
-    r = TieredStorageReader(ns, step, config=config(node))
-    dcp.load(dest, storage_reader=r, no_dist=True)
+    r = TieredStorageReader(ns, step, config=client_config(node, config))
+    dcp.load(dest, storage_reader=r, planner=planner, no_dist=True)
     return r
 
 
@@ -90,7 +98,10 @@ def load(
     step: int | None = None,
     *,
     node: DaemonProcess | None = None,
+    config: ClientConfig | None = None,
+    planner: LoadPlanner | None = None,
 ) -> tuple[int | None, dict[str, Any]]:
     """Load ``ns``/``step`` (the latest if None) into ``dest`` on one rank: the step read, and
     ``dest``."""
-    return reader(ns, dest, step, node=node).resolved_step, dest
+    r = reader(ns, dest, step, node=node, config=config, planner=planner)
+    return r.resolved_step, dest

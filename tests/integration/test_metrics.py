@@ -8,8 +8,8 @@ import hashlib
 import importlib.metadata
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -22,7 +22,10 @@ from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
 from tierckpt_daemon.metrics import namespace_label
 
-from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
+from helpers import DaemonProcess, free_port, wait_until
+from kit import save, seeded_state
+
+N = 1 << 14
 
 PORT = free_port()
 
@@ -53,12 +56,6 @@ def test_metrics_move_with_a_save(client_env: DaemonProcess) -> None:
     assert httpx.get(f"http://127.0.0.1:{PORT}/v1/status", timeout=10).status_code == 403
 
 
-def _save(namespace: str, step: int, **kw: Any) -> None:
-    sd = {"w": torch.arange(1 << 14, dtype=torch.float32) + step}
-    writer = TieredStorageWriter(namespace, step, **kw)
-    dcp.async_save(sd, storage_writer=writer, no_dist=True).result()
-
-
 @pytest.mark.daemon_settings(port=PORT, host="127.0.0.1", capacity="64M")
 def test_build_info_names_the_versions_that_run(client_env: DaemonProcess) -> None:
     infos = [
@@ -76,11 +73,11 @@ def test_build_info_names_the_versions_that_run(client_env: DaemonProcess) -> No
 
 
 def test_seconds_since_the_last_committed_and_durable_step_per_namespace(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_node: Callable[..., DaemonProcess]
 ) -> None:
     port = free_port()
-    d = DaemonProcess(
-        new_shm_dir(),
+    d = make_node(
+        start=False,
         port=port,
         host="127.0.0.1",
         capacity="64M",
@@ -89,89 +86,83 @@ def test_seconds_since_the_last_committed_and_durable_step_per_namespace(
     )
     since_commit = "tierckpt_seconds_since_committed_step"
     since_durable = "tierckpt_seconds_since_durable_step"
-    try:
-        d.start()
-        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-        # No series before a first step: "absent" rather than a made-up age.
-        assert not [k for k in _scrape(port) if k[0] in (since_commit, since_durable)]
+    d.start()
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    # No series before a first step: "absent" rather than a made-up age.
+    assert not [k for k in _scrape(port) if k[0] in (since_commit, since_durable)]
 
-        _save("kept", 1, persist=False)  # committed, never made durable
-        _save("safe", 1, persist=True)
-        wait_until(
-            "safe/step 1 durable",
-            lambda: (since_durable, (("namespace", "safe"),)) in _scrape(port),
-        )
-        first = _scrape(port)
-        assert 0 <= first[(since_commit, (("namespace", "kept"),))] < 600
-        assert 0 <= first[(since_commit, (("namespace", "safe"),))] < 600
-        assert 0 <= first[(since_durable, (("namespace", "safe"),))] < 600
-        assert (since_durable, (("namespace", "kept"),)) not in first
-        # Computed at scrape time: the age grows while nothing is saved.
-        time.sleep(1.1)
-        later = _scrape(port)
-        for key in [
-            (since_commit, (("namespace", "kept"),)),
-            (since_durable, (("namespace", "safe"),)),
-        ]:
-            assert later[key] >= first[key] + 1.0, key
-        # A restarted daemon takes the times from the commit records it still holds.
-        d.restart()
-        again = _scrape(port)
-        for key in [
-            (since_commit, (("namespace", "kept"),)),
-            (since_commit, (("namespace", "safe"),)),
-            (since_durable, (("namespace", "safe"),)),
-        ]:
-            assert later[key] <= again[key] < later[key] + 600, key
-        assert (since_durable, (("namespace", "kept"),)) not in again
-        # A step brought back from the persistent tier for a reader is not progress of the job:
-        # it resets neither age.
-        with DaemonClient.from_socket(d.socket) as c:
-            c.delete("safe", 1)
-            assert c.hydrate("safe", 1).state.value == "durable"
-        hydrated = _scrape(port)
-        for key in [
-            (since_commit, (("namespace", "safe"),)),
-            (since_durable, (("namespace", "safe"),)),
-        ]:
-            assert hydrated[key] >= again[key], key
-        # Nor when the times are taken from the steps in memory at a start: the only step of
-        # `safe` left in memory was hydrated, so there is no commit time to take (absent, never a
-        # made-up young age); `kept` still has its own.
-        d.restart()
-        restarted = _scrape(port)
-        assert (since_commit, (("namespace", "safe"),)) not in restarted
-        assert (since_durable, (("namespace", "safe"),)) not in restarted
-        assert (since_commit, (("namespace", "kept"),)) in restarted
-        # A new commit resets the namespace's age.
-        _save("kept", 2, persist=False)
-        assert (
-            _scrape(port)[(since_commit, (("namespace", "kept"),))]
-            < later[(since_commit, (("namespace", "kept"),))]
-        )
-    finally:
-        d.cleanup()
+    save("kept", 1, seeded_state(1, N), persist=False)  # committed, never made durable
+    save("safe", 1, seeded_state(1, N), persist=True)
+    wait_until(
+        "safe/step 1 durable",
+        lambda: (since_durable, (("namespace", "safe"),)) in _scrape(port),
+    )
+    first = _scrape(port)
+    assert 0 <= first[(since_commit, (("namespace", "kept"),))] < 600
+    assert 0 <= first[(since_commit, (("namespace", "safe"),))] < 600
+    assert 0 <= first[(since_durable, (("namespace", "safe"),))] < 600
+    assert (since_durable, (("namespace", "kept"),)) not in first
+    # Computed at scrape time: the age grows while nothing is saved.
+    time.sleep(1.1)
+    later = _scrape(port)
+    for key in [
+        (since_commit, (("namespace", "kept"),)),
+        (since_durable, (("namespace", "safe"),)),
+    ]:
+        assert later[key] >= first[key] + 1.0, key
+    # A restarted daemon takes the times from the commit records it still holds.
+    d.restart()
+    again = _scrape(port)
+    for key in [
+        (since_commit, (("namespace", "kept"),)),
+        (since_commit, (("namespace", "safe"),)),
+        (since_durable, (("namespace", "safe"),)),
+    ]:
+        assert later[key] <= again[key] < later[key] + 600, key
+    assert (since_durable, (("namespace", "kept"),)) not in again
+    # A step brought back from the persistent tier for a reader is not progress of the job:
+    # it resets neither age.
+    with DaemonClient.from_socket(d.socket) as c:
+        c.delete("safe", 1)
+        assert c.hydrate("safe", 1).state.value == "durable"
+    hydrated = _scrape(port)
+    for key in [
+        (since_commit, (("namespace", "safe"),)),
+        (since_durable, (("namespace", "safe"),)),
+    ]:
+        assert hydrated[key] >= again[key], key
+    # Nor when the times are taken from the steps in memory at a start: the only step of
+    # `safe` left in memory was hydrated, so there is no commit time to take (absent, never a
+    # made-up young age); `kept` still has its own.
+    d.restart()
+    restarted = _scrape(port)
+    assert (since_commit, (("namespace", "safe"),)) not in restarted
+    assert (since_durable, (("namespace", "safe"),)) not in restarted
+    assert (since_commit, (("namespace", "kept"),)) in restarted
+    # A new commit resets the namespace's age.
+    save("kept", 2, seeded_state(2, N), persist=False)
+    assert (
+        _scrape(port)[(since_commit, (("namespace", "kept"),))]
+        < later[(since_commit, (("namespace", "kept"),))]
+    )
 
 
 @pytest.mark.parametrize("labels", ["hashed", "plain", "off", None])
 def test_metrics_show_namespace_names_only_when_told(
-    labels: str | None, monkeypatch: pytest.MonkeyPatch
+    labels: str | None, monkeypatch: pytest.MonkeyPatch, make_node: Callable[..., DaemonProcess]
 ) -> None:
     """/metrics needs no token: by default a job's namespace shows as a short hash of its name,
     the same on every node (dashboards group by it); ``plain`` shows the name, ``off`` none."""
     port = free_port()
     settings = {"metrics_namespace_labels": labels} if labels is not None else {}
-    d = DaemonProcess(new_shm_dir(), port=port, host="127.0.0.1", capacity="64M", **settings)
+    d = make_node(start=False, port=port, host="127.0.0.1", capacity="64M", **settings)
     name = "acme-secret-finetune"
     since_commit = "tierckpt_seconds_since_committed_step"
-    try:
-        d.start()
-        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-        _save(name, 1, persist=False)
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        series = {k[1] for k in _scrape(port) if k[0] == since_commit}
-    finally:
-        d.cleanup()
+    d.start()
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    save(name, 1, seeded_state(1, N), persist=False)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    series = {k[1] for k in _scrape(port) if k[0] == since_commit}
     if labels == "plain":
         assert series == {(("namespace", name),)}
     elif labels == "off":
@@ -182,11 +173,13 @@ def test_metrics_show_namespace_names_only_when_told(
         assert series == {(("namespace", digest),)} and namespace_label(name) == digest
 
 
-def test_replication_skips_are_counted_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replication_skips_are_counted_with_a_reason(
+    monkeypatch: pytest.MonkeyPatch, make_node: Callable[..., DaemonProcess]
+) -> None:
     port, dead = free_port(), free_port()  # nothing listens on `dead`: every push fails
     me = f"127.0.0.1:{port}"
-    d = DaemonProcess(
-        new_shm_dir(),
+    d = make_node(
+        start=False,
         port=port,
         host="127.0.0.1",
         capacity="64M",
@@ -195,34 +188,28 @@ def test_replication_skips_are_counted_with_a_reason(monkeypatch: pytest.MonkeyP
         peer_token="peer-token-for-the-metrics-test-0123",
     )
     skips = "tierckpt_replication_skips_total"
-    try:
-        d.start()
-        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-        _save("m", 1)
-        # Its pushes fail and are retried; a new save of the step replaces it meanwhile.
-        wait_until(
-            "a failed push",
-            lambda: _scrape(port).get(("tierckpt_replication_failures_total", ())),
-        )
-        _save("m", 1)
-        got = wait_until(
-            "the skip", lambda: _scrape(port).get((skips, (("reason", "superseded"),)))
-        )
-        assert got == 1
-        status = d.status()
-        assert status is not None and status["replication"]["skipped_steps"] == 1
-        assert "m/step 1 is not replicated: a newer save of the same step replaced it" in d.log()
-    finally:
-        d.cleanup()
+    d.start()
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    save("m", 1, seeded_state(1, N))
+    # Its pushes fail and are retried; a new save of the step replaces it meanwhile.
+    wait_until(
+        "a failed push",
+        lambda: _scrape(port).get(("tierckpt_replication_failures_total", ())),
+    )
+    save("m", 1, seeded_state(1, N))
+    got = wait_until("the skip", lambda: _scrape(port).get((skips, (("reason", "superseded"),))))
+    assert got == 1
+    status = d.status()
+    assert status is not None and status["replication"]["skipped_steps"] == 1
+    assert "m/step 1 is not replicated: a newer save of the same step replaced it" in d.log()
 
 
 def test_a_step_with_no_peer_to_go_to_is_counted_as_skipped(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, make_node: Callable[..., DaemonProcess]
 ) -> None:
     port = free_port()
     me = f"127.0.0.1:{port}"
-    d = DaemonProcess(
-        new_shm_dir(),
+    d = make_node(
         port=port,
         host="127.0.0.1",
         capacity="64M",
@@ -230,20 +217,15 @@ def test_a_step_with_no_peer_to_go_to_is_counted_as_skipped(
         peers=me,  # a ring of one: nobody to replicate to
         peer_token="peer-token-for-the-metrics-test-0123",
     )
-    try:
-        d.start()
-        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-        _save("m", 1)
-        _save("m", 2)
-        got = wait_until(
-            "the skips",
-            lambda: (
-                _scrape(port).get(("tierckpt_replication_skips_total", (("reason", "no_peers"),)))
-                == 2
-            ),
-        )
-        assert got
-        # Said once, at WARNING, not once per step.
-        assert d.log().count("is not replicated: no other daemon is a member") == 1
-    finally:
-        d.cleanup()
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+    save("m", 1, seeded_state(1, N))
+    save("m", 2, seeded_state(2, N))
+    got = wait_until(
+        "the skips",
+        lambda: (
+            _scrape(port).get(("tierckpt_replication_skips_total", (("reason", "no_peers"),))) == 2
+        ),
+    )
+    assert got
+    # Said once, at WARNING, not once per step.
+    assert d.log().count("is not replicated: no other daemon is a member") == 1
