@@ -23,8 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from tierckpt_client import ClientConfig, DaemonClient
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _streamed
-from tierckpt_client.dcp._peered import Handoff
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.dcp.sources import streamed
+from tierckpt_client.dcp.sources.peers import Handoff
 from tierckpt_core.integrity import checksum
 from tierckpt_core.protocol import handoff_socket
 
@@ -120,7 +121,7 @@ def test_a_replacement_node_reads_the_step_from_its_peer_into_the_tensors(
     _save_replicated(a, 3, 1)
     _reboot(a)
     # The file is ~4 MiB: split into several connections as a large one would be.
-    monkeypatch.setattr(_streamed, "SPLIT_MIN", 1)
+    monkeypatch.setattr(streamed, "SPLIT_MIN", 1)
     with caplog.at_level(logging.INFO, logger="tierckpt_client"):
         reader, out = _load(a)
     assert reader.resolved_step == 3

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tierckpt_client import ClientConfig, DaemonClient
-from tierckpt_client.dcp._peered import Handoff
+from tierckpt_client.dcp.sources.peers import Handoff
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.protocol import CommitRequest, SealFile
 

@@ -1,5 +1,5 @@
-"""The persistent tier as a save and load target, straight from the trainer: for when there is
-no daemon (see ``_targets`` for the seam it fills).
+"""The persistent tier as a save target, straight from the trainer: for when there is no daemon
+(see ``_targets`` for the seam it fills; a load reads it through ``sources.persistent``).
 
 The format is the daemon's (see docs/format.md): a restore never depends on a daemon being up, and
 a save made in degraded mode is an ordinary durable step that the daemon can later hydrate.
@@ -11,27 +11,17 @@ writes the manifest and then the commit marker, and removes the sidecars.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
-import torch
-
-from tierckpt_client.dcp._files import Files
-from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.dcp._targets import OutFile, bytes_view, overwrite_refused, private_file
-from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
 from tierckpt_core.layout import (
     delete_sidecars,
-    durable_steps,
     file_key,
     marker_key,
     read_sidecar,
-    read_step_manifest,
     step_prefix,
-    verify_file,
     write_sidecar,
     write_step_commit,
 )
@@ -43,9 +33,10 @@ logger = logging.getLogger(__name__)
 
 
 class PersistentTier:
-    """A :class:`~tierckpt_client.dcp._targets.SaveTarget` and ``ReadSource`` on the persistent
-    tier at ``url``. ``discard`` gives back files a rank had staged into its daemon's memory before
-    the save went here (their bytes are uploaded, the leases released)."""
+    """A :class:`~tierckpt_client.dcp._targets.SaveTarget` on the persistent tier at ``url`` (a
+    load reads it through ``sources.persistent``). ``discard`` gives back files a rank had
+    staged into its daemon's memory before the save went here (their bytes are uploaded, the
+    leases released)."""
 
     def __init__(
         self,
@@ -60,50 +51,6 @@ class PersistentTier:
         self.store: ObjectStore = open_store(url, settings or StoreSettings.from_env())
         self._manifests: dict[tuple[str, int], StepManifest] = {}
         self._discard = discard
-
-    # -- reads ------------------------------------------------------------------------------
-    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
-        skipped = []
-        for step in reversed(durable_steps(self.store, namespace)):
-            if below is not None and step >= below:
-                continue
-            try:
-                self.manifest(namespace, step)
-            except (CheckpointFormatError, NotFoundError) as e:
-                logger.warning("%s: skipping step %d for an older one: %s", namespace, step, e)
-                skipped.append(f"step {step}: {e}")
-                continue
-            return step
-        raise StepNotFoundError(
-            f"namespace {namespace} has no durable step"
-            + (f" older than step {below}" if below is not None else "")
-            + f" in {self.url}"
-            + (f" that could be read ({'; '.join(skipped)})" if skipped else "")
-        )
-
-    def manifest(self, namespace: str, step: int) -> StepManifest:
-        key = (namespace, step)
-        if key not in self._manifests:
-            self._manifests[key] = read_step_manifest(self.store, namespace, step)
-        return self._manifests[key]
-
-    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
-        return self.manifest(namespace, step).metadata
-
-    @contextlib.contextmanager
-    def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[Files]:
-        """Files downloaded whole and verified as the reader first needs each."""
-        yield Files(f"{namespace}/step {step}", lambda name: self.fetch(namespace, step, name), {})
-
-    def fetch(self, namespace: str, step: int, name: str) -> torch.Tensor:
-        """Download one file of a durable step, verified, as a uint8 tensor."""
-        entry = next((f for f in self.manifest(namespace, step).files if f.name == name), None)
-        if entry is None:
-            raise CheckpointFormatError(f"{namespace}/step {step}: the manifest has no file {name}")
-        buf = torch.empty(entry.length, dtype=torch.uint8)
-        got = self.store.get_into(file_key(namespace, step, name), bytes_view(buf))
-        verify_file(got, entry, namespace, step, self.url)
-        return buf
 
     # -- writes -----------------------------------------------------------------------------
     def begin(self, namespace: str, step: int) -> None:

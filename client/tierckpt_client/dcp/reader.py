@@ -23,36 +23,29 @@ from torch.futures import Future
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
-from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._fallback import (
     FAILED,
     OK,
     Agreement,
     agree,
     agreement,
-    decide,
     misfit_error,
     outcome,
     plan_misfit,
 )
-from tierckpt_client.dcp._files import StepFiles
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, copy_tensor, decode_metadata
-from tierckpt_client.dcp._peered import PeerTier
-from tierckpt_client.dcp._streamed import MemoryFill, StreamedTier
-from tierckpt_client.dcp._targets import RANGED_READ_MAX, MemoryTier, ReadSource
-from tierckpt_client.errors import (
-    CapacityExceededError,
+from tierckpt_client.dcp.read_plan import Planner, ReadPlan
+from tierckpt_client.dcp.sources import RANGED_READ_MAX, Source, StepFiles
+from tierckpt_core.errors import (
     CheckpointFormatError,
-    DaemonUnavailableError,
     IntegrityError,
     NotFoundError,
     PeerUnavailableError,
-    PersistentTierError,
     StepStateError,
     TierCkptError,
 )
-from tierckpt_client.protocol import StepCandidate, validate_namespace, validate_step
+from tierckpt_core.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +106,10 @@ class TieredStorageReader(StorageReader):
         self.config = config or ClientConfig.from_env()
         self.process_group = process_group
         self._daemon = DaemonClient.shared(self.config)
-        # Where the step's files come from (see _targets): the memory tier through the daemon,
-        # the persistent tier straight into the tensors for a durable step in no node's memory
-        # (_streamed), or the persistent tier once the daemon turned out to be unreachable.
-        self._memory = self._memory_tier(self._daemon)
-        self._source: ReadSource = self._memory
-        self._streamed: StreamedTier | None = None
-        self._elsewhere: MemoryFill | None = None  # the last of those two a load read from
+        # Which step this load reads, and from where (see read_plan): chosen once, in
+        # read_metadata (and again below a step found corrupt while it is read).
+        self._planner = Planner(self._daemon, self.config)
+        self._plan: ReadPlan | None = None
         self._resolved: int | None = None
         # Whom a load of "latest" agrees with on falling back past a step found corrupt while
         # it is read (set when the step is resolved; None for an explicit step).
@@ -132,27 +122,18 @@ class TieredStorageReader(StorageReader):
         self.fetched_bytes = 0
         self._fetched: set[str] = set()
 
-    def _memory_tier(self, daemon: DaemonClient) -> MemoryTier:
-        return MemoryTier(
-            daemon,
-            verify_reads=self.config.verify_reads,
-            read_direct=self._read_direct,
-            peer_files=self._peer_files,
-        )
-
     @property
     def memory_fill(self) -> threading.Thread | None:
         """After a load read straight from the persistent tier or the peers: the thread in which
         the daemon brings the step into this node's memory for the next restore (the load does
         not wait for it; ``join()`` it to). None after a load from this node's memory."""
-        return self._elsewhere.filling if self._elsewhere is not None else None
+        return self._plan.source.filling if self._plan is not None else None
 
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._resolved = None
         self._agreement = None
-        self._source = self._memory
-        self._elsewhere = None
+        self._plan = None
         self.load_id = uuid.uuid4().hex
         if checkpoint_id is not None:
             self.namespace, self.step = parse_checkpoint_id(checkpoint_id)
@@ -178,122 +159,27 @@ class TieredStorageReader(StorageReader):
             )
         return self.namespace
 
-    # -- choosing the step ------------------------------------------------------------------
-    def _resolve_step(self) -> int:
-        namespace = self._require_namespace()
-        if self.step is not None:
-            self._agreement = None  # an explicit step: no fallback, nothing to agree on
-            return self.step
-        self._agreement = agreement(self.process_group)
-        return self._decide(namespace, None)
-
-    def _decide(self, namespace: str, below: int | None) -> int:
-        """The newest good step (older than ``below``), the same on every rank that loads."""
-        assert self._agreement is not None
-        what = "the latest step" if below is None else f"a step older than {below}"
-        return decide(self._agreement, lambda: self._newest_good_step(namespace, below), what)
-
-    def _newest_good_step(self, namespace: str, below: int | None = None) -> int:
-        """The newest step in memory or durable that is complete and verifies (and older than
-        ``below``); older ones are tried when a newer one is corrupt or incomplete, with a
-        warning naming the step."""
-        try:
-            return self._source.newest_good_step(namespace, below)
-        except (DaemonUnavailableError, CapacityExceededError) as e:
-            return self._go_direct(e).newest_good_step(namespace, below)
-
-    def _go_direct(self, cause: TierCkptError) -> PersistentTier:
-        """No daemon, or a step too large for its memory tier (saved straight to the persistent
-        tier by a writer's ``on_unavailable="persist"``): read the persistent tier ourselves, if
-        this process knows where it is."""
-        url = self.config.persist_url
-        if not url:
-            raise cause
-        logger.warning(
-            "%s; restoring straight from the persistent tier %s (TIERCKPT_PERSIST_URL)", cause, url
-        )
-        source = self._source = PersistentTier(url)
-        return source
-
-    def _peer_files(self, namespace: str, step: int) -> PeerTier | None:
-        """Files of a step spanning nodes that other nodes hold, which this rank needs in bulk:
-        read from them straight into the tensors, if the daemon hands over connections."""
-        if not self.config.reads_peers_direct():
-            return None
-        return PeerTier.offered(self._daemon, self.config, namespace, step)
-
-    def _read_direct(self, namespace: str, cand: StepCandidate) -> dict[str, Any] | None:
-        """A step not in this node's memory, read straight into the destination tensors
-        (verified block by block) from where it is: the peers that hold it (through connections
-        the daemon hands over), else, durable, the persistent tier if this process can reach it.
-        The daemon brings it into memory afterwards. Returns the step's metadata, or None when
-        it cannot be read from here (the daemon then brings the step into memory first)."""
-        if cand.peers:  # nearer than the persistent tier
-            if not self.config.reads_peers_direct():
-                return None
-            peers = PeerTier.offered(self._daemon, self.config, namespace, cand.step)
-            if peers is None:
-                return None
-            logger.info(
-                "%s/step %d is not in this node's memory: reading it straight from the peers "
-                "that hold it (%s), verified; the daemon brings it into memory afterwards",
-                namespace,
-                cand.step,
-                ", ".join(sorted(peers.sources.holders)),
-            )
-            self._source = self._elsewhere = peers
-            return peers.metadata(namespace, cand.step)
-        if not cand.durable or not self.config.reads_direct():
-            return None
-        step = cand.step
-        url = self.config.persist_url
-        assert url is not None
-        source = self._streamed
-        if source is None:
-            source = self._streamed = StreamedTier(PersistentTier(url), self.config)
-        try:
-            doc = source.metadata(namespace, step)
-        except (PersistentTierError, NotFoundError) as e:
-            # Unreachable, no credentials here, or not what the daemon's tier holds: the daemon
-            # reads its own tier.
-            logger.warning(
-                "%s/step %d: cannot read the persistent tier %s from this process (%s); the "
-                "daemon brings the step into memory first",
-                namespace,
-                step,
-                url,
-                e,
-            )
-            return None
-        logger.info(
-            "%s/step %d is in no node's memory: reading it straight from %s, verified; the "
-            "daemon brings it into memory afterwards",
-            namespace,
-            step,
-            url,
-        )
-        self._source = self._elsewhere = source
-        return doc
-
     # -- StorageReader ----------------------------------------------------------------------
     # No **kwargs on purpose: DCP then does not retry with rank-local metadata (which tierckpt
     # does not have), and the user sees this reader's error rather than a second, misleading one.
     def read_metadata(self) -> Metadata:
-        self._require_namespace()
-        # Each load starts from this node's memory (DCP calls reset() only when given a
-        # checkpoint_id): a reader reused after a load from elsewhere must not stay there.
-        self._source = self._memory
-        self._elsewhere = None
-        return self._step_metadata(self._resolve_step())
-
-    def _step_metadata(self, step: int) -> Metadata:
-        """Make ``step`` the one this reader loads, and return its metadata."""
         namespace = self._require_namespace()
-        self._resolved = step
-        try:
-            doc = self._source.metadata(namespace, step)
-        except (DaemonUnavailableError, CapacityExceededError) as e:
-            doc = self._go_direct(e).metadata(namespace, step)
+        # Each load starts from this node's daemon (DCP calls reset() only when given a
+        # checkpoint_id): a reader reused after a load from elsewhere must not stay there.
+        self._planner.reset()
+        self._plan = None
+        if self.step is not None:
+            self._agreement = None  # an explicit step: no fallback, nothing to agree on
+            return self._step_metadata(self.step)
+        self._agreement = agreement(self.process_group)
+        return self._step_metadata(self._planner.latest(namespace, self._agreement))
+
+    def _step_metadata(self, chosen: ReadPlan | int) -> Metadata:
+        """Make the step chosen the one this reader loads, plan where it reads it from, and
+        return its metadata."""
+        namespace = self._require_namespace()
+        self._resolved = chosen.step if isinstance(chosen, ReadPlan) else chosen
+        self._plan, doc = self._planner.plan(namespace, chosen)
         metadata = decode_metadata(doc)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
@@ -337,7 +223,7 @@ class TieredStorageReader(StorageReader):
         ``_fallback``). A step of another layout than the plan's fails the load, naming it."""
         namespace = self._require_namespace()
         corrupt: list[str] = []
-        older: int | None = None
+        older: ReadPlan | int | None = None
         while True:
             error: Exception | None = None
             try:
@@ -356,11 +242,10 @@ class TieredStorageReader(StorageReader):
             bad = self._resolved
             assert bad is not None
             corrupt.append(f"step {bad}: {'; '.join(found)}")
-            if not isinstance(self._source, PersistentTier):  # the daemon's way, unless it is gone
-                self._source = self._memory
-            self._elsewhere = None
+            self._plan = None
             try:
-                older = self._decide(namespace, bad)
+                # The plan below the corrupt step: the daemon's way, unless it is gone.
+                older = self._planner.latest(namespace, how, bad)
             except NotFoundError as e:
                 raise IntegrityError(
                     f"{namespace}: {'; '.join(corrupt)}; and no older step could be restored ({e})"
@@ -371,27 +256,29 @@ class TieredStorageReader(StorageReader):
                 namespace,
                 bad,
                 "; ".join(found),
-                older,
+                older if isinstance(older, int) else older.step,
             )
 
-    def _switch(self, plan: LoadPlan, step: int) -> None:
-        """Point the reader at ``step`` for the same ``plan``, if that step can serve it."""
+    def _switch(self, plan: LoadPlan, chosen: ReadPlan | int) -> None:
+        """Point the reader at the step chosen for the same ``plan``, if that step can serve it."""
         bad = self._resolved
-        new = dict(self._step_metadata(step).storage_data or {})
+        step = chosen.step if isinstance(chosen, ReadPlan) else chosen
+        new = dict(self._step_metadata(chosen).storage_data or {})
         why = plan_misfit(plan, self._storage, new)
         if why is not None:
             raise misfit_error(self._require_namespace(), bad, step, why)
         self._storage = new
 
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Copy every item of ``plan`` out of the step's files, from this reader's source (a
-        failed read from the peers falls back to the daemon's own way)."""
+        """Copy every item of ``plan`` out of the step's files, from the read plan's source (a
+        failed read from the peers is read again the daemon's way)."""
         refs = [ref for i in plan.items if (ref := self._storage.get(i.storage_index))]
         try:
             with self.open_files(refs) as files:
                 self._copy_items(plan, planner, files)
         except (IntegrityError, PeerUnavailableError) as e:
-            if not (isinstance(self._source, PeerTier) or self._memory.read_peers):
+            instead = self._plan.instead() if self._plan is not None else None
+            if instead is None:
                 raise
             # Every peer's copy failed (all bytes are read before any item is handed on): the
             # daemon tries its own way, other replicas and then the persistent tier.
@@ -402,27 +289,26 @@ class TieredStorageReader(StorageReader):
                 self._resolved,
                 e,
             )
-            self._source = self._memory
-            peer_files, self._memory.peer_files = self._memory.peer_files, None
-            try:
-                with self.open_files(refs) as files:
-                    self._copy_items(plan, planner, files)
-            finally:
-                self._memory.peer_files = peer_files
+            with self.open_files(refs, instead) as files:
+                self._copy_items(plan, planner, files)
         self.read_bytes = sum(ref.length for ref in refs)
         self.fetched_bytes = sum(ref.length for ref in refs if ref.file in self._fetched)
 
     @contextlib.contextmanager
-    def open_files(self, refs: list[ShardRef] | None = None) -> Iterator[StepFiles]:
-        """Yield the files of the step ``read_metadata`` chose, from this reader's source: the
-        daemon's memory (pinned meanwhile; of a step spanning nodes, what ``refs`` need of files
-        other nodes hold is fetched first, whole or as ranges), or downloaded and verified from
-        the persistent tier when there is no daemon."""
+    def open_files(
+        self, refs: list[ShardRef] | None = None, source: Source | None = None
+    ) -> Iterator[StepFiles]:
+        """Yield the files of the step ``read_metadata`` chose, from the source it planned (or
+        ``source``): the daemon's memory (pinned meanwhile; of a step spanning nodes, what
+        ``refs`` need of files other nodes hold is fetched first, whole or as ranges), the peers
+        or the persistent tier straight into the tensors, or downloaded and verified from the
+        persistent tier when there is no daemon."""
         namespace = self._require_namespace()
         step = self._resolved
-        if step is None:
+        if step is None or self._plan is None:
             raise StepStateError("the step's files are opened after read_metadata()")
-        with self._source.open_files(namespace, step, list(refs or ())) as files:
+        source = source or self._plan.source
+        with source.open_files(namespace, step, list(refs or ())) as files:
             self._fetched = files.fetched
             yield files
 
@@ -430,8 +316,7 @@ class TieredStorageReader(StorageReader):
         """Copy every item of ``plan`` out of the step's stored files."""
         where = files.where
         targets: dict[int, torch.Tensor] = {}
-        prefetch = getattr(files, "prefetch", None)
-        if prefetch is not None:  # reads straight from the persistent tier: all at once
+        if files.prefetches:  # reads straight from the persistent tier or peers: all at once
             wants: list[tuple[ShardRef, torch.Tensor | None]] = []
             for i, item in enumerate(plan.items):
                 ref = self._storage.get(item.storage_index)
@@ -443,7 +328,7 @@ class TieredStorageReader(StorageReader):
                     if self._whole(item, ref, targets[i]):
                         target = targets[i]
                 wants.append((ref, target))
-            prefetch(wants)
+            files.prefetch(wants)
         for i, item in enumerate(plan.items):
             ref = self._storage.get(item.storage_index)
             if ref is None:
@@ -497,9 +382,9 @@ class TieredStorageReader(StorageReader):
         state = self.__dict__.copy()
         state["_daemon"] = DaemonClient.shared(self.config)
         state["process_group"] = None
-        state["_memory"] = self._memory_tier(state["_daemon"])
-        state["_source"] = state["_memory"]
-        state["_streamed"] = None
-        state["_elsewhere"] = None
+        state["_planner"] = planner = Planner(state["_daemon"], self.config)
+        # A step read elsewhere is read from this node's memory there (its sources hold
+        # connections and threads that do not travel).
+        state["_plan"] = planner.in_memory(self._resolved) if self._resolved is not None else None
         state["_agreement"] = None
         return state

@@ -1,7 +1,7 @@
-"""The stored files of one step as a reader sees them, whichever tier they come from.
+"""A step's files that this process reads itself: this node's memory, or whole downloads.
 
-A ``Files`` is what a read target's ``open_files`` yields: regions of files by name, offset and
-length, read from this node's memory (mapped, or read with ``preadv`` when this process has not
+A ``LocalFiles`` is the ``StepFiles`` that the memory source (and the persistent tier without a
+daemon) yields: regions of files by name, offset and length, read from this node's memory (mapped, or read with ``preadv`` when this process has not
 mapped the file yet), from ranges of files other nodes hold (fetched and verified by the daemon),
 or from whole files downloaded and verified from the persistent tier.
 
@@ -16,32 +16,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from tierckpt_client.dcp import _arena
-from tierckpt_client.errors import CheckpointFormatError, IntegrityError
+from tierckpt_client.dcp._metadata_codec import ShardRef
+from tierckpt_core.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
 
 
-class StepFiles(Protocol):
-    """What a reader needs of a step's files: :class:`Files`, or ``_streamed.RangedFiles``."""
-
-    where: str
-    fetched: set[str]
-
-    def region(self, name: str, offset: int, length: int, what: str) -> torch.Tensor: ...
-
-    def read_bytes(self, name: str, offset: int, length: int, what: str) -> bytes: ...
-
-    def read_into(self, name: str, offset: int, length: int, target: torch.Tensor) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-class Files:
+class LocalFiles:
     """The stored files of one step, as ``region(file, offset, length)`` uint8 tensors, plus a
     faster way for whole tensors from a tier file this process has not mapped yet.
 
@@ -72,6 +58,11 @@ class Files:
         self.verified_bytes = 0
         # Files of a step spanning nodes that this rank needed and that other nodes held.
         self.fetched: set[str] = set()
+
+    prefetches = False  # each item is read when the reader asks for it
+
+    def prefetch(self, wants: list[tuple[ShardRef, torch.Tensor | None]]) -> None:
+        """Nothing to do ahead: every read is from memory, or a whole file fetched once."""
 
     def buffer(self, name: str) -> torch.Tensor:
         buf = self._buffers.get(name)

@@ -1,42 +1,31 @@
-"""A durable step read straight from the persistent tier into the destination tensors, verified
-block by block as it lands; the daemon then brings the step into this node's memory in the
-background, so that the next restore is local (see docs/design.md, "Restore straight from the
-persistent tier").
+"""A step's files received range by range straight into the destination tensors, each block
+verified against the checksum taken when it was written (``FileRecord.blocks``) right after its last
+byte landed: the ``StepFiles`` of the persistent tier (ranged GETs) and of the peers (connections
+the daemon hands over), behind one :class:`RangeSource`.
 
-Without it, a restore after a memory wipe has the daemon download the step into fresh tmpfs pages
-(a page allocation and fault per 4 KiB) and the reader copy it from there into the trainer's
-tensors: two passes over memory, one of them into cold pages. Here the bytes of a whole,
-contiguous CPU tensor go from the S3 response into the tensor itself (already allocated and
-touched by the trainer), and each block is checked against the checksum taken when it was written
-(``FileRecord.blocks``) right after its last byte landed. Everything else a load needs (bytes
-items, tensors to reshard or to convert, tensors on a GPU) lands in private buffers, verified the
-same way. Reads are ranged GETs of whole blocks around what the rank needs, several at a time;
-bytes of a block that belong to no destination are hashed as they pass and dropped.
-
-Files without block checksums (saved straight to the persistent tier by a writer in degraded
-mode) are downloaded whole and verified, as the reader did before.
+The bytes of a whole, contiguous CPU tensor go from the response into the tensor itself (already
+allocated and touched by the trainer). Everything else a load needs (bytes items, tensors to
+reshard or to convert, tensors on a GPU) lands in private buffers, verified the same way. Reads are
+ranges of whole blocks around what the rank needs, several at a time; bytes of a block that belong
+to no destination are hashed as they pass and dropped. Files without block checksums are read by
+the ``LocalFiles`` given as ``whole`` (downloaded whole and verified).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import xxhash
 
-from tierckpt_client.config import ClientConfig
-from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp._direct import PersistentTier
-from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.errors import CheckpointFormatError, IntegrityError, TierCkptError
-from tierckpt_core.layout import file_key
+from tierckpt_client.dcp.sources.files import LocalFiles
+from tierckpt_core.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.manifest import FileRecord
 
 logger = logging.getLogger(__name__)
@@ -85,8 +74,8 @@ class _Mismatch(Exception):
 
 
 class RangeSource(Protocol):
-    """Where :class:`RangedFiles` reads from: the persistent tier's ``ObjectStore``, or
-    ``_peered.PeerRanges`` (peers, through connections the daemon hands over)."""
+    """Where :class:`StreamedFiles` reads from: the persistent tier's ``ObjectStore``, or
+    ``peers.PeerRanges`` (peers, through connections the daemon hands over)."""
 
     def get_range(
         self, key: str, start: int, end: int, put: Callable[[memoryview, int], None]
@@ -101,9 +90,9 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-class RangedFiles:
-    """The files of a durable step as a reader sees them (the ``Files`` interface), read with
-    ranged GETs: :meth:`prefetch` lands whole tensors in their destinations and everything else
+class StreamedFiles:
+    """A step's files received range by range (the ``StepFiles`` of the persistent tier and of the
+    peers), from a :class:`RangeSource`: :meth:`prefetch` lands whole tensors in their destinations and everything else
     in private buffers, all verified, before the reader copies anything."""
 
     def __init__(
@@ -112,7 +101,7 @@ class RangedFiles:
         store: RangeSource,
         keys: dict[str, str],
         records: dict[str, FileRecord],
-        whole: Files,
+        whole: LocalFiles,
         *,
         concurrency: int = CONCURRENCY,
         streams: int = 1,
@@ -140,7 +129,9 @@ class RangedFiles:
         self.direct_bytes = 0  # bytes that landed straight in a destination tensor
         self._lock = threading.Lock()
 
-    # -- the Files interface ----------------------------------------------------------------
+    prefetches = True  # the reader announces everything it reads, then copies
+
+    # -- the StepFiles interface ----------------------------------------------------------------
     def region(self, name: str, offset: int, length: int, what: str) -> torch.Tensor:
         if self._blockless(name, offset, length, what):
             return self._whole.region(name, offset, length, what)
@@ -180,7 +171,7 @@ class RangedFiles:
         return rec
 
     def _blockless(self, name: str, offset: int, length: int, what: str) -> bool:
-        """Whether ``name`` is read by the other ``Files`` (``whole``): it has no block
+        """Whether ``name`` is read by the other ``StepFiles`` (``whole``): it has no block
         checksums, or (``others_elsewhere``) it is not one of this reader's files."""
         if self._others_elsewhere and name not in self._records:
             return True
@@ -320,76 +311,3 @@ class RangedFiles:
             ) from None
         with self._lock:
             self.verified_bytes += state["checked"]
-
-
-class MemoryFill:
-    """After a load read a step from elsewhere (the persistent tier, peers): the daemon brings
-    the step into this node's memory in the background, for the next restore (:attr:`filling`)."""
-
-    def __init__(self, config: ClientConfig) -> None:
-        self.config = config
-        self.filling: threading.Thread | None = None
-        self._filling_for: tuple[str, int] | None = None
-
-    def fill_memory(self, namespace: str, step: int) -> None:
-        """Have the daemon hydrate the step (after this load's reads: the two do not share the
-        bandwidth), in a thread; the load does not wait for it. Once per step and source."""
-        if self.filling is not None and self._filling_for == (namespace, step):
-            return
-        self._filling_for = (namespace, step)
-
-        def run() -> None:
-            try:
-                with DaemonClient(self.config) as daemon:
-                    daemon.hydrate(namespace, step)
-            except TierCkptError as e:
-                logger.warning(
-                    "%s/step %d: could not bring it into this node's memory for the next "
-                    "restore: %s",
-                    namespace,
-                    step,
-                    e,
-                )
-                return
-            logger.info("%s/step %d is in this node's memory for the next restore", namespace, step)
-
-        self.filling = threading.Thread(target=run, name="tierckpt-fill-memory", daemon=True)
-        self.filling.start()
-
-
-class StreamedTier(MemoryFill):
-    """A ``ReadSource`` for a durable step that is in no memory tier: read straight from the
-    persistent tier (:class:`RangedFiles`), and, once a load has its bytes, ask the daemon to
-    bring the step into this node's memory in the background (:attr:`filling`)."""
-
-    def __init__(
-        self, tier: PersistentTier, config: ClientConfig, *, concurrency: int = CONCURRENCY
-    ) -> None:
-        super().__init__(config)
-        self.tier = tier
-        self.concurrency = concurrency
-
-    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
-        return self.tier.newest_good_step(namespace, below)
-
-    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
-        return self.tier.metadata(namespace, step)
-
-    @contextlib.contextmanager
-    def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[RangedFiles]:
-        manifest = self.tier.manifest(namespace, step)
-        where = f"{namespace}/step {step} in {self.tier.url}"
-        whole = Files(where, lambda name: self.tier.fetch(namespace, step, name), {})
-        files = RangedFiles(
-            where,
-            self.tier.store,
-            {f.name: file_key(namespace, step, f.name) for f in manifest.files},
-            {f.name: f for f in manifest.files},
-            whole,
-            concurrency=self.concurrency,
-        )
-        try:
-            yield files
-        finally:
-            files.close()
-        self.fill_memory(namespace, step)

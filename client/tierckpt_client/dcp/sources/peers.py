@@ -6,7 +6,7 @@ Trainers talk to their own daemon only (no peer token, no TCP of their own: the 
 NetworkPolicy lets only daemons reach each other). So the daemon dials the peer, sends the request
 with its token and hands the connected socket over (``tierckpt_daemon.peers.handoff``); the peer sends
 the bytes by ``sendfile``, and this process receives them into its tensors and checks each block
-against the manifest's checksums (``RangedFiles``). Before, the daemon wrote the step into fresh
+against the manifest's checksums (``streamed.StreamedFiles``). Before, the daemon wrote the step into fresh
 tmpfs pages (half its time) and the reader then copied it from there.
 
 A range that fails on one peer (it went away, or a block does not match) is read again from the
@@ -28,14 +28,14 @@ import torch
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp._files import Files
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.dcp._streamed import CONCURRENCY, MemoryFill, RangedFiles, _Mismatch
-from tierckpt_client.errors import (
+from tierckpt_client.dcp.sources.base import MemoryFill
+from tierckpt_client.dcp.sources.files import LocalFiles
+from tierckpt_client.dcp.sources.streamed import CONCURRENCY, StreamedFiles, _Mismatch
+from tierckpt_core.errors import (
     CheckpointFormatError,
     PeerUnavailableError,
     ProtocolError,
-    StepNotFoundError,
     TierCkptError,
     error_from_code,
 )
@@ -174,9 +174,9 @@ class PeerRanges:
         )
 
 
-class PeerTier(MemoryFill):
-    """A ``ReadSource`` for a step the peers hold and this node does not: read from them
-    straight into the tensors (:class:`RangedFiles` over :class:`PeerRanges`), then filled into
+class PeerSource(MemoryFill):
+    """A ``Source`` for a step the peers hold and this node does not: read from them
+    straight into the tensors (:class:`StreamedFiles` over :class:`PeerRanges`), then filled into
     this node's memory by the daemon in the background."""
 
     def __init__(
@@ -189,7 +189,7 @@ class PeerTier(MemoryFill):
     @classmethod
     def offered(
         cls, daemon: DaemonClient, config: ClientConfig, namespace: str, step: int
-    ) -> PeerTier | None:
+    ) -> PeerSource | None:
         """The step as the peers hold it, if this process can read it from them: the daemon
         hands connections over and every file has block checksums. None otherwise (the daemon
         then fetches the step into memory first)."""
@@ -214,22 +214,14 @@ class PeerTier(MemoryFill):
             )
         return cls(sources, config)
 
-    def newest_good_step(self, namespace: str, below: int | None = None) -> int:
-        step = self.sources.manifest.step
-        if below is not None and step >= below:
-            raise StepNotFoundError(
-                f"{namespace}: the peers' step {step} is not older than {below}"
-            )
-        return step
-
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
         return self.sources.manifest.metadata
 
-    def files(self, where: str, names: set[str] | None, rest: Files) -> RangedFiles:
+    def files(self, where: str, names: set[str] | None, rest: LocalFiles) -> StreamedFiles:
         """The step's files ``names`` (None: all) read from the peers, ``rest`` for the others
         (this node's memory, when it holds them)."""
         m = self.sources.manifest
-        return RangedFiles(
+        return StreamedFiles(
             where,
             PeerRanges(Handoff(self.config), self.sources),
             {f.name: f.name for f in m.files},
@@ -243,7 +235,9 @@ class PeerTier(MemoryFill):
         )
 
     @contextlib.contextmanager
-    def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[RangedFiles]:
+    def open_files(
+        self, namespace: str, step: int, refs: list[ShardRef]
+    ) -> Iterator[StreamedFiles]:
         m = self.sources.manifest
         where = f"{namespace}/step {step} on the peers"
 
@@ -254,7 +248,7 @@ class PeerTier(MemoryFill):
                 return torch.empty(0, dtype=torch.uint8)
             raise CheckpointFormatError(f"{where}: {name} has no block checksums")
 
-        files = self.files(where, None, Files(where, no_whole, {}))
+        files = self.files(where, None, LocalFiles(where, no_whole, {}))
         files.fetched = {ref.file for ref in refs}
         try:
             yield files
