@@ -16,6 +16,8 @@ malformed into :class:`~tierckpt_core.errors.CheckpointFormatError` naming where
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -67,6 +69,55 @@ class FileRecord(BaseModel):
         """Bytes the file takes where it is held: its size in the memory tier, else its length."""
         return self.length if self.size is None else self.size
 
+    @property
+    def slim(self) -> bool:
+        """Whether the block checksums and segments are left out (a file of another node's share
+        in a step's global record: they stay with the file, see :class:`RingRecord`)."""
+        return self.length > 0 and not (self.blocks and self.block_size)
+
+    def slimmed(self) -> FileRecord:
+        """This record as the global record of a step spanning nodes carries it to other nodes:
+        name, rank, length, whole checksum and node; no block checksums, no segments."""
+        return self.model_copy(
+            update={"size": None, "block_size": None, "blocks": None, "segments": None}
+        )
+
+
+def _digest(doc: Any) -> str:
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def share_digest(files: list[FileRecord]) -> str:
+    """The digest of one node's share of a step: what a reader checks the share's full file
+    records (block checksums, segments) against when it fetches them from the node or a replica."""
+    return _digest(
+        [
+            [f.name, f.rank, f.length, f.checksum, f.block_size, f.blocks, f.segments]
+            for f in sorted(files, key=lambda f: f.name)
+        ]
+    )
+
+
+def metadata_digest(metadata: dict[str, Any]) -> str:
+    """The digest of a step's DCP metadata (as the daemons keep it): what a node that does not
+    keep the metadata checks a copy fetched from one that does against."""
+    return _digest(metadata)
+
+
+class RingRecord(BaseModel):
+    """What a step spanning nodes records of the whole job, so that no node keeps the whole
+    job's record: per node a digest of its share's file records (the records themselves, with
+    their block checksums, stay with the files: on the node and its replicas), and where the DCP
+    metadata is kept (the decider and its next nodes; the persistent tier once durable), with its
+    digest. Every other node keeps ``metadata`` empty and fetches it on demand."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    shares: dict[str, str]  # node -> share_digest of the files it holds as their writer's daemon
+    metadata_digest: str
+    metadata_holders: list[str]  # the decider first
+
 
 class LocalState(BaseModel):
     """A daemon's bookkeeping of a step it holds in memory (only on its own tmpfs)."""
@@ -103,6 +154,9 @@ class StepManifest(BaseModel):
     # it); it travels with every copy, so that peers keep tenants apart. None: saved by a daemon
     # from before owners (anyone's).
     owner: str | None = None
+    # A step spanning nodes, committed by a daemon that keeps the record per node (see RingRecord):
+    # other nodes' files are slim, and ``metadata`` is empty on nodes that do not keep it.
+    ring: RingRecord | None = None
     local: LocalState | None = None
 
     @model_validator(mode="before")
@@ -135,6 +189,11 @@ class StepManifest(BaseModel):
     def share(self, node: str) -> list[FileRecord]:
         """The files ``node`` holds as their writer's daemon."""
         return [f for f in self.files if f.node == node]
+
+    @property
+    def metadata_elsewhere(self) -> bool:
+        """Whether this copy of the record leaves the DCP metadata to its holders."""
+        return self.ring is not None and not self.metadata
 
     def portable(self) -> StepManifest:
         """This manifest as it leaves the node: no local state, no memory-tier sizes."""

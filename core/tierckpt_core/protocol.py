@@ -34,7 +34,7 @@ API_VERSION = "v1"
 
 def handoff_socket(api_socket: str | os.PathLike[str]) -> Path:
     """The daemon's second Unix socket, beside its API socket: where a trainer is handed
-    connections to peers for a restore (:mod:`tierckpt_daemon.handoff`)."""
+    connections to peers for a restore (:mod:`tierckpt_daemon.peers.handoff`)."""
     path = Path(api_socket)
     return path.with_name(path.name + ".handoff")
 
@@ -290,7 +290,11 @@ class PrepareRequest(BaseModel):
 
 
 class PrepareResponse(BaseModel):
+    """A participant's answer: its share's files, slim (no block checksums) when it sends
+    ``share_digest``, the digest of their full records, which stay with it."""
+
     files: list[FileRecord]
+    share_digest: str | None = None
 
 
 class DecideRequest(BaseModel):

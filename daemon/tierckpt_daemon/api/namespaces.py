@@ -82,8 +82,8 @@ def get_step(namespace: str, step: int, service: Service, owner: Owner) -> StepI
 
 
 @router.get("/{namespace}/steps/{step}/metadata")
-def get_metadata(namespace: str, step: int, service: Service, owner: Owner) -> dict[str, Any]:
-    return service.metadata(namespace, step, owner=owner)
+def get_metadata(namespace: str, step: int, node: NodeDep, owner: Owner) -> dict[str, Any]:
+    return node.restorer.metadata(namespace, step, owner=owner)
 
 
 @router.delete("/{namespace}/steps/{step}", status_code=204)

@@ -144,7 +144,7 @@ def prepare(
     namespace: str, step: int, attempt: str, req: PrepareRequest, committer: Committer
 ) -> PrepareResponse:
     _check(namespace, step, attempt)
-    return PrepareResponse(files=committer.prepare(namespace, step, attempt, req))
+    return committer.prepare(namespace, step, attempt, req)
 
 
 @router.post(_ATTEMPT + "/commit")

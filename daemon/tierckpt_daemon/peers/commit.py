@@ -45,12 +45,19 @@ from tierckpt_core.errors import (
     UnavailableError,
 )
 from tierckpt_core.integrity import checksum_file_blocks
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import (
+    FileRecord,
+    RingRecord,
+    StepManifest,
+    metadata_digest,
+    share_digest,
+)
 from tierckpt_core.protocol import (
     CommitRequest,
     DecideRequest,
     OutcomeResponse,
     PrepareRequest,
+    PrepareResponse,
     StepInfo,
     StepState,
 )
@@ -129,7 +136,7 @@ class GlobalCommitter:
         persist = self.service.wants_persist(namespace, step, req.persist)
         t0 = time.monotonic()
 
-        def prepare(node: str) -> list[FileRecord]:
+        def prepare(node: str) -> tuple[list[FileRecord], str]:
             prep = PrepareRequest(
                 coordinator=self.node,
                 participants=participants,
@@ -137,8 +144,11 @@ class GlobalCommitter:
                 world_size=req.world_size,
             )
             if node == self.node:
-                return self._prepare_share(namespace, step, attempt, prep)
-            return self.client.prepare(node, namespace, step, attempt, prep).files
+                return _slim_share(self._prepare_share(namespace, step, attempt, prep))
+            got = self.client.prepare(node, namespace, step, attempt, prep)
+            if got.share_digest is None:  # a daemon from before RingRecord: full records
+                return _slim_share(got.files)
+            return [f.slimmed() for f in got.files], got.share_digest
 
         futures = {n: self._pool.submit(prepare, n) for n in participants}
         concurrent.futures.wait(futures.values())
@@ -152,15 +162,17 @@ class GlobalCommitter:
                 f"failed at {node} ({error}); nothing was committed, the save's files are reclaimed"
             ) from error
         files: list[FileRecord] = []
+        digests: dict[str, str] = {}
         for node in participants:
-            got = futures[node].result()
+            got, digests[node] = futures[node].result()
             wrong = sorted({f.name for f in got} ^ set(shares[node]))
             if wrong:
                 self._abort_everywhere(namespace, step, attempt, participants)
                 raise ProtocolError(
                     f"{namespace}/step {step}: node {node} prepared files {wrong} it was not asked for"
                 )
-            files.extend(f.model_copy(update={"node": node, "size": None}) for f in got)
+            files.extend(f.model_copy(update={"node": node}) for f in got)
+        holders = self._metadata_holders(participants)
         manifest = StepManifest(
             namespace=namespace,
             step=step,
@@ -170,11 +182,21 @@ class GlobalCommitter:
             files=sorted(files, key=lambda f: f.name),
             metadata=req.metadata,
             coordinator=self.node,
+            ring=RingRecord(
+                shares=digests,
+                metadata_digest=metadata_digest(req.metadata),
+                metadata_holders=holders,
+            ),
         )
         decision = DecideRequest(manifest=manifest, persist=persist)
         rec = self.decide(decision)  # the commit point: the decider's MANIFEST.json
+        # The metadata goes to its holders only; every other node keeps its digest.
+        without = DecideRequest(
+            manifest=manifest.model_copy(update={"metadata": {}}), persist=persist
+        )
+        decisions = {n: decision if n in holders else without for n in participants}
         others = [n for n in participants if n != self.node]
-        delivered = {n: self._pool.submit(self.client.decide, n, decision) for n in others}
+        delivered = {n: self._pool.submit(self.client.decide, n, decisions[n]) for n in others}
         concurrent.futures.wait(delivered.values())
         for node, fut in delivered.items():
             if fut.exception() is not None:
@@ -187,7 +209,7 @@ class GlobalCommitter:
                     fut.exception(),
                 )
                 with self._cv:
-                    self._undelivered[(node, namespace, step, attempt)] = decision
+                    self._undelivered[(node, namespace, step, attempt)] = decisions[node]
         logger.info(
             "%s/step %d committed across %d nodes (%s) in %.1f ms",
             namespace,
@@ -197,6 +219,14 @@ class GlobalCommitter:
             (time.monotonic() - t0) * 1e3,
         )
         return rec.info()
+
+    def _metadata_holders(self, participants: list[str]) -> list[str]:
+        """Who keeps a step's DCP metadata: the decider and the participants after it in the
+        ring's order, as many as the step has replicas (at least one more, so that losing the
+        decider's node does not lose the metadata of a step every other node still holds)."""
+        i = participants.index(self.node)
+        after = participants[i + 1 :] + participants[:i]
+        return [self.node, *after[: max(1, self.service.replicas)]]
 
     def _abort_everywhere(
         self, namespace: str, step: int, attempt: str, participants: list[str]
@@ -223,7 +253,7 @@ class GlobalCommitter:
     # -- a participant (the decider is one too) --------------------------------------------
     def prepare(
         self, namespace: str, step: int, attempt: str, req: PrepareRequest
-    ) -> list[FileRecord]:
+    ) -> PrepareResponse:
         """A decider's prepare of this node's share (the peer route). Refused: an empty share (a
         node takes part because it holds files), and a decider or participant that is not a
         member of the ring (this node would send the token there, asking how the attempt
@@ -238,7 +268,8 @@ class GlobalCommitter:
                     f"{where} names {role} {node!r}, which is not a member of the ring "
                     f"({self.members.membership.describe()}): refused"
                 )
-        return self._prepare_share(namespace, step, attempt, req)
+        files, digest = _slim_share(self._prepare_share(namespace, step, attempt, req))
+        return PrepareResponse(files=files, share_digest=digest)
 
     def _prepare_share(
         self, namespace: str, step: int, attempt: str, req: PrepareRequest
@@ -331,7 +362,12 @@ class GlobalCommitter:
                     f"{m.namespace}/step {m.step}: the decision lists {sorted(mine)} on "
                     f"{self.node}, which prepared {sorted(rec.files)}"
                 )
-            rec.remote = {f.name: f for f in m.files if f.name not in mine}
+            rec.remote = {
+                f.name: f.slimmed() if m.ring is not None else f
+                for f in m.files
+                if f.name not in mine
+            }
+            rec.ring = m.ring
             rec.coordinator = m.coordinator
             rec.participants = []
             rec.prepared_at = None
@@ -497,3 +533,8 @@ class GlobalCommitter:
             self.abort(ns, step, attempt)
             return True
         return False
+
+
+def _slim_share(files: list[FileRecord]) -> tuple[list[FileRecord], str]:
+    """A node's share as the global record carries it (slim records), and its digest."""
+    return [f.slimmed() for f in files], share_digest(files)

@@ -12,7 +12,9 @@ replicator's ring, peer client and copy path (:meth:`Replicator.copy_from`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -26,7 +28,7 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     TierCkptError,
 )
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, share_digest
 from tierckpt_core.protocol import PeerStep, StepInfo
 from tierckpt_core.verified import BlockSums, check_blocks
 from tierckpt_daemon.peers.replication import PEER_ERRORS, Replicator
@@ -35,11 +37,16 @@ from tierckpt_daemon.tier.records import StepRecord
 
 logger = logging.getLogger(__name__)
 
+SHARE_CACHE = 64  # other nodes' shares (full file records) kept after a fetch
+
 
 class PeerFetcher:
     def __init__(self, replicator: Replicator) -> None:
         self.replicator = replicator
         self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
+        # Full records of other nodes' shares, fetched and checked against RingRecord.shares.
+        self._shares: OrderedDict[tuple[str, int, str, str], dict[str, FileRecord]] = OrderedDict()
+        self._shares_lock = threading.Lock()
 
     def close(self) -> None:
         self._ask_pool.shutdown(wait=False, cancel_futures=True)
@@ -209,6 +216,13 @@ class PeerFetcher:
         verified before they leave this daemon. A small item the writing rank checksummed comes
         alone; anything else in whole blocks, each checked against the block checksums taken at
         prepare."""
+        if f.slim:  # the global record leaves block checksums with the file: ask its holders
+            ring = self.replicator.service.record(namespace, step).ring
+            if ring is None or f.node is None:
+                raise CheckpointFormatError(
+                    f"{namespace}/step {step}: {f.name} has no block checksums to verify a range"
+                )
+            f = self.share_records(namespace, step, f.node, ring, [f.name])[f.name]
         for off, n in ranges:
             if off < 0 or n < 0 or off + n > f.length:
                 raise ProtocolError(f"{namespace}/step {step}: range {off}+{n} is outside {f.name}")
@@ -284,6 +298,71 @@ class PeerFetcher:
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest:
         return self.replicator.client.manifest(peer, namespace, step)
+
+    def share_records(
+        self, namespace: str, step: int, node: str, ring: RingRecord, names: list[str]
+    ) -> dict[str, FileRecord]:
+        """The full records (block checksums, segments) of ``node``'s share of a step spanning
+        nodes, which the global record carries slim: from ``node`` itself, else a peer holding
+        a replica of ``names``, each answer checked against the share's digest in ``ring``."""
+        expected = ring.shares.get(node)
+        where = f"{namespace}/step {step}: the records of {node}'s share"
+        if expected is None:
+            raise CheckpointFormatError(f"{where}: the step's record has no digest for them")
+        key = (namespace, step, node, expected)
+        with self._shares_lock:
+            if key in self._shares:
+                self._shares.move_to_end(key)
+                return self._shares[key]
+        held = self.holders(namespace, step)
+        peers = [node] if node in held else []
+        peers += [p for p, h in held.items() if p != node and (h is None or set(names) <= h)]
+        errors: list[str] = []
+        for peer in peers:
+            try:
+                theirs = self.replicator.client.manifest(peer, namespace, step)
+            except TierCkptError as e:
+                errors.append(f"{peer}: {e}")
+                continue
+            share = [f for f in theirs.files if f.node == node]
+            if not share or any(f.slim for f in share):
+                errors.append(f"{peer} does not hold them")
+                continue
+            if share_digest(share) != expected:
+                self.replicator.service.metrics.verification_failures.inc()
+                errors.append(f"{peer}: they do not match the step's digest of them")
+                continue
+            records = {f.name: f for f in share}
+            with self._shares_lock:
+                self._shares[key] = records
+                while len(self._shares) > SHARE_CACHE:
+                    self._shares.popitem(last=False)
+            return records
+        raise StepNotFoundError(
+            f"{where} (block checksums) could not be had: {'; '.join(errors) or 'no peer holds it'}"
+        )
+
+    def complete(self, manifest: StepManifest) -> StepManifest:
+        """``manifest`` with every file's full record where a holder of its share can be asked
+        (a reader on this node verifies ranges of them block by block)."""
+        ring = manifest.ring
+        if ring is None:
+            return manifest
+        slim: dict[str, list[str]] = {}
+        for f in manifest.files:
+            if f.slim and f.node is not None:
+                slim.setdefault(f.node, []).append(f.name)
+        files = {f.name: f for f in manifest.files}
+        for node, names in sorted(slim.items()):
+            try:
+                full = self.share_records(manifest.namespace, manifest.step, node, ring, names)
+            except TierCkptError as e:
+                logger.warning("%s", e)
+                continue
+            for name in names:
+                if name in full:
+                    files[name] = full[name].model_copy(update={"node": node, "size": None})
+        return manifest.model_copy(update={"files": sorted(files.values(), key=lambda f: f.name)})
 
     def fetch_files(
         self, namespace: str, step: int, names: set[str], *, owner: str | None = None

@@ -150,6 +150,7 @@ def _fill_share(
             rec.owner = owner
             add_files(service, rec, leases)
             rec.remote = {f.name: f for f in manifest.files if f.name not in rec.files}
+            rec.ring = manifest.ring
             rec.coordinator = manifest.coordinator
             rec.world_size = manifest.world_size
             if hold:

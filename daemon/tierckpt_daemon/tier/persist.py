@@ -40,7 +40,7 @@ from tierckpt_core.layout import (
     write_sidecar,
     write_step_commit,
 )
-from tierckpt_core.manifest import FileRecord
+from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.objectstore import ObjectStore
 from tierckpt_core.protocol import (
     HydrationProgress,
@@ -280,7 +280,9 @@ class Persister(QueueWorker[StepRecord]):
                     f"{ns}/step {step}: {f.name} uploaded by {f.node} has length {got.length} and "
                     f"checksum {got.checksum}, the step's record says {f.length} and {f.checksum}"
                 )
-            files[f.name] = f
+            # The uploader's record carries the block checksums that the global record (slim
+            # for other nodes' files) leaves with the file: the persistent manifest has them all.
+            files[f.name] = got.model_copy(update={"node": f.node, "size": None})
         if waiting:
             raise _SharesMissing(
                 f"{ns}/step {step}: waiting for the shares of "
@@ -354,6 +356,10 @@ class Persister(QueueWorker[StepRecord]):
     def durable_steps(self, namespace: str) -> list[int]:
         """Steps with a commit marker in the persistent tier, oldest first."""
         return durable_steps(self.store, namespace)
+
+    def manifest(self, namespace: str, step: int) -> StepManifest:
+        """The manifest of a durable step, as the persistent tier holds it."""
+        return read_step_manifest(self.store, namespace, step)
 
     def hydrate(
         self, namespace: str, step: int, files: set[str] | None = None, *, owner: str | None = None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt_core.errors import CheckpointFormatError
-from tierckpt_core.manifest import FileRecord, LocalState, StepManifest
+from tierckpt_core.manifest import FileRecord, LocalState, RingRecord, StepManifest
 from tierckpt_core.protocol import StepInfo, StepState
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class StepRecord:
     participants: list[str] = field(default_factory=list)
     prepared_at: float | None = None
     owner: str | None = None  # the identity its namespace belongs to (see tenants.py)
+    # A step spanning nodes: the digests of every node's share and where its metadata is kept
+    # (RingRecord); ``remote`` then holds slim records (no block checksums).
+    ring: RingRecord | None = None
 
     @property
     def bytes(self) -> int:
@@ -118,6 +121,7 @@ class StepRecord:
             metadata=metadata,
             coordinator=self.coordinator,
             owner=self.owner,
+            ring=self.ring,
             local=LocalState(
                 held=sorted(self.files) if self.remote else None,
                 participants=list(self.participants) or None,
@@ -230,6 +234,7 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
         replication_pending=local.replication_pending,
         coordinator=doc.coordinator,
         owner=doc.owner,
+        ring=doc.ring,
     )
     for f in doc.files:
         if f.name not in held:

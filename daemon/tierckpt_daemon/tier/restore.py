@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Protocol
+from collections import OrderedDict
+from typing import Any, Protocol
 
 from tierckpt_core.errors import (
     CheckpointFormatError,
@@ -21,7 +22,7 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import FileRecord, StepManifest, metadata_digest
 from tierckpt_core.protocol import (
     PeerStep,
     StepCandidate,
@@ -34,6 +35,8 @@ from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
+
+METADATA_CACHE_STEPS = 4  # steps whose metadata, fetched from its holders, is kept in memory
 
 
 class PeerSource(Protocol):
@@ -68,6 +71,10 @@ class PeerSource(Protocol):
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest: ...
 
+    def complete(self, manifest: StepManifest) -> StepManifest:
+        """``manifest`` with the full records of other nodes' files (from their holders)."""
+        ...
+
     def read_ranges(
         self, f: FileRecord, namespace: str, step: int, ranges: list[tuple[int, int]]
     ) -> bytes: ...
@@ -75,6 +82,10 @@ class PeerSource(Protocol):
 
 class DurableSource(Protocol):
     def durable_steps(self, namespace: str) -> list[int]: ...
+
+    def manifest(self, namespace: str, step: int) -> StepManifest:
+        """The manifest of a durable step (NotFoundError if it is not durable)."""
+        ...
 
     def hydrate(
         self, namespace: str, step: int, files: set[str] | None = None, *, owner: str | None = None
@@ -97,6 +108,61 @@ class Restorer:
         self.durable = durable
         self._guard = threading.Lock()
         self._locks: dict[tuple[str, int], threading.Lock] = {}
+        # DCP metadata fetched from its holders (steps spanning nodes), newest last.
+        self._metadata: OrderedDict[tuple[str, int, str], dict[str, Any]] = OrderedDict()
+
+    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
+        """The DCP metadata of a committed step held here. A step spanning nodes keeps it on its
+        decider and the nodes after it (RingRecord): on any other node it comes from one of
+        them, else from the persistent tier, checked against the digest in the step's record,
+        and is cached (the last few steps)."""
+        manifest = self.service.manifest(namespace, step, owner=owner)
+        if not manifest.metadata_elsewhere:
+            return manifest.metadata
+        return self._fetch_metadata(manifest)
+
+    def _fetch_metadata(self, manifest: StepManifest) -> dict[str, Any]:
+        namespace, step, ring = manifest.namespace, manifest.step, manifest.ring
+        assert ring is not None
+        key = (namespace, step, manifest.attempt or "")
+        with self._guard:
+            if key in self._metadata:
+                self._metadata.move_to_end(key)
+                return self._metadata[key]
+        where = f"{namespace}/step {step}"
+        tried: list[str] = []
+
+        def fetched(source: str, m: StepManifest) -> dict[str, Any] | None:
+            if metadata_digest(m.metadata) == ring.metadata_digest:
+                return m.metadata
+            tried.append(f"{source}: its metadata does not match the step's digest")
+            return None
+
+        found: dict[str, Any] | None = None
+        for holder in ring.metadata_holders:
+            if self.peers is None or holder == self.service.node:
+                continue
+            try:
+                found = fetched(holder, self.peers.manifest_from(holder, namespace, step))
+            except TierCkptError as e:
+                tried.append(f"{holder}: {e}")
+            if found is not None:
+                break
+        if found is None and self.durable is not None:
+            try:
+                found = fetched("the persistent tier", self.durable.manifest(namespace, step))
+            except TierCkptError as e:
+                tried.append(f"the persistent tier: {e}")
+        if found is None:
+            raise StepNotFoundError(
+                f"{where}: its DCP metadata is kept by {', '.join(ring.metadata_holders)}, and "
+                f"no copy could be had ({'; '.join(tried) or 'no peers, no persistent tier'})"
+            )
+        with self._guard:
+            self._metadata[key] = found
+            while len(self._metadata) > METADATA_CACHE_STEPS:
+                self._metadata.popitem(last=False)
+        return found
 
     def candidates(self, namespace: str, *, owner: str | None = None) -> list[StepCandidate]:
         """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
@@ -198,6 +264,11 @@ class Restorer:
             if (manifest.namespace, manifest.step) == (namespace, step) and owned_by(
                 manifest.owner, owner
             ):
+                # A reader reads it from the peers: every file's block checksums, the metadata.
+                manifest = self.peers.complete(manifest)
+                if manifest.metadata_elsewhere:
+                    metadata = self._fetch_metadata(manifest)
+                    manifest = manifest.model_copy(update={"metadata": metadata})
                 return manifest.portable(), holders
             errors.append(f"{peer} answered for {manifest.namespace}/step {manifest.step}")
         why = f" ({'; '.join(errors)})" if errors else ""

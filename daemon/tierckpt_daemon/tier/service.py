@@ -34,7 +34,7 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.integrity import check_digests, checksum_file_blocks
-from tierckpt_core.manifest import FileRecord
+from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import (
     CommitRequest,
     LeaseAfter,
@@ -491,10 +491,16 @@ class TierService(WorkerReports, Ownership):
                 )
             return recs[-1].info()
 
-    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
+    def manifest(self, namespace: str, step: int, *, owner: str | None = None) -> StepManifest:
+        """The commit record of a step held here, as written on tmpfs."""
         with self.lock:
             path = self.record(namespace, step, owner=owner).manifest_path()
-        return read_manifest(path).metadata
+        return read_manifest(path)
+
+    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
+        """The DCP metadata this node keeps for a step (empty where its holders keep it: see
+        :meth:`Restorer.metadata <tierckpt_daemon.tier.restore.Restorer.metadata>`)."""
+        return self.manifest(namespace, step, owner=owner).metadata
 
     def list_namespaces(self, owner: str | None = None) -> list[NamespaceInfo]:
         """The namespaces held here (with ``owner``: those it may reach)."""
