@@ -23,6 +23,9 @@ source, before the call returns.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -240,13 +243,20 @@ def receive_to(
     return stream.checked
 
 
-def copy_verified(src: Any, dest: Any, sums: BlockSums, offset: int, *, chunk: int = CHUNK) -> int:
+def copy_verified(
+    src: Any, dest: Any, sums: BlockSums, offset: int, *, chunk: int = CHUNK, threads: int = 1
+) -> int:
     """Copy bytes ``[offset, offset + len(dest))`` of the file whose bytes ``src`` holds (from
     ``sums.origin``: a tier file's mapping) into ``dest``, checking every block they touch: hash
-    while copying, one pass over memory. Each piece is hashed in ``dest`` right after it was
-    copied (``src`` may be shared memory that others can change: what was checked is what
-    ``dest`` holds). A block ``dest`` covers only in part is copied whole into a private buffer,
-    checked there, and its part copied from it. The bytes checked; BlockMismatchError."""
+    while copying, one pass over memory. Each piece of ``chunk`` bytes is hashed in ``dest`` right
+    after it was copied there, while it is in the cache (``src`` may be shared memory that others
+    can change: what was checked is what ``dest`` holds). A block ``dest`` covers only in part is
+    copied whole into a private buffer, checked there, and its part copied from it.
+
+    ``threads`` > 1: a long copy is split at block boundaries over that many threads of a shared
+    pool (the copy and the hash both release the GIL), as torch's own copy uses several cores.
+    Every part is waited for: a block that does not match fails the call, never a later read.
+    The bytes checked; BlockMismatchError (the first bad block)."""
     src_b, out = _bytes(src), _bytes(dest)
     stop = offset + len(out)
     if len(src_b) < sums.length or offset < sums.origin or stop > sums.end:
@@ -254,29 +264,87 @@ def copy_verified(src: Any, dest: Any, sums: BlockSums, offset: int, *, chunk: i
             f"{sums.name}: bytes {offset}-{stop} of a {len(src_b)}-byte source for "
             f"{sums.origin}-{sums.end}"
         )
-    checked = 0
     if offset == stop:
         return 0
-    base = sums.origin
-    h = xxhash.xxh3_128()
-    for block in range(sums.block_of(offset), sums.block_of(stop - 1) + 1):
-        lo, hi = sums.bounds(block)
-        a, b = max(lo, offset), min(hi, stop)
-        if (a, b) != (lo, hi):  # an edge block: check a private copy, then take the part
-            private = bytes(src_b[lo - base : hi - base])
-            sums.check(block, private)
-            out[a - offset : b - offset] = private[a - lo : b - lo]
-        else:
-            h.reset()
-            for at in range(a, b, chunk):
-                end = min(at + chunk, b)
-                piece = out[at - offset : end - offset]
-                piece[:] = src_b[at - base : end - base]
-                h.update(piece)
-            if h.hexdigest() != sums.digests[block]:
-                raise sums.mismatch(block)
-        checked += hi - lo
-    return checked
+    base, copy = sums.origin, _copier()
+    lo, hi = sums.span(offset, stop)
+    # The whole blocks inside [offset, stop): copied and hashed in place. The blocks at either
+    # edge, which dest covers only in part: checked in a private copy.
+    inner_lo = lo if lo == offset else sums.bounds(sums.block_of(offset))[1]
+    inner_hi = hi if hi == stop else sums.bounds(sums.block_of(stop - 1))[0]
+    checked = 0
+    for block in {sums.block_of(offset), sums.block_of(stop - 1)}:
+        b_lo, b_hi = sums.bounds(block)
+        if inner_lo <= b_lo and b_hi <= inner_hi:
+            continue
+        private = bytes(src_b[b_lo - base : b_hi - base])
+        sums.check(block, private)
+        a, b = max(b_lo, offset), min(b_hi, stop)
+        out[a - offset : b - offset] = private[a - b_lo : b - b_lo]
+        checked += b_hi - b_lo
+    if inner_hi <= inner_lo:
+        return checked
+
+    def part(start: int, end: int) -> int:
+        stream = BlockStream(sums, start, end)
+        for at in range(start, end, chunk):
+            piece = out[at - offset : min(at + chunk, end) - offset]
+            copy(piece, src_b[at - base : at - base + len(piece)])
+            stream.update(piece)
+        return stream.checked
+
+    nblocks = sums.block_of(inner_hi - 1) - sums.block_of(inner_lo) + 1
+    parts = min(threads, nblocks, max(1, (inner_hi - inner_lo) // PARALLEL_MIN))
+    if parts <= 1:
+        return checked + part(inner_lo, inner_hi)
+    per = -(-nblocks // parts) * sums.size
+    bounds = [(a, min(a + per, inner_hi)) for a in range(inner_lo, inner_hi, per)]
+    futures = [_pool().submit(part, a, b) for a, b in bounds]
+    concurrent.futures.wait(futures)  # none may still write into dest after this returns
+    return checked + sum(f.result() for f in futures)  # the first bad block's error
+
+
+PARALLEL_MIN = 8 << 20
+"""Bytes below which a copy is not split over threads (handing a part over costs ~50 us)."""
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(
+                min(16, os.cpu_count() or 1), thread_name_prefix="tierckpt-verify"
+            )
+        return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL
+    _POOL = None  # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _copier() -> Callable[[memoryview, memoryview], None]:
+    """``copy(dest, src)`` of two equal byte views: numpy's, which releases the GIL (so copies
+    in several threads run at once), where numpy is installed (the client); else Python's."""
+    try:
+        import numpy as np
+    except ImportError:
+
+        def assign(dest: memoryview, src: memoryview) -> None:
+            dest[:] = src
+
+        return assign
+
+    def copyto(dest: memoryview, src: memoryview) -> None:
+        np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(src, np.uint8))
+
+    return copyto
 
 
 def check_blocks(data: Any, sums: BlockSums, start: int) -> int:

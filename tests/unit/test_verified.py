@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tierckpt_core import verified
 from tierckpt_core.errors import (
     BlockMismatchError,
     IntegrityError,
@@ -202,3 +203,19 @@ def test_the_mismatch_pickles_whole_and_maps_back_from_its_code() -> None:
     assert type(back) is BlockMismatchError and str(back) == "r0.data block 3"
     assert (back.file, back.block, back.source) == ("r0.data", 3, "from peer x")
     assert type(error_from_code("block_mismatch", "d")) is BlockMismatchError
+
+
+@pytest.mark.parametrize("at", [None, 0, 5 * BLOCK + 3, LENGTH - 1])
+def test_copy_verified_over_threads(monkeypatch: pytest.MonkeyPatch, at: int | None) -> None:
+    """Split over threads at block boundaries: the same bytes land, and a bad block in any part
+    fails the call (after every part stopped writing)."""
+    monkeypatch.setattr(verified, "PARALLEL_MIN", BLOCK)
+    data, sums = _file()
+    src = data if at is None else _flipped(data, at)
+    dest = bytearray(LENGTH - 100)
+    if at is None:
+        assert copy_verified(src, dest, sums, 50, threads=3, chunk=5000) == LENGTH
+        assert dest == data[50 : LENGTH - 50]
+    else:
+        with pytest.raises(BlockMismatchError, match=rf"\(block {at // BLOCK}, "):
+            copy_verified(src, dest, sums, 50, threads=3, chunk=5000)
