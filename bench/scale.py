@@ -72,6 +72,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     p.add_argument("--md", type=Path, default=None, help="also write the table here")
     p.add_argument("--plot", type=Path, default=None, help="PNG (or SVG) of latency and bytes")
+    p.add_argument(
+        "--replot", type=Path, nargs="+", help="only plot these JSON results together (--plot)"
+    )
     p.add_argument("--small", action="store_true", help="CI: N = 2, 4; 16 KiB files; 3 saves")
     args = p.parse_args()
     if args.small:
@@ -351,7 +354,7 @@ def run_n(args: argparse.Namespace, n: int, meta_cache: dict[Any, Any]) -> dict[
                         "commit_s": commit_s,
                         **{
                             k: [net_delta(a, b, k) for a, b in zip(after, before, strict=True)]
-                            for k in ("tcp_sent", "tcp_recv", "unix_sent", "unix_recv")
+                            for k in ("tcp_sent", "tcp_recv", "unix_sent", "unix_recv", "sendfile")
                         },
                         "cpu_s": [a.cpu - b.cpu for a, b in zip(after, before, strict=True)],
                         "save_cpu_s": [
@@ -527,71 +530,95 @@ def _size(b: float) -> str:
     return f"{b:.0f} B"
 
 
-def plot(rows: list[dict[str, Any]], path: Path, tag: str) -> None:
-    xs = [r["nodes"] for r in rows]
-    lat = [r["commit_s"]["median"] for r in rows]
+Series = tuple[str, list[dict[str, Any]]]  # a run's label and its rows
+
+
+def _curves(rows: list[dict[str, Any]]) -> tuple[list[int], list[float], list[float], list[float]]:
     pb = [r["peer_bytes_per_commit"] for r in rows]
-    dec = [(b["decider_sent"] + b["decider_recv"]) / 1e6 for b in pb]
-    par = [(b["participant_sent"] + b["participant_recv"]) / 1e6 for b in pb]
+    return (
+        [r["nodes"] for r in rows],
+        [r["commit_s"]["median"] for r in rows],
+        [(b["decider_sent"] + b["decider_recv"]) / 1e6 for b in pb],
+        [(b["participant_sent"] + b["participant_recv"]) / 1e6 for b in pb],
+    )
+
+
+def plot(series: list[Series], path: Path) -> None:
+    """Commit latency and peer bytes per node per commit against N, one line per run."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter
     except ImportError:
         path = path.with_suffix(".svg")
-        path.write_text(_svg(xs, lat, dec, par, tag))
+        path.write_text(_svg(series))
         print(f"plot written to {path}")
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(xs, lat, "o-")
-    a.set(xscale="log", yscale="log", xlabel="nodes", ylabel="time to committed, s")
-    a.set_title("commit latency (median)")
-    b.plot(xs, dec, "o-", label="decider")
-    b.plot(xs, par, "s-", label="participant (median)")
-    b.set(
-        xscale="log", yscale="log", xlabel="nodes", ylabel="peer bytes sent+received per commit, MB"
-    )
-    b.set_title("bytes per node per commit")
-    b.legend()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    ticks: set[int] = set()
+    for i, (label, rows) in enumerate(series):
+        xs, lat, dec, par = _curves(rows)
+        ticks.update(xs)
+        color = f"C{i}"
+        a.plot(xs, lat, "o-", color=color, label=label)
+        b.plot(xs, dec, "o-", color=color, label=f"{label}: decider")
+        b.plot(xs, par, "s--", color=color, label=f"{label}: participant")
+    a.set(xscale="log", yscale="log", xlabel="nodes", ylabel="time to committed, s (median)")
+    a.set_title("commit latency")
+    b.set(xscale="log", yscale="log", xlabel="nodes", ylabel="MB sent + received per commit")
+    b.set_title("peer bytes per node per commit")
     for ax in (a, b):
-        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(tag or "tierckpt scale")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     print(f"plot written to {path}")
 
 
-def _svg(xs: list[int], lat: list[float], dec: list[float], par: list[float], tag: str) -> str:
-    """A bare two-panel SVG (no matplotlib): linear axes, points joined by lines."""
+def _svg(series: list[Series]) -> str:
+    """A bare two-panel SVG (no matplotlib): linear axes, one polyline per curve."""
+    xs = sorted({r["nodes"] for _, rows in series for r in rows})
+    panels: list[list[tuple[str, list[tuple[int, float]]]]] = [[], []]
+    for label, rows in series:
+        n, lat, dec, par = _curves(rows)
+        panels[0].append((label, list(zip(n, lat, strict=True))))
+        panels[1].append((f"{label}: decider", list(zip(n, dec, strict=True))))
+        panels[1].append((f"{label}: participant", list(zip(n, par, strict=True))))
+    out = []
+    for k, (title, curves) in enumerate(zip(("commit s", "peer MB/commit"), panels, strict=True)):
+        x0 = 320 * k
+        top = max((v for _, pts in curves for _, v in pts), default=1.0) or 1.0
+        out.append(f'<text x="{x0 + 10}" y="16" font-size="12">{title} (max {top:.3g})</text>')
 
-    def panel(x0: int, ys: list[list[float]], label: str) -> str:
-        top = max(max(y) for y in ys) or 1.0
-        out = [f'<text x="{x0 + 10}" y="20" font-size="12">{label} (max {top:.3g})</text>']
-        for y, color in zip(ys, ("#1f77b4", "#d62728"), strict=False):
-            pts = " ".join(
-                f"{x0 + 20 + 260 * i / max(1, len(xs) - 1):.0f},{280 - 240 * v / top:.0f}"
-                for i, v in enumerate(y)
-            )
-            out.append(f'<polyline fill="none" stroke="{color}" points="{pts}"/>')
-        for i, x in enumerate(xs):
+        def px(node: int, x0: int = x0) -> float:
+            return x0 + 20 + 260 * xs.index(node) / max(1, len(xs) - 1)
+
+        for j, (label, pts) in enumerate(curves):
+            color = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")[j % 6]
+            line = " ".join(f"{px(x):.0f},{280 - 240 * v / top:.0f}" for x, v in pts)
+            out.append(f'<polyline fill="none" stroke="{color}" points="{line}"/>')
             out.append(
-                f'<text x="{x0 + 20 + 260 * i / max(1, len(xs) - 1):.0f}" y="298" '
-                f'font-size="10">{x}</text>'
+                f'<text x="{x0 + 30}" y="{34 + 12 * j}" font-size="9" fill="{color}">{label}</text>'
             )
-        return "\n".join(out)
-
-    body = panel(0, [lat], "commit s") + panel(300, [dec, par], "peer MB/commit")
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="600" height="310">'
-        f"<title>{tag}</title>\n{body}\n</svg>\n"
-    )
+        out.extend(f'<text x="{px(x):.0f}" y="298" font-size="10">{x}</text>' for x in xs)
+    body = "\n".join(out)
+    return f'<svg xmlns="http://www.w3.org/2000/svg" width="640" height="310">\n{body}\n</svg>\n'
 
 
 def main() -> None:
     args = parse_args()
+    if args.replot:
+        series = []
+        for path in args.replot:
+            doc = json.loads(path.read_text())
+            series.append((doc["machine"]["args"].get("tag") or path.stem, doc["results"]))
+        plot(series, args.plot or Path("scale.png"))
+        return
     rows: list[dict[str, Any]] = []
     meta_cache: dict[Any, Any] = {}
     for n in args.node_counts:
@@ -615,7 +642,7 @@ def main() -> None:
     if args.md is not None:
         args.md.write_text(md)
     if args.plot is not None:
-        plot(rows, args.plot, args.tag)
+        plot([(args.tag or "this run", rows)], args.plot)
 
 
 if __name__ == "__main__":
