@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from tierckpt_client.dcp._ids import format_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.errors import IntegrityError, StepStateError, TierCkptError, error_from_code
+from tierckpt_core.errors import IntegrityError, StepStateError, TierCkptError, error_from_code
 
 OK, CORRUPT, FAILED = 0, 1, 2
 

@@ -22,7 +22,7 @@ import torch
 
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
-from tierckpt_client.errors import (
+from tierckpt_core.errors import (
     NotFoundError,
     StepStateError,
     TierCkptError,
