@@ -12,13 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess, started
+from kit import load, save
 
 NS = "partial"
 
@@ -39,25 +37,15 @@ def _state() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def saved() -> Iterator[DaemonProcess]:
     """One daemon for the module, holding one checkpoint of ``_state()``."""
-    d = DaemonProcess(new_shm_dir())
-    try:
-        d.start()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("TIERCKPT_SOCKET", str(d.socket))
-            dcp.save(_state(), storage_writer=TieredStorageWriter(NS, 1), no_dist=True)
+    with started() as d:
+        save(NS, 1, _state(), node=d, staged=False)
         yield d
-    finally:
-        d.cleanup()
 
 
 @pytest.fixture
 def env(saved: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> DaemonProcess:
     monkeypatch.setenv("TIERCKPT_SOCKET", str(saved.socket))
     return saved
-
-
-def _load(dest: dict[str, Any], planner: DefaultLoadPlanner | None = None) -> None:
-    dcp.load(dest, storage_reader=TieredStorageReader(NS, 1), planner=planner, no_dist=True)
 
 
 def _failure(info: pytest.ExceptionInfo[CheckpointException]) -> str:
@@ -69,7 +57,7 @@ def _failure(info: pytest.ExceptionInfo[CheckpointException]) -> str:
 def test_a_destination_with_some_of_the_keys_loads_only_those(env: DaemonProcess) -> None:
     want = _state()
     dest: dict[str, Any] = {"model": {"b": torch.zeros(6)}, "step": None}
-    _load(dest)
+    load(NS, dest, 1)
     assert dest.keys() == {"model", "step"} and dest["model"].keys() == {"b"}
     assert torch.equal(dest["model"]["b"], want["model"]["b"])
     assert dest["step"] == 17
@@ -83,7 +71,7 @@ def test_allow_partial_load_skips_keys_the_checkpoint_lacks(env: DaemonProcess) 
         "loader": None,
         "new_counter": 0,
     }
-    _load(dest, DefaultLoadPlanner(allow_partial_load=True))
+    load(NS, dest, 1, planner=DefaultLoadPlanner(allow_partial_load=True))
     assert torch.equal(dest["model"]["w"], want["model"]["w"])
     assert dest["loader"].getvalue() == b"position=1234"
     assert dest["model"]["head"] is head and torch.equal(head, torch.full((2, 2), 9.0))
@@ -101,7 +89,7 @@ def test_a_key_the_checkpoint_lacks_fails_a_strict_load_naming_it(
     else:
         dest["new_counter"] = 0
     with pytest.raises(CheckpointException) as info:
-        _load(dest)
+        load(NS, dest, 1)
     assert f"Missing key in checkpoint state_dict: {missing}" in _failure(info)
     assert torch.equal(w, torch.zeros(4, 6))  # the plan failed: nothing was read
 
@@ -109,7 +97,7 @@ def test_a_key_the_checkpoint_lacks_fails_a_strict_load_naming_it(
 def test_a_shape_mismatch_fails_naming_the_key_and_both_shapes(env: DaemonProcess) -> None:
     w = torch.zeros(6, 4)  # stored as 4x6
     with pytest.raises(CheckpointException) as info:
-        _load({"model": {"w": w, "b": torch.zeros(6)}})
+        load(NS, {"model": {"w": w, "b": torch.zeros(6)}}, 1)
     text = _failure(info)
     assert "model.w" in text and "[4, 6]" in text and "[6, 4]" in text, text
     assert torch.equal(w, torch.zeros(6, 4))
@@ -125,7 +113,7 @@ def test_a_destination_of_another_dtype_gets_the_values_converted(env: DaemonPro
             "emb": torch.zeros(8, 3, dtype=torch.int32),
         }
     }
-    _load(dest)
+    load(NS, dest, 1)
     for k, t in dest["model"].items():
         assert torch.equal(t, want[k].to(t.dtype)), k
     assert dest["model"]["w"].dtype == torch.float64

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
-from helpers import DaemonProcess, new_shm_dir, run_ranks
+from helpers import run_ranks, started
 
 pytestmark = pytest.mark.slow
 
@@ -119,13 +119,9 @@ def _worker(rank: int, world: int, socket: str) -> None:
 @pytest.fixture(scope="module")
 def saved() -> Iterator[DaemonClient]:
     """Every variant saved and loaded back on 2 ranks (the ranks assert the loads)."""
-    d = DaemonProcess(new_shm_dir())
-    try:
-        d.start()
+    with started() as d:
         run_ranks(_worker, WORLD, str(d.socket))
         yield DaemonClient.from_socket(d.socket)
-    finally:
-        d.cleanup()
 
 
 def _where(client: DaemonClient, variant: str) -> dict[str, list[str]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
-from helpers import DaemonProcess, new_shm_dir, run_ranks
+from helpers import DaemonProcess, run_ranks
 
 WORLD = 4
 NAMESPACES = ["1d4", "2d", "1d2-0", "1d2-1"]
@@ -141,30 +142,26 @@ def _wait_durable(namespaces: list[str], timeout: float = 60.0) -> None:
 
 @pytest.mark.slow
 def test_dtensors_reshard_across_world_sizes_and_mesh_dimensions(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_node: Callable[..., DaemonProcess]
 ) -> None:
     store = f"file://{tmp_path / 'store'}"
-    daemon = DaemonProcess(new_shm_dir(), persist_url=store)
-    try:
-        daemon.start()
-        monkeypatch.setenv("TIERCKPT_SOCKET", str(daemon.socket))
-        run_ranks(_worker, WORLD, str(daemon.socket))  # the ranks check their 4- and 2-rank loads
-        _wait_durable(NAMESPACES)
-        # On 1 rank, in a process with no group: every checkpoint, whole, into plain tensors
-        # (contiguous, and transposed: each chunk lands in a strided region); from the daemon's
-        # memory, and from the persistent tier alone, read by the reader itself (no daemon).
-        for source in ("memory", "persistent tier"):
-            if source == "persistent tier":
-                monkeypatch.setenv("TIERCKPT_SOCKET", str(tmp_path / "no-daemon.sock"))
-                monkeypatch.setenv("TIERCKPT_PERSIST_URL", store)
-            for ns in NAMESPACES:
-                for layout in ("contiguous", "transposed"):
-                    dest = {"model": {name: _blank(name, layout) for name in SHAPES}}
-                    dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
-                    for name in SHAPES:
-                        assert torch.equal(dest["model"][name], _full(name)), (source, ns, name)
-    finally:
-        daemon.cleanup()
+    daemon = make_node(persist_url=store)
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(daemon.socket))
+    run_ranks(_worker, WORLD, str(daemon.socket))  # the ranks check their 4- and 2-rank loads
+    _wait_durable(NAMESPACES)
+    # On 1 rank, in a process with no group: every checkpoint, whole, into plain tensors
+    # (contiguous, and transposed: each chunk lands in a strided region); from the daemon's
+    # memory, and from the persistent tier alone, read by the reader itself (no daemon).
+    for source in ("memory", "persistent tier"):
+        if source == "persistent tier":
+            monkeypatch.setenv("TIERCKPT_SOCKET", str(tmp_path / "no-daemon.sock"))
+            monkeypatch.setenv("TIERCKPT_PERSIST_URL", store)
+        for ns in NAMESPACES:
+            for layout in ("contiguous", "transposed"):
+                dest = {"model": {name: _blank(name, layout) for name in SHAPES}}
+                dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
+                for name in SHAPES:
+                    assert torch.equal(dest["model"][name], _full(name)), (source, ns, name)
 
 
 def _blank(name: str, layout: str) -> torch.Tensor:

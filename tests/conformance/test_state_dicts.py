@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess, started
+from kit import save
 
 UNLOADED = "<not loaded>"  # what a destination holds for a non-tensor value before the load
 
@@ -34,11 +35,8 @@ UNLOADED = "<not loaded>"  # what a destination holds for a non-tensor value bef
 @pytest.fixture(scope="module")
 def shared_daemon() -> Iterator[DaemonProcess]:
     """One daemon for the module: each test saves under a namespace of its own."""
-    d = DaemonProcess(new_shm_dir())
-    try:
-        yield d.start()
-    finally:
-        d.cleanup()
+    with started() as d:
+        yield d
 
 
 @pytest.fixture
@@ -131,25 +129,12 @@ def _tensors(obj: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(v, f"{where}[{i}]")
 
 
-def _save(sd: dict[str, Any], ns: str, mode: str) -> None:
-    writer = TieredStorageWriter(ns, 1)
-    if mode == "sync":
-        dcp.save(sd, storage_writer=writer, no_dist=True)
-    else:
-        dcp.async_save(
-            sd,
-            storage_writer=writer,
-            async_checkpointer_type=AsyncCheckpointerType.THREAD,
-            no_dist=True,
-        ).result()
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_every_kind_of_value_round_trips_into_the_destinations_own_tensors(
     env: DaemonProcess, mode: str
 ) -> None:
     ns = f"kinds-{mode}"
-    _save(_state(), ns, mode)
+    save(ns, 1, _state(), staged=mode != "sync")
     dest = _blank(_state())
     before = {where: (t, t.stride(), t.data_ptr()) for where, t in _tensors(dest)}
     dcp.load(dest, storage_reader=TieredStorageReader(ns, 1), no_dist=True)
@@ -185,7 +170,7 @@ def test_training_may_change_the_state_while_an_async_save_runs(env: DaemonProce
 
 def test_a_state_dict_of_only_non_tensor_values_round_trips(env: DaemonProcess) -> None:
     sd = {"step": 7, "blob": io.BytesIO(b""), "none": None, "cfg": {"k": [1, "v"]}}
-    _save(sd, "no-tensors", "sync")
+    save("no-tensors", 1, sd, staged=False)
     dest = {"step": UNLOADED, "blob": UNLOADED, "none": UNLOADED, "cfg": {"k": UNLOADED}}
     dcp.load(dest, storage_reader=TieredStorageReader("no-tensors", 1), no_dist=True)
     _assert_same(dest, sd, "sd")
@@ -194,7 +179,7 @@ def test_a_state_dict_of_only_non_tensor_values_round_trips(env: DaemonProcess) 
 def test_a_state_dict_of_only_empty_tensors_round_trips(env: DaemonProcess) -> None:
     sd = {"a": torch.empty(0, 3), "b": torch.zeros(2, 0, 5, dtype=torch.int8)}
     for mode in ("sync", "async"):
-        _save(sd, f"empties-{mode}", mode)
+        save(f"empties-{mode}", 1, sd, staged=mode != "sync")
         dest = {"a": torch.ones(0, 3), "b": torch.ones(2, 0, 5, dtype=torch.int8)}
         dcp.load(dest, storage_reader=TieredStorageReader(f"empties-{mode}", 1), no_dist=True)
         _assert_same(dest, sd, mode)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
-from helpers import DaemonProcess, new_shm_dir, run_ranks
+from helpers import DaemonProcess, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +46,10 @@ def _worker(rank: int, world: int, sockets: list[str], url: str) -> None:
     assert dest["extra"] == {"step": 7}
 
 
-def test_a_save_spanning_two_daemons_goes_through_the_persistent_tier(tmp_path: Path) -> None:
+def test_a_save_spanning_two_daemons_goes_through_the_persistent_tier(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
     url = f"file://{tmp_path / 'store'}"
-    nodes = [DaemonProcess(new_shm_dir(), persist_url=url) for _ in range(2)]
-    try:
-        for n in nodes:
-            n.start()
-        run_ranks(_worker, 2, [str(n.socket) for n in nodes], url)
-        assert (tmp_path / "store" / "multi" / "step_000000000007" / "COMMITTED").exists()
-    finally:
-        for n in nodes:
-            n.cleanup()
+    nodes = [make_node(persist_url=url) for _ in range(2)]
+    run_ranks(_worker, 2, [str(n.socket) for n in nodes], url)
+    assert (tmp_path / "store" / "multi" / "step_000000000007" / "COMMITTED").exists()

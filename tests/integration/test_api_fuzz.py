@@ -39,7 +39,7 @@ from tierckpt_client import DaemonClient
 from tierckpt_core.names import MAX_STEP
 from tierckpt_core.protocol import CommitRequest, SealFile
 
-from helpers import DaemonProcess, free_port, new_shm_dir
+from helpers import DaemonProcess, free_port, started
 
 LONG = os.environ.get("TIERCKPT_LONG") == "1"
 EXAMPLES = 90 if LONG else 10  # per operation; 30 operations
@@ -148,8 +148,7 @@ def _seed(d: DaemonProcess) -> None:
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     store = tmp_path_factory.mktemp("fuzz-store")
     port = free_port()
-    d = DaemonProcess(
-        new_shm_dir(),
+    with started(
         capacity="64M",
         prefault="false",
         host="127.0.0.1",
@@ -158,19 +157,17 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         peers=f"127.0.0.1:{port}",  # a ring of one: the peer routes are on, nobody to push to
         peer_token=TOKEN,
         persist_url=f"file://{store}",
-    )
-    d.start()
-    _seed(d)
-    t = Target(d)
-    try:
-        yield t
-    finally:
-        t.close()
-        log = d.log()
-        d.cleanup()
-        summary = "\n".join(f"  {k}: {v}" for k, v in sorted(t.statuses.items()))
-        print(f"\nfuzzed {sum(t.statuses.values())} requests:\n{summary}")
-        assert "Traceback" not in log, log
+    ) as d:
+        _seed(d)
+        t = Target(d)
+        try:
+            yield t
+        finally:
+            t.close()
+            log = d.log()
+    summary = "\n".join(f"  {k}: {v}" for k, v in sorted(t.statuses.items()))
+    print(f"\nfuzzed {sum(t.statuses.values())} requests:\n{summary}")
+    assert "Traceback" not in log, log
 
 
 def _schema(target: Target) -> Any:

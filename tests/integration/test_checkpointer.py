@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from tierckpt_client import Checkpointer, DaemonClient, SaveFailedError
 from tierckpt_client.config import ClientConfig
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess
 
 
 class _Counter:
@@ -85,29 +86,28 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         Checkpointer("x", every=0)
 
 
-def test_extra_signal_saves_durable_step_and_exits_0(tmp_path: Path) -> None:
+def test_extra_signal_saves_durable_step_and_exits_0(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
     """SIGUSR1 (the configured extra signal) only marks the process; the next save takes this
     step to the persistent tier, waits until it is durable, and exits with status 0."""
     store = tmp_path / "store"
-    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}").start()
-    try:
-        config = ClientConfig.from_env(socket=d.socket)
-        ckpt = Checkpointer("pre", persist_every=1000, config=config, preempt_signal=signal.SIGUSR1)
-        w = torch.arange(1000.0)
-        ckpt.save(1, {"w": w})
-        os.kill(os.getpid(), signal.SIGUSR1)  # would end the process without the handler
-        w += 1
-        with pytest.raises(SystemExit) as exited:
-            ckpt.save(2, {"w": w})
-        assert exited.value.code == 0
-        with DaemonClient(config) as c:
-            states = {s.step: s.state.value for s in c.steps("pre")}
-        assert states == {1: "committed", 2: "durable"}
-        assert (store / "pre" / "step_000000000002").is_dir()
-        # The handlers are gone with the Checkpointer: the default action is back.
-        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
-    finally:
-        d.cleanup()
+    d = make_node(persist_url=f"file://{store}")
+    config = ClientConfig.from_env(socket=d.socket)
+    ckpt = Checkpointer("pre", persist_every=1000, config=config, preempt_signal=signal.SIGUSR1)
+    w = torch.arange(1000.0)
+    ckpt.save(1, {"w": w})
+    os.kill(os.getpid(), signal.SIGUSR1)  # would end the process without the handler
+    w += 1
+    with pytest.raises(SystemExit) as exited:
+        ckpt.save(2, {"w": w})
+    assert exited.value.code == 0
+    with DaemonClient(config) as c:
+        states = {s.step: s.state.value for s in c.steps("pre")}
+    assert states == {1: "committed", 2: "durable"}
+    assert (store / "pre" / "step_000000000002").is_dir()
+    # The handlers are gone with the Checkpointer: the default action is back.
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
 
 
 def test_preemption_without_a_persistent_tier_exits_0_with_one_warning(
@@ -129,23 +129,18 @@ def test_preemption_without_a_persistent_tier_exits_0_with_one_warning(
 
 
 def test_preemption_missing_the_deadline_exits_1(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, make_node: Callable[..., DaemonProcess]
 ) -> None:
     """A persistent tier is configured but the step cannot reach it within the deadline (uploads
     capped at 16 KiB/s, 32 MB to upload): the process exits 1, naming the deadline."""
-    d = DaemonProcess(
-        new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", upload_max_rate="16K"
-    ).start()
-    try:
-        config = ClientConfig.from_env(socket=d.socket)
-        ckpt = Checkpointer("slow", config=config, preempt_deadline_s=2.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-        with pytest.raises(SystemExit) as exited:
-            ckpt.save(3, {"w": torch.ones(8_000_000)})
-        assert exited.value.code == 1
-        with DaemonClient(config) as c:
-            assert c.step("slow", 3).state.value == "committed"
-    finally:
-        d.cleanup()
+    d = make_node(persist_url=f"file://{tmp_path / 'store'}", upload_max_rate="16K")
+    config = ClientConfig.from_env(socket=d.socket)
+    ckpt = Checkpointer("slow", config=config, preempt_deadline_s=2.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(SystemExit) as exited:
+        ckpt.save(3, {"w": torch.ones(8_000_000)})
+    assert exited.value.code == 1
+    with DaemonClient(config) as c:
+        assert c.step("slow", 3).state.value == "committed"
     assert "slow: step 3 not durable within the preemption deadline" in caplog.text
     assert "no persistent tier" not in caplog.text

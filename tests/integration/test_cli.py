@@ -10,25 +10,18 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 
 from tierckpt_client import DaemonClient
-from tierckpt_client.dcp import TieredStorageWriter
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess
+from kit import save, seeded_state
 
 N = 64 * 1024  # 256 KiB of float32 per step
-
-
-def _save(ns: str, step: int) -> None:
-    state = {"w": torch.full((N,), float(step)), "meta": {"step": step}}
-    dcp.save(state, storage_writer=TieredStorageWriter(ns, step), no_dist=True)
 
 
 def _cli(*args: str, socket: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -51,9 +44,9 @@ def _json(*args: str) -> Any:
 
 
 def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
-    _save("job-a", 10)
-    _save("job-a", 20)
-    _save("job-b", 5)
+    save("job-a", 10, seeded_state(10, N), staged=False)
+    save("job-a", 20, seeded_state(20, N), staged=False)
+    save("job-b", 5, seeded_state(5, N), staged=False)
 
     namespaces = {ns["namespace"]: ns for ns in _json("ls")}
     assert set(namespaces) == {"job-a", "job-b"}
@@ -99,8 +92,8 @@ def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
 
 
 def test_rm_removes_a_step_then_inspect_exits_3(client_env: DaemonProcess) -> None:
-    _save("job", 1)
-    _save("job", 2)
+    save("job", 1, seeded_state(1, N), staged=False)
+    save("job", 2, seeded_state(2, N), staged=False)
     proc = _cli("rm", "job", "1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "removed job step 1"
@@ -140,15 +133,10 @@ def test_socket_flag_wins_and_unreachable_daemon_exits_4(
 
 
 @pytest.fixture
-def tiered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
+def tiered(tmp_path: Path, make_node: Callable[..., DaemonProcess]) -> DaemonProcess:
     """A daemon with a file:// persistent tier whose policy persists only a namespace's first
     commit (``persist_every=1000``): later steps stay in memory until ``tierckpt persist``."""
-    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", persist_every=1000)
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        yield d.start()
-    finally:
-        d.cleanup()
+    return make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", persist_every=1000)
 
 
 def _states(ns: str) -> dict[int, tuple[str, list[str]]]:
@@ -193,8 +181,10 @@ def _cli_tty(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
 
 
 def test_persist_wait_then_prefetch_after_node_loss(tiered: DaemonProcess) -> None:
-    _save("job", 10)  # the namespace's first commit: persisted by the policy
-    _save("job", 20)  # not persisted by the policy
+    save(
+        "job", 10, seeded_state(10, N), staged=False
+    )  # the namespace's first commit: persisted by the policy
+    save("job", 20, seeded_state(20, N), staged=False)  # not persisted by the policy
     _wait_state("job", 10, "durable")
     assert _states("job") == {
         10: ("durable", ["memory", "persistent"]),
@@ -242,9 +232,9 @@ def test_persist_wait_then_prefetch_after_node_loss(tiered: DaemonProcess) -> No
 def test_persist_wait_times_out_with_the_upload_error(
     tiered: DaemonProcess, tmp_path: Path
 ) -> None:
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N), staged=False)
     _wait_state("job", 1, "durable")
-    _save("job", 2)
+    save("job", 2, seeded_state(2, N), staged=False)
     store = tmp_path / "store"
     shutil.rmtree(store)
     store.write_text("not a directory")  # every upload now fails
@@ -264,45 +254,38 @@ def test_persist_and_prefetch_errors(tiered: DaemonProcess) -> None:
 
 
 def test_persist_without_a_persistent_tier_exits_1(client_env: DaemonProcess) -> None:
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N), staged=False)
     proc = _cli("persist", "job", "1", "--wait")
     assert proc.returncode == 1
     assert "no persistent tier is configured" in proc.stderr
 
 
 def test_persist_wait_shows_bytes_rate_and_eta(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     # Uploads capped at 64 KiB/s (a token bucket of one chunk: step 1 goes out at once, step 2
     # then waits about 4 s for its bytes), long enough to watch step 2's upload.
-    d = DaemonProcess(
-        new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", upload_max_rate="64K"
-    )
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        d.start()
-        _save("job", 1)  # both queued for upload by the default policy
-        _save("job", 2)
-        total = sum(f["length"] for f in _json("inspect", "job", "2")["files"])
-        with DaemonClient.from_socket(d.socket) as client:
-            deadline = time.monotonic() + 10
-            while True:
-                p = client.status().persistent
-                assert p is not None
-                if [u for u in p.uploads if u.step == 2]:
-                    break
-                assert time.monotonic() < deadline, "step 2's upload never showed in the status"
-                time.sleep(0.02)
-        u = p.uploads[0]
-        assert (u.namespace, u.step, u.total_bytes) == ("job", 2, total)
-        assert 0 <= u.done_bytes < total
+    d = make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", upload_max_rate="64K")
+    save("job", 1, seeded_state(1, N), staged=False)  # both queued for upload by the default policy
+    save("job", 2, seeded_state(2, N), staged=False)
+    total = sum(f["length"] for f in _json("inspect", "job", "2")["files"])
+    with DaemonClient.from_socket(d.socket) as client:
+        deadline = time.monotonic() + 10
+        while True:
+            p = client.status().persistent
+            assert p is not None
+            if [u for u in p.uploads if u.step == 2]:
+                break
+            assert time.monotonic() < deadline, "step 2's upload never showed in the status"
+            time.sleep(0.02)
+    u = p.uploads[0]
+    assert (u.namespace, u.step, u.total_bytes) == ("job", 2, total)
+    assert 0 <= u.done_bytes < total
 
-        rc, out, term = _cli_tty("persist", "job", "2", "--wait")
-        assert rc == 0, term
-        assert out.strip() == "job step 2 is durable"
-        assert "job step 2: uploading" in term  # the bar while bytes are still going out
-        assert "/257.2 KiB" in term and "0:00:0" in term  # bytes done/total, and the ETA
-        assert "job step 2: durable after" in term
-        assert _json("status")["persistent"]["uploads"] == []
-    finally:
-        d.cleanup()
+    rc, out, term = _cli_tty("persist", "job", "2", "--wait")
+    assert rc == 0, term
+    assert out.strip() == "job step 2 is durable"
+    assert "job step 2: uploading" in term  # the bar while bytes are still going out
+    assert "/257.2 KiB" in term and "0:00:0" in term  # bytes done/total, and the ETA
+    assert "job step 2: durable after" in term
+    assert _json("status")["persistent"]["uploads"] == []

@@ -12,25 +12,17 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 
-from tierckpt_client.dcp import TieredStorageWriter
-
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess
+from kit import save, seeded_state
 
 N = 64 * 1024  # 256 KiB of float32 per step
 CLI = [sys.executable, "-m", "tierckpt_client.cli"]
-
-
-def _save(ns: str, step: int) -> None:
-    state = {"w": torch.full((N,), float(step)), "meta": {"step": step}}
-    dcp.save(state, storage_writer=TieredStorageWriter(ns, step), no_dist=True)
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -65,15 +57,10 @@ def _flip_byte(path: Path, offset: int) -> None:
 
 
 @pytest.fixture
-def tiered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DaemonProcess]:
+def tiered(tmp_path: Path, make_node: Callable[..., DaemonProcess]) -> DaemonProcess:
     """A daemon whose file:// persistent tier takes a namespace's first step and no other
     (``persist_every=1000``) until ``tierckpt persist``."""
-    d = DaemonProcess(new_shm_dir(), persist_url=f"file://{tmp_path / 'store'}", persist_every=1000)
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        yield d.start()
-    finally:
-        d.cleanup()
+    return make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", persist_every=1000)
 
 
 # -- help, exit codes, export without torch, closed stdout (no tier needed) ---------------------
@@ -129,7 +116,7 @@ def test_export_without_torch_names_the_extra(client_env: DaemonProcess, tmp_pat
 
 
 def test_json_into_a_closed_pipe_exits_quietly(client_env: DaemonProcess) -> None:
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N), staged=False)
     # The reader is gone before the CLI writes (what `| head` does after its first lines).
     for args in (["--json", "ls"], ["--json", "ls", "job"]):
         read_end, write_end = os.pipe()
@@ -147,13 +134,13 @@ def test_json_into_a_closed_pipe_exits_quietly(client_env: DaemonProcess) -> Non
 
 
 def test_ls_and_inspect_show_checkpoints_only_the_persistent_tier_holds(
-    tiered: DaemonProcess, tmp_path: Path
+    tiered: DaemonProcess, tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
-    _save("job-a", 10)  # first steps: persisted by the policy
-    _save("job-b", 3)
+    save("job-a", 10, seeded_state(10, N), staged=False)  # first steps: persisted by the policy
+    save("job-b", 3, seeded_state(3, N), staged=False)
     _wait_durable("job-a", 10)
     _wait_durable("job-b", 3)
-    _save("job-a", 20)  # memory only
+    save("job-a", 20, seeded_state(20, N), staged=False)  # memory only
     # The node is replaced: its memory is gone, the persistent tier holds both namespaces.
     tiered.kill()
     shutil.rmtree(tiered.shm_dir)
@@ -181,18 +168,15 @@ def test_ls_and_inspect_show_checkpoints_only_the_persistent_tier_holds(
     assert f"not in memory or in file://{tmp_path / 'store'}" in proc.stderr
 
     # A daemon without a persistent tier, and TIERCKPT_PERSIST_URL naming the store: same view.
-    plain = DaemonProcess(new_shm_dir()).start()
-    try:
-        env = {"TIERCKPT_SOCKET": str(plain.socket)}
-        bare = _cli("--json", "ls", env=env)
-        assert json.loads(bare.stdout) == []
-        env["TIERCKPT_PERSIST_URL"] = f"file://{tmp_path / 'store'}"
-        docs = json.loads(_cli("--json", "ls", env=env).stdout)
-        assert [d["namespace"] for d in docs] == ["job-a", "job-b"]
-        steps = json.loads(_cli("--json", "ls", "job-a", env=env).stdout)
-        assert [(s["step"], s["tiers"]) for s in steps] == [(10, ["persistent"])]
-    finally:
-        plain.cleanup()
+    plain = make_node()
+    env = {"TIERCKPT_SOCKET": str(plain.socket)}
+    bare = _cli("--json", "ls", env=env)
+    assert json.loads(bare.stdout) == []
+    env["TIERCKPT_PERSIST_URL"] = f"file://{tmp_path / 'store'}"
+    docs = json.loads(_cli("--json", "ls", env=env).stdout)
+    assert [d["namespace"] for d in docs] == ["job-a", "job-b"]
+    steps = json.loads(_cli("--json", "ls", "job-a", env=env).stdout)
+    assert [(s["step"], s["tiers"]) for s in steps] == [(10, ["persistent"])]
 
 
 # -- verify ------------------------------------------------------------------------------------
@@ -201,7 +185,7 @@ def test_ls_and_inspect_show_checkpoints_only_the_persistent_tier_holds(
 def test_verify_checks_every_tier_and_finds_corruption(
     tiered: DaemonProcess, tmp_path: Path
 ) -> None:
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N), staged=False)
     _wait_durable("job", 1)
     doc = _json("verify", "job", "1")
     assert doc["ok"] is True and doc["tiers"] == ["memory", "persistent"]
@@ -214,7 +198,7 @@ def test_verify_checks_every_tier_and_finds_corruption(
 
     # Just committed (its upload may not have started): verifiable in memory at once, against
     # the checksums the ranks took when they wrote the files.
-    _save("job", 2)
+    save("job", 2, seeded_state(2, N), staged=False)
     doc = _json("verify", "job", "2")
     assert doc["ok"] is True and "memory" in doc["tiers"], doc
     assert {f["result"] for f in doc["files"] if f["tier"] == "memory"} == {"ok"}, doc
@@ -248,7 +232,7 @@ def test_verify_checks_every_tier_and_finds_corruption(
 def test_rm_persistent_needs_yes_then_removes_every_copy(
     tiered: DaemonProcess, tmp_path: Path
 ) -> None:
-    _save("job", 1)
+    save("job", 1, seeded_state(1, N), staged=False)
     _wait_durable("job", 1)
     step_dir = tmp_path / "store" / "job" / f"step_{1:012d}"
     assert step_dir.is_dir()
@@ -271,29 +255,24 @@ def test_rm_persistent_needs_yes_then_removes_every_copy(
 
 
 @pytest.mark.usefixtures("s3_env")
-def test_ls_verify_rm_against_s3(seaweed: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ls_verify_rm_against_s3(seaweed: Any, make_node: Callable[..., DaemonProcess]) -> None:
     url = f"s3://{seaweed.bucket}/cli-{uuid.uuid4().hex[:8]}"
-    d = DaemonProcess(new_shm_dir(), persist_url=url)
-    monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
-    try:
-        d.start()
-        _save("job", 5)
-        _wait_durable("job", 5)
-        d.kill()
-        shutil.rmtree(d.shm_dir)
-        d.start()
-        assert [(x["namespace"], x["tiers"]) for x in _json("ls")] == [("job", ["persistent"])]
-        doc = _json("verify", "job", "5")
-        assert doc["tiers"] == ["persistent"] and doc["ok"] is True
-        assert _cli("rm", "job", "5", "--persistent", "--yes").stdout.strip() == (
-            "removed job step 5 from persistent"
-        )
-        assert _json("ls") == []
-        # A store that cannot be listed: memory is still shown, the error is named, exit 1.
-        _save("mem-only", 1)
-        proc = _cli("ls", env={"TIERCKPT_PERSIST_URL": "s3://no-such-bucket-cli/x"})
-        assert proc.returncode == 1
-        assert proc.stdout.splitlines()[1].split()[0] == "mem-only"
-        assert proc.stderr.startswith("tierckpt: cannot list the persistent tier s3://no-such-")
-    finally:
-        d.cleanup()
+    d = make_node(client=True, persist_url=url)
+    save("job", 5, seeded_state(5, N), staged=False)
+    _wait_durable("job", 5)
+    d.kill()
+    shutil.rmtree(d.shm_dir)
+    d.start()
+    assert [(x["namespace"], x["tiers"]) for x in _json("ls")] == [("job", ["persistent"])]
+    doc = _json("verify", "job", "5")
+    assert doc["tiers"] == ["persistent"] and doc["ok"] is True
+    assert _cli("rm", "job", "5", "--persistent", "--yes").stdout.strip() == (
+        "removed job step 5 from persistent"
+    )
+    assert _json("ls") == []
+    # A store that cannot be listed: memory is still shown, the error is named, exit 1.
+    save("mem-only", 1, seeded_state(1, N), staged=False)
+    proc = _cli("ls", env={"TIERCKPT_PERSIST_URL": "s3://no-such-bucket-cli/x"})
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[1].split()[0] == "mem-only"
+    assert proc.stderr.startswith("tierckpt: cannot list the persistent tier s3://no-such-")

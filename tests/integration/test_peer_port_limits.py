@@ -19,7 +19,7 @@ import pytest
 
 from tierckpt_daemon.config import DaemonSettings
 
-from helpers import DaemonProcess, free_port, new_shm_dir, ring, running
+from helpers import DaemonProcess, free_port, ring, running, started
 
 TOKEN = "peer-token-for-the-port-limit-tests-0123456789"
 PREPARE = "/v1/peer/namespaces/job/steps/1/attempts/a1/prepare"
@@ -167,8 +167,7 @@ def test_the_caps_are_settings_with_sizes(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", [PREPARE, PULL])
 def test_a_peer_route_on_a_daemon_without_peers_is_refused_unread(path: str) -> None:
     port = free_port()
-    alone = DaemonProcess(new_shm_dir(), port=port, host="127.0.0.1")
-    with running([alone]), _connect(alone) as s:
+    with started(port=port, host="127.0.0.1") as alone, _connect(alone) as s:
         s.sendall(_head(path, length=100 * MiB, token=TOKEN))
         status, doc, _ = _answer(s)
     assert status == 403 and "replication is off" in doc["detail"], doc

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt_client import DaemonClient
@@ -13,7 +14,7 @@ from tierckpt_core.layout import file_key
 from tierckpt_core.protocol import CommitRequest, SealFile
 
 from _tiers import durable_problems, leftovers, memory_problems, phases
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -24,38 +25,36 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x01]))
 
 
-def test_the_checks_see_damage_and_leftovers(tmp_path: Path) -> None:
+def test_the_checks_see_damage_and_leftovers(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
     store = tmp_path / "persistent"
     url = f"file://{store}"
-    d = DaemonProcess(new_shm_dir(), persist_url=url)
-    try:
-        d.start()
-        with DaemonClient.from_socket(d.socket) as c:
-            assert phases(d.shm_dir) == {"between saves"}
-            lease = c.lease("job", 0, 5000)
-            with open(lease.path, "r+b") as f:
-                f.write(os.urandom(5000))
-            assert "stage/write (leased)" in phases(d.shm_dir)
-            assert any("still leased" in x for x in leftovers(d))
-            c.seal("job", 1, "a1", 0, [SealFile(lease_id=lease.lease_id, name="r0", length=5000)])
-            assert "sealed, not committed" in phases(d.shm_dir)
-            assert any("without a commit record" in x for x in leftovers(d))
-            c.commit("job", 1, "a1", CommitRequest(files=["r0"], metadata={}, world_size=1))
-            deadline = time.monotonic() + 30
-            while durable_problems(url, "job")[0] < 1:
-                assert time.monotonic() < deadline, "step 1 never became durable"
-                time.sleep(0.1)
-            assert memory_problems(d, "job") == []
-            assert durable_problems(url, "job") == (1, [])
-            assert leftovers(d) == []
+    d = make_node(persist_url=url)
+    with DaemonClient.from_socket(d.socket) as c:
+        assert phases(d.shm_dir) == {"between saves"}
+        lease = c.lease("job", 0, 5000)
+        with open(lease.path, "r+b") as f:
+            f.write(os.urandom(5000))
+        assert "stage/write (leased)" in phases(d.shm_dir)
+        assert any("still leased" in x for x in leftovers(d))
+        c.seal("job", 1, "a1", 0, [SealFile(lease_id=lease.lease_id, name="r0", length=5000)])
+        assert "sealed, not committed" in phases(d.shm_dir)
+        assert any("without a commit record" in x for x in leftovers(d))
+        c.commit("job", 1, "a1", CommitRequest(files=["r0"], metadata={}, world_size=1))
+        deadline = time.monotonic() + 30
+        while durable_problems(url, "job")[0] < 1:
+            assert time.monotonic() < deadline, "step 1 never became durable"
+            time.sleep(0.1)
+        assert memory_problems(d, "job") == []
+        assert durable_problems(url, "job") == (1, [])
+        assert leftovers(d) == []
 
-            pin = c.pin("job", 1)
-            c.unpin("job", 1, pin.pin_id)
-            _flip(Path(pin.paths["r0"]), 4321)
-            assert any("bytes differ" in x for x in memory_problems(d, "job"))
-            _flip(store / file_key("job", 1, "r0"), 17)
-            assert any("bytes differ" in x for x in durable_problems(url, "job")[1])
-            (store / file_key("job", 1, "r0")).unlink()
-            assert durable_problems(url, "job")[1]
-    finally:
-        d.cleanup()
+        pin = c.pin("job", 1)
+        c.unpin("job", 1, pin.pin_id)
+        _flip(Path(pin.paths["r0"]), 4321)
+        assert any("bytes differ" in x for x in memory_problems(d, "job"))
+        _flip(store / file_key("job", 1, "r0"), 17)
+        assert any("bytes differ" in x for x in durable_problems(url, "job")[1])
+        (store / file_key("job", 1, "r0")).unlink()
+        assert durable_problems(url, "job")[1]
