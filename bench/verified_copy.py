@@ -12,7 +12,8 @@ destination:
   xxh3-128 over two threads on two halves (does xxhash release the GIL?);
 - ``copy, then hash``: the two passes a restore made before;
 - ``fused``: :func:`tierckpt_core.verified.copy_verified`, each piece hashed in the destination
-  right after it was copied, at several piece sizes, on one thread and split over threads.
+  right after it was copied, at several piece sizes, on one thread and split over as many threads
+  as torch's copy uses (``--threads``).
 
 Run: ``python bench/verified_copy.py [--size-mb 1024] [--reps 7] [--json out.json]``.
 """
@@ -36,7 +37,6 @@ import torch
 import xxhash
 
 from tierckpt_core.integrity import checksum_blocks
-from tierckpt_core.manifest import FileRecord
 from tierckpt_core.verified import BlockSums, copy_verified
 
 
@@ -56,11 +56,8 @@ def _source(size: int) -> tuple[mmap.mmap, BlockSums, Any]:
     for at in range(0, size, step):
         n = min(step, size - at)
         arr[at : at + n] = rng.integers(0, 256, n, dtype=np.uint8)
-    whole, bsize, blocks = checksum_blocks(memoryview(m))
-    rec = FileRecord(
-        name="r0.data", rank=0, length=size, checksum=whole, block_size=bsize, blocks=blocks
-    )
-    return m, BlockSums.of(rec, where="bench", source="in this node's memory"), arr
+    _, bsize, blocks = checksum_blocks(memoryview(m))
+    return m, BlockSums("r0.data", size, bsize, blocks, "bench", "in this node's memory"), arr
 
 
 def _hash_two_threads(view: memoryview) -> None:
@@ -80,7 +77,12 @@ def main() -> None:
     p.add_argument("--size-mb", type=int, default=1024)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--chunks-kb", default="64,256,1024,4096")
-    p.add_argument("--threads", default="2,4", help="thread counts of the split fused copy")
+    p.add_argument(
+        "--threads",
+        default="",
+        help="thread counts of the split fused copy (default: torch's intra-op threads, which "
+        "its copy_ uses)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     size = args.size_mb << 20
@@ -92,7 +94,7 @@ def main() -> None:
     dest_np = dest.numpy()
     dest_view = memoryview(dest_np)
     chunks = [int(c) << 10 for c in args.chunks_kb.split(",")]
-    threads = [int(t) for t in args.threads.split(",") if t]
+    threads = [int(t) for t in args.threads.split(",") if t] or [torch.get_num_threads()]
 
     def two_pass() -> None:
         dest.copy_(src_t)
@@ -111,9 +113,10 @@ def main() -> None:
             src_view, dest_view, sums, 0, chunk=c
         )
     for t in threads:
-        cases[f"fused, 1024 KiB pieces, {t} threads"] = lambda t=t: copy_verified(
-            src_view, dest_view, sums, 0, threads=t
-        )
+        for c in (1 << 20, 2 << 20):
+            cases[f"fused, {c >> 10} KiB pieces, {t} threads"] = lambda t=t, c=c: copy_verified(
+                src_view, dest_view, sums, 0, chunk=c, threads=t
+            )
     times: dict[str, list[float]] = {k: [] for k in cases}
     for fn in cases.values():  # warm up: pages, pools, caches
         fn()

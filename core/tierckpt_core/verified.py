@@ -28,7 +28,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -39,7 +39,9 @@ from tierckpt_core.errors import (
     UnavailableError,
 )
 from tierckpt_core.integrity import ALGORITHM
-from tierckpt_core.manifest import FileRecord
+
+if TYPE_CHECKING:  # only its fields are read: this module stays free of pydantic
+    from tierckpt_core.manifest import FileRecord
 
 CHUNK = 1 << 20
 """Bytes per piece received, copied and hashed: small enough to stay in a core's cache (1-2 MiB
@@ -286,12 +288,28 @@ def copy_verified(
         return checked
 
     def part(start: int, end: int) -> int:
-        stream = BlockStream(sums, start, end)
-        for at in range(start, end, chunk):
-            piece = out[at - offset : min(at + chunk, end) - offset]
-            copy(piece, src_b[at - base : at - base + len(piece)])
-            stream.update(piece)
-        return stream.checked
+        """Whole blocks ``[start, end)``, copied and checked piece by piece."""
+        if chunk < sums.size:  # pieces smaller than a block: a block's hash runs over several
+            stream = BlockStream(sums, start, end)
+            for at in range(start, end, chunk):
+                piece = out[at - offset : min(at + chunk, end) - offset]
+                copy(piece, src_b[at - base : at - base + len(piece)])
+                stream.update(piece)
+            return stream.checked
+        # Pieces of whole blocks, each block hashed in one call once its piece landed (xxh3's
+        # one-shot call is faster than its streaming one).
+        step, digests = chunk // sums.size * sums.size, sums.digests
+        for at in range(start, end, step):
+            upto = min(at + step, end)
+            copy(out[at - offset : upto - offset], src_b[at - base : upto - base])
+            for lo in range(at, upto, sums.size):
+                block = sums.block_of(lo)
+                got = xxhash.xxh3_128_hexdigest(
+                    out[lo - offset : min(lo + sums.size, upto) - offset]
+                )
+                if got != digests[block]:
+                    raise sums.mismatch(block)
+        return end - start
 
     nblocks = sums.block_of(inner_hi - 1) - sums.block_of(inner_lo) + 1
     parts = min(threads, nblocks, max(1, (inner_hi - inner_lo) // PARALLEL_MIN))
