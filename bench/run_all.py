@@ -6,7 +6,8 @@ Scenarios (see bench/README.md), each in a subprocess of this script:
 - a 2-rank (spawn + gloo) tierckpt save stall, each rank saving half of the state;
 - ``persistent_tier.py`` (S3 upload/restore vs. s3torchconnector, training slowdown) at one size;
 - ``stall.py`` (the stall against torch's reused DefaultStager, 64 MiB-4 GiB);
-- ``gpu_staging.py`` where CUDA is available (the pinned tier file against a raw D2H and torch's stager).
+- ``gpu_staging.py`` where CUDA is available (the pinned tier file against a raw D2H and torch's stager);
+- ``verified_copy.py``: the verified copy out of memory (hash while copying) against memcpy, 1 GiB.
 """
 
 from __future__ import annotations
@@ -333,6 +334,14 @@ def run_scenarios(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict
             res["stall"] = json.loads(out.read_text())["results"]["sizes"]
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             notes.append(f"stall scenario skipped: {str(e).strip().splitlines()[-1][:300]}")
+    out = tmp / "verified_copy.json"
+    cmd = [*py, str(BENCH / "verified_copy.py"), "--json", str(out)]
+    cmd += ["--size-mb", "64", "--reps", "2"] if args.smoke else []
+    try:
+        run_child(cmd, "verified copy out of memory vs memcpy")
+        res["verified_copy"] = json.loads(out.read_text())
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        notes.append(f"verified copy skipped: {str(e).strip().splitlines()[-1][:300]}")
     if torch_has_cuda():
         out = tmp / "gpu_staging.json"
         cmd = [*py, str(BENCH / "gpu_staging.py"), "--out", str(out)]
@@ -696,6 +705,36 @@ def stall_rows(st: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def verified_copy_rows(v: dict[str, Any]) -> list[Row]:
+    """Issue 24 goal 1: the verified copy out of memory (hash while copying) >= 0.9x memcpy."""
+    size = f"{v['size'] >> 20} MiB"
+    by = {r["case"]: r for r in v["rows"]}
+    memcpy = by["memcpy (torch copy_)"]
+    fused = [r for r in v["rows"] if r["case"].startswith("fused")]
+    best = max(fused, key=lambda r: r["vs_memcpy"])
+    two_pass = by["copy, then hash (two passes)"]
+    rows: list[Row] = []
+    for label, r in [
+        ("memcpy out of the tier mapping (torch copy_)", memcpy),
+        ("verification alone: xxh3-128, 1 thread", by["hash xxh3_128 (1 thread)"]),
+        ("verified: copy, then hash (two passes)", two_pass),
+        (f"verified: hash while copying ({best['case'][7:]})", best),
+    ]:
+        met = r is best
+        rows.append(
+            (
+                size,
+                label,
+                f"{v['size'] / r['median_gbps'] / 1e6:.0f} ms",
+                f"{r['median_gbps']:.1f}",
+                f"{r['vs_memcpy']:.2f}x memcpy" if r in (best, two_pass) else "",
+                ">= 0.9" if met else "",
+                yes(r["vs_memcpy"] >= 0.9) if met else "",
+            )
+        )
+    return rows
+
+
 def gpu_rows(g: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     for size, r in g.items():
@@ -746,6 +785,8 @@ def render(res: dict[str, Any]) -> str:
         rows += peer_rows(res["peer_tier"])
     if res.get("stall"):
         rows += stall_rows(res["stall"])
+    if res.get("verified_copy"):
+        rows += verified_copy_rows(res["verified_copy"])
     if res.get("gpu_staging"):
         rows += gpu_rows(res["gpu_staging"])
     lines = [
