@@ -276,10 +276,18 @@ def start_ring(n: int, ranks: int, file_bytes: int, tag: str) -> Ring:
     except BaseException:
         stop_ring(r)
         raise
-    r.clients = [
-        DaemonClient(ClientConfig.from_env(socket=str(d.socket), timeout_s=300)) for d in nodes
-    ]
+    fresh_clients(r)
     return r
+
+
+def fresh_clients(r: Ring) -> None:
+    """New connections to every daemon: a pooled one left idle past uvicorn's keep-alive (5 s,
+    easily passed while a big commit runs) can be reset just as it is reused."""
+    for c in r.clients:
+        c.close()
+    r.clients = [
+        DaemonClient(ClientConfig.from_env(socket=str(d.socket), timeout_s=300)) for d in r.nodes
+    ]
 
 
 def stop_ring(r: Ring) -> None:
@@ -324,6 +332,7 @@ def run_n(args: argparse.Namespace, n: int, meta_cache: dict[Any, Any]) -> dict[
         with concurrent.futures.ThreadPoolExecutor(min(32, world)) as pool:
             for step in range(1, args.commits + 1):
                 attempt = f"{base}.1"
+                fresh_clients(r)
                 before_save = snapshot(pids, r.netdir)
                 t0 = time.perf_counter()
                 seals = list(
@@ -373,6 +382,7 @@ def run_n(args: argparse.Namespace, n: int, meta_cache: dict[Any, Any]) -> dict[
                     300,
                 )
         last = args.commits
+        fresh_clients(r)
         # Every node shows the step committed (a participant commits on the decision).
         for c in r.clients:
             wait(f"step {last} on every node", lambda c=c: c.step(NS, last).state, 120)
