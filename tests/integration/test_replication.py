@@ -7,9 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -19,24 +18,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tierckpt_client import ClientConfig, DaemonClient
+from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import StepInfo
 
-from helpers import DaemonProcess, free_port, new_shm_dir, run_ranks, running, wait_until
+from helpers import DaemonProcess, run_ranks, wait_until
+from kit import blank_state, load, save, seeded_state
 
 TOKEN = "peer-token-for-the-tests-0123456789"
 N = 1 << 15
-
-
-def _ring(*node_settings: dict[str, Any], token: str = TOKEN) -> list[DaemonProcess]:
-    """Daemons that list each other as peers (not started), one per ``node_settings``."""
-    ports = [free_port() for _ in node_settings]
-    peers = ",".join(f"127.0.0.1:{p}" for p in ports)
-    return [
-        DaemonProcess(new_shm_dir(), port=p, peers=peers, peer_token=token, **extra)
-        for p, extra in zip(ports, node_settings, strict=True)
-    ]
 
 
 def _name(d: DaemonProcess) -> str:
@@ -44,9 +34,8 @@ def _name(d: DaemonProcess) -> str:
 
 
 @pytest.fixture
-def ring() -> Iterator[list[DaemonProcess]]:
-    with running(_ring({}, {})) as nodes:
-        yield nodes
+def ring(make_ring: Callable[..., list[DaemonProcess]]) -> list[DaemonProcess]:
+    return make_ring(2, token=TOKEN)
 
 
 def _steps(d: DaemonProcess, ns: str) -> dict[int, StepInfo]:
@@ -64,27 +53,6 @@ def _reboot(d: DaemonProcess) -> None:
     d.kill()
     shutil.rmtree(d.shm_dir)
     d.start()
-
-
-def _state(step: int) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(N, generator=g), "meta": {"step": step}}
-
-
-def _save(d: DaemonProcess, ns: str, step: int) -> None:
-    writer = TieredStorageWriter(ns, step, config=_config(d))
-    dcp.async_save(_state(step), storage_writer=writer, no_dist=True).result()
-
-
-def _load(d: DaemonProcess, ns: str) -> tuple[int | None, dict[str, object]]:
-    out: dict[str, object] = {"w": torch.zeros(N), "meta": {"step": -1}}
-    reader = TieredStorageReader(ns, config=_config(d))
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    return reader.resolved_step, out
-
-
-def _config(d: DaemonProcess) -> ClientConfig:
-    return ClientConfig.from_env(socket=d.socket)
 
 
 # -- two ranks through one node's daemon; the node dies; its replacement restores from the peer ----
@@ -205,95 +173,87 @@ def test_peer_routes_refuse_a_missing_or_wrong_token(ring: list[DaemonProcess]) 
     assert r.status_code == 403 and "TCP port only" in r.json()["detail"]
 
 
-def test_a_peer_with_another_token_cannot_push() -> None:
-    a, b = _ring({}, {}, token=TOKEN)
+def test_a_peer_with_another_token_cannot_push(
+    make_ring: Callable[..., list[DaemonProcess]],
+) -> None:
+    a, b = make_ring(2, token=TOKEN, start=False)
     b.settings["peer_token"] = "a-different-token-0123456789"
-    try:
-        a.start()
-        b.start()
-        _save(a, "job", 1)
-        with DaemonClient.from_socket(a.socket) as c:
-            rep = wait_until(
-                "a failed push",
-                lambda: (s := c.status().replication) and s.last_error and s,
-                30,
-            )
-        assert "wrong peer token" in rep.last_error and _name(b) in rep.last_error
-        assert _steps(a, "job")[1].replication_pending  # held in memory until it is replicated
-        with DaemonClient.from_socket(b.socket) as c:
-            assert c.namespaces() == []
-    finally:
-        a.cleanup()
-        b.cleanup()
+    a.start()
+    b.start()
+    save("job", 1, seeded_state(1, N), node=a)
+    with DaemonClient.from_socket(a.socket) as c:
+        rep = wait_until(
+            "a failed push",
+            lambda: (s := c.status().replication) and s.last_error and s,
+            30,
+        )
+    assert "wrong peer token" in rep.last_error and _name(b) in rep.last_error
+    assert _steps(a, "job")[1].replication_pending  # held in memory until it is replicated
+    with DaemonClient.from_socket(b.socket) as c:
+        assert c.namespaces() == []
 
 
 # -- a peer that is down ---------------------------------------------------------------------------
 
 
-def test_a_save_succeeds_while_the_peer_is_down_and_replicates_when_it_is_back() -> None:
-    a, b = _ring({}, {})
-    try:
-        a.start()
-        _save(a, "job", 1)  # B is not running: the save must not notice
-        with DaemonClient.from_socket(a.socket) as c:
-            rep = wait_until(
-                "the push to B to fail",
-                lambda: (s := c.status().replication) and s.failed_pushes and s,
-                30,
-            )
-        assert rep.unreachable == [_name(b)]
-        assert rep.last_error is not None and "replicated to 0 of 1 peers" in rep.last_error
-        assert _name(b) in rep.last_error
-        info = _steps(a, "job")[1]
-        assert info.replication_pending and info.replicated_to == []
-        step, out = _load(a, "job")  # the memory tier keeps serving meanwhile
-        assert step == 1 and torch.equal(out["w"], _state(1)["w"])
+def test_a_save_succeeds_while_the_peer_is_down_and_replicates_when_it_is_back(
+    make_ring: Callable[..., list[DaemonProcess]],
+) -> None:
+    a, b = make_ring(2, token=TOKEN, start=False)
+    a.start()
+    save("job", 1, seeded_state(1, N), node=a)  # B is not running: the save must not notice
+    with DaemonClient.from_socket(a.socket) as c:
+        rep = wait_until(
+            "the push to B to fail",
+            lambda: (s := c.status().replication) and s.failed_pushes and s,
+            30,
+        )
+    assert rep.unreachable == [_name(b)]
+    assert rep.last_error is not None and "replicated to 0 of 1 peers" in rep.last_error
+    assert _name(b) in rep.last_error
+    info = _steps(a, "job")[1]
+    assert info.replication_pending and info.replicated_to == []
+    step, out = load("job", blank_state(N), node=a)  # the memory tier keeps serving meanwhile
+    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
 
-        b.start()
-        wait_until("step 1 replicated once B is back", lambda: _replicated(a, "job", 1, b), 30)
-        with DaemonClient.from_socket(a.socket) as c:
-            rep = c.status().replication
-        assert rep is not None and rep.unreachable == [] and rep.last_error is None
-        assert _steps(b, "job")[1].origin == _name(a)
-        # One warning for the outage, not one per retry.
-        assert a.log().count(f"WARNING tierckpt_daemon.peers.replication: peer {_name(b)}") == 1
-    finally:
-        a.cleanup()
-        b.cleanup()
+    b.start()
+    wait_until("step 1 replicated once B is back", lambda: _replicated(a, "job", 1, b), 30)
+    with DaemonClient.from_socket(a.socket) as c:
+        rep = c.status().replication
+    assert rep is not None and rep.unreachable == [] and rep.last_error is None
+    assert _steps(b, "job")[1].origin == _name(a)
+    # One warning for the outage, not one per retry.
+    assert a.log().count(f"WARNING tierckpt_daemon.peers.replication: peer {_name(b)}") == 1
 
 
 # -- a corrupt replica -----------------------------------------------------------------------------
 
 
-def test_a_corrupt_replica_is_skipped_for_the_persistent_tier(tmp_path: Path) -> None:
-    a, b = _ring({"persist_url": f"file://{tmp_path / 'store'}"}, {})
-    try:
-        a.start()
-        b.start()
-        _save(a, "job", 10)
-        wait_until(
-            "step 10 replicated and durable",
-            lambda: _replicated(a, "job", 10, b) and _steps(a, "job")[10].state.value == "durable",
-            30,
-        )
-        (data,) = (b.shm_dir / "ns" / "job").glob("*/r00000.data")
-        with open(data, "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
+def test_a_corrupt_replica_is_skipped_for_the_persistent_tier(
+    tmp_path: Path, make_ring: Callable[..., list[DaemonProcess]]
+) -> None:
+    a, b = make_ring(2, token=TOKEN, per_node=[{"persist_url": f"file://{tmp_path / 'store'}"}, {}])
+    save("job", 10, seeded_state(10, N), node=a)
+    wait_until(
+        "step 10 replicated and durable",
+        lambda: _replicated(a, "job", 10, b) and _steps(a, "job")[10].state.value == "durable",
+        30,
+    )
+    (data,) = (b.shm_dir / "ns" / "job").glob("*/r00000.data")
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
-        _reboot(a)
-        step, out = _load(a, "job")
-        assert step == 10 and torch.equal(out["w"], _state(10)["w"])
-        log = a.log()
-        assert f"the replica on peer {_name(b)} is unusable" in log
-        assert "file r00000.data in peer" in log and "is corrupt" in log
-        assert "trying the persistent tier" in log
-        assert _steps(a, "job")[10].state.value == "durable"
-    finally:
-        a.cleanup()
-        b.cleanup()
+    _reboot(a)
+    step, out = load("job", blank_state(N), node=a)
+    assert step == 10 and torch.equal(out["w"], seeded_state(10, N)["w"])
+    log = a.log()
+    assert f"the replica on peer {_name(b)} is unusable" in log
+    assert "file r00000.data in peer" in log and "is corrupt" in log
+    assert "trying the persistent tier" in log
+    assert _steps(a, "job")[10].state.value == "durable"
 
 
 # -- settings --------------------------------------------------------------------------------------

@@ -27,20 +27,18 @@ import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from tierckpt_client import CapacityExceededError, ClientConfig, DaemonClient
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.errors import NotFoundError
 from tierckpt_core.layout import marker_key
 from tierckpt_core.protocol import CommitRequest, SealFile
 
-from helpers import DaemonProcess, free_port, new_shm_dir
+from helpers import DaemonProcess, free_port, started
+from kit import blank_state, load, save, seeded_state
 
 SAVES = int(os.environ.get("TIERCKPT_PRESSURE_SAVES") or 1200)
 CAPACITY = 6 << 20
@@ -125,20 +123,15 @@ def _size_of(st: os.stat_result) -> int:
 @pytest.fixture
 def tier(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
     store = tmp_path / "persistent"
-    d = DaemonProcess(
-        new_shm_dir(),
+    with started(
         capacity=str(CAPACITY),
         keep_last=KEEP_LAST,
         persist_url=f"file://{store}",
         upload_max_rate="1M",
         port=free_port(),
         lease_ttl_s=30,
-    )
-    try:
-        d.start()
+    ) as d:
         yield d, store
-    finally:
-        d.cleanup()
 
 
 def _raw_save(
@@ -186,6 +179,23 @@ def _in_memory(c: DaemonClient, ns: str) -> set[int]:
         return set()
 
 
+def _config(d: DaemonProcess, url: str) -> ClientConfig:
+    return ClientConfig.from_env(socket=d.socket, persist_url=url)
+
+
+def _assert_loads(d: DaemonProcess, url: str, ns: str, step: int, numel: int) -> None:
+    _, out = load(ns, blank_state(numel), step, config=_config(d, url))
+    want = seeded_state(step, numel)
+    assert torch.equal(out["w"], want["w"]) and out["meta"] == want["meta"], f"{ns}/{step}"
+
+
+def _dcp_save(
+    d: DaemonProcess, url: str, ns: str, step: int, numel: int, *, policy: str, plain: bool
+) -> None:
+    state = seeded_state(step, numel)
+    save(ns, step, state, config=_config(d, url), on_unavailable=policy, staged=not plain)
+
+
 def _metric(d: DaemonProcess, name: str, label: str = "") -> float:
     text = httpx.get(f"http://127.0.0.1:{d.settings['port']}/metrics", timeout=10).text
     total = 0.0
@@ -193,31 +203,6 @@ def _metric(d: DaemonProcess, name: str, label: str = "") -> float:
         if line.startswith(name) and label in line and not line.startswith("#"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def _state(step: int, numel: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(numel, generator=g), "meta": {"step": step}}
-
-
-def _load(d: DaemonProcess, url: str, ns: str, step: int, numel: int) -> None:
-    out = {"w": torch.zeros(numel), "meta": {"step": -1}}
-    cfg = ClientConfig.from_env(socket=d.socket, persist_url=url)
-    reader = TieredStorageReader(ns, step, config=cfg)
-    dcp.load(out, storage_reader=reader, no_dist=True)
-    want = _state(step, numel)
-    assert torch.equal(out["w"], want["w"]) and out["meta"] == want["meta"], f"{ns}/{step}"
-
-
-def _dcp_save(
-    d: DaemonProcess, url: str, ns: str, step: int, numel: int, *, policy: str, plain: bool
-) -> None:
-    cfg = ClientConfig.from_env(socket=d.socket, persist_url=url)
-    writer = TieredStorageWriter(ns, step, config=cfg, on_unavailable=policy)
-    if plain:
-        dcp.save(_state(step, numel), storage_writer=writer, no_dist=True)
-    else:
-        dcp.async_save(_state(step, numel), storage_writer=writer, no_dist=True).result()
 
 
 @pytest.mark.timeout(900)
@@ -255,7 +240,7 @@ def test_saves_under_a_tight_budget_never_exceed_it_nor_drop_a_step_waiting_for_
                         where_to = "memory" if i in _in_memory(c, "dcp") else "persistent tier"
                         assert where_to == "memory" or policy == "persist", f"{i}: {where_to}"
                         dcp_outcomes[f"{policy}: saved to {where_to}"] += 1
-                        _load(d, url, "dcp", i, 100_000)
+                        _assert_loads(d, url, "dcp", i, 100_000)
                 sizes = [_size(rng) for _ in range(rng.choice((1, 1, 2)))]
                 err = _raw_save(c, ns, step, sizes, rng)
                 if err is not None:
@@ -319,8 +304,8 @@ def test_a_save_larger_than_the_tier_follows_the_writers_policy(
         assert _in_memory(c, "small") == {1}  # nothing was evicted for it
     _dcp_save(d, url, "big", 2, numel, policy="persist", plain=plain)
     assert (store / marker_key("big", 2)).exists()  # straight to the persistent tier
-    _load(d, url, "big", 2, numel)
-    _load(d, url, "small", 1, 1000)
+    _assert_loads(d, url, "big", 2, numel)
+    _assert_loads(d, url, "small", 1, 1000)
 
 
 def _causes(e: BaseException) -> list[BaseException]:
