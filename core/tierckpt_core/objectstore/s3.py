@@ -16,7 +16,6 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,10 +27,16 @@ from tierckpt_core.errors import (
     InvalidNameError,
     NotFoundError,
     PersistentTierError,
-    PersistentTierUnavailableError,
 )
 from tierckpt_core.integrity import Hasher
 from tierckpt_core.objectstore.base import ObjectInfo, validate_key, validate_prefix
+from tierckpt_core.objectstore.s3_clients import (
+    RetryableS3Error,
+    boto_error,
+    crt_error,
+    new_boto_client,
+    new_crt_client,
+)
 from tierckpt_core.objectstore.settings import StoreSettings
 from tierckpt_core.objectstore.streams import (
     CHUNK_SIZE,
@@ -54,27 +59,6 @@ _DELETE_BATCH = 1000  # the S3 DeleteObjects limit
 _MAX_STUCK = 16
 
 _T = TypeVar("_T")
-
-
-class _RetryableS3Error(PersistentTierUnavailableError):
-    """A transient data-path failure (network, throttling, 5xx): retried by tenacity."""
-
-
-# Substrings of the CRT client's S3Exception messages (it has one exception type; the message is
-# the only thing that tells errors apart). Checked in lowercase.
-_CRT_NOT_FOUND = ("the key does not exist", "the object was not found", "nosuchkey")
-_CRT_NO_BUCKET = ("the bucket does not exist", "nosuchbucket")
-_RESPONSE_STATUS = re.compile(r"response_status: (\d{3})")
-_CRT_AUTH = (
-    "forbidden",
-    "access denied",
-    "accessdenied",
-    "invalidaccesskeyid",
-    "signature",
-    "no credentials",
-    "credentials provider",
-    "expiredtoken",
-)
 
 
 class S3Store:
@@ -139,12 +123,8 @@ class S3Store:
         self._check_pid()
         with self._lock:
             if self._crt is None:
-                from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
-
-                self._crt = MountpointS3Client(
+                self._crt = new_crt_client(
                     region=self.region,
-                    user_agent_prefix="tierckpt",
-                    part_size=CHUNK_SIZE,
                     endpoint=self.endpoint,
                     force_path_style=self.force_path_style,
                     max_attempts=self.max_attempts,
@@ -155,23 +135,12 @@ class S3Store:
         self._check_pid()
         with self._lock:
             if self._boto is None:
-                import boto3
-                from botocore.config import Config
-
-                config = Config(
-                    region_name=self.region,
-                    s3={"addressing_style": "path" if self.force_path_style else "auto"},
-                    connect_timeout=min(self.timeout_s, 10.0),
-                    read_timeout=self.timeout_s,
-                    # total_max_attempts counts the first try; botocore's max_attempts would not.
-                    retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
-                    # We checksum every byte ourselves (xxh3); S3-compatible servers vary in
-                    # their support of the newer flexible checksums.
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                )
-                self._boto = boto3.session.Session().client(
-                    "s3", endpoint_url=self.endpoint, config=config
+                self._boto = new_boto_client(
+                    region=self.region,
+                    endpoint=self.endpoint,
+                    force_path_style=self.force_path_style,
+                    max_attempts=self.max_attempts,
+                    timeout_s=self.timeout_s,
                 )
             return self._boto
 
@@ -198,27 +167,6 @@ class S3Store:
 
     def _where(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._full(key)}"
-
-    def _map_crt(self, what: str, key: str, exc: Exception) -> PersistentTierError | NotFoundError:
-        msg = str(exc)
-        low = msg.lower()
-        where = self._where(key)
-        if any(s in low for s in _CRT_NOT_FOUND):
-            return NotFoundError(f"object {key!r} not found ({where})")
-        if any(s in low for s in _CRT_NO_BUCKET):
-            return PersistentTierError(
-                f"{what} {where} failed: bucket {self.bucket!r} does not exist ({msg})"
-            )
-        if any(s in low for s in _CRT_AUTH):
-            return PersistentTierError(
-                f"{what} {where} failed: access denied, check the S3 credentials "
-                f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or role): {msg}"
-            )
-        status = _RESPONSE_STATUS.search(msg)
-        if status and 400 <= int(status.group(1)) < 500 and int(status.group(1)) not in (408, 429):
-            # a client error (bad request, range, precondition): repeating it will not help
-            return PersistentTierError(f"{what} {where} failed: {msg}")
-        return _RetryableS3Error(f"{what} {where} failed: {msg}")
 
     def _allow(self, nbytes: int) -> float:
         """Seconds a blocking step that moves ``nbytes`` over the network may take."""
@@ -252,7 +200,7 @@ class S3Store:
                     on_exit=self._helper_exit,
                 )
             except S3Exception as e:
-                raise self._map_crt(what, key, e) from e
+                raise crt_error(what, key, self._where(key), self.bucket, e) from e
             except BlockMismatchError:
                 raise  # a stored block that does not match its checksum stays wrong
             except IntegrityError as e:
@@ -260,19 +208,19 @@ class S3Store:
                 # object of the wrong size stays wrong, and says so after the last one.
                 if tries >= self.max_attempts:
                     raise
-                raise _RetryableS3Error(f"{what} {self._where(key)}: {e}") from e
+                raise RetryableS3Error(f"{what} {self._where(key)}: {e}") from e
             except Expired as e:
                 with self._lock:
                     self._stuck += 1
                     self._crt = None  # the next attempt gets fresh connections
-                raise _RetryableS3Error(
+                raise RetryableS3Error(
                     f"{what} {self._where(key)} timed out: {e} (TIERCKPT_S3_TIMEOUT="
                     f"{self.timeout_s:g}s, plus the bytes in flight at TIERCKPT_S3_MIN_RATE="
                     f"{self.min_rate:.0f} B/s); the request was abandoned"
                 ) from None
 
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(_RetryableS3Error),
+            retry=tenacity.retry_if_exception_type(RetryableS3Error),
             stop=tenacity.stop_after_attempt(self.max_attempts),
             wait=tenacity.wait_exponential(multiplier=0.2, max=10.0),
             before_sleep=tenacity.before_sleep_log(logger, logging.WARNING),
@@ -285,54 +233,6 @@ class S3Store:
             with self._lock:
                 self._stuck -= 1
 
-    def _map_boto(self, what: str, key: str | None, exc: Exception) -> Exception:
-        from botocore.exceptions import (
-            BotoCoreError,
-            ClientError,
-            ConnectTimeoutError,
-            NoCredentialsError,
-            ReadTimeoutError,
-        )
-
-        where = self._where(key) if key is not None else self.url
-        if isinstance(exc, ClientError):
-            err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "NoSuchBucket" or (key is None and status == 404):
-                return PersistentTierError(
-                    f"{what} {where} failed: bucket {self.bucket!r} does not exist"
-                    + (f" at {self.endpoint}" if self.endpoint else "")
-                )
-            if code in ("NoSuchKey", "404") and key is not None:
-                return NotFoundError(f"object {key!r} not found ({where})")
-            if status == 403 or code in (
-                "AccessDenied",
-                "403",
-                "InvalidAccessKeyId",
-                "SignatureDoesNotMatch",
-                "ExpiredToken",
-            ):
-                return PersistentTierError(
-                    f"{what} {where} failed: access denied ({code}), check the S3 credentials "
-                    "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or role) and the "
-                    "bucket policy"
-                )
-            return PersistentTierError(f"{what} {where} failed: {code or status}: {exc}")
-        if isinstance(exc, NoCredentialsError):
-            return PersistentTierError(
-                f"{what} {where} failed: no S3 credentials found (set AWS_ACCESS_KEY_ID/"
-                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or attach a role)"
-            )
-        if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
-            return PersistentTierError(
-                f"{what} {where} timed out: {exc} (TIERCKPT_S3_TIMEOUT={self.timeout_s:g}s, "
-                f"{self.max_attempts} attempt(s))"
-            )
-        if isinstance(exc, BotoCoreError):
-            return PersistentTierError(f"{what} {where} failed: {exc}")
-        return exc
-
     def _control(self, what: str, key: str | None, fn: Callable[[Any], _T]) -> _T:
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -340,7 +240,17 @@ class S3Store:
         try:
             return fn(client)
         except (ClientError, BotoCoreError) as e:
-            raise self._map_boto(what, key, e) from e
+            where = self._where(key) if key is not None else self.url
+            raise boto_error(
+                what,
+                key,
+                where,
+                e,
+                bucket=self.bucket,
+                endpoint=self.endpoint,
+                timeout_s=self.timeout_s,
+                max_attempts=self.max_attempts,
+            ) from e
 
     # -- data path (CRT) ------------------------------------------------------------------
 
