@@ -146,6 +146,23 @@ class Phases:
             u()
 
 
+class _ReusedStager(DefaultStager):
+    """``DefaultStager``, reused on every torch: 2.11 closes its ``StateDictStager`` after every
+    stage, which drops its cached storages and clears its deepcopy table (the second stage of a
+    state holding a class then fails with a KeyError on ``type``); 2.13 keeps it open until
+    ``close``, as this does."""
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        inner: Any = self._state_dict_stager
+        self._close_inner = inner.close
+        inner.close = lambda: None
+
+    def close(self) -> None:
+        super().close()
+        self._close_inner()
+
+
 def make_state(size_mb: int, n_tensors: int = N_TENSORS) -> dict[str, Any]:
     numel = size_mb * (1 << 20) // n_tensors // 4
     gen = torch.Generator().manual_seed(0)
@@ -175,7 +192,7 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
     off = ClientConfig.from_env(prelease=False)
     sd = make_state(size_mb, args.tensors)
     dst = [torch.empty_like(t).fill_(0) for t in tensors(sd)]
-    stager = DefaultStager(
+    stager = _ReusedStager(
         StagingOptions(
             use_pinned_memory=False,
             use_shared_memory=False,
