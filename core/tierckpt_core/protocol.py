@@ -217,6 +217,27 @@ class PinResponse(BaseModel):
     expires_in_s: float
 
 
+class ReadRequest(BaseModel):
+    """Open a committed step in this node's memory for a load: pin it and say what it holds.
+    ``known``: the :attr:`ReadResponse.version` whose metadata and file records the reader
+    already holds (they are then left out of the answer)."""
+
+    known: str | None = Field(default=None, max_length=200)
+
+
+class ReadResponse(BaseModel):
+    """A pinned step for a load, in one round trip: the pin, its files' paths, and, unless the
+    reader holds them already (``version`` is the one it sent), the step's DCP metadata and its
+    file records with their block checksums (the larger part of the answer)."""
+
+    pin_id: str
+    paths: dict[str, str]
+    expires_in_s: float
+    version: str  # the step's committed contents: its commit time and every file's checksum
+    metadata: dict[str, Any] | None = None
+    files: list[FileRecord] | None = None
+
+
 class StatusResponse(BaseModel):
     version: str
     api_version: str
