@@ -4,12 +4,13 @@ bit for bit (losses are printed as float.hex)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from seaweed import SeaweedS3
 
-from helpers import DaemonProcess, LoopRun, run_loop
+from helpers import DaemonProcess, LoopRun, run_loop, started
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +34,13 @@ def assert_resumed(ref: LoopRun, killed: LoopRun, resumed: LoopRun, steps: int) 
 @pytest.fixture(scope="module")
 def fsdp2_reference(tmp_path_factory: pytest.TempPathFactory) -> LoopRun:
     """An uninterrupted FSDP2 run (its own daemon, so no test's namespaces interfere)."""
-    from helpers import new_shm_dir
-
-    d = DaemonProcess(new_shm_dir()).start()
-    try:
+    with started() as d:
         ref = run_loop(
             EXAMPLES / "fsdp2_checkpointer.py",
             ["--namespace", "ref", "--steps", "8"],
             d.client_env,
             log_dir=tmp_path_factory.mktemp("ref"),
         )
-    finally:
-        d.cleanup()
     assert ref.returncodes == [0, 0] and sorted(ref.losses) == list(range(1, 9)), ref
     return ref
 
@@ -64,7 +60,7 @@ def test_fsdp2_checkpointer_resumes_bit_exact(
 
 
 def test_sigterm_saves_a_durable_step_exits_0_and_resumes(
-    fsdp2_reference: LoopRun, tmp_path: Path
+    fsdp2_reference: LoopRun, tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     """SIGTERM to one rank: all ranks save that step, it becomes durable in the persistent tier,
     both exit 0 within the deadline; the node then loses its memory, and the restart resumes from
@@ -76,40 +72,35 @@ def test_sigterm_saves_a_durable_step_exits_0_and_resumes(
     from tierckpt_client import DaemonClient
     from tierckpt_client.config import ClientConfig
 
-    from helpers import new_shm_dir
-
     store = tmp_path / "store"
-    node = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}").start()
+    node = make_node(persist_url=f"file://{store}")
     script = EXAMPLES / "fsdp2_checkpointer.py"
     # Regular steps stay in memory: only the preemption asks for the persistent tier.
     args = ["--namespace", "job", "--steps", "8", "--persist-every", "1000"]
-    try:
-        t0 = time.monotonic()
-        stopped = run_loop(
-            script,
-            [*args, "--step-time", "0.5", "--preempt-deadline", "60"],
-            node.client_env,
-            log_dir=tmp_path,
-            stop_after=3,
-            stop_signal=signal.SIGTERM,
-            signal_ranks=[1],
-        )
-        assert stopped.returncodes == [0, 0], stopped
-        assert time.monotonic() - t0 < 60 + 30
-        final = max(stopped.losses)
-        assert final < 8, "the run was not preempted"
-        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
-            states = {s.step: s.state.value for s in c.steps("job")}
-        assert states[final] == "durable", states
-        assert all(v != "durable" for k, v in states.items() if k != final), states
-        assert (store / "job" / f"step_{final:012d}").is_dir()
+    t0 = time.monotonic()
+    stopped = run_loop(
+        script,
+        [*args, "--step-time", "0.5", "--preempt-deadline", "60"],
+        node.client_env,
+        log_dir=tmp_path,
+        stop_after=3,
+        stop_signal=signal.SIGTERM,
+        signal_ranks=[1],
+    )
+    assert stopped.returncodes == [0, 0], stopped
+    assert time.monotonic() - t0 < 60 + 30
+    final = max(stopped.losses)
+    assert final < 8, "the run was not preempted"
+    with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+        states = {s.step: s.state.value for s in c.steps("job")}
+    assert states[final] == "durable", states
+    assert all(v != "durable" for k, v in states.items() if k != final), states
+    assert (store / "job" / f"step_{final:012d}").is_dir()
 
-        node.kill()
-        shutil.rmtree(node.shm_dir)  # the node lost its memory: only the persistent tier is left
-        node.start()
-        resumed = run_loop(script, args, node.client_env, log_dir=tmp_path)
-    finally:
-        node.cleanup()
+    node.kill()
+    shutil.rmtree(node.shm_dir)  # the node lost its memory: only the persistent tier is left
+    node.start()
+    resumed = run_loop(script, args, node.client_env, log_dir=tmp_path)
     assert resumed.returncodes == [0, 0], resumed
     assert resumed.start == final
     assert sorted(resumed.losses) == list(range(final + 1, 9))
@@ -124,7 +115,7 @@ MEMORY_ONLY_WARNING = (
 
 
 def test_sigterm_without_a_persistent_tier_saves_to_memory_exits_0_and_resumes(
-    fsdp2_reference: LoopRun, tmp_path: Path
+    fsdp2_reference: LoopRun, tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     """A daemon with no persistent tier: SIGTERM to one rank, every rank saves that step into
     the node's memory, and both exit 0 with one warning (for the job, not per rank) that the save
@@ -134,34 +125,29 @@ def test_sigterm_without_a_persistent_tier_saves_to_memory_exits_0_and_resumes(
     from tierckpt_client import DaemonClient
     from tierckpt_client.config import ClientConfig
 
-    from helpers import new_shm_dir
-
-    node = DaemonProcess(new_shm_dir()).start()  # no TIERCKPT_PERSIST_URL
+    node = make_node()  # no TIERCKPT_PERSIST_URL
     script = EXAMPLES / "fsdp2_checkpointer.py"
     args = ["--namespace", "job", "--steps", "8"]
-    try:
-        stopped = run_loop(
-            script,
-            [*args, "--step-time", "0.5", "--preempt-deadline", "60"],
-            node.client_env,
-            log_dir=tmp_path / "stopped",
-            stop_after=3,
-            stop_signal=signal.SIGTERM,
-            signal_ranks=[1],
-        )
-        logs = "".join(p.read_text() for p in sorted((tmp_path / "stopped").glob("rank*.log")))
-        assert stopped.returncodes == [0, 0], (stopped.lines, logs)
-        final = max(stopped.losses)
-        assert final < 8, "the run was not preempted"
-        assert logs.count(MEMORY_ONLY_WARNING) == 1, logs
-        assert f"preempted at step {final}: " in logs, logs
-        assert "Traceback" not in logs, logs
-        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
-            assert c.step("job", final).state.value == "committed"
+    stopped = run_loop(
+        script,
+        [*args, "--step-time", "0.5", "--preempt-deadline", "60"],
+        node.client_env,
+        log_dir=tmp_path / "stopped",
+        stop_after=3,
+        stop_signal=signal.SIGTERM,
+        signal_ranks=[1],
+    )
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "stopped").glob("rank*.log")))
+    assert stopped.returncodes == [0, 0], (stopped.lines, logs)
+    final = max(stopped.losses)
+    assert final < 8, "the run was not preempted"
+    assert logs.count(MEMORY_ONLY_WARNING) == 1, logs
+    assert f"preempted at step {final}: " in logs, logs
+    assert "Traceback" not in logs, logs
+    with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+        assert c.step("job", final).state.value == "committed"
 
-        resumed = run_loop(script, args, node.client_env, log_dir=tmp_path / "resumed")
-    finally:
-        node.cleanup()
+    resumed = run_loop(script, args, node.client_env, log_dir=tmp_path / "resumed")
     assert resumed.returncodes == [0, 0], resumed
     assert resumed.start == final
     assert sorted(resumed.losses) == list(range(final + 1, 9))
@@ -181,7 +167,7 @@ def test_ddp_loop_resumes_bit_exact(daemon: DaemonProcess, tmp_path: Path) -> No
 
 
 def test_sagemaker_loop_resumes_and_save_to_s3_steps_are_durable(
-    s3_env: SeaweedS3, tmp_path: Path
+    s3_env: SeaweedS3, tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     """The AWS docs loop with only its import line changed: saves every 2 steps, save_to_s3
     every 4; killed after step 6 and run again, it resumes bit-exact, and exactly the
@@ -191,10 +177,8 @@ def test_sagemaker_loop_resumes_and_save_to_s3_steps_are_durable(
     from tierckpt_client import DaemonClient
     from tierckpt_client.config import ClientConfig
 
-    from helpers import new_shm_dir
-
     url = f"s3://{s3_env.bucket}/sagemaker-loop"
-    node = DaemonProcess(new_shm_dir(), persist_url=url).start()
+    node = make_node(persist_url=url)
     env = {
         **node.client_env,
         "CHECKPOINT_S3_PATH": url,
@@ -204,19 +188,16 @@ def test_sagemaker_loop_resumes_and_save_to_s3_steps_are_durable(
         "TOTAL_STEPS": "9",
     }
     script = EXAMPLES / "sagemaker_loop.py"
-    try:
-        killed = run_loop(script, [], {**env, "STEP_TIME": "0.5"}, log_dir=tmp_path, stop_after=6)
-        resumed = run_loop(script, [], env, log_dir=tmp_path)
-        assert_resumed(killed, killed, resumed, 9)
-        deadline = time.monotonic() + 60
-        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
-            while True:
-                states = {s.step: s.state.value for s in c.steps("sm-job")}
-                if states.get(8) == "durable" or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-    finally:
-        node.cleanup()
+    killed = run_loop(script, [], {**env, "STEP_TIME": "0.5"}, log_dir=tmp_path, stop_after=6)
+    resumed = run_loop(script, [], env, log_dir=tmp_path)
+    assert_resumed(killed, killed, resumed, 9)
+    deadline = time.monotonic() + 60
+    with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+        while True:
+            states = {s.step: s.state.value for s in c.steps("sm-job")}
+            if states.get(8) == "durable" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     assert states[8] == "durable" and states[6] == "committed", states
     s3 = s3_env.boto3_client()
     try:

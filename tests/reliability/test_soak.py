@@ -26,7 +26,7 @@ import pytest
 from tierckpt_client import CapacityExceededError, DaemonClient
 from tierckpt_core.protocol import CommitRequest, LeaseResponse, SealFile
 
-from helpers import DaemonProcess, new_shm_dir
+from helpers import DaemonProcess, started
 
 LONG = os.environ.get("TIERCKPT_LONG") == "1"
 CYCLES = int(os.environ.get("TIERCKPT_SOAK_CYCLES") or (10_000 if LONG else 1200))
@@ -67,19 +67,14 @@ def _sample(i: int, d: DaemonProcess, store: Path) -> tuple[int, dict[str, int],
 @pytest.fixture
 def soak_daemon(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
     store = tmp_path / "persistent"
-    d = DaemonProcess(
-        new_shm_dir(),
+    with started(
         capacity="64M",
         keep_last=2,
         persist_url=f"file://{store}",
         persist_keep_last=2,
         lease_ttl_s=30,
-    )
-    try:
-        d.start()
+    ) as d:
         yield d, store
-    finally:
-        d.cleanup()
 
 
 def _write(path: str, size: int, tag: bytes) -> None:
