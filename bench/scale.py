@@ -75,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--replot", type=Path, nargs="+", help="only plot these JSON results together (--plot)"
     )
+    p.add_argument("--labels", default="", help="';'-separated labels of the --replot runs")
     p.add_argument("--small", action="store_true", help="CI: N = 2, 4; 16 KiB files; 3 saves")
     args = p.parse_args()
     if args.small:
@@ -566,7 +567,7 @@ def plot(series: list[Series], path: Path) -> None:
         path.write_text(_svg(series))
         print(f"plot written to {path}")
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5 + 0.15 * len(series)))
     ticks: set[int] = set()
     for i, (label, rows) in enumerate(series):
         xs, lat, dec, par = _curves(rows)
@@ -583,7 +584,9 @@ def plot(series: list[Series], path: Path) -> None:
         ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    a.legend(fontsize=7, loc="upper left")
+    # Circles: the decider; squares, dashed: the median participant.
+    b.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -624,9 +627,11 @@ def main() -> None:
     args = parse_args()
     if args.replot:
         series = []
-        for path in args.replot:
+        labels = args.labels.split(";") if args.labels else []
+        for i, path in enumerate(args.replot):
             doc = json.loads(path.read_text())
-            series.append((doc["machine"]["args"].get("tag") or path.stem, doc["results"]))
+            label = labels[i] if i < len(labels) else doc["machine"]["args"].get("tag")
+            series.append((label or path.stem, doc["results"]))
         plot(series, args.plot or Path("scale.png"))
         return
     rows: list[dict[str, Any]] = []
