@@ -69,6 +69,27 @@ def staged_ref(t: torch.Tensor, mapping: _arena.FileMapping, name: str) -> Shard
     return ShardRef(name, offset, nbytes, dtype_name(t.dtype), tuple(t.shape))
 
 
+def place(
+    plan: SavePlan, planner: SavePlanner, mapping: _arena.FileMapping | None, name: str
+) -> tuple[list[WriteResult], list[tuple[MetadataIndex, Any]]]:
+    """The write results of the items that ``stage()`` put in the staged file ``mapping`` (to be
+    sealed as ``name``), and the items still to copy (:func:`pack_extra`)."""
+    results: list[WriteResult] = []
+    pending: list[tuple[MetadataIndex, Any]] = []
+    for item in plan.items:
+        value = resolve(item, planner)
+        ref = None
+        if isinstance(value, torch.Tensor) and mapping is not None:
+            ref = staged_ref(value, mapping, name)
+        if ref is None:
+            pending.append((item.index, value))
+        else:
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=ref.length, storage_data=ref)
+            )
+    return results, pending
+
+
 BYTES_ITEM_ROOM = 4096  # what planned_size allows for each bytes item (its size is not known yet)
 
 

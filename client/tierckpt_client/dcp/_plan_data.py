@@ -3,7 +3,13 @@ coordinator's decision for every rank. Both travel between ranks (pickled by DCP
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import SavePlan
+
+from tierckpt_client.errors import StepStateError
 
 
 @dataclass(frozen=True)
@@ -24,3 +30,67 @@ class PlanData:
     attempt_base: str
     direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
     across: bool = False  # the ranks use several daemons: a commit across nodes
+
+
+# Coordinator: the last layout each rank reported, per (namespace, world size). With plan
+# caching, the plans of ranks whose plan did not change reach the coordinator without writer data.
+_layouts: dict[tuple[str, int], list[LocalPlanData]] = {}
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where the ranks' files go, as the coordinator reads it from their plans."""
+
+    local: list[LocalPlanData]
+    daemons: int  # how many daemons (nodes) the ranks use
+    # Ranks on several daemons that are each other's peers: each keeps its files on its own
+    # node, and the coordinator's daemon commits the step on all of them; rank i's node.
+    rank_nodes: list[str | None] | None
+
+    @property
+    def unpeered(self) -> bool:
+        """Several daemons that are not each other's peers: no commit across them."""
+        return self.daemons > 1 and self.rank_nodes is None
+
+    @property
+    def direct(self) -> bool:
+        """The save goes straight to the persistent tier."""
+        return self.unpeered or any(x.direct for x in self.local)
+
+    @classmethod
+    def of(cls, namespace: str, step: int, plans: list[SavePlan]) -> RankLayout:
+        known = _layouts.get((namespace, len(plans)))
+        local: list[LocalPlanData] = []
+        for rank, p in enumerate(plans):
+            if isinstance(p.storage_data, LocalPlanData):
+                local.append(p.storage_data)
+            elif not p.usable and known is not None:  # plan caching: the rank's plan is unchanged
+                local.append(known[rank])
+            else:
+                raise StepStateError(
+                    f"{namespace}/step {step}: rank {rank}'s plan carries no writer data"
+                )
+        _layouts[(namespace, len(plans))] = local
+        daemons = len({x.daemon for x in local})
+        nodes = [x.node for x in local]
+        across = daemons > 1 and None not in nodes and len(set(nodes)) == daemons
+        return cls(local, daemons, nodes if across else None)
+
+
+def dcp_save_world_size() -> int:
+    """How many ranks the ``dcp.save`` calling this writer saves on.
+
+    DCP tells a storage writer its rank but not the size of its group, and a ``no_dist=True``
+    save, or one on a group of one rank, is one process even in a job of many. So read it from
+    the saver's own frame (as the reader does for ``no_dist`` loads); without that frame, assume
+    the whole job."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_save_state_dict" and code.co_filename.endswith("state_dict_saver.py"):
+            get_world_size = getattr(frame.f_locals.get("distW"), "get_world_size", None)
+            if callable(get_world_size):
+                return int(get_world_size())
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -19,14 +19,20 @@ when the process dies.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import stat
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._targets import OutFile
+from tierckpt_client.errors import TierCkptError
+
+logger = logging.getLogger(__name__)
 
 PAGE = 4096  # the daemon rounds lease sizes up to this
 MARGIN_S = 5.0  # not claimed this close to the daemon's expiry
@@ -101,3 +107,53 @@ def claim(pre: PreLease, size: int) -> OutFile | None:
     finally:
         if not claimed:
             os.close(fd)
+
+
+def claim_next(
+    socket: str | Path, namespace: str, rank: int, size: int
+) -> tuple[OutFile | None, PreLease | None]:
+    """The file the previous save of this rank pre-leased from the daemon at ``socket``, if it can
+    be used, and else the pre-lease that could not (for :func:`ask_next` to give back)."""
+    pre = take((str(socket), namespace, rank))
+    if pre is None:
+        return None, None
+    claimed = claim(pre, size)
+    return claimed, (pre if claimed is None else None)
+
+
+def ask_next(
+    daemon: DaemonClient,
+    namespace: str,
+    rank: int,
+    after: tuple[int, str],
+    size: int,
+    stale: PreLease | None,
+    ask: bool,
+) -> None:
+    """Give back ``stale``; with ``ask``, ask for this rank's next file, granted when the save
+    attempt ``after`` (step, attempt) commits. Best effort: a save that finds none leases as
+    before."""
+    try:
+        if stale is not None:
+            _release_quietly(daemon, namespace, stale.lease_id)
+        if not ask:
+            return
+        asked = time.monotonic()
+        resp = daemon.lease(namespace, rank, size, after=after)
+    except Exception as e:  # best effort: never fails the save that is being written
+        logger.debug("%s: no pre-lease for the next save: %s", namespace, e)
+        return
+    if not resp.pending:  # a daemon that predates pre-leases granted a plain lease
+        _release_quietly(daemon, namespace, resp.lease_id)
+        return
+    pre = PreLease(resp.lease_id, resp.path, resp.size, asked + resp.expires_in_s)
+    old = put((str(daemon.config.socket), namespace, rank), pre)
+    if old is not None:
+        _release_quietly(daemon, namespace, old.lease_id)
+
+
+def _release_quietly(daemon: DaemonClient, namespace: str, lease_id: str) -> None:
+    try:
+        daemon.release(namespace, lease_id)
+    except TierCkptError as e:  # the daemon takes it back by itself
+        logger.debug("%s: could not release pre-lease %s: %s", namespace, lease_id, e)

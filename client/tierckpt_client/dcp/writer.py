@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
-import time
 import uuid
 import weakref
 from dataclasses import dataclass, replace
@@ -14,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -23,6 +21,7 @@ from torch.futures import Future
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _items, _prelease
+from tierckpt_client.dcp._attempt import SaveFiles
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._ids import (
     attempt_base,
@@ -31,11 +30,10 @@ from tierckpt_client.dcp._ids import (
     next_attempt,
     parse_checkpoint_id,
 )
-from tierckpt_client.dcp._leftovers import Leftovers
 from tierckpt_client.dcp._metadata_codec import encode_metadata
-from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData
+from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData, RankLayout, dcp_save_world_size
 from tierckpt_client.dcp._staging import stage_into, staging_size
-from tierckpt_client.dcp._targets import MemoryTier, OutFile, SaveTarget
+from tierckpt_client.dcp._targets import MemoryTier, SaveTarget
 from tierckpt_core.errors import (
     CapacityExceededError,
     DaemonUnavailableError,
@@ -48,30 +46,7 @@ from tierckpt_core.protocol import CommitRequest, validate_namespace, validate_s
 logger = logging.getLogger(__name__)
 
 
-def _dcp_save_world_size() -> int:
-    """How many ranks the ``dcp.save`` calling this writer saves on.
-
-    DCP tells a storage writer its rank but not the size of its group, and a ``no_dist=True``
-    save, or one on a group of one rank, is one process even in a job of many. So read it from
-    the saver's own frame (as the reader does for ``no_dist`` loads); without that frame, assume
-    the whole job."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "_save_state_dict" and code.co_filename.endswith("state_dict_saver.py"):
-            get_world_size = getattr(frame.f_locals.get("distW"), "get_world_size", None)
-            if callable(get_world_size):
-                return int(get_world_size())
-            break
-        frame = frame.f_back  # type: ignore[assignment]
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 _warned: set[str] = set()
-
-# Coordinator: the last layout each rank reported, per (namespace, world size). With plan
-# caching, the plans of ranks whose plan did not change reach the coordinator without writer data.
-_layouts: dict[tuple[str, int], list[LocalPlanData]] = {}
 
 
 @dataclass(frozen=True)
@@ -159,10 +134,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient.shared(self.config)
         self._memory = MemoryTier(self._daemon, overwrite=overwrite)
-        # The file stage() leased and the attempt write_data sealed, until the save uses them;
-        # given back by close() or when the writer is collected after a failed save.
-        self._leftovers = Leftovers(self._daemon)
-        self._track_leftovers()
+        # What this save holds on the daemon, from stage()'s lease to finish()'s commit; given
+        # back by a failed write_data or finish, by close(), or when the writer is collected.
+        self._files = SaveFiles(self._daemon)
+        self._track_files()
         self._plan_data: PlanData | None = None
         self._attempt: str | None = None
         self._rank_nodes: list[str | None] | None = None  # coordinator: the node of each rank
@@ -212,13 +187,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
         return self.namespace
 
-    def _track_leftovers(self) -> None:
-        finalizer = weakref.finalize(self, self._leftovers.give_back)
+    def _track_files(self) -> None:
+        finalizer = weakref.finalize(self, self._files.give_back)
         finalizer.atexit = False  # at exit the daemon reclaims them (lease_ttl_s)
-
-    @property
-    def _staged(self) -> OutFile | None:
-        return self._leftovers.staged
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -230,22 +201,17 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
         # helper process: the staged file belongs to that copy from now on, so this one can stage
         # the next save.
-        moved = state["_leftovers"] = Leftovers(state["_daemon"])
-        moved.namespace, moved.staged = self._leftovers.namespace, self._leftovers.staged
-        if moved.staged is not None:
-            # A claimed pre-lease: the lock cannot travel; the helper seals the file soon.
-            moved.staged.unlock()
-        self._leftovers.staged = None
+        state["_files"] = self._files.hand_over(state["_daemon"])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._track_leftovers()
+        self._track_files()
 
     # -- AsyncStager ------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         namespace = self._require_namespace()
-        if self._staged is not None:
+        if self._files.staged is not None:
             raise StepStateError(
                 f"{namespace}: stage() called again before the previous save was written; use one "
                 "TieredStorageWriter per save, or wait for the previous save's future"
@@ -254,7 +220,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if size == 0:
             return stage_into(state_dict, None).state_dict
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        staged = self._claim_prelease(namespace, rank, size)
+        staged = None
+        if self.config.prelease and not self._degraded:
+            # The file the previous save of this rank pre-leased, if it can be used (no round
+            # trip); one that cannot is given back in write_data, off the stall.
+            staged, self._stale = _prelease.claim_next(self.config.socket, namespace, rank, size)
         if staged is None:
             try:
                 staged = self._memory.new_file(namespace, rank, "", size)
@@ -263,54 +233,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         try:
             result = stage_into(state_dict, staged.mapping(), pin_memory=self.config.pin_memory)
         except BaseException:
-            self._memory.discard(namespace, staged)
+            self._files.drop(namespace, staged)
             raise
-        self._leftovers.namespace, self._leftovers.staged = namespace, staged
+        self._files.hold_staged(namespace, staged)
         self._staged_by = os.getpid()
         return result.state_dict
-
-    def _prelease_key(self, namespace: str, rank: int) -> tuple[str, str, int]:
-        return (str(self.config.socket), namespace, rank)
-
-    def _claim_prelease(self, namespace: str, rank: int, size: int) -> OutFile | None:
-        """The file the previous save of this rank pre-leased, if it can be used (no round trip)."""
-        if not self.config.prelease or self._degraded:
-            return None
-        pre = _prelease.take(self._prelease_key(namespace, rank))
-        if pre is None:
-            return None
-        claimed = _prelease.claim(pre, size)
-        if claimed is None:
-            self._stale = pre  # given back in write_data, off the stall
-        return claimed
-
-    def _ask_prelease(self, namespace: str, step: int, attempt: str, size: int) -> None:
-        """Ask for this rank's next file, granted when this save commits (see ``_prelease``).
-        Best effort: a save that finds none leases as before."""
-        stale, self._stale = self._stale, None
-        try:
-            if stale is not None:
-                self._release_quietly(namespace, stale.lease_id)
-            if not self.config.prelease or self._staged_by != os.getpid():
-                return  # PROCESS mode: the next stage runs in the trainer, not here
-            asked = time.monotonic()
-            resp = self._daemon.lease(namespace, self.rank, size, after=(step, attempt))
-        except Exception as e:  # best effort: never fails the save that is being written
-            logger.debug("%s: no pre-lease for the next save: %s", namespace, e)
-            return
-        if not resp.pending:  # a daemon that predates pre-leases granted a plain lease
-            self._release_quietly(namespace, resp.lease_id)
-            return
-        pre = _prelease.PreLease(resp.lease_id, resp.path, resp.size, asked + resp.expires_in_s)
-        old = _prelease.put(self._prelease_key(namespace, self.rank), pre)
-        if old is not None:
-            self._release_quietly(namespace, old.lease_id)
-
-    def _release_quietly(self, namespace: str, lease_id: str) -> None:
-        try:
-            self._daemon.release(namespace, lease_id)
-        except TierCkptError as e:  # the daemon takes it back by itself
-            logger.debug("%s: could not release pre-lease %s: %s", namespace, lease_id, e)
 
     def _degrade(self, cause: TierCkptError) -> PersistentTier:
         """Switch this save to the persistent tier, or re-raise ``cause`` if the policy says no."""
@@ -330,7 +257,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._degraded = True
         if self._persistent is None:
             self._persistent = PersistentTier(
-                url, discard=self._memory.discard, overwrite=self.overwrite
+                url, discard=self._files.drop, overwrite=self.overwrite
             )
         return self._persistent
 
@@ -340,7 +267,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     def close(self) -> None:
         """Give back what a failed save left: a staged file that was never written, a save
         attempt that was never committed (done anyway when the writer is garbage-collected)."""
-        self._leftovers.give_back()
+        self._files.give_back()
         self._daemon.close()
 
     # -- StorageWriter ----------------------------------------------------------------------
@@ -348,7 +275,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         namespace, step = self._require_target()
-        if kwargs.get("use_collectives") is False and (world := _dcp_save_world_size()) > 1:
+        if kwargs.get("use_collectives") is False and (world := dcp_save_world_size()) > 1:
             # Each rank would commit the step alone, each commit replacing the last: a step
             # holding one rank's part, reported as saved. There is no rank-local commit.
             raise StepStateError(
@@ -365,7 +292,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
-        if not direct and self._staged is None:
+        if not direct and self._files.staged is None:
             direct = self._reserve(plan)
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
@@ -385,40 +312,23 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         except (DaemonUnavailableError, CapacityExceededError) as e:
             self._degrade(e)
             return True
-        self._leftovers.namespace, self._leftovers.reserved = namespace, reserved
+        self._files.hold_reserved(namespace, reserved)
         return False
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         namespace, step = self._require_target()
-        known = _layouts.get((namespace, len(plans)))
-        local: list[LocalPlanData] = []
-        for rank, p in enumerate(plans):
-            if isinstance(p.storage_data, LocalPlanData):
-                local.append(p.storage_data)
-            elif not p.usable and known is not None:  # plan caching: the rank's plan is unchanged
-                local.append(known[rank])
-            else:
-                raise StepStateError(
-                    f"{namespace}/step {step}: rank {rank}'s plan carries no writer data"
-                )
-        _layouts[(namespace, len(plans))] = local
-        daemons = {x.daemon for x in local}
-        nodes = [x.node for x in local]
-        # Ranks on several daemons: each keeps its files on its own node, and the coordinator's
-        # daemon commits the step on all of them. That needs daemons that are each other's peers.
-        across = len(daemons) > 1 and None not in nodes and len(set(nodes)) == len(daemons)
-        self._rank_nodes = nodes if across else None
-        if len(daemons) > 1 and not across and self._persistent is None:
+        layout = RankLayout.of(namespace, step, plans)
+        self._rank_nodes = layout.rank_nodes
+        if layout.unpeered and self._persistent is None:
             self._degrade(
                 StepStateError(
-                    f"{namespace}/step {step}: the ranks use {len(daemons)} daemons (nodes), "
+                    f"{namespace}/step {step}: the ranks use {layout.daemons} daemons (nodes), "
                     "which are not peers of each other (set TIERCKPT_PEERS, TIERCKPT_NODE_NAME "
                     "and TIERCKPT_PEER_TOKEN on every node's daemon to commit across nodes)"
                 )
             )
-        direct = (len(daemons) > 1 and not across) or any(x.direct for x in local)
         data = PlanData(
-            attempt_base=attempt_base(), direct=direct, across=self._rank_nodes is not None
+            attempt_base=attempt_base(), direct=layout.direct, across=layout.rank_nodes is not None
         )
         self._target(namespace, step, data).begin(namespace, step)
         return [replace(p, storage_data=data) for p in plans]
@@ -443,65 +353,49 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             raise StepStateError(f"{namespace}/step {step}: the save plan carries no attempt id")
         attempt = next_attempt(data.attempt_base, namespace, step)  # first: the same on all ranks
         target = self._target(namespace, step, data)
-        staged, self._leftovers.staged = self._leftovers.staged, None
-        reserved, self._leftovers.reserved = self._leftovers.reserved, None
-        if reserved is not None and target is not self._memory:
-            self._memory.discard(namespace, reserved)  # another rank sent the save elsewhere
-            reserved = None
-        if staged is not None and staged.lease_id is None and not data.direct:
-            # Only with plan caching: the coordinator could not learn that this rank lost its
-            # daemon, and the cached plan sends the save to the memory tier.
-            self._memory.discard(namespace, staged)
-            raise DaemonUnavailableError(
-                f"{namespace}/step {step}: rank {self.rank} cannot use its daemon, and the save "
-                "plan (cached from an earlier save: enable_plan_caching) sends this save to the "
-                "memory tier; retry the save, or save without plan caching"
-            )
-        loose = staged  # the staged file, until it is among ``files`` or given back
-        results: list[WriteResult] = []
-        pending: list[tuple[MetadataIndex, Any]] = []  # items to copy into the extra file
+        files = self._files
         data_name = f"r{self.rank:05d}.data"
-        files: list[OutFile] = []  # what the rank hands the target; given back if the save fails
         try:
-            staged_mapping = staged.mapping() if staged is not None else None
-            for item in plan.items:
-                value = _items.resolve(item, planner)
-                ref = None
-                if isinstance(value, torch.Tensor) and staged_mapping is not None:
-                    ref = _items.staged_ref(value, staged_mapping, data_name)
-                if ref is None:
-                    pending.append((item.index, value))
-                else:
-                    results.append(
-                        WriteResult(index=item.index, size_in_bytes=ref.length, storage_data=ref)
-                    )
-            if staged is not None and staged_mapping is not None:
-                staged = replace(staged, name=data_name)
-                if results:
-                    if data.across:
-                        staged.segments = _items.segments(results, staged_mapping, data_name)
-                    files.append(staged)
-                else:  # every tensor was replaced by the planner: nothing to keep of it
-                    self._memory.discard(namespace, staged)
-                loose = None
+            if target is not self._memory:
+                files.drop_reserved()  # another rank sent the save elsewhere
+            staged = files.staged
+            if staged is not None and staged.lease_id is None and not data.direct:
+                # Only with plan caching: the coordinator could not learn that this rank lost its
+                # daemon, and the cached plan sends the save to the memory tier.
+                raise DaemonUnavailableError(
+                    f"{namespace}/step {step}: rank {self.rank} cannot use its daemon, and the "
+                    "save plan (cached from an earlier save: enable_plan_caching) sends this save "
+                    "to the memory tier; retry the save, or save without plan caching"
+                )
+            mapping = staged.mapping() if staged is not None else None
+            results, pending = _items.place(plan, planner, mapping, data_name)
+            if mapping is not None and results:
+                kept = files.keep_staged(data_name)
+                if data.across:
+                    kept.segments = _items.segments(results, mapping, data_name)
+            else:  # nothing staged, or the planner replaced every tensor: nothing to keep of it
+                files.drop_staged()
             extra, extra_results, copied = _items.pack_extra(
-                target, namespace, self.rank, pending, self._memory.discard, reserved
+                target, namespace, self.rank, pending, files.drop, files.take_reserved()
             )
-            reserved = None  # pack_extra used it or gave it back
             if extra is not None:
-                files.append(extra)
+                files.keep(namespace, extra)
             results.extend(extra_results)
-            target.write(namespace, step, attempt, self.rank, files)
+            # Sealed; on the coordinator, if the save fails before finish() commits it, the
+            # attempt is aborted.
+            note = self.is_coordinator and target is self._memory
+            sealed = files.seal(target, namespace, step, attempt, self.rank, note=note)
             self._plan_data, self._attempt = data, attempt
         except BaseException:
-            for f in [*files, *(x for x in (loose, reserved) if x is not None)]:
-                self._memory.discard(namespace, f)
+            files.release_unsealed()
             raise
-        if target is self._memory and staged is not None and files and files[0] is staged:
-            self._ask_prelease(namespace, step, attempt, staged.length)
-        if self.is_coordinator and target is self._memory:
-            # Sealed; if the save fails before finish() commits it, the attempt is aborted.
-            self._leftovers.namespace, self._leftovers.attempt = namespace, (step, attempt)
+        if target is self._memory and sealed and sealed[0].name == data_name:
+            stale, self._stale = self._stale, None
+            # PROCESS mode: the next stage runs in the trainer, not here; ask for none.
+            here = self.config.prelease and self._staged_by == os.getpid()
+            _prelease.ask_next(
+                self._daemon, namespace, self.rank, (step, attempt), sealed[0].length, stale, here
+            )
         self.last_stats = SaveStats(
             staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
             copied_bytes=copied,
@@ -541,6 +435,6 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         try:
             self._target(namespace, step, data).commit(namespace, step, attempt, req)
         except BaseException:
-            self._leftovers.give_back()  # the attempt's memory is free now, not after lease_ttl_s
+            self._files.give_back()  # the attempt's memory is free now, not after lease_ttl_s
             raise
-        self._leftovers.attempt = None
+        self._files.committed()
