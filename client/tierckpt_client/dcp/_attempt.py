@@ -14,6 +14,7 @@ save that failed elsewhere, and goes back to the daemon then, rather than when t
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 
 from tierckpt_client.daemon_client import DaemonClient
@@ -29,8 +30,8 @@ class SaveFiles:
     Each file is in one place at a time: ``staged`` (leased by ``stage``), ``reserved`` (leased by
     a plain save as it planned), ``kept`` (filled by ``write_data``, to be sealed), or given back.
     :meth:`seal` hands ``kept`` to the target; the coordinator then holds ``sealed`` (step,
-    attempt) until :meth:`committed`. :meth:`give_back` must not refer to the writer (it runs
-    as the writer's finalizer)."""
+    attempt) until :meth:`committed`. :meth:`give_back_soon` must not refer to the writer (it
+    runs as the writer's finalizer)."""
 
     def __init__(self, daemon: DaemonClient) -> None:
         self.daemon = daemon
@@ -111,6 +112,15 @@ class SaveFiles:
         if self.namespace is not None:
             for f in leased:
                 self._release(self.namespace, f)
+
+    def give_back_soon(self) -> None:
+        """:meth:`give_back` in a thread of its own, if anything is held. The writer's finalizer
+        runs wherever the garbage collector happens to find the writer: possibly in the middle of
+        a call on this thread's shared daemon connection, whose (non-reentrant) lock a release
+        from this thread would then wait for forever."""
+        if self.staged is None and self.reserved is None and not self.kept and not self.sealed:
+            return
+        threading.Thread(target=self.give_back, name="tierckpt-give-back", daemon=True).start()
 
     def give_back(self) -> None:
         """Release the unsealed files and abort the uncommitted attempt, if any; never raises (it

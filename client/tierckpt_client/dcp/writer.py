@@ -188,7 +188,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         return self.namespace
 
     def _track_files(self) -> None:
-        finalizer = weakref.finalize(self, self._files.give_back)
+        finalizer = weakref.finalize(self, self._files.give_back_soon)
         finalizer.atexit = False  # at exit the daemon reclaims them (lease_ttl_s)
 
     def __getstate__(self) -> dict[str, Any]:
