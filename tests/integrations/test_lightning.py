@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from tierckpt_client import DaemonClient
 from tierckpt_client.config import ClientConfig
 
-from helpers import DaemonProcess, new_shm_dir, run_loop
+from helpers import DaemonProcess, run_loop
 
 # Lightning is imported inside the tests: collecting the suite does not pay its import time.
 
@@ -38,7 +39,9 @@ def _states(
 
 
 @pytest.mark.slow
-def test_fsdp2_sigterm_saves_durable_and_last_resumes_bit_exact(tmp_path: Path) -> None:
+def test_fsdp2_sigterm_saves_durable_and_last_resumes_bit_exact(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
     """An uninterrupted 8-step FSDP2 run (the reference) keeps the newest 3 steps (save_top_k=3:
     the older ones are deleted from the daemon), every 3rd step durable. A second run gets
     SIGTERM on both ranks after step 3: Lightning stops fit, the strategy saves that step for the
@@ -52,7 +55,7 @@ def test_fsdp2_sigterm_saves_durable_and_last_resumes_bit_exact(tmp_path: Path) 
 
     # keep_last above top-k: the removals seen are the strategy's, not the daemon's retention.
     store = tmp_path / "store"
-    node = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}", keep_last=5).start()
+    node = make_node(persist_url=f"file://{store}", keep_last=5)
     refdir = tmp_path / "ref"
 
     def argv(namespace: str, dirpath: Path, *more: str) -> list[str]:
@@ -62,80 +65,76 @@ def test_fsdp2_sigterm_saves_durable_and_last_resumes_bit_exact(tmp_path: Path) 
     # Regular steps of the second run stay in memory: only the save at SIGTERM asks for the
     # persistent tier.
     args = argv("job", tmp_path / "job", "--persist-every", "1000")
-    try:
-        ref = run_loop(
-            EXAMPLE,
-            argv("ref", refdir, "--persist-every", "3"),
-            node.client_env,
-            log_dir=tmp_path,
-        )
-        assert ref.returncodes == [0, 0], ref.lines
-        assert ref.start == 0 and sorted(ref.losses) == list(range(1, 9)), ref.lines
-        assert sorted(p.name for p in refdir.glob("*.ckpt")) == [
-            "epoch=0-step=6.ckpt",
-            "epoch=0-step=7.ckpt",
-            "epoch=0-step=8.ckpt",
-            "last.ckpt",
-        ]
-        assert read_pointer(refdir / "epoch=0-step=7.ckpt") == "tierckpt://ref/7"
-        assert read_pointer(refdir / "last.ckpt") == "tierckpt://ref"
-        # top-k removed steps 1-5 from memory; only steps 3 and 6 went to the persistent tier.
-        states = _states(node, "ref", until_durable=6)
-        assert states == {6: "durable", 7: "committed", 8: "committed"}, states
-        assert sorted(p.name for p in (store / "ref").iterdir()) == [
-            "step_000000000003",
-            "step_000000000006",
-        ]
+    ref = run_loop(
+        EXAMPLE,
+        argv("ref", refdir, "--persist-every", "3"),
+        node.client_env,
+        log_dir=tmp_path,
+    )
+    assert ref.returncodes == [0, 0], ref.lines
+    assert ref.start == 0 and sorted(ref.losses) == list(range(1, 9)), ref.lines
+    assert sorted(p.name for p in refdir.glob("*.ckpt")) == [
+        "epoch=0-step=6.ckpt",
+        "epoch=0-step=7.ckpt",
+        "epoch=0-step=8.ckpt",
+        "last.ckpt",
+    ]
+    assert read_pointer(refdir / "epoch=0-step=7.ckpt") == "tierckpt://ref/7"
+    assert read_pointer(refdir / "last.ckpt") == "tierckpt://ref"
+    # top-k removed steps 1-5 from memory; only steps 3 and 6 went to the persistent tier.
+    states = _states(node, "ref", until_durable=6)
+    assert states == {6: "durable", 7: "committed", 8: "committed"}, states
+    assert sorted(p.name for p in (store / "ref").iterdir()) == [
+        "step_000000000003",
+        "step_000000000006",
+    ]
 
-        stopped = run_loop(
-            EXAMPLE,
-            [*args, "--step-time", "0.5"],
-            node.client_env,
-            log_dir=tmp_path,
-            stop_after=3,
-            stop_signal=signal.SIGTERM,
-            signal_ranks=[0, 1],
-        )
-        assert stopped.returncodes == [0, 0], stopped.lines
-        final = max(stopped.losses)
-        assert final < 8, "the run was not stopped"
-        states = _states(node, "job")
-        assert states[final] == "durable", states
-        assert all(v != "durable" for k, v in states.items() if k != final), states
+    stopped = run_loop(
+        EXAMPLE,
+        [*args, "--step-time", "0.5"],
+        node.client_env,
+        log_dir=tmp_path,
+        stop_after=3,
+        stop_signal=signal.SIGTERM,
+        signal_ranks=[0, 1],
+    )
+    assert stopped.returncodes == [0, 0], stopped.lines
+    final = max(stopped.losses)
+    assert final < 8, "the run was not stopped"
+    states = _states(node, "job")
+    assert states[final] == "durable", states
+    assert all(v != "durable" for k, v in states.items() if k != final), states
 
-        node.kill()
-        shutil.rmtree(node.shm_dir)  # the node lost its memory: only the persistent tier is left
-        node.start()
-        resumed = run_loop(EXAMPLE, args, node.client_env, log_dir=tmp_path)
-    finally:
-        node.cleanup()
+    node.kill()
+    shutil.rmtree(node.shm_dir)  # the node lost its memory: only the persistent tier is left
+    node.start()
+    resumed = run_loop(EXAMPLE, args, node.client_env, log_dir=tmp_path)
     assert resumed.returncodes == [0, 0], resumed.lines
     assert resumed.start == final, resumed.lines
     assert resumed.losses == {s: ref.losses[s] for s in range(final + 1, 9)}
 
 
 @pytest.mark.slow
-def test_ddp_checkpoint_io_resumes_from_a_given_step_bit_exact(tmp_path: Path) -> None:
+def test_ddp_checkpoint_io_resumes_from_a_given_step_bit_exact(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
     """DDP with TieredCheckpointIO (rank 0 saves the whole checkpoint): a 6-step run keeps the
     newest 3 steps; a second run started with ckpt_path="tierckpt://ddp/4" continues from step 4
     with the losses of the first."""
     from tierckpt_client.integrations.lightning import read_pointer
 
     dirpath = tmp_path / "ckpts"
-    node = DaemonProcess(new_shm_dir(), keep_last=5).start()
+    node = make_node(keep_last=5)
     args = ["--namespace", "ddp", "--strategy", "ddp", "--steps", "6", "--dirpath", str(dirpath)]
-    try:
-        ref = run_loop(EXAMPLE, [*args, "--top-k", "3"], node.client_env, log_dir=tmp_path)
-        assert ref.returncodes == [0, 0], ref.lines
-        assert sorted(ref.losses) == list(range(1, 7)), ref.lines
-        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
-            assert sorted(s.step for s in c.steps("ddp")) == [4, 5, 6]
-        assert read_pointer(dirpath / "epoch=0-step=4.ckpt") == "tierckpt://ddp/4"
-        resumed = run_loop(
-            EXAMPLE, [*args, "--ckpt-path", "tierckpt://ddp/4"], node.client_env, log_dir=tmp_path
-        )
-    finally:
-        node.cleanup()
+    ref = run_loop(EXAMPLE, [*args, "--top-k", "3"], node.client_env, log_dir=tmp_path)
+    assert ref.returncodes == [0, 0], ref.lines
+    assert sorted(ref.losses) == list(range(1, 7)), ref.lines
+    with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
+        assert sorted(s.step for s in c.steps("ddp")) == [4, 5, 6]
+    assert read_pointer(dirpath / "epoch=0-step=4.ckpt") == "tierckpt://ddp/4"
+    resumed = run_loop(
+        EXAMPLE, [*args, "--ckpt-path", "tierckpt://ddp/4"], node.client_env, log_dir=tmp_path
+    )
     assert resumed.returncodes == [0, 0], resumed.lines
     assert resumed.start == 4, resumed.lines
     assert resumed.losses == {s: ref.losses[s] for s in (5, 6)}

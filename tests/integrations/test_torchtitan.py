@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from torchtitan.config.override import OverrideConfig
 from tierckpt_client import DaemonClient
 from tierckpt_client.config import ClientConfig
 
-from helpers import DaemonProcess, new_shm_dir, run_ranks
+from helpers import DaemonProcess, run_ranks
 
 WORLD = 2
 STEPS = 8  # interval 2: steps 2, 4, 6, 8 saved; 8 is the last step
@@ -170,29 +171,28 @@ def _restore(rank: int, world: int, socket: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_manager_round_trips_fsdp2_model_optimizer_and_schedulers(tmp_path: Path) -> None:
+def test_manager_round_trips_fsdp2_model_optimizer_and_schedulers(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
     store = tmp_path / "store"
-    node = DaemonProcess(new_shm_dir(), persist_url=f"file://{store}", keep_last=10).start()
-    try:
-        run_ranks(_train_and_save, WORLD, str(node.socket), str(tmp_path))
-        with DaemonClient(ClientConfig.from_env(socket=node.socket)) as client:
-            deadline = time.monotonic() + 60
-            while True:  # step 6 (persist_every) and 8 (the last step) go to the tier
-                states = {s.step: s.state.value for s in client.steps("titan")}
-                if states.get(6) == states.get(8) == "durable" or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-        # keep_latest_k=2 deleted step 2 from the daemon at step 6's save (torchtitan does not
-        # purge after the last step); nothing went to a step folder.
-        assert states == {4: "committed", 6: "durable", 8: "durable"}, states
-        assert sorted(p.name for p in (store / "titan").iterdir()) == [
-            "step_000000000006",
-            "step_000000000008",
-        ]
-        assert not (tmp_path / "dump").exists()
-        run_ranks(_restore, WORLD, str(node.socket), str(tmp_path))
-    finally:
-        node.cleanup()
+    node = make_node(persist_url=f"file://{store}", keep_last=10)
+    run_ranks(_train_and_save, WORLD, str(node.socket), str(tmp_path))
+    with DaemonClient(ClientConfig.from_env(socket=node.socket)) as client:
+        deadline = time.monotonic() + 60
+        while True:  # step 6 (persist_every) and 8 (the last step) go to the tier
+            states = {s.step: s.state.value for s in client.steps("titan")}
+            if states.get(6) == states.get(8) == "durable" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    # keep_latest_k=2 deleted step 2 from the daemon at step 6's save (torchtitan does not
+    # purge after the last step); nothing went to a step folder.
+    assert states == {4: "committed", 6: "durable", 8: "durable"}, states
+    assert sorted(p.name for p in (store / "titan").iterdir()) == [
+        "step_000000000006",
+        "step_000000000008",
+    ]
+    assert not (tmp_path / "dump").exists()
+    run_ranks(_restore, WORLD, str(node.socket), str(tmp_path))
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -239,12 +239,11 @@ def _migrate(rank: int, world: int, socket: str, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_an_empty_namespace_resumes_from_torchtitans_own_step_folder(tmp_path: Path) -> None:
-    node = DaemonProcess(new_shm_dir()).start()
-    try:
-        run_ranks(_migrate, WORLD, str(node.socket), str(tmp_path))
-    finally:
-        node.cleanup()
+def test_an_empty_namespace_resumes_from_torchtitans_own_step_folder(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
+    node = make_node()
+    run_ranks(_migrate, WORLD, str(node.socket), str(tmp_path))
     assert (tmp_path / "dump" / "checkpoint" / "step-2" / ".metadata").is_file()
 
 
@@ -306,34 +305,33 @@ def test_config_refuses_what_it_cannot_do() -> None:
 
 
 @pytest.mark.slow
-def test_example_killed_and_run_again_resumes_bit_exact(tmp_path: Path) -> None:
+def test_example_killed_and_run_again_resumes_bit_exact(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
     """examples/torchtitan_manager.py as a user runs it: an uninterrupted 6-step run (the
     reference); a second run SIGKILLed after step 3 (every rank, mid-save perhaps), then run
     again: it resumes from a step the first run saved and prints the reference's losses."""
     from helpers import run_loop
 
     example = Path(__file__).resolve().parents[2] / "examples" / "torchtitan_manager.py"
-    node = DaemonProcess(new_shm_dir()).start()
-    try:
-        ref = run_loop(
-            example,
-            ["--namespace", "ref", "--steps", "6"],
-            node.client_env,
-            log_dir=tmp_path / "ref",
-        )
-        assert ref.returncodes == [0, 0], ref
-        assert ref.start == 0 and sorted(ref.losses) == list(range(1, 7)), ref
-        args = ["--namespace", "job", "--steps", "6"]
-        killed = run_loop(
-            example,
-            [*args, "--step-time", "0.5"],
-            node.client_env,
-            log_dir=tmp_path / "killed",
-            stop_after=3,
-        )
-        resumed = run_loop(example, args, node.client_env, log_dir=tmp_path / "resumed")
-    finally:
-        node.cleanup()
+    node = make_node()
+    ref = run_loop(
+        example,
+        ["--namespace", "ref", "--steps", "6"],
+        node.client_env,
+        log_dir=tmp_path / "ref",
+    )
+    assert ref.returncodes == [0, 0], ref
+    assert ref.start == 0 and sorted(ref.losses) == list(range(1, 7)), ref
+    args = ["--namespace", "job", "--steps", "6"]
+    killed = run_loop(
+        example,
+        [*args, "--step-time", "0.5"],
+        node.client_env,
+        log_dir=tmp_path / "killed",
+        stop_after=3,
+    )
+    resumed = run_loop(example, args, node.client_env, log_dir=tmp_path / "resumed")
     assert killed.returncodes[0] != 0 and max(killed.losses) < 6, "the run was not killed"
     assert resumed.returncodes == [0, 0], resumed
     assert resumed.start is not None and 1 <= resumed.start <= max(killed.losses), resumed
