@@ -1,10 +1,12 @@
-"""Namespaces and committed steps: list, inspect, metadata, pins for readers, hydration, delete.
+"""Namespaces and committed steps: list, inspect, metadata, pins for readers (and a load's one
+round trip: ``reads``), hydration, delete.
 
 Every route is for the namespace's owner only (``authorize``; see tierckpt_daemon.tier.ownership), and
 what it shows of peers and of the persistent tier is that owner's steps only."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
@@ -15,6 +17,8 @@ from tierckpt_core.protocol import (
     PeerSources,
     PinResponse,
     RangesRequest,
+    ReadRequest,
+    ReadResponse,
     StepCandidate,
     StepInfo,
 )
@@ -95,6 +99,44 @@ def delete_step(namespace: str, step: int, service: Service, owner: Owner) -> Re
 @router.post("/{namespace}/steps/{step}/pins")
 def pin(namespace: str, step: int, service: Service, owner: Owner) -> PinResponse:
     return service.pin(namespace, step, owner=owner)
+
+
+@router.post("/{namespace}/steps/{step}/reads")
+def open_read(
+    namespace: str,
+    step: int,
+    service: Service,
+    node: NodeDep,
+    owner: Owner,
+    req: ReadRequest | None = None,
+) -> ReadResponse:
+    """A load's one round trip before it reads: the step pinned (as ``pins``), and its metadata
+    and file records unless the reader holds those of this very commit already (``known``)."""
+    pin = service.pin(namespace, step, owner=owner)
+    version = _version(pin.step)
+    answer = ReadResponse(
+        pin_id=pin.pin_id, paths=pin.paths, expires_in_s=pin.expires_in_s, version=version
+    )
+    if req is None or req.known != version:
+        try:
+            # A step spanning nodes keeps its metadata on a few of them: the restorer fetches it.
+            answer.metadata = node.restorer.metadata(namespace, step, owner=owner)
+        except BaseException:
+            service.unpin(namespace, step, pin.pin_id)
+            raise
+        answer.files = pin.step.files
+    return answer
+
+
+def _version(info: StepInfo) -> str:
+    """What a reader keys its copy of a step's metadata and file records by: the commit's time and
+    every file's checksum and block checksums (a step saved again, its files replaced, or a record
+    that gained the block checksums of a file fetched from another node is another version)."""
+    h = hashlib.sha256(repr(info.committed_at).encode())
+    for f in info.files:
+        blocks = len(f.blocks) if f.blocks else 0
+        h.update(f"\0{f.name}\0{f.checksum}\0{f.length}\0{f.block_size}\0{blocks}".encode())
+    return h.hexdigest()[:32]
 
 
 @router.delete("/{namespace}/steps/{step}/pins/{pin_id}", status_code=204)

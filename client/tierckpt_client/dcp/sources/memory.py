@@ -5,6 +5,11 @@ nodes straight into the tensors when it needs them in bulk (``peers.PeerSource``
 hands over connections), else brought whole into this node's memory first; when the rank needs
 only a little of one (a replicated scalar written by a rank on another node), just those ranges,
 fetched in blocks the daemon verifies.
+
+A load costs one round trip to the daemon before it reads (``open_read``: the pin, and the step's
+metadata and file records unless this process holds those of this very commit already), and none
+after: the pin is released off the load's path, once its files are read (or when the reader is
+dropped without reading, as a probe for the step does).
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,12 +32,46 @@ from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.dcp.sources.base import StepFiles
 from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_client.dcp.sources.peers import PeerSource
-from tierckpt_core.errors import NotFoundError, TierCkptError
+from tierckpt_core.errors import NotFoundError, ProtocolError
+from tierckpt_core.manifest import FileRecord
 
 logger = logging.getLogger(__name__)
 
 # A rank that needs at most this much of a file another node holds fetches just those ranges.
 RANGED_READ_MAX = 4 << 20
+
+
+@dataclass(frozen=True)
+class _Known:
+    """A step's metadata and file records (by name), as of one ``version`` of its commit."""
+
+    version: str
+    metadata: dict[str, Any]
+    records: dict[str, FileRecord]
+
+
+@dataclass(frozen=True)
+class _Opened:
+    """A step pinned for a load: its files' paths, and what it holds."""
+
+    pin_id: str
+    paths: dict[str, str]
+    known: _Known
+
+
+# What this process holds of the steps it loaded from a daemon's memory, by (socket, namespace,
+# step): a load of a step read before gets only a pin (its records with their block checksums are
+# most of the answer). A few: a job loads the newest step, and loads it again after a failure.
+_KNOWN: OrderedDict[tuple[str, str, int], _Known] = OrderedDict()
+_KNOWN_MAX = 8
+_KNOWN_LOCK = threading.Lock()
+
+
+def _release(daemon: DaemonClient, held: dict[tuple[str, int], _Opened]) -> None:
+    """Pins taken for a load that never read them (the reader was dropped)."""
+    for (namespace, step), opened in list(held.items()):
+        daemon.unpin_later(namespace, step, opened.pin_id)
+    held.clear()
 
 
 class MemorySource:
@@ -46,23 +88,56 @@ class MemorySource:
         self.config = config
         self.peers = peers
         self.read_peers = False
+        # Steps pinned by metadata() for the open_files() that follows.
+        self._held: dict[tuple[str, int], _Opened] = {}
+        weakref.finalize(self, _release, daemon, self._held)
 
     def without_peers(self) -> MemorySource:
         """The same tier, every file brought into this node's memory by the daemon."""
         return MemorySource(self.daemon, self.config, peers=False)
 
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
-        return self.daemon.metadata(namespace, step)
+        """The step's metadata, the step pinned for the read that follows (NotFoundError when it
+        is not in this node's memory)."""
+        opened = self._open(namespace, step)
+        earlier = self._held.pop((namespace, step), None)
+        if earlier is not None:
+            self.daemon.unpin_later(namespace, step, earlier.pin_id)
+        self._held[(namespace, step)] = opened
+        return opened.known.metadata
+
+    def _open(self, namespace: str, step: int) -> _Opened:
+        """Pin the step: one round trip, with its metadata and records unless held already."""
+        key = (str(self.config.socket), namespace, step)
+        with _KNOWN_LOCK:
+            known = _KNOWN.get(key)
+        answer = self.daemon.open_read(namespace, step, known.version if known else None)
+        if answer.metadata is not None and answer.files is not None:
+            known = _Known(answer.version, answer.metadata, {f.name: f for f in answer.files})
+            with _KNOWN_LOCK:
+                _KNOWN[key] = known
+                _KNOWN.move_to_end(key)
+                while len(_KNOWN) > _KNOWN_MAX:
+                    _KNOWN.popitem(last=False)
+        elif known is None or known.version != answer.version:
+            self.daemon.unpin_later(namespace, step, answer.pin_id)
+            raise ProtocolError(
+                f"{namespace}/step {step}: the daemon left out the step's metadata for a version "
+                f"this process does not hold ({answer.version})"
+            )
+        return _Opened(answer.pin_id, answer.paths, known)
 
     @contextlib.contextmanager
     def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[StepFiles]:
         daemon = self.daemon
         needed = {ref.file for ref in refs}
-        try:
-            pin = daemon.pin(namespace, step)
-        except NotFoundError:  # evicted since read_metadata, or another node: bring it back
-            daemon.hydrate(namespace, step)
-            pin = daemon.pin(namespace, step)
+        pin = self._held.pop((namespace, step), None)
+        if pin is None:  # a reader driven without read_metadata, or a second read
+            try:
+                pin = self._open(namespace, step)
+            except NotFoundError:  # evicted since read_metadata, or another node: bring it back
+                daemon.hydrate(namespace, step)
+                pin = self._open(namespace, step)
         fetched = needed - set(pin.paths)
         wants: dict[str, list[tuple[int, int]]] = {}
         for ref in refs:
@@ -83,7 +158,7 @@ class MemorySource:
         if whole and remote is None:  # needed in bulk: the daemon brings them here first
             daemon.unpin(namespace, step, pin.pin_id)
             daemon.hydrate(namespace, step, sorted(whole))
-            pin = daemon.pin(namespace, step)
+            pin = self._open(namespace, step)
         ranged: dict[str, dict[tuple[int, int], bytes]] = {}
         for name, ranges in wants.items():
             if name in whole:
@@ -105,7 +180,7 @@ class MemorySource:
             mapped,
             pin.paths,
             ranged,
-            records={f.name: f for f in pin.step.files if f.name in pin.paths},
+            records={n: f for n, f in pin.known.records.items() if n in pin.paths},
             verify_tensors=self.config.verify_reads,
         )
         # Needed in bulk and held elsewhere: from the nodes that hold them, into the tensors.
@@ -115,9 +190,4 @@ class MemorySource:
             yield files
         finally:
             files.close()
-            try:
-                daemon.unpin(namespace, step, pin.pin_id)
-            except TierCkptError as e:
-                logger.warning(
-                    "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
-                )
+            daemon.unpin_later(namespace, step, pin.pin_id)
