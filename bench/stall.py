@@ -4,7 +4,8 @@ For each size (default 64, 256, 1024 MiB, and 4096 when ``MemAvailable`` allows)
 one CPU state dict of 16 float32 tensors, and ``--iters`` rounds. Each round, in this order:
 
 1. memcpy of the state into pre-touched tensors (the paired floor),
-2. ``async_save`` with ``TieredStorageWriter`` (THREAD mode; the writer is its own stager),
+2. ``async_save`` with ``TieredStorageWriter`` (THREAD mode, or PROCESS with ``--mode process``;
+   the writer is its own stager),
 3. ``async_save`` with one reused torch ``DefaultStager`` and ``FileSystemWriter`` into /dev/shm.
 
 The contenders alternate within every round, so load on a shared machine hits both alike. The
@@ -44,11 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import machine_info, write_results
+from _common import free_port, machine_info, write_results
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
@@ -83,6 +86,14 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=N_TENSORS,
         help="float32 tensors the state is split into (many small ones: the per-tensor costs)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("thread", "process"),
+        default="thread",
+        help="async_save's checkpointer type; process: torch's stager stages into shared memory "
+        "(what its helper process needs), and each contender's first save (the helper's start) "
+        "falls in the warmup",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/stall.json"))
     p.add_argument("--smoke", action="store_true", help="16 MiB, 3 rounds (CI)")
@@ -195,11 +206,12 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
     stager = _ReusedStager(
         StagingOptions(
             use_pinned_memory=False,
-            use_shared_memory=False,
+            use_shared_memory=args.mode == "process",
             use_async_staging=False,
             use_non_blocking_copy=False,
         )
     )
+    kind = AsyncCheckpointerType.PROCESS if args.mode == "process" else AsyncCheckpointerType.THREAD
     ph = Phases()
     ph.wrap(writer_module, "staging_size", "size_walk")
     ph.wrap(writer_module, "stage_into", "copy")
@@ -226,7 +238,9 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
             c0, d0 = self_cpu_s(), proc_cpu_s(daemon.proc.pid)
             writer = writer_module.TieredStorageWriter("stall", step=i + 1)
             t0 = time.perf_counter()
-            fut = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+            fut = dcp.async_save(
+                sd, storage_writer=writer, no_dist=True, async_checkpointer_type=kind
+            )
             tier = time.perf_counter() - t0
             fut.result()
             if i >= args.warmup:
@@ -240,7 +254,9 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
                 ph.t = {}
                 writer = writer_module.TieredStorageWriter("stall-before", step=i + 1, config=off)
                 t0 = time.perf_counter()
-                fut = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+                fut = dcp.async_save(
+                    sd, storage_writer=writer, no_dist=True, async_checkpointer_type=kind
+                )
                 before = time.perf_counter() - t0
                 fut.result()
                 before_phases = dict(ph.t)
@@ -250,7 +266,13 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
             c0 = self_cpu_s()
             fs_writer = FileSystemWriter(fs_root / f"step_{i}")
             t0 = time.perf_counter()
-            fut = dcp.async_save(sd, storage_writer=fs_writer, async_stager=stager, no_dist=True)
+            fut = dcp.async_save(
+                sd,
+                storage_writer=fs_writer,
+                async_stager=stager,
+                no_dist=True,
+                async_checkpointer_type=kind,
+            )
             torch_stall = time.perf_counter() - t0
             fut.result()
             torch_copy = ph.t.get("torch_copy", 0.0)
@@ -393,9 +415,17 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     root = Path("/dev/shm") / f"tierckpt-bench-stall-{uuid.uuid4().hex[:8]}"
     info = machine_info(
-        iters=args.iters, warmup=args.warmup, tensors=args.tensors, loadavg=os.getloadavg()
+        iters=args.iters,
+        warmup=args.warmup,
+        tensors=args.tensors,
+        mode=args.mode,
+        loadavg=os.getloadavg(),
     )
     sizes: dict[str, Any] = {}
+    if args.mode == "process":  # DCP's helper process joins the trainer's process group
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         for size in args.size_list:
             # The state, the memcpy target, torch's cached copy and KEEP_LAST + 2 tier files.
