@@ -48,6 +48,7 @@ from tierckpt_core.names import (
     validate_namespace,
     validate_step,
 )
+from tierckpt_core.verified import CHUNK
 from tierckpt_daemon.peers.bodies import RangeStream
 from tierckpt_daemon.peers.replication import Replicator
 from tierckpt_daemon.tier.ownership import owned_by
@@ -62,7 +63,6 @@ MAX_REQUEST = 4096  # bytes of one request line
 REQUEST_TIMEOUT_S = 10.0
 ANSWER_TIMEOUT_S = 1.0  # at least, to take the one-line answer after the deadline
 MAX_CONNECTIONS = 32  # served at once (relays included); more wait to be accepted
-RELAY_CHUNK = 1 << 20  # bytes per read from a TLS peer
 RELAY_TIMEOUT_S = 60.0  # for the trainer to take the next relayed piece
 OWNERS_KEPT = 256  # owners of peers' copies remembered (a restore asks for many ranges of one)
 
@@ -225,7 +225,7 @@ class HandoffServer:
 def _relay(body: RangeStream, out: socket.socket) -> None:
     """Copy a TLS peer's body into ``out`` (the trainer reads the other end)."""
     out.settimeout(RELAY_TIMEOUT_S)
-    buf = memoryview(bytearray(min(RELAY_CHUNK, body.length)))
+    buf = memoryview(bytearray(min(CHUNK, body.length)))  # per read from a TLS peer
     left = body.length
     try:
         while left:
