@@ -302,27 +302,38 @@ class ClusterListing(BaseModel):
 
 class PrepareRequest(BaseModel):
     """Phase one of a commit across nodes: the coordinator's daemon asks a participant to check
-    that its share of the attempt is sealed, record that it is prepared, and say what it holds."""
+    that its share of the attempt is sealed, record that it is prepared, and say what it holds.
+    ``subtree``: participants this one relays the prepare to (node -> its share), so that the
+    decider sends O(fan-out) messages, not one per node (see peers/commit.py)."""
 
     coordinator: str = Field(min_length=3, max_length=300)
     participants: list[str]
     files: list[str]  # this participant's share
     world_size: int = Field(ge=1, le=MAX_RANK)
+    subtree: dict[str, list[str]] = {}
 
 
-class PrepareResponse(BaseModel):
-    """A participant's answer: its share's files, slim (no block checksums) when it sends
+class PreparedShare(BaseModel):
+    """One participant's prepared share: its files, slim (no block checksums) when it sends
     ``share_digest``, the digest of their full records, which stay with it."""
 
     files: list[FileRecord]
     share_digest: str | None = None
 
 
+class PrepareResponse(PreparedShare):
+    """A participant's prepared share, and those of the participants it relayed the prepare to."""
+
+    subtree: dict[str, PreparedShare] = {}
+
+
 class DecideRequest(BaseModel):
-    """Phase two: the decision was commit; here is the step's global record."""
+    """Phase two: the decision was commit; here is the step's global record. ``relay``: the
+    participants this one passes the decision on to (it tells again those that do not answer)."""
 
     manifest: StepManifest
     persist: bool
+    relay: list[str] = []
 
 
 class OutcomeResponse(BaseModel):

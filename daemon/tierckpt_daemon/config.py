@@ -138,6 +138,13 @@ class DaemonSettings(BaseSettings):
         description="a save attempt prepared here whose decider (another node) has not been a "
         "member of the ring for this long is aborted, unless a member holds it committed",
     )
+    commit_fanout: int = Field(
+        default=8,
+        ge=2,
+        le=1024,
+        description="a commit across nodes: nodes the decider (and each relay) sends the prepare "
+        "and the decision to, each passing them on to its part of the rest (a tree)",
+    )
     replication_concurrency: int = Field(
         default=4, ge=1, le=64, description="files pushed to peers at once"
     )

@@ -166,6 +166,7 @@ def build_node(settings: DaemonSettings) -> Node:
             ),
             node=settings.node_name,
             decider_gone_s=settings.decider_gone_s,
+            fanout=settings.commit_fanout,
         )
     fetcher = PeerFetcher(replicator) if replicator is not None else None
     restorer = Restorer(service, peers=fetcher, durable=persister)

@@ -155,7 +155,10 @@ def decide(
     m = req.manifest
     if (m.namespace, m.step, m.attempt) != (namespace, step, attempt):
         raise ProtocolError(f"the decision is for {m.namespace}/step {m.step} attempt {m.attempt}")
-    return committer.decide(req).info()
+    info = committer.decide(req).info()
+    committer.relay(req)
+    # The decider does not need this node's block checksums back: slim records.
+    return info.model_copy(update={"files": [f.slimmed() for f in info.files]})
 
 
 @router.post(_ATTEMPT + "/abort")

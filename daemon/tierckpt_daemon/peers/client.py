@@ -449,24 +449,33 @@ class PeerClient:
         return f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}"
 
     def prepare(
-        self, peer: str, namespace: str, step: int, attempt: str, req: PrepareRequest
+        self,
+        peer: str,
+        namespace: str,
+        step: int,
+        attempt: str,
+        req: PrepareRequest,
+        *,
+        timeout_s: float | None = None,
     ) -> PrepareResponse:
         doc = self._json(
             peer,
             "POST",
             self._attempt_path(namespace, step, attempt) + "/prepare",
             attempts=1,
+            timeout_s=timeout_s,
             json=req.model_dump(mode="json"),
         )
         return PrepareResponse.model_validate(doc)
 
-    def decide(self, peer: str, req: DecideRequest) -> StepInfo:
+    def decide(self, peer: str, req: DecideRequest, *, timeout_s: float | None = None) -> StepInfo:
         m = req.manifest
         assert m.attempt is not None
         doc = self._json(
             peer,
             "POST",
             self._attempt_path(m.namespace, m.step, m.attempt) + "/commit",
+            timeout_s=timeout_s,
             json=req.model_dump(mode="json"),
         )
         return StepInfo.model_validate(doc)

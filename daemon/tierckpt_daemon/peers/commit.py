@@ -4,34 +4,28 @@ Every rank seals its files with its own node's daemon, as for any save; no tenso
 nodes. The coordinator rank's daemon (the *decider*) then runs the commit (docs/design.md,
 "Commit across nodes", has the crash cases)::
 
-    prepare   decider -> every participant (itself included), in parallel: check that your share
+    prepare   decider -> every participant, through a tree (fanout.py): check that your share
               of the attempt is sealed, write MANIFEST.prepared.json (your share, the decider, the
-              participants), answer with your files. Any failure: abort everywhere, the save fails.
+              participants), answer with your files (slim) and their digest, and those of the
+              participants you relayed to. Any failure: abort everywhere, the save fails.
     decide    the decider writes its own MANIFEST.json with the step's global record (every
-              file, with the node that holds it). This write is the commit point.
-    commit    decider -> every other participant: here is the global record; write your
-              MANIFEST.json. A participant that does not answer gets the decision again later.
+              file, slim, with the node that holds it; each share's digest; where the DCP
+              metadata is kept: RingRecord). This write is the commit point.
+    commit    decider -> the metadata's holders (with it), and through the tree to every other
+              participant (without it): here is the global record; write your MANIFEST.json.
+              A node that does not answer is told again later, by whoever sent it the decision.
 
-A participant shows the step (as committed, and so as "latest") only once it holds the decision. A
-participant that restarts, or waits too long, with a prepared attempt asks the decider how it
-ended, and, if the decider no longer knows, the other participants; it aborts only when the
-decider says the attempt is not committed and no participant holds it committed, and never
-guesses while the decider cannot be reached. The decider aborts its own prepared attempts found at
-restart: it never decided them.
-
-Every request carries the cluster-wide peer token, so each goes to a current member of the ring
-only: a commit naming a node that is not a member fails before anything is sent, a prepare naming
-a decider or participant that is not one is refused, and the resolver never dials a non-member. A
-prepared attempt whose decider has left the ring is asked about of every member (the decider's
-node may be back under another address, holding the decision) once it has been gone for
-``decider_gone_s``, and aborted if none holds it committed: it is not kept in doubt forever.
+A participant shows the step (as committed, and so as "latest") only once it holds the decision;
+one left in doubt asks (in_doubt.py). Every request carries the cluster-wide peer token, so each
+goes to a current member of the ring only: a commit naming a node that is not a member fails
+before anything is sent, and a prepare naming a decider or participant that is not one, or asking
+to relay to a node outside the attempt, is refused.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,7 +33,6 @@ from tierckpt_core.errors import (
     NotAMemberError,
     PeerUnavailableError,
     ProtocolError,
-    StepNotFoundError,
     StepStateError,
     TierCkptError,
     UnavailableError,
@@ -56,21 +49,25 @@ from tierckpt_core.protocol import (
     CommitRequest,
     DecideRequest,
     OutcomeResponse,
+    PreparedShare,
     PrepareRequest,
     PrepareResponse,
     StepInfo,
     StepState,
 )
 from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.fanout import FANOUT, CommitTree, split
+from tierckpt_daemon.peers.in_doubt import (  # noqa: F401  (re-exported: tests use them)
+    DECIDER_GONE_S,
+    IN_DOUBT_AFTER_S,
+    RESOLVE_INTERVAL_S,
+    Resolver,
+)
 from tierckpt_daemon.peers.membership import Members
 from tierckpt_daemon.tier.records import StepRecord, read_manifest, write_prepared
 from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
-
-RESOLVE_INTERVAL_S = 2.0  # how often undelivered decisions and prepared attempts are looked at
-IN_DOUBT_AFTER_S = 5.0  # a prepared attempt older than this asks its decider
-DECIDER_GONE_S = 600.0  # a decider not a member this long: its prepared attempts are swept
 
 
 class GlobalCommitter:
@@ -81,32 +78,25 @@ class GlobalCommitter:
         *,
         node: str,
         decider_gone_s: float = DECIDER_GONE_S,
+        fanout: int = FANOUT,
     ) -> None:
         self.service = service
         self.client = client
         self.members: Members = client.members
         self.node = node
-        self.decider_gone_s = decider_gone_s
-        # (namespace, step, attempt) of a prepared attempt -> when its decider was first seen
-        # not to be a member (monotonic); only the resolver thread touches it.
-        self._gone: dict[tuple[str, int, str], float] = {}
+        self.fanout = fanout
         self._preparing: set[tuple[str, int, str]] = set()  # under the service's lock
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="tierckpt-commit")
-        self._cv = threading.Condition()
-        self._undelivered: dict[tuple[str, str, int, str], DecideRequest] = {}
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="tierckpt-resolver", daemon=True)
+        self.resolver = Resolver(service, client, self, node=node, decider_gone_s=decider_gone_s)
+        self.tree = CommitTree(client, fanout, self.resolver.tell_later)
 
     def start(self) -> None:
-        self._thread.start()
+        self.resolver.start()
 
     def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self.resolver.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.tree.close()
 
     # -- the decider ------------------------------------------------------------------------
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
@@ -136,26 +126,21 @@ class GlobalCommitter:
         persist = self.service.wants_persist(namespace, step, req.persist)
         t0 = time.monotonic()
 
-        def prepare(node: str) -> tuple[list[FileRecord], str]:
-            prep = PrepareRequest(
-                coordinator=self.node,
-                participants=participants,
-                files=sorted(shares[node]),
-                world_size=req.world_size,
-            )
-            if node == self.node:
-                return _slim_share(self._prepare_share(namespace, step, attempt, prep))
-            got = self.client.prepare(node, namespace, step, attempt, prep)
-            if got.share_digest is None:  # a daemon from before RingRecord: full records
-                return _slim_share(got.files)
-            return [f.slimmed() for f in got.files], got.share_digest
-
-        futures = {n: self._pool.submit(prepare, n) for n in participants}
-        concurrent.futures.wait(futures.values())
-        failed = {n: f.exception() for n, f in futures.items() if f.exception() is not None}
-        if failed:
+        base = PrepareRequest(
+            coordinator=self.node,
+            participants=participants,
+            files=sorted(shares[self.node]),
+            world_size=req.world_size,
+        )
+        own = self._pool.submit(self._prepare_share, namespace, step, attempt, base)
+        others = {n: sorted(shares[n]) for n in participants if n != self.node}
+        try:
+            prepared = self.tree.prepare(namespace, step, attempt, base, others)
+            prepared[self.node] = PreparedShare(files=own.result(), share_digest=None)
+        except Exception as error:
+            concurrent.futures.wait([own])
             self._abort_everywhere(namespace, step, attempt, participants)
-            node, error = next(iter(sorted(failed.items())))
+            node = getattr(error, "node", self.node)
             cls = PeerUnavailableError if isinstance(error, UnavailableError) else StepStateError
             raise cls(
                 f"{namespace}/step {step}: the commit across nodes {', '.join(participants)} "
@@ -164,7 +149,10 @@ class GlobalCommitter:
         files: list[FileRecord] = []
         digests: dict[str, str] = {}
         for node in participants:
-            got, digests[node] = futures[node].result()
+            share = prepared.get(node)
+            got, digests[node] = _slim_share(share.files) if share else ([], "")
+            if share is not None and share.share_digest is not None:
+                digests[node] = share.share_digest  # its full records stay with it
             wrong = sorted({f.name for f in got} ^ set(shares[node]))
             if wrong:
                 self._abort_everywhere(namespace, step, attempt, participants)
@@ -194,22 +182,15 @@ class GlobalCommitter:
         without = DecideRequest(
             manifest=manifest.model_copy(update={"metadata": {}}), persist=persist
         )
-        decisions = {n: decision if n in holders else without for n in participants}
-        others = [n for n in participants if n != self.node]
-        delivered = {n: self._pool.submit(self.client.decide, n, decisions[n]) for n in others}
-        concurrent.futures.wait(delivered.values())
-        for node, fut in delivered.items():
-            if fut.exception() is not None:
-                logger.warning(
-                    "%s/step %d is committed; participant %s did not take the decision yet (%s): "
-                    "it is told again until it does",
-                    namespace,
-                    step,
-                    node,
-                    fut.exception(),
-                )
-                with self._cv:
-                    self._undelivered[(node, namespace, step, attempt)] = decisions[node]
+        # Holders straight from the decider; everyone else through the tree.
+        rest = [n for n in participants if n not in holders]
+        self.tree.deliver(
+            [(n, decision) for n in holders if n != self.node]
+            + [
+                (child, without.model_copy(update={"relay": subtree}))
+                for child, subtree in split(rest, self.fanout)
+            ]
+        )
         logger.info(
             "%s/step %d committed across %d nodes (%s) in %.1f ms",
             namespace,
@@ -227,6 +208,10 @@ class GlobalCommitter:
         i = participants.index(self.node)
         after = participants[i + 1 :] + participants[:i]
         return [self.node, *after[: max(1, self.service.replicas)]]
+
+    def relay(self, req: DecideRequest) -> None:
+        """Pass a decision this node took on to the nodes it relays to (the peer route)."""
+        self.tree.relay(req)
 
     def _abort_everywhere(
         self, namespace: str, step: int, attempt: str, participants: list[str]
@@ -268,8 +253,25 @@ class GlobalCommitter:
                     f"{where} names {role} {node!r}, which is not a member of the ring "
                     f"({self.members.membership.describe()}): refused"
                 )
-        files, digest = _slim_share(self._prepare_share(namespace, step, attempt, req))
-        return PrepareResponse(files=files, share_digest=digest)
+        strangers = sorted(set(req.subtree) - set(req.participants) - {self.node})
+        if strangers or self.node in req.subtree or req.coordinator in req.subtree:
+            raise ProtocolError(
+                f"{where} asks to relay it to {strangers or 'itself or its decider'}, not "
+                "other participants of the attempt: refused"
+            )
+        subtree = self._pool.submit(
+            self.tree.prepare, namespace, step, attempt, req, dict(req.subtree)
+        )
+        try:
+            files, digest = _slim_share(self._prepare_share(namespace, step, attempt, req))
+        finally:
+            concurrent.futures.wait([subtree])
+        try:
+            below = subtree.result()
+        except TierCkptError as e:
+            node = getattr(e, "node", "?")
+            raise StepStateError(f"{where}: participant {node} failed: {e}") from e
+        return PrepareResponse(files=files, share_digest=digest, subtree=below)
 
     def _prepare_share(
         self, namespace: str, step: int, attempt: str, req: PrepareRequest
@@ -405,134 +407,6 @@ class GlobalCommitter:
         if writing is None:
             return OutcomeResponse(outcome="unknown")
         return OutcomeResponse(outcome="prepared" if writing.prepared_at is not None else "writing")
-
-    # -- decisions not yet delivered, attempts in doubt ------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait(RESOLVE_INTERVAL_S)
-                if self._stop:
-                    return
-                undelivered = dict(self._undelivered)
-            for key, decision in undelivered.items():
-                try:
-                    self.client.decide(key[0], decision)
-                except NotAMemberError as e:
-                    # It left the ring: if it comes back it asks (in doubt) how the attempt ended.
-                    logger.warning("decision for %s not delivered: %s", key, e)
-                except TierCkptError as e:
-                    logger.debug("decision for %s not delivered yet: %s", key, e)
-                    continue
-                with self._cv:
-                    self._undelivered.pop(key, None)
-            try:
-                self.resolve_in_doubt()
-            except Exception:  # never kill the resolver: say so and try again next round
-                logger.exception("resolving prepared attempts failed")
-
-    def resolve_in_doubt(self) -> None:
-        now = time.time()
-        with self.service.lock:
-            doubtful = [
-                r
-                for r in self.service.index.writing.values()
-                if r.prepared_at is not None and now - r.prepared_at > IN_DOUBT_AFTER_S
-            ]
-        keys = {(r.namespace, r.step, r.attempt) for r in doubtful}
-        for key in set(self._gone) - keys:  # resolved, or ended otherwise
-            del self._gone[key]
-        if not doubtful:
-            return
-        try:
-            members = self.members.current()
-        except PeerUnavailableError as e:  # DNS: nothing is dialed, nothing is swept
-            logger.info("prepared attempts wait: the ring's members are unknown now (%s)", e)
-            return
-        for rec in doubtful:
-            self._resolve(rec, members)
-
-    def _resolve(self, rec: StepRecord, members: frozenset[str]) -> None:
-        ns, step, attempt = rec.namespace, rec.step, rec.attempt
-        if rec.coordinator == self.node:
-            # This daemon was the decider and has no MANIFEST.json for it: it never decided.
-            self.abort(ns, step, attempt)
-            return
-        key = (ns, step, attempt)
-        if rec.coordinator in members:
-            self._gone.pop(key, None)
-            ask = [rec.coordinator, *rec.participants]
-        else:
-            # Never dialed (the token goes to members only). Its participants may hold the
-            # decision; once it has been gone a while, so may any member (the decider's node
-            # back under another address): then ask them all, once, and abort if none does.
-            gone_at = self._gone.setdefault(key, time.monotonic())
-            if time.monotonic() - gone_at < self.decider_gone_s:
-                ask = list(rec.participants)
-            else:
-                ask = sorted(members)
-        if self._ask_about(rec, [n for n in ask if n in members]):
-            return
-        gone_for = time.monotonic() - self._gone.get(key, time.monotonic())
-        if rec.coordinator not in members and gone_for >= self.decider_gone_s:
-            logger.warning(
-                "%s/step %d: attempt %s was prepared by decider %s, which has not been a member "
-                "of the ring for %.0f s, and no member holds it committed: aborting it",
-                ns,
-                step,
-                attempt,
-                rec.coordinator,
-                gone_for,
-            )
-            self._gone.pop(key, None)
-            self.abort(ns, step, attempt)
-
-    def _ask_about(self, rec: StepRecord, nodes: list[str]) -> bool:
-        """Ask ``nodes`` (members) how ``rec``'s attempt ended: take the decision if one holds
-        it committed; abort if its decider (asked) does not know it and every other answered.
-        True when the attempt was settled either way."""
-        ns, step, attempt = rec.namespace, rec.step, rec.attempt
-        asked: dict[str, OutcomeResponse | None] = {}
-        for node in nodes:
-            if not node or node == self.node or node in asked:
-                continue
-            try:
-                asked[node] = self.client.outcome(node, ns, step, attempt)
-            except TierCkptError as e:
-                logger.info(
-                    "%s/step %d: cannot ask %s about attempt %s: %s", ns, step, node, attempt, e
-                )
-                asked[node] = None
-            answer = asked[node]
-            if answer is not None and answer.outcome == "committed" and answer.manifest:
-                logger.info(
-                    "%s/step %d: attempt %s was committed (as %s says); committing it here",
-                    ns,
-                    step,
-                    attempt,
-                    node,
-                )
-                try:
-                    self.decide(DecideRequest(manifest=answer.manifest, persist=answer.persist))
-                except (StepNotFoundError, StepStateError) as e:
-                    logger.warning("%s/step %d: cannot take the decision: %s", ns, step, e)
-                return True
-        decider = asked.get(rec.coordinator or "")
-        if (
-            decider is not None
-            and decider.outcome == "unknown"
-            and all(a is not None for a in asked.values())
-        ):
-            logger.warning(
-                "%s/step %d: attempt %s was never committed (its decider %s does not know it, "
-                "and no participant holds it committed): aborting it",
-                ns,
-                step,
-                attempt,
-                rec.coordinator,
-            )
-            self.abort(ns, step, attempt)
-            return True
-        return False
 
 
 def _slim_share(files: list[FileRecord]) -> tuple[list[FileRecord], str]:

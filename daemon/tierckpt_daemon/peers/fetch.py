@@ -348,11 +348,19 @@ class PeerFetcher:
         ring = manifest.ring
         if ring is None:
             return manifest
+        files = {f.name: f for f in manifest.files}
+        try:  # the files held here: their full records are this node's own
+            here = self.replicator.service.record(manifest.namespace, manifest.step)
+        except NotFoundError:
+            here = None
+        if here is not None and here.attempt == manifest.attempt:
+            for name, f in here.files.items():
+                if name in files and files[name].slim:
+                    files[name] = f.model_copy(update={"node": files[name].node, "size": None})
         slim: dict[str, list[str]] = {}
-        for f in manifest.files:
+        for f in files.values():
             if f.slim and f.node is not None:
                 slim.setdefault(f.node, []).append(f.name)
-        files = {f.name: f for f in manifest.files}
         for node, names in sorted(slim.items()):
             try:
                 full = self.share_records(manifest.namespace, manifest.step, node, ring, names)

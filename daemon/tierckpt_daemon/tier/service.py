@@ -491,6 +491,17 @@ class TierService(WorkerReports, Ownership):
                 )
             return recs[-1].info()
 
+    def prepared_attempts(self, *, older_than_s: float) -> list[StepRecord]:
+        """Attempts of steps spanning nodes prepared here longer ago than ``older_than_s`` and
+        not decided yet (in doubt: their decider is asked how they ended)."""
+        cutoff = time.time() - older_than_s
+        with self.lock:
+            return [
+                r
+                for r in self.index.writing.values()
+                if r.prepared_at is not None and r.prepared_at < cutoff
+            ]
+
     def manifest(self, namespace: str, step: int, *, owner: str | None = None) -> StepManifest:
         """The commit record of a step held here, as written on tmpfs."""
         with self.lock:

@@ -1,0 +1,209 @@
+"""The committer's background round (every ``RESOLVE_INTERVAL_S``): decisions a participant
+did not take yet are told again, and prepared attempts left in doubt are settled.
+
+A participant that restarts, or waits too long, with a prepared attempt asks the decider how it
+ended, and, if the decider no longer knows, the other participants; it aborts only when the
+decider says the attempt is not committed and no participant holds it committed, and never
+guesses while the decider cannot be reached. The decider aborts its own prepared attempts found at
+restart: it never decided them. A prepared attempt whose decider has left the ring is asked about
+of every member (the decider's node may be back under another address, holding the decision) once
+it has been gone for ``decider_gone_s``, and aborted if none holds it committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+from tierckpt_core.errors import (
+    NotAMemberError,
+    PeerUnavailableError,
+    StepNotFoundError,
+    StepStateError,
+    TierCkptError,
+)
+from tierckpt_core.protocol import DecideRequest, OutcomeResponse
+from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import Members
+from tierckpt_daemon.tier.records import StepRecord
+from tierckpt_daemon.tier.service import TierService
+
+logger = logging.getLogger(__name__)
+
+RESOLVE_INTERVAL_S = 2.0  # how often undelivered decisions and prepared attempts are looked at
+IN_DOUBT_AFTER_S = 5.0  # a prepared attempt older than this asks its decider
+DECIDER_GONE_S = 600.0  # a decider not a member this long: its prepared attempts are swept
+
+
+class Settle(Protocol):
+    """How this node ends an attempt: take a decision, or abort (the committer)."""
+
+    def decide(self, req: DecideRequest) -> StepRecord: ...
+
+    def abort(self, namespace: str, step: int, attempt: str) -> None: ...
+
+
+class Resolver:
+    def __init__(
+        self,
+        service: TierService,
+        client: PeerClient,
+        settle: Settle,
+        *,
+        node: str,
+        decider_gone_s: float = DECIDER_GONE_S,
+    ) -> None:
+        self.service = service
+        self.client = client
+        self.members: Members = client.members
+        self.settle = settle
+        self.node = node
+        self.decider_gone_s = decider_gone_s
+        # (namespace, step, attempt) of a prepared attempt -> when its decider was first seen
+        # not to be a member (monotonic); only the resolver thread touches it.
+        self._gone: dict[tuple[str, int, str], float] = {}
+        self._cv = threading.Condition()
+        self._undelivered: dict[tuple[str, str, int, str], DecideRequest] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tierckpt-resolver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def tell_later(self, node: str, decision: DecideRequest) -> None:
+        """``node`` did not take ``decision`` (with what it relays): tell it again each round."""
+        m = decision.manifest
+        with self._cv:
+            self._undelivered[(node, m.namespace, m.step, m.attempt or "")] = decision
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait(RESOLVE_INTERVAL_S)
+                if self._stop:
+                    return
+                undelivered = dict(self._undelivered)
+            for key, decision in undelivered.items():
+                try:
+                    self.client.decide(key[0], decision)
+                except NotAMemberError as e:
+                    # It left the ring: if it comes back it asks (in doubt) how the attempt ended.
+                    logger.warning("decision for %s not delivered: %s", key, e)
+                except TierCkptError as e:
+                    logger.debug("decision for %s not delivered yet: %s", key, e)
+                    continue
+                with self._cv:
+                    self._undelivered.pop(key, None)
+            try:
+                self.resolve_in_doubt()
+            except Exception:  # never kill the resolver: say so and try again next round
+                logger.exception("resolving prepared attempts failed")
+
+    def resolve_in_doubt(self) -> None:
+        doubtful = self.service.prepared_attempts(older_than_s=IN_DOUBT_AFTER_S)
+        keys = {(r.namespace, r.step, r.attempt) for r in doubtful}
+        for key in set(self._gone) - keys:  # resolved, or ended otherwise
+            del self._gone[key]
+        if not doubtful:
+            return
+        try:
+            members = self.members.current()
+        except PeerUnavailableError as e:  # DNS: nothing is dialed, nothing is swept
+            logger.info("prepared attempts wait: the ring's members are unknown now (%s)", e)
+            return
+        for rec in doubtful:
+            self._resolve(rec, members)
+
+    def _resolve(self, rec: StepRecord, members: frozenset[str]) -> None:
+        ns, step, attempt = rec.namespace, rec.step, rec.attempt
+        if rec.coordinator == self.node:
+            # This daemon was the decider and has no MANIFEST.json for it: it never decided.
+            self.settle.abort(ns, step, attempt)
+            return
+        key = (ns, step, attempt)
+        if rec.coordinator in members:
+            self._gone.pop(key, None)
+            ask = [rec.coordinator, *rec.participants]
+        else:
+            # Never dialed (the token goes to members only). Its participants may hold the
+            # decision; once it has been gone a while, so may any member (the decider's node
+            # back under another address): then ask them all, once, and abort if none does.
+            gone_at = self._gone.setdefault(key, time.monotonic())
+            if time.monotonic() - gone_at < self.decider_gone_s:
+                ask = list(rec.participants)
+            else:
+                ask = sorted(members)
+        if self._ask_about(rec, [n for n in ask if n in members]):
+            return
+        gone_for = time.monotonic() - self._gone.get(key, time.monotonic())
+        if rec.coordinator not in members and gone_for >= self.decider_gone_s:
+            logger.warning(
+                "%s/step %d: attempt %s was prepared by decider %s, which has not been a member "
+                "of the ring for %.0f s, and no member holds it committed: aborting it",
+                ns,
+                step,
+                attempt,
+                rec.coordinator,
+                gone_for,
+            )
+            self._gone.pop(key, None)
+            self.settle.abort(ns, step, attempt)
+
+    def _ask_about(self, rec: StepRecord, nodes: list[str]) -> bool:
+        """Ask ``nodes`` (members) how ``rec``'s attempt ended: take the decision if one holds
+        it committed; abort if its decider (asked) does not know it and every other answered.
+        True when the attempt was settled either way."""
+        ns, step, attempt = rec.namespace, rec.step, rec.attempt
+        asked: dict[str, OutcomeResponse | None] = {}
+        for node in nodes:
+            if not node or node == self.node or node in asked:
+                continue
+            try:
+                asked[node] = self.client.outcome(node, ns, step, attempt)
+            except TierCkptError as e:
+                logger.info(
+                    "%s/step %d: cannot ask %s about attempt %s: %s", ns, step, node, attempt, e
+                )
+                asked[node] = None
+            answer = asked[node]
+            if answer is not None and answer.outcome == "committed" and answer.manifest:
+                logger.info(
+                    "%s/step %d: attempt %s was committed (as %s says); committing it here",
+                    ns,
+                    step,
+                    attempt,
+                    node,
+                )
+                try:
+                    self.settle.decide(
+                        DecideRequest(manifest=answer.manifest, persist=answer.persist)
+                    )
+                except (StepNotFoundError, StepStateError) as e:
+                    logger.warning("%s/step %d: cannot take the decision: %s", ns, step, e)
+                return True
+        decider = asked.get(rec.coordinator or "")
+        if (
+            decider is not None
+            and decider.outcome == "unknown"
+            and all(a is not None for a in asked.values())
+        ):
+            logger.warning(
+                "%s/step %d: attempt %s was never committed (its decider %s does not know it, "
+                "and no participant holds it committed): aborting it",
+                ns,
+                step,
+                attempt,
+                rec.coordinator,
+            )
+            self.settle.abort(ns, step, attempt)
+            return True
+        return False

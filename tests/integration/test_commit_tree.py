@@ -1,0 +1,127 @@
+"""The commit across nodes travels in a tree (TIERCKPT_COMMIT_FANOUT): the decider prepares and
+tells at most ``fanout`` nodes, each relaying to its part of the rest. Five real daemons with a
+fan-out of 2: the decider's two children each relay to one more node. A relay that stops
+answering fails the save naming it, and nothing torn is left: the prepares it passed on late are
+aborted once their decider says it never committed them, and the next save commits everywhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tierckpt_client import DaemonClient
+from tierckpt_core.errors import TierCkptError
+from tierckpt_core.protocol import CommitRequest, SealFile
+
+from helpers import DaemonProcess, ring, running
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "peer-token-for-the-tests-0123456789"
+NS = "tree"
+
+
+@pytest.fixture
+def five() -> Iterator[list[DaemonProcess]]:
+    nodes = ring(
+        5,
+        token=TOKEN,
+        replicas=0,
+        prefix="tierckpt-test",
+        capacity="128M",
+        commit_fanout=2,
+        peer_timeout_s=3,
+    )
+    with running(nodes) as ds:
+        yield sorted(ds, key=lambda d: str(d.name))  # the order the decider splits them in
+
+
+def _save(nodes: list[DaemonProcess], step: int, attempt: str) -> CommitRequest:
+    placed = {}
+    for rank, d in enumerate(nodes):
+        data = os.urandom(10_000)
+        name = f"r{rank:05d}.data"
+        with DaemonClient.from_socket(d.socket) as c:
+            lease = c.lease(NS, rank, len(data))
+            with open(lease.path, "r+b") as f:
+                f.write(data)
+            c.seal(
+                NS,
+                step,
+                attempt,
+                rank,
+                [SealFile(lease_id=lease.lease_id, name=name, length=len(data))],
+            )
+        placed[name] = str(d.name)
+    return CommitRequest(
+        files=sorted(placed), metadata={"step": step}, world_size=len(nodes), nodes=placed
+    )
+
+
+def _latest(d: DaemonProcess) -> int | None:
+    with DaemonClient.from_socket(d.socket) as c:
+        steps = [s.step for s in c.steps(NS) if s.state.value != "writing"]
+    return max(steps) if steps else None
+
+
+def _until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+    return got
+
+
+def _step_dirs(d: DaemonProcess, step: int) -> list[str]:
+    ns_dir = d.shm_dir / "ns" / NS
+    return sorted(p.name for p in ns_dir.iterdir() if p.name.startswith(f"{step:012d}-"))
+
+
+def test_a_commit_relayed_through_a_tree_reaches_every_node(five: list[DaemonProcess]) -> None:
+    decider = five[0]
+    req = _save(five, 1, "a1")
+    with DaemonClient.from_socket(decider.socket) as c:
+        c.commit(NS, 1, "a1", req)
+    assert [_latest(d) for d in five] == [1] * 5
+    for d in five:
+        with DaemonClient.from_socket(d.socket) as c:
+            assert c.metadata(NS, 1) == {"step": 1}  # holders, and the others from a holder
+
+
+@pytest.mark.parametrize("stopped", ["relay", "relayed"])
+def test_a_relay_that_stops_answering_fails_the_save_and_leaves_nothing_torn(
+    five: list[DaemonProcess], stopped: str
+) -> None:
+    decider = five[0]
+    req = _save(five, 1, "a1")
+    with DaemonClient.from_socket(decider.socket) as c:
+        c.commit(NS, 1, "a1", req)
+    # The decider's children are five[1] and five[3]; five[1] relays to five[2].
+    relay, relayed = five[1], five[2]
+    frozen = relay if stopped == "relay" else relayed
+    req = _save(five, 2, "a2")
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        with DaemonClient.from_socket(decider.socket) as c, pytest.raises(TierCkptError) as e:
+            c.commit(NS, 2, "a2", req)
+        # The failure names the node that did not answer: the relay itself, or the relay and
+        # the participant below it.
+        assert f"failed at {relay.name}" in str(e.value)
+        if stopped == "relayed":
+            assert str(relayed.name) in str(e.value)
+        assert [_latest(d) for d in five if d is not frozen] == [1] * 4
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    # Whatever the frozen node passed on late is prepared and in doubt: its decider says it
+    # never committed it, so it is aborted; no node ever shows step 2.
+    _until("the late prepares to be aborted", lambda: all(not _step_dirs(d, 2) for d in five))
+    assert [_latest(d) for d in five] == [1] * 5
+    req = _save(five, 3, "a3")
+    with DaemonClient.from_socket(decider.socket) as c:
+        c.commit(NS, 3, "a3", req)
+    assert [_latest(d) for d in five] == [3] * 5
