@@ -125,3 +125,31 @@ def test_a_relay_that_stops_answering_fails_the_save_and_leaves_nothing_torn(
     with DaemonClient.from_socket(decider.socket) as c:
         c.commit(NS, 3, "a3", req)
     assert [_latest(d) for d in five] == [3] * 5
+
+
+def _save_alone(d: DaemonProcess, step: int) -> None:
+    data = os.urandom(10_000)
+    with DaemonClient.from_socket(d.socket) as c:
+        lease = c.lease(NS, 0, len(data))
+        with open(lease.path, "r+b") as f:
+            f.write(data)
+        seal = SealFile(lease_id=lease.lease_id, name="r00000.data", length=len(data))
+        c.seal(NS, step, f"s{step}", 0, [seal])
+        c.commit(
+            NS, step, f"s{step}", CommitRequest(files=["r00000.data"], metadata={}, world_size=1)
+        )
+
+
+def test_latest_asks_the_ring_neighbours_and_everyone_only_when_they_know_nothing() -> None:
+    nodes = ring(7, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="64M")
+    with running(nodes) as ds:
+        ds = sorted(ds, key=lambda d: str(d.name))
+        # From node 0, the ring is nodes 1..6: with no replicas its neighbours are the two
+        # after it (1, 2) and the two before it (6, 5); nodes 3 and 4 are far.
+        reader, near, far = ds[0], ds[1], ds[3]
+        _save_alone(far, 1)
+        with DaemonClient.from_socket(reader.socket) as c:  # no neighbour knows NS: everyone
+            assert [(s.step, s.peers) for s in c.candidates(NS)] == [(1, [far.name])]
+        _save_alone(near, 2)
+        with DaemonClient.from_socket(reader.socket) as c:  # a neighbour knows NS: it alone
+            assert [(s.step, s.peers) for s in c.candidates(NS)] == [(2, [near.name])]

@@ -52,7 +52,10 @@ class PeerFetcher:
         self._ask_pool.shutdown(wait=False, cancel_futures=True)
 
     def peer_steps(self, namespace: str, *, owner: str | None = None) -> dict[int, list[str]]:
-        """Which peers hold which committed steps of ``namespace`` (``owner``'s). Peers are
+        """Which peers hold which committed steps of ``namespace`` (``owner``'s). The ring
+        neighbours are asked first (the nodes after this one hold its replicas, and every
+        participant of a step holds its record); every other peer only when no neighbour knows
+        the namespace, so that "latest" costs O(replicas) requests, not one per node. Peers are
         asked in parallel, once each; one that does not answer within the peer timeout is
         skipped with a warning."""
         try:
@@ -60,6 +63,27 @@ class PeerFetcher:
         except PeerUnavailableError as e:
             logger.warning("%s: not asking the peers for steps: %s", namespace, e)
             return {}
+        near = self.neighbours(peers)
+        held = self._ask_steps(namespace, near, owner)
+        rest = [p for p in peers if p not in near]
+        if not held and rest:
+            logger.info(
+                "%s: no ring neighbour holds a step of it; asking the other %d peers",
+                namespace,
+                len(rest),
+            )
+            held = self._ask_steps(namespace, rest, owner)
+        return held
+
+    def neighbours(self, ring: list[str]) -> list[str]:
+        """Of the other members in ring order, the ``replicas + 1`` after this node and as many
+        before it."""
+        k = max(1, self.replicator.replicas) + 1
+        return list(dict.fromkeys(ring[:k] + ring[::-1][:k]))
+
+    def _ask_steps(
+        self, namespace: str, peers: list[str], owner: str | None
+    ) -> dict[int, list[str]]:
         futures = {
             p: self._ask_pool.submit(self.replicator.client.list_steps, p, namespace) for p in peers
         }
