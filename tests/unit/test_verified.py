@@ -23,6 +23,8 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.integrity import checksum, checksum_blocks
 from tierckpt_core.manifest import FileRecord
+from tierckpt_core.objectstore import StoreSettings
+from tierckpt_core.objectstore.s3 import S3Store
 from tierckpt_core.verified import (
     BlockStream,
     BlockSums,
@@ -219,3 +221,23 @@ def test_copy_verified_over_threads(monkeypatch: pytest.MonkeyPatch, at: int | N
     else:
         with pytest.raises(BlockMismatchError, match=rf"\(block {at // BLOCK}, "):
             copy_verified(src, dest, sums, 50, threads=3, chunk=5000)
+
+
+def test_the_store_does_not_retry_a_block_that_does_not_match() -> None:
+    """A stored block that is wrong stays wrong: S3 retries a body cut short, not a mismatch."""
+    store = S3Store("bucket", settings=StoreSettings(max_attempts=3))
+    calls: list[str] = []
+
+    def mismatch(d: object) -> None:
+        calls.append("mismatch")
+        raise BlockMismatchError("r0.data block 1", file="r0.data", block=1)
+
+    def cut_short(d: object) -> None:
+        calls.append("short")
+        raise IntegrityError("r0.data ended at byte 5")
+
+    with pytest.raises(BlockMismatchError):
+        store._data_call("downloading", "r0.data", mismatch)
+    with pytest.raises(IntegrityError, match="ended at byte 5"):
+        store._data_call("downloading", "r0.data", cut_short)
+    assert calls == ["mismatch"] + ["short"] * 3
