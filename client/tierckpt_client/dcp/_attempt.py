@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp._targets import OutFile, SaveTarget
-from tierckpt_client.errors import NotFoundError, TierCkptError
+from tierckpt_core.errors import NotFoundError, TierCkptError
 
 logger = logging.getLogger(__name__)
 

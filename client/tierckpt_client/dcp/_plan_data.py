@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import SavePlan
 
-from tierckpt_client.errors import StepStateError
+from tierckpt_core.errors import StepStateError
 
 
 @dataclass(frozen=True)

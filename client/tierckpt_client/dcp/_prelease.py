@@ -30,7 +30,7 @@ from pathlib import Path
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._targets import OutFile
-from tierckpt_client.errors import TierCkptError
+from tierckpt_core.errors import TierCkptError
 
 logger = logging.getLogger(__name__)
 
