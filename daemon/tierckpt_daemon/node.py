@@ -168,7 +168,9 @@ def build_node(settings: DaemonSettings) -> Node:
             decider_gone_s=settings.decider_gone_s,
             fanout=settings.commit_fanout,
         )
-    fetcher = PeerFetcher(replicator) if replicator is not None else None
+    fetcher = (
+        PeerFetcher(service, replicator.client, replicator) if replicator is not None else None
+    )
     restorer = Restorer(service, peers=fetcher, durable=persister)
     return Node(
         service,

@@ -100,8 +100,15 @@ def _start_handoff(settings: DaemonSettings, node: Node) -> HandoffServer | None
             e,
         )
         return None
+    rep = node.replicator
     server = HandoffServer(
-        sock, path, node.replicator, request_timeout_s=settings.handoff_timeout_s
+        sock,
+        path,
+        service=node.service,
+        client=rep.client,
+        membership=rep.membership,
+        node=rep.node,
+        request_timeout_s=settings.handoff_timeout_s,
     )
     server.start()
     return server

@@ -255,8 +255,11 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
     assert rep_a.wait_idle(20)
     # Node a is replaced: empty memory, same name.
     fresh = _service(tmp_path / "a-replaced")
+    client = two_nodes.client()
     rep = PeerFetcher(
-        Replicator(fresh, Membership.parse("a:1,b:1"), two_nodes.client(), node="a:1")  # type: ignore[arg-type]
+        fresh,
+        client,  # type: ignore[arg-type]
+        Replicator(fresh, Membership.parse("a:1,b:1"), client, node="a:1"),  # type: ignore[arg-type]
     )
     assert rep.peer_steps("job") == {8: ["b:1"]}
     assert rep.hydrate("job", 8).step == 8
@@ -270,7 +273,9 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
     b.unpin("job", 8, pin.pin_id)
     other = _service(tmp_path / "a-again")
     rep2 = PeerFetcher(
-        Replicator(other, Membership.parse("a:1,b:1"), two_nodes.client(), node="a:1")  # type: ignore[arg-type]
+        other,
+        client,  # type: ignore[arg-type]
+        Replicator(other, Membership.parse("a:1,b:1"), client, node="a:1"),  # type: ignore[arg-type]
     )
     with pytest.raises(Exception, match=r"r0\.data.*corrupt"):
         rep2.hydrate("job", 8)

@@ -6,7 +6,7 @@ Every read is for one owner (``owner``, see :mod:`tierckpt_daemon.tier.ownership
 peers' copies of another owner's steps count as not there.
 
 The :class:`~tierckpt_daemon.peers.replication.Replicator` pushes; this module reads. It uses the
-replicator's ring, peer client and copy path (:meth:`Replicator.copy_from`).
+replicator's ring, its record of peers' health and its copy path (:meth:`Replicator.copy_from`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from tierckpt_core.errors import (
 from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, share_digest
 from tierckpt_core.protocol import PeerStep, StepInfo
 from tierckpt_core.verified import BlockSums, check_blocks
+from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.replication import PEER_ERRORS, Replicator
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord
+from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,10 @@ SHARE_CACHE = 64  # other nodes' shares (full file records) kept after a fetch
 
 
 class PeerFetcher:
-    def __init__(self, replicator: Replicator) -> None:
-        self.replicator = replicator
+    def __init__(self, service: TierService, client: PeerClient, replicator: Replicator) -> None:
+        self.service = service
+        self.client = client
+        self.replicator = replicator  # the ring, peers' health, and the copy path
         self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
         # Full records of other nodes' shares, fetched and checked against RingRecord.shares.
         self._shares: OrderedDict[tuple[str, int, str, str], dict[str, FileRecord]] = OrderedDict()
@@ -84,9 +88,7 @@ class PeerFetcher:
     def _ask_steps(
         self, namespace: str, peers: list[str], owner: str | None
     ) -> dict[int, list[str]]:
-        futures = {
-            p: self._ask_pool.submit(self.replicator.client.list_steps, p, namespace) for p in peers
-        }
+        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
         held: dict[int, list[str]] = {}
         for peer, fut in futures.items():
             try:
@@ -115,15 +117,14 @@ class PeerFetcher:
         only ``files`` come (default: this node's own share, what a replaced node lost), from the
         peers that hold them. StepNotFoundError if no peer holds it; IntegrityError if every
         replica found was corrupt."""
-        with self.replicator.service.lock:
-            here = self.replicator.service.index.committed.get(namespace, {}).get(step)
+        here = self.service.committed_record(namespace, step)
         if here is not None and here.spans_nodes:
             need = set(files or ()) - set(here.files)
             return self.fetch_files(namespace, step, need, owner=owner)[0]
         holders = self.holders(namespace, step, owner=owner)
         for peer in holders:
             try:
-                manifest = self.replicator.client.manifest(peer, namespace, step)
+                manifest = self.client.manifest(peer, namespace, step)
             except TierCkptError as e:
                 self.replicator.peer_failed(peer, e)
                 continue
@@ -148,7 +149,7 @@ class PeerFetcher:
         unreachable: list[str] = []
         for peer in peers:
             try:
-                manifest = self.replicator.client.manifest(peer, namespace, step)
+                manifest = self.client.manifest(peer, namespace, step)
                 if (manifest.namespace, manifest.step) != (namespace, step):
                     raise ProtocolError(
                         f"peer {peer} answered for {manifest.namespace}/step {manifest.step}"
@@ -165,7 +166,7 @@ class PeerFetcher:
             try:
                 rec = self.replicator.copy_from(peer, manifest)
             except CheckpointFormatError as e:
-                self.replicator.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.inc()
                 logger.warning(
                     "%s/step %d: the replica on peer %s is unusable, trying the next source: %s",
                     namespace,
@@ -180,7 +181,7 @@ class PeerFetcher:
                 unreachable.append(peer)
                 continue
             nbytes = sum(f.length for f in manifest.files)
-            self.replicator.service.metrics.peer_hydrated_bytes.inc(nbytes)
+            self.service.metrics.peer_hydrated_bytes.inc(nbytes)
             dt = time.monotonic() - t0
             logger.info(
                 "%s/step %d hydrated from peer %s: %d bytes in %.2fs (%.0f MB/s), checksums "
@@ -215,9 +216,7 @@ class PeerFetcher:
         except PeerUnavailableError as e:
             logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
             return {}
-        futures = {
-            p: self._ask_pool.submit(self.replicator.client.list_steps, p, namespace) for p in peers
-        }
+        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
         held: dict[str, PeerStep] = {}
         for peer, fut in futures.items():
             try:
@@ -241,7 +240,7 @@ class PeerFetcher:
         alone; anything else in whole blocks, each checked against the block checksums taken at
         prepare."""
         if f.slim:  # the global record leaves block checksums with the file: ask its holders
-            ring = self.replicator.service.record(namespace, step).ring
+            ring = self.service.record(namespace, step).ring
             if ring is None or f.node is None:
                 raise CheckpointFormatError(
                     f"{namespace}/step {step}: {f.name} has no block checksums to verify a range"
@@ -298,9 +297,7 @@ class PeerFetcher:
         where = f"{namespace}/step {step}"
         for peer in peers:
             try:
-                data = self.replicator.client.read_range(
-                    peer, namespace, step, sums.name, start, length
-                )
+                data = self.client.read_range(peer, namespace, step, sums.name, start, length)
             except PEER_ERRORS as e:
                 errors.append(f"{peer}: {e}")
                 continue
@@ -310,10 +307,10 @@ class PeerFetcher:
             try:
                 check_blocks(data, replace(sums, where=where, source=f"in peer {peer}"), start)
             except BlockMismatchError as e:
-                self.replicator.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.inc()
                 errors.append(str(e))
                 continue
-            self.replicator.service.metrics.peer_hydrated_bytes.inc(len(data))
+            self.service.metrics.peer_hydrated_bytes.inc(len(data))
             return data
         raise StepNotFoundError(
             f"{where}: no peer could send {sums.name} bytes {start}-{start + length} "
@@ -321,7 +318,7 @@ class PeerFetcher:
         )
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest:
-        return self.replicator.client.manifest(peer, namespace, step)
+        return self.client.manifest(peer, namespace, step)
 
     def share_records(
         self, namespace: str, step: int, node: str, ring: RingRecord, names: list[str]
@@ -344,7 +341,7 @@ class PeerFetcher:
         errors: list[str] = []
         for peer in peers:
             try:
-                theirs = self.replicator.client.manifest(peer, namespace, step)
+                theirs = self.client.manifest(peer, namespace, step)
             except TierCkptError as e:
                 errors.append(f"{peer}: {e}")
                 continue
@@ -353,7 +350,7 @@ class PeerFetcher:
                 errors.append(f"{peer} does not hold them")
                 continue
             if share_digest(share) != expected:
-                self.replicator.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.inc()
                 errors.append(f"{peer}: they do not match the step's digest of them")
                 continue
             records = {f.name: f for f in share}
@@ -374,7 +371,7 @@ class PeerFetcher:
             return manifest
         files = {f.name: f for f in manifest.files}
         try:  # the files held here: their full records are this node's own
-            here = self.replicator.service.record(manifest.namespace, manifest.step)
+            here = self.service.record(manifest.namespace, manifest.step)
         except NotFoundError:
             here = None
         if here is not None and here.attempt == manifest.attempt:
@@ -405,12 +402,12 @@ class PeerFetcher:
         holders = self.holders(namespace, step, owner=owner)
         if not holders:
             raise StepNotFoundError(f"{namespace}/step {step}: no reachable peer holds it")
-        if not names and not self.replicator.service.index.committed.get(namespace, {}).get(step):
+        if not names and self.service.committed_record(namespace, step) is None:
             # Nothing to fetch, but this node needs the step's record (its metadata, where the
             # files are) to serve a reader: take it from a holder, with no files.
             peer = next(iter(holders))
             empty = self.replicator.copy_from(
-                peer, self.replicator.client.manifest(peer, namespace, step), names=set()
+                peer, self.client.manifest(peer, namespace, step), names=set()
             )
             return empty.info(), 0
         left = set(names)
@@ -427,7 +424,7 @@ class PeerFetcher:
             if not offered:
                 continue
             try:
-                theirs = self.replicator.client.manifest(peer, namespace, step)
+                theirs = self.client.manifest(peer, namespace, step)
                 rec = self.replicator.copy_from(peer, theirs, names=offered)
             except PEER_ERRORS as e:
                 self.replicator.peer_failed(peer, e)
@@ -440,6 +437,6 @@ class PeerFetcher:
                 f"{namespace}/step {step}: no reachable peer holds {', '.join(sorted(left)[:8])}"
             )
         if rec is None:
-            rec = self.replicator.service.record(namespace, step)
-        self.replicator.service.metrics.peer_hydrated_bytes.inc(moved)
+            rec = self.service.record(namespace, step)
+        self.service.metrics.peer_hydrated_bytes.inc(moved)
         return rec.info(), moved

@@ -50,8 +50,10 @@ from tierckpt_core.names import (
 )
 from tierckpt_core.verified import CHUNK
 from tierckpt_daemon.peers.bodies import RangeStream
-from tierckpt_daemon.peers.replication import Replicator
+from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import Membership
 from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.service import TierService
 from tierckpt_daemon.tier.tenants import Caller, caller_of
 
 logger = logging.getLogger(__name__)
@@ -76,13 +78,19 @@ class HandoffServer:
         self,
         sock: socket.socket,
         path: Path,
-        replicator: Replicator,
         *,
+        service: TierService,
+        client: PeerClient,
+        membership: Membership,
+        node: str,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.sock = sock
         self.path = path
-        self.replicator = replicator
+        self.service = service
+        self.client = client
+        self.membership = membership
+        self.node = node
         self.request_timeout_s = request_timeout_s
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         # (peer, namespace, step, attempt) -> the owner of that copy (see _check_owner)
@@ -174,14 +182,14 @@ class HandoffServer:
         assert isinstance(start, int) and isinstance(stop, int)
         if not 0 <= start < stop <= MAX_FILE_BYTES:
             raise ProtocolError(f"handoff request: bad range {start}-{stop}")
-        members = set(self.replicator.membership.members()) - {self.replicator.node}
+        members = set(self.membership.members()) - {self.node}
         if not isinstance(peer, str) or peer not in members:
             raise ProtocolError(
                 f"handoff request: {peer!r} is not one of this daemon's peers "
                 f"({', '.join(sorted(members)) or 'none'})"
             )
         self._check_owner(caller, peer, namespace, step, attempt)
-        return self.replicator.client.open_range(peer, namespace, step, attempt, name, start, stop)
+        return self.client.open_range(peer, namespace, step, attempt, name, start, stop)
 
     def _check_owner(
         self, caller: Caller | None, peer: str, namespace: str, step: int, attempt: str
@@ -190,7 +198,7 @@ class HandoffServer:
         namespace is another uid's here, StepNotFoundError if the copy is (or is not there)."""
         if caller is None:
             raise ProtocolError("handoff request: the daemon cannot tell which user is calling")
-        service = self.replicator.service
+        service = self.service
         service.authorize(namespace, caller.identity, admin=caller.admin)
         wanted = service.acting_owner(namespace, caller.identity, admin=caller.admin)
         key = (peer, namespace, step, attempt)
@@ -201,7 +209,7 @@ class HandoffServer:
             copy = next(
                 (
                     s
-                    for s in self.replicator.client.list_steps(peer, namespace)
+                    for s in self.client.list_steps(peer, namespace)
                     if s.step == step and s.attempt == attempt
                 ),
                 None,

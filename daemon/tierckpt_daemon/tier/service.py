@@ -491,6 +491,11 @@ class TierService(WorkerReports, Ownership):
                 )
             return recs[-1].info()
 
+    def committed_record(self, namespace: str, step: int) -> StepRecord | None:
+        """The committed record of a step held here, anyone's (None if there is none)."""
+        with self.lock:
+            return self.index.committed.get(namespace, {}).get(step)
+
     def prepared_attempts(self, *, older_than_s: float) -> list[StepRecord]:
         """Attempts of steps spanning nodes prepared here longer ago than ``older_than_s`` and
         not decided yet (in doubt: their decider is asked how they ended)."""
