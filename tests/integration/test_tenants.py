@@ -26,7 +26,7 @@ from tierckpt_client.dcp.sources.peers import Handoff
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.protocol import CommitRequest, SealFile
 
-from helpers import DaemonProcess, new_shm_dir, ring, running, wait_until
+from helpers import DaemonProcess, ring, running, started, wait_until
 
 TOKEN = "peer-token-for-the-tenant-tests-0123"
 VICTIM, ATTACKER = 2001, 2002  # two tenants' uids (not root, not the daemon's)
@@ -178,8 +178,8 @@ def _settled(d: DaemonProcess, ns: str, step: int) -> bool:
 
 @pytest.fixture
 def node() -> Iterator[DaemonProcess]:
-    with running([DaemonProcess(new_shm_dir())]) as nodes:
-        yield nodes[0]
+    with started() as d:
+        yield d
 
 
 def test_a_namespace_belongs_to_the_uid_that_saved_it(node: DaemonProcess) -> None:
