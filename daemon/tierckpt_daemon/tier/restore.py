@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import zlib
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -110,6 +111,7 @@ class Restorer:
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         # DCP metadata fetched from its holders (steps spanning nodes), newest last.
         self._metadata: OrderedDict[tuple[str, int, str], dict[str, Any]] = OrderedDict()
+        self._metadata_locks: dict[tuple[str, int], threading.Lock] = {}
 
     def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
         """The DCP metadata of a committed step held here. A step spanning nodes keeps it on its
@@ -126,9 +128,22 @@ class Restorer:
         assert ring is not None
         key = (namespace, step, manifest.attempt or "")
         with self._guard:
-            if key in self._metadata:
-                self._metadata.move_to_end(key)
-                return self._metadata[key]
+            lock = self._metadata_locks.setdefault((namespace, step), threading.Lock())
+        with lock:  # the node's ranks all ask at the start of a load: one fetch
+            with self._guard:
+                if key in self._metadata:
+                    self._metadata.move_to_end(key)
+                    return self._metadata[key]
+            found = self._fetch_metadata_once(manifest)
+            with self._guard:
+                self._metadata[key] = found
+                while len(self._metadata) > METADATA_CACHE_STEPS:
+                    self._metadata.popitem(last=False)
+            return found
+
+    def _fetch_metadata_once(self, manifest: StepManifest) -> dict[str, Any]:
+        namespace, step, ring = manifest.namespace, manifest.step, manifest.ring
+        assert ring is not None
         where = f"{namespace}/step {step}"
         tried: list[str] = []
 
@@ -139,8 +154,14 @@ class Restorer:
             return None
 
         found: dict[str, Any] | None = None
-        for holder in ring.metadata_holders:
-            if self.peers is None or holder == self.service.node:
+        # Each node starts at its own holder (by a hash of its name), so that a whole job's
+        # restore spreads its fetches over the holders instead of all asking the decider.
+        holders = [h for h in ring.metadata_holders if h != self.service.node]
+        if holders:
+            first = zlib.crc32((self.service.node or "").encode()) % len(holders)
+            holders = holders[first:] + holders[:first]
+        for holder in holders:
+            if self.peers is None:
                 continue
             try:
                 found = fetched(holder, self.peers.manifest_from(holder, namespace, step))
@@ -158,10 +179,6 @@ class Restorer:
                 f"{where}: its DCP metadata is kept by {', '.join(ring.metadata_holders)}, and "
                 f"no copy could be had ({'; '.join(tried) or 'no peers, no persistent tier'})"
             )
-        with self._guard:
-            self._metadata[key] = found
-            while len(self._metadata) > METADATA_CACHE_STEPS:
-                self._metadata.popitem(last=False)
         return found
 
     def candidates(self, namespace: str, *, owner: str | None = None) -> list[StepCandidate]:
