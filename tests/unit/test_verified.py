@@ -207,20 +207,24 @@ def test_the_mismatch_pickles_whole_and_maps_back_from_its_code() -> None:
     assert type(error_from_code("block_mismatch", "d")) is BlockMismatchError
 
 
+@pytest.mark.parametrize("threads", [3, 12])  # 12: more than 8 parts, larger pieces
 @pytest.mark.parametrize("at", [None, 0, 5 * BLOCK + 3, LENGTH - 1])
-def test_copy_verified_over_threads(monkeypatch: pytest.MonkeyPatch, at: int | None) -> None:
+def test_copy_verified_over_threads(
+    monkeypatch: pytest.MonkeyPatch, at: int | None, threads: int
+) -> None:
     """Split over threads at block boundaries: the same bytes land, and a bad block in any part
     fails the call (after every part stopped writing)."""
     monkeypatch.setattr(verified, "PARALLEL_MIN", BLOCK)
     data, sums = _file()
     src = data if at is None else _flipped(data, at)
     dest = bytearray(LENGTH - 100)
+    chunk = 5000 if threads == 3 else BLOCK  # pieces inside a block, and of whole blocks
     if at is None:
-        assert copy_verified(src, dest, sums, 50, threads=3, chunk=5000) == LENGTH
+        assert copy_verified(src, dest, sums, 50, threads=threads, chunk=chunk) == LENGTH
         assert dest == data[50 : LENGTH - 50]
     else:
         with pytest.raises(BlockMismatchError, match=rf"\(block {at // BLOCK}, "):
-            copy_verified(src, dest, sums, 50, threads=3, chunk=5000)
+            copy_verified(src, dest, sums, 50, threads=threads, chunk=chunk)
 
 
 def test_the_store_does_not_retry_a_block_that_does_not_match() -> None:
