@@ -163,3 +163,61 @@ def test_a_daemon_that_ignores_after_leaves_no_lease_behind(
         with DaemonClient() as client:  # the plain lease it got instead was given back
             assert client.status().leased_bytes == 0
     assert all(traced.calls)
+
+
+def _process_mode_worker(rank: int, world: int, socket: str, out: str) -> None:
+    """PROCESS-mode saves (DCP's helper process writes each one); the daemon calls each ``stage``
+    of this trainer made, as JSON in ``out``."""
+    import json
+    import os
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    os.environ["TIERCKPT_SOCKET"] = socket
+    calls: list[list[str]] = []
+    inside = [False]
+    request, stage = DaemonClient._request, TieredStorageWriter.stage
+
+    def traced_request(client: DaemonClient, method: str, path: str, *a: Any, **k: Any) -> Any:
+        if inside[0]:
+            calls[-1].append(f"{method} {path}")
+        return request(client, method, path, *a, **k)
+
+    def traced_stage(writer: TieredStorageWriter, sd: dict[str, Any]) -> dict[str, Any]:
+        calls.append([])
+        inside[0] = True
+        try:
+            return stage(writer, sd)
+        finally:
+            inside[0] = False
+
+    DaemonClient._request = traced_request  # type: ignore[method-assign]
+    TieredStorageWriter.stage = traced_stage  # type: ignore[method-assign]
+    for step in range(1, 5):
+        sd = _state(step)
+        writer = TieredStorageWriter("proc", step=step)
+        kind = AsyncCheckpointerType.PROCESS
+        dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=kind).result()
+        got = _blank()
+        dcp.load(got, storage_reader=TieredStorageReader("proc", step=step))
+        for k, t in sd["w"].items():
+            assert torch.equal(got["w"][k], t), f"step {step}: {k} differs"
+    with open(out, "w") as f:
+        json.dump(calls, f)
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_process_mode_stage_claims_the_file_the_helper_pre_leased(
+    daemon: DaemonProcess, tmp_path: Any
+) -> None:
+    """In PROCESS mode DCP's helper process writes the save and asks for the next file; it hands
+    the pre-lease to the trainer, whose next stage makes no daemon call."""
+    import json
+
+    from helpers import run_ranks
+
+    out = tmp_path / "calls.json"
+    run_ranks(_process_mode_worker, 1, str(daemon.socket), str(out))
+    calls = json.loads(out.read_text())
+    assert calls[0]  # step 1 leased in stage
+    assert calls[2:] == [[], []], calls  # steps 3 and 4: no daemon call at all

@@ -14,11 +14,19 @@ the daemon holds (it is taking the file back right now), a size that no longer m
 or a pre-lease about to expire: the save leases as before. Once claimed, the daemon leaves the
 file alone until the lock is released, which happens when the file is sealed or given back, or
 when the process dies.
+
+PROCESS-mode ``async_save`` writes the save in DCP's helper process, so the pre-lease is asked for
+there and must reach the trainer: the trainer hands the helper a *mailbox* with the pickled writer,
+one end of a pipe of its own, named ``(pid, fd, inode)``; the helper opens it through
+``/proc/<pid>/fd/<fd>`` (as ``_arena`` reopens staged files; only processes of the same user may),
+checks that it is that pipe, and writes the pre-lease as one line. The next ``stage`` reads the
+pipe (no round trip) before it claims.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import stat
@@ -46,21 +54,81 @@ class PreLease:
     deadline: float  # time.monotonic() after which the daemon may have taken it back
 
 
+Key = tuple[str, str, int]  # (daemon socket, namespace, rank)
+Mailbox = tuple[int, int, int]  # (pid, write fd, pipe inode): see the module docstring
+
 _lock = threading.Lock()
-_held: dict[tuple[str, str, int], PreLease] = {}
+_held: dict[Key, PreLease] = {}
+_pipes: dict[Key, tuple[int, int]] = {}  # trainer side: (read fd, write fd) of each mailbox
 
 
-def put(key: tuple[str, str, int], pre: PreLease) -> PreLease | None:
-    """Keep ``pre`` for ``key``; return the one it replaces (for the caller to release)."""
+def key(socket: str | Path, namespace: str, rank: int) -> Key:
+    return (str(socket), namespace, rank)
+
+
+def mailbox(k: Key) -> Mailbox:
+    """Where a helper process sends this process the pre-lease for ``k``."""
     with _lock:
-        old = _held.get(key)
-        _held[key] = pre
+        pipe = _pipes.get(k)
+        if pipe is None:
+            pipe = _pipes[k] = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    return os.getpid(), pipe[1], os.fstat(pipe[1]).st_ino
+
+
+def collect(k: Key) -> list[PreLease]:
+    """Keep what a helper process sent for ``k`` (no round trip); returns the pre-leases that
+    replaced, for the caller to give back off the stall."""
+    pipe = _pipes.get(k)
+    if pipe is None:
+        return []
+    try:
+        data = os.read(pipe[0], 1 << 16)
+    except BlockingIOError:  # nothing sent
+        return []
+    replaced = []
+    for line in data.splitlines():
+        try:
+            lease_id, path, size, deadline = json.loads(line)
+            pre = PreLease(str(lease_id), str(path), int(size), float(deadline))
+        except (ValueError, TypeError):
+            continue
+        old = put(k, pre)
+        if old is not None:
+            replaced.append(old)
+    return replaced
+
+
+def send(box: Mailbox, pre: PreLease) -> bool:
+    """Send ``pre`` to the process that made ``box``; whether it got there. The deadline is on
+    ``time.monotonic``, which is the same clock in every process of the machine."""
+    pid, fd, ino = box
+    line = json.dumps([pre.lease_id, pre.path, pre.size, pre.deadline]).encode() + b"\n"
+    try:
+        out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # the trainer is gone
+        return False
+    try:
+        st = os.fstat(out)
+        if not stat.S_ISFIFO(st.st_mode) or st.st_ino != ino:  # another process took its pid
+            return False
+        return os.write(out, line) == len(line)
+    except OSError:
+        return False
+    finally:
+        os.close(out)
+
+
+def put(k: Key, pre: PreLease) -> PreLease | None:
+    """Keep ``pre`` for ``k``; return the one it replaces (for the caller to release)."""
+    with _lock:
+        old = _held.get(k)
+        _held[k] = pre
         return old
 
 
-def take(key: tuple[str, str, int]) -> PreLease | None:
+def take(k: Key) -> PreLease | None:
     with _lock:
-        return _held.pop(key, None)
+        return _held.pop(k, None)
 
 
 def forget_all() -> None:
@@ -114,7 +182,7 @@ def claim_next(
 ) -> tuple[OutFile | None, PreLease | None]:
     """The file the previous save of this rank pre-leased from the daemon at ``socket``, if it can
     be used, and else the pre-lease that could not (for :func:`ask_next` to give back)."""
-    pre = take((str(socket), namespace, rank))
+    pre = take(key(socket, namespace, rank))
     if pre is None:
         return None, None
     claimed = claim(pre, size)
@@ -127,15 +195,16 @@ def ask_next(
     rank: int,
     after: tuple[int, str],
     size: int,
-    stale: PreLease | None,
+    stale: list[PreLease],
     ask: bool,
+    to: Mailbox | None = None,
 ) -> None:
     """Give back ``stale``; with ``ask``, ask for this rank's next file, granted when the save
-    attempt ``after`` (step, attempt) commits. Best effort: a save that finds none leases as
-    before."""
+    attempt ``after`` (step, attempt) commits, and keep it in this process, or send it ``to`` the
+    trainer (PROCESS mode). Best effort: a save that finds none leases as before."""
     try:
-        if stale is not None:
-            _release_quietly(daemon, namespace, stale.lease_id)
+        for unused in stale:
+            _release_quietly(daemon, namespace, unused.lease_id)
         if not ask:
             return
         asked = time.monotonic()
@@ -147,7 +216,11 @@ def ask_next(
         _release_quietly(daemon, namespace, resp.lease_id)
         return
     pre = PreLease(resp.lease_id, resp.path, resp.size, asked + resp.expires_in_s)
-    old = put((str(daemon.config.socket), namespace, rank), pre)
+    if to is not None:
+        if not send(to, pre):
+            _release_quietly(daemon, namespace, pre.lease_id)
+        return
+    old = put(key(daemon.config.socket, namespace, rank), pre)
     if old is not None:
         _release_quietly(daemon, namespace, old.lease_id)
 

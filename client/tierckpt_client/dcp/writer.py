@@ -145,7 +145,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = True
         self.last_stats: SaveStats | None = None
         self._staged_by: int | None = None  # the process that staged this save (pre-leases)
-        self._stale: _prelease.PreLease | None = None  # a pre-lease stage() could not use
+        self._stale: list[_prelease.PreLease] = []  # pre-leases stage() could not use
+        self._prelease_key: _prelease.Key | None = None  # what stage() claimed under
+        self._mailbox: _prelease.Mailbox | None = None  # PROCESS mode: the trainer's (pre-leases)
         _arena.install_pickle_reducer()
 
     # -- identity ---------------------------------------------------------------------------
@@ -202,6 +204,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         # helper process: the staged file belongs to that copy from now on, so this one can stage
         # the next save.
         state["_files"] = self._files.hand_over(state["_daemon"])
+        if self.config.prelease and self._prelease_key is not None:
+            state["_mailbox"] = _prelease.mailbox(self._prelease_key)
+        self._stale = []  # the copy gives them back
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -224,7 +229,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if self.config.prelease and not self._degraded:
             # The file the previous save of this rank pre-leased, if it can be used (no round
             # trip); one that cannot is given back in write_data, off the stall.
-            staged, self._stale = _prelease.claim_next(self.config.socket, namespace, rank, size)
+            key = self._prelease_key = _prelease.key(self.config.socket, namespace, rank)
+            self._stale += _prelease.collect(key)  # sent by DCP's helper process (PROCESS mode)
+            staged, stale = _prelease.claim_next(self.config.socket, namespace, rank, size)
+            self._stale += [stale] if stale is not None else []
         if staged is None:
             try:
                 staged = self._memory.new_file(namespace, rank, "", size)
@@ -390,11 +398,19 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             files.release_unsealed()
             raise
         if target is self._memory and sealed and sealed[0].name == data_name:
-            stale, self._stale = self._stale, None
-            # PROCESS mode: the next stage runs in the trainer, not here; ask for none.
+            stale, self._stale = self._stale, []
+            # PROCESS mode: the next stage runs in the trainer, not here: send it there.
             here = self.config.prelease and self._staged_by == os.getpid()
+            to = None if here else self._mailbox
             _prelease.ask_next(
-                self._daemon, namespace, self.rank, (step, attempt), sealed[0].length, stale, here
+                self._daemon,
+                namespace,
+                self.rank,
+                (step, attempt),
+                sealed[0].length,
+                stale,
+                here or to is not None,
+                to,
             )
         self.last_stats = SaveStats(
             staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
