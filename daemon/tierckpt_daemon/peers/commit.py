@@ -37,7 +37,6 @@ from tierckpt_core.errors import (
     TierCkptError,
     UnavailableError,
 )
-from tierckpt_core.integrity import checksum_file_blocks
 from tierckpt_core.manifest import (
     FileRecord,
     RingRecord,
@@ -53,7 +52,6 @@ from tierckpt_core.protocol import (
     PrepareRequest,
     PrepareResponse,
     StepInfo,
-    StepState,
 )
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.fanout import FANOUT, CommitTree, split
@@ -64,7 +62,7 @@ from tierckpt_daemon.peers.in_doubt import (  # noqa: F401  (re-exported: tests 
     Resolver,
 )
 from tierckpt_daemon.peers.membership import Members
-from tierckpt_daemon.tier.records import StepRecord, read_manifest, write_prepared
+from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
@@ -85,7 +83,6 @@ class GlobalCommitter:
         self.members: Members = client.members
         self.node = node
         self.fanout = fanout
-        self._preparing: set[tuple[str, int, str]] = set()  # under the service's lock
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="tierckpt-commit")
         self.resolver = Resolver(service, client, self, node=node, decider_gone_s=decider_gone_s)
         self.tree = CommitTree(client, fanout, self.resolver.tell_later)
@@ -276,137 +273,28 @@ class GlobalCommitter:
     def _prepare_share(
         self, namespace: str, step: int, attempt: str, req: PrepareRequest
     ) -> list[FileRecord]:
-        svc, key = self.service, (namespace, step, attempt)
-        with svc.lock:
-            rec = svc.writing_record(namespace, step, attempt)
-            if rec.prepared_at is not None or key in self._preparing:
-                return self._prepared_again(rec, req)
-            svc.keep_only(rec, req.files)
-            # Files the writer sent checksums for keep them (taken right after the copy).
-            todo = [
-                (f.name, str(rec.dir / f.name), f.length)
-                for f in rec.files.values()
-                if f.checksum is None or f.blocks is None
-            ]
-            self._preparing.add(key)
-        try:
-            # Checksum the share now, off the trainers' stall and right after their copy: the
-            # global record carries every file's checksum to peers and the persistent tier.
-            sums = {name: checksum_file_blocks(path, length) for name, path, length in todo}
-            with svc.lock:
-                if svc.index.writing.get(key) is not rec:
-                    raise StepStateError(
-                        f"{namespace}/step {step}: attempt {attempt} ended while it was prepared"
-                    )
-                for name, (whole, size, blocks) in sums.items():
-                    f = rec.files[name]
-                    f.checksum, f.block_size, f.blocks = whole, size, blocks
-                rec.coordinator = req.coordinator
-                rec.participants = list(req.participants)
-                rec.world_size = req.world_size
-                rec.prepared_at = time.time()
-                for f in rec.files.values():
-                    f.node = self.node
-                write_prepared(rec)
-                return [f.model_copy(update={"size": None}) for f in rec.sorted_files()]
-        finally:
-            with svc.lock:
-                self._preparing.discard(key)
-
-    def _prepared_again(self, rec: StepRecord, req: PrepareRequest) -> list[FileRecord]:
-        """A second prepare of an attempt (caller holds the lock): the same one again gets the
-        same answer; any other is refused, so that no one replaces the decider's prepare of an
-        attempt in flight (dropping its sealed files, or naming another decider)."""
-        same = (
-            rec.prepared_at is not None
-            and rec.coordinator == req.coordinator
-            and rec.participants == list(req.participants)
-            and sorted(rec.files) == sorted(req.files)
+        return self.service.prepare_share(
+            namespace,
+            step,
+            attempt,
+            files=req.files,
+            coordinator=req.coordinator,
+            participants=req.participants,
+            world_size=req.world_size,
         )
-        if not same:
-            raise StepStateError(
-                f"{rec.namespace}/step {rec.step}: attempt {rec.attempt} is already "
-                + (
-                    f"prepared by decider {rec.coordinator} with files {sorted(rec.files)[:8]}"
-                    if rec.prepared_at is not None
-                    else "being prepared"
-                )
-                + f"; a prepare by {req.coordinator} with files {sorted(req.files)[:8]} is refused"
-            )
-        return [f.model_copy(update={"size": None}) for f in rec.sorted_files()]
 
     def decide(self, req: DecideRequest) -> StepRecord:
         """Commit this node's share of a step with the decider's global record (idempotent)."""
-        m, svc = req.manifest, self.service
+        m = req.manifest
         if m.attempt is None or m.coordinator is None:
             raise ProtocolError(f"{m.namespace}/step {m.step}: a decision without attempt/decider")
-        with svc.lock:
-            current = svc.index.committed.get(m.namespace, {}).get(m.step)
-            if current is not None and current.attempt == m.attempt:
-                return current
-            rec = svc.writing_record(m.namespace, m.step, m.attempt)
-            if rec.prepared_at is None:
-                raise StepStateError(
-                    f"{m.namespace}/step {m.step}: attempt {m.attempt} was never prepared here"
-                )
-            # Only the decision of the decider that prepared the attempt, over its participants.
-            strangers = sorted({f.node or "" for f in m.files} - set(rec.participants))
-            if m.coordinator != rec.coordinator or (rec.participants and strangers):
-                raise StepStateError(
-                    f"{m.namespace}/step {m.step}: a decision for attempt {m.attempt} by "
-                    f"{m.coordinator} (files on {', '.join(strangers) or 'its participants'}) "
-                    f"does not match its prepare by decider {rec.coordinator} with participants "
-                    f"{', '.join(rec.participants)}: refused"
-                )
-            mine = {f.name for f in m.share(self.node)}
-            if mine != set(rec.files):
-                raise StepStateError(
-                    f"{m.namespace}/step {m.step}: the decision lists {sorted(mine)} on "
-                    f"{self.node}, which prepared {sorted(rec.files)}"
-                )
-            rec.remote = {
-                f.name: f.slimmed() if m.ring is not None else f
-                for f in m.files
-                if f.name not in mine
-            }
-            rec.ring = m.ring
-            rec.coordinator = m.coordinator
-            rec.participants = []
-            rec.prepared_at = None
-            rec.world_size = m.world_size
-            rec.learn_checksums({f.name: f.checksum for f in m.files if f.checksum})
-            rec = svc.install(rec, m.metadata, persist=req.persist, replicate=True)
-        svc.freshness.committed(m.namespace, rec.committed_at)
-        svc.notify_committed(rec)
-        return rec
+        return self.service.take_decision(m, persist=req.persist)
 
     def abort(self, namespace: str, step: int, attempt: str) -> None:
-        svc = self.service
-        with svc.lock:
-            rec = svc.index.writing.pop((namespace, step, attempt), None)
-            if rec is not None:
-                logger.warning(
-                    "%s/step %d: attempt %s aborted; its files are reclaimed",
-                    namespace,
-                    step,
-                    attempt,
-                )
-                svc.index.reclaim_dir(rec.dir)
+        self.service.abort_attempt(namespace, step, attempt)
 
     def outcome(self, namespace: str, step: int, attempt: str) -> OutcomeResponse:
-        svc = self.service
-        with svc.lock:
-            for rec in svc.index.records_of(namespace, step):
-                if rec.attempt == attempt and rec.state != StepState.WRITING:
-                    metadata = read_manifest(rec.manifest_path()).metadata
-                    manifest = rec.manifest(metadata).portable()
-                    return OutcomeResponse(
-                        outcome="committed", manifest=manifest, persist=rec.persist_pending
-                    )
-            writing = svc.index.writing.get((namespace, step, attempt))
-        if writing is None:
-            return OutcomeResponse(outcome="unknown")
-        return OutcomeResponse(outcome="prepared" if writing.prepared_at is not None else "writing")
+        return self.service.attempt_outcome(namespace, step, attempt)
 
 
 def _slim_share(files: list[FileRecord]) -> tuple[list[FileRecord], str]:

@@ -51,6 +51,7 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.attempts import Attempts
 from tierckpt_daemon.tier.eviction import EvictionPolicy, KeepLatestN
 from tierckpt_daemon.tier.freshness import Freshness
 from tierckpt_daemon.tier.index import StepIndex
@@ -87,7 +88,7 @@ class StepListener(Protocol):
         ...
 
 
-class TierService(WorkerReports, Ownership):
+class TierService(WorkerReports, Ownership, Attempts):
     def __init__(
         self,
         arena: Arena,
@@ -118,6 +119,7 @@ class TierService(WorkerReports, Ownership):
         self.persist_every = 1
         self.replicas = 0
         self.node: str | None = None  # this daemon's name among its peers
+        self._preparing: set[tuple[str, int, str]] = set()  # attempts checksummed for a prepare
         self._commits_since_persist: dict[str, int] = {}
         self._listeners: list[StepListener] = []
 
