@@ -19,35 +19,21 @@ copy's owner from the peer's listing, see tierckpt_daemon.tier.ownership). A TLS
 cannot change hands: with peer TLS the trainer gets one end of a socket pair instead, and this
 daemon relays the decrypted body into the other (still no tmpfs pages on the way).
 
-Protocol: one JSON line ``{"peer", "namespace", "step", "attempt", "file", "start", "stop"}``;
-the answer is one JSON line, ``{"ok": true}`` with the connection attached, or
-``{"ok": false, "code": ..., "detail": ...}``.
+Protocol: one JSON line each way, :class:`tierckpt_core.handoff.HandoffRequest` and
+:class:`~tierckpt_core.handoff.HandoffAnswer` (the connection attached to an ok answer).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from tierckpt_core.errors import (
-    InvalidNameError,
-    ProtocolError,
-    StepNotFoundError,
-    TierCkptError,
-)
-from tierckpt_core.names import (
-    MAX_FILE_BYTES,
-    validate_attempt,
-    validate_file_name,
-    validate_namespace,
-    validate_step,
-)
+from tierckpt_core.errors import ProtocolError, StepNotFoundError, TierCkptError
+from tierckpt_core.handoff import HandoffAnswer, HandoffRequest
 from tierckpt_core.verified import CHUNK
 from tierckpt_daemon.peers.bodies import RangeStream
 from tierckpt_daemon.peers.client import PeerClient
@@ -137,25 +123,25 @@ class HandoffServer:
                     peer = self._opened(req, caller_of(conn))
                 except TierCkptError as e:
                     conn.settimeout(max(deadline - time.monotonic(), ANSWER_TIMEOUT_S))
-                    _answer(conn, {"ok": False, "code": e.code, "detail": str(e)})
+                    _answer(conn, HandoffAnswer.failed(e))
                     return
                 except OSError:  # the trainer's side: slow, or gone
                     raise
                 except Exception as e:
                     logger.exception("handoff: serving a request failed")
                     conn.settimeout(ANSWER_TIMEOUT_S)
-                    _answer(conn, {"ok": False, "code": "internal", "detail": repr(e)})
+                    _answer(conn, HandoffAnswer(False, "internal", repr(e)))
                     return
                 conn.settimeout(max(deadline - time.monotonic(), ANSWER_TIMEOUT_S))
                 if isinstance(peer, socket.socket):  # plain TCP: the connection itself
                     with peer:
-                        _answer(conn, {"ok": True}, peer.fileno())
+                        _answer(conn, HandoffAnswer(True), peer.fileno())
                     return
                 # TLS: one end of a socket pair, the body relayed into the other
                 ours, theirs = socket.socketpair()
                 try:
                     with theirs:
-                        _answer(conn, {"ok": True}, theirs.fileno())
+                        _answer(conn, HandoffAnswer(True), theirs.fileno())
                     _relay(peer, ours)
                 finally:
                     ours.close()
@@ -165,31 +151,20 @@ class HandoffServer:
         finally:
             self._slots.release()
 
-    def _opened(self, req: dict[str, Any], caller: Caller | None) -> socket.socket | RangeStream:
+    def _opened(self, req: HandoffRequest, caller: Caller | None) -> socket.socket | RangeStream:
         """The peer's answer to ``req``, its head read: the connection (plain TCP), or the body
         to relay (TLS); for the owner of the peer's copy only (as the API's reads)."""
-        try:
-            namespace = validate_namespace(req.get("namespace"))
-            step = validate_step(req.get("step"))
-            attempt = validate_attempt(req.get("attempt"))
-            name = validate_file_name(req.get("file"))
-            start, stop = req.get("start"), req.get("stop")
-            peer = req.get("peer")
-        except InvalidNameError as e:
-            raise ProtocolError(f"handoff request: {e}") from None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, stop)):
-            raise ProtocolError("handoff request: start and stop must be integers")
-        assert isinstance(start, int) and isinstance(stop, int)
-        if not 0 <= start < stop <= MAX_FILE_BYTES:
-            raise ProtocolError(f"handoff request: bad range {start}-{stop}")
+        peer = req.peer
         members = set(self.membership.members()) - {self.node}
-        if not isinstance(peer, str) or peer not in members:
+        if peer not in members:
             raise ProtocolError(
                 f"handoff request: {peer!r} is not one of this daemon's peers "
                 f"({', '.join(sorted(members)) or 'none'})"
             )
-        self._check_owner(caller, peer, namespace, step, attempt)
-        return self.client.open_range(peer, namespace, step, attempt, name, start, stop)
+        self._check_owner(caller, peer, req.namespace, req.step, req.attempt)
+        return self.client.open_range(
+            peer, req.namespace, req.step, req.attempt, req.file, req.start, req.stop
+        )
 
     def _check_owner(
         self, caller: Caller | None, peer: str, namespace: str, step: int, attempt: str
@@ -244,7 +219,7 @@ def _relay(body: RangeStream, out: socket.socket) -> None:
         logger.warning("handoff: relaying %s stopped: %s", body.what, e)
 
 
-def _request(conn: socket.socket, deadline: float, timeout_s: float) -> dict[str, Any]:
+def _request(conn: socket.socket, deadline: float, timeout_s: float) -> HandoffRequest:
     data = bytearray()
     while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
@@ -263,17 +238,11 @@ def _request(conn: socket.socket, deadline: float, timeout_s: float) -> dict[str
         data += chunk
         if len(data) > MAX_REQUEST:
             raise ProtocolError(f"handoff request: over {MAX_REQUEST} bytes")
-    try:
-        doc = json.loads(data)
-    except ValueError as e:
-        raise ProtocolError(f"handoff request: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ProtocolError("handoff request: not a JSON object")
-    return doc
+    return HandoffRequest.from_line(data)
 
 
-def _answer(conn: socket.socket, doc: dict[str, Any], fd: int | None = None) -> None:
-    line = json.dumps(doc).encode() + b"\n"
+def _answer(conn: socket.socket, answer: HandoffAnswer, fd: int | None = None) -> None:
+    line = answer.line()
     if fd is None:
         conn.sendall(line)
     else:
