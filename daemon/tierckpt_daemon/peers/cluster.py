@@ -29,27 +29,22 @@ def inventory(service: TierService, namespace: str | None = None) -> list[NodeSt
     """The committed steps this daemon holds in memory (of ``namespace``, or of every one)."""
     if namespace is not None:
         validate_namespace(namespace)
-    with service.lock:
-        recs = [
-            r
-            for r in service.index.all_committed()
-            if namespace is None or r.namespace == namespace
-        ]
-        return [
-            NodeStep(
-                namespace=r.namespace,
-                step=r.step,
-                state=r.state,
-                bytes=r.bytes,
-                files=len(r.files),
-                committed_at=r.committed_at,
-                origin=r.origin,
-                replicated_to=list(r.replicated_to),
-                replication_pending=r.replication_pending,
-                coordinator=r.coordinator,
-            )
-            for r in sorted(recs, key=lambda r: (r.namespace, r.step))
-        ]
+    recs = service.committed_records(namespace)
+    return [
+        NodeStep(
+            namespace=r.namespace,
+            step=r.step,
+            state=r.state,
+            bytes=r.bytes,
+            files=len(r.files),
+            committed_at=r.committed_at,
+            origin=r.origin,
+            replicated_to=list(r.replicated_to),
+            replication_pending=r.replication_pending,
+            coordinator=r.coordinator,
+        )
+        for r in sorted(recs, key=lambda r: (r.namespace, r.step))
+    ]
 
 
 class ClusterLister:

@@ -27,19 +27,17 @@ from typing import Any, Protocol
 
 from tierckpt_core.errors import (
     LeaseNotFoundError,
-    NamespaceNotFoundError,
     NamespaceOwnerError,
     ProtocolError,
     StepNotFoundError,
     StepStateError,
 )
 from tierckpt_core.integrity import check_digests, checksum_file_blocks
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import (
     CommitRequest,
     LeaseAfter,
     LeaseResponse,
-    NamespaceInfo,
     PinResponse,
     SealRequest,
     StepInfo,
@@ -56,12 +54,12 @@ from tierckpt_daemon.tier.eviction import EvictionPolicy, KeepLatestN
 from tierckpt_daemon.tier.freshness import Freshness
 from tierckpt_daemon.tier.index import StepIndex
 from tierckpt_daemon.tier.leases import Leases
-from tierckpt_daemon.tier.ownership import Ownership, owned_by
+from tierckpt_daemon.tier.ownership import Ownership
+from tierckpt_daemon.tier.queries import Queries
 from tierckpt_daemon.tier.records import (
     MANIFEST,
     StepRecord,
     committed_here,
-    read_manifest,
     update_manifest,
     write_manifest,
 )
@@ -88,7 +86,7 @@ class StepListener(Protocol):
         ...
 
 
-class TierService(WorkerReports, Ownership, Attempts):
+class TierService(Queries, WorkerReports, Ownership, Attempts):
     def __init__(
         self,
         arena: Arena,
@@ -463,82 +461,6 @@ class TierService(WorkerReports, Ownership, Attempts):
         return info
 
     # -- reads ------------------------------------------------------------------------------
-    # ``owner`` (the reader's identity, see Ownership.acting_owner; None: anyone's): a
-    # namespace no trainer of this node saved into yet may hold replicas of several owners'
-    # steps, and a reader sees only its own (and those from before owners).
-    def record(self, namespace: str, step: int, *, owner: str | None = None) -> StepRecord:
-        with self.lock:
-            rec = self.index.get(namespace, step)
-            if not owned_by(rec.owner, owner):
-                raise StepNotFoundError(f"{namespace}/step {step} is not committed in memory")
-            return rec
-
-    def records(self, namespace: str, *, owner: str | None = None) -> list[StepRecord]:
-        """The committed steps of ``namespace`` in memory, oldest first."""
-        validate_namespace(namespace)
-        with self.lock:
-            steps = sorted(self.index.committed.get(namespace, {}).items())
-            return [r for _, r in steps if owned_by(r.owner, owner)]
-
-    def get_step(self, namespace: str, step: int, *, owner: str | None = None) -> StepInfo:
-        with self.lock:
-            return self.record(namespace, step, owner=owner).info()
-
-    def latest(self, namespace: str, *, owner: str | None = None) -> StepInfo:
-        with self.lock:
-            recs = self.records(namespace, owner=owner)
-            if not recs:
-                raise NamespaceNotFoundError(
-                    f"namespace {namespace} has no committed step in memory"
-                )
-            return recs[-1].info()
-
-    def committed_record(self, namespace: str, step: int) -> StepRecord | None:
-        """The committed record of a step held here, anyone's (None if there is none)."""
-        with self.lock:
-            return self.index.committed.get(namespace, {}).get(step)
-
-    def prepared_attempts(self, *, older_than_s: float) -> list[StepRecord]:
-        """Attempts of steps spanning nodes prepared here longer ago than ``older_than_s`` and
-        not decided yet (in doubt: their decider is asked how they ended)."""
-        cutoff = time.time() - older_than_s
-        with self.lock:
-            return [
-                r
-                for r in self.index.writing.values()
-                if r.prepared_at is not None and r.prepared_at < cutoff
-            ]
-
-    def manifest(self, namespace: str, step: int, *, owner: str | None = None) -> StepManifest:
-        """The commit record of a step held here, as written on tmpfs."""
-        with self.lock:
-            path = self.record(namespace, step, owner=owner).manifest_path()
-        return read_manifest(path)
-
-    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
-        """The DCP metadata this node keeps for a step (empty where its holders keep it: see
-        :meth:`Restorer.metadata <tierckpt_daemon.tier.restore.Restorer.metadata>`)."""
-        return self.manifest(namespace, step, owner=owner).metadata
-
-    def list_namespaces(self, owner: str | None = None) -> list[NamespaceInfo]:
-        """The namespaces held here (with ``owner``: those it may reach)."""
-        with self.lock:
-            return [
-                self.index.namespace_info(ns)
-                for ns in self.index.namespaces()
-                if owner is None or self.index.owner_of(ns) in (None, owner)
-            ]
-
-    def list_steps(self, namespace: str, *, owner: str | None = None) -> list[StepInfo]:
-        validate_namespace(namespace)
-        with self.lock:
-            recs = list(self.index.committed.get(namespace, {}).values())
-            recs += [r for k, r in self.index.writing.items() if k[0] == namespace]
-            recs = [r for r in recs if owned_by(r.owner, owner)]
-            if not recs:
-                raise NamespaceNotFoundError(f"namespace {namespace} is unknown to this daemon")
-            return [r.info() for r in sorted(recs, key=lambda r: (r.step, r.state.value))]
-
     def pin(
         self, namespace: str, step: int, attempt: str | None = None, *, owner: str | None = None
     ) -> PinResponse:

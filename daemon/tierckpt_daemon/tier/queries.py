@@ -1,0 +1,109 @@
+"""What the memory tier holds, asked under the service's lock: a step's record, the steps of a
+namespace, "latest", the commit record and its metadata, the namespaces, and the attempts in doubt.
+
+:class:`~tierckpt_daemon.tier.service.TierService` inherits these (its query half; the state
+machine the trainers drive is the service itself).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError
+from tierckpt_core.manifest import StepManifest
+from tierckpt_core.protocol import NamespaceInfo, StepInfo, validate_namespace
+from tierckpt_daemon.tier.index import StepIndex
+from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.records import StepRecord, read_manifest
+
+
+class Queries:
+    lock: threading.RLock
+    index: StepIndex
+
+    # ``owner`` (the reader's identity, see Ownership.acting_owner; None: anyone's): a
+    # namespace no trainer of this node saved into yet may hold replicas of several owners'
+    # steps, and a reader sees only its own (and those from before owners).
+    def record(self, namespace: str, step: int, *, owner: str | None = None) -> StepRecord:
+        with self.lock:
+            rec = self.index.get(namespace, step)
+            if not owned_by(rec.owner, owner):
+                raise StepNotFoundError(f"{namespace}/step {step} is not committed in memory")
+            return rec
+
+    def records(self, namespace: str, *, owner: str | None = None) -> list[StepRecord]:
+        """The committed steps of ``namespace`` in memory, oldest first."""
+        validate_namespace(namespace)
+        with self.lock:
+            steps = sorted(self.index.committed.get(namespace, {}).items())
+            return [r for _, r in steps if owned_by(r.owner, owner)]
+
+    def get_step(self, namespace: str, step: int, *, owner: str | None = None) -> StepInfo:
+        with self.lock:
+            return self.record(namespace, step, owner=owner).info()
+
+    def latest(self, namespace: str, *, owner: str | None = None) -> StepInfo:
+        with self.lock:
+            recs = self.records(namespace, owner=owner)
+            if not recs:
+                raise NamespaceNotFoundError(
+                    f"namespace {namespace} has no committed step in memory"
+                )
+            return recs[-1].info()
+
+    def committed_records(self, namespace: str | None = None) -> list[StepRecord]:
+        """The committed steps held here (of ``namespace``, or of every one), anyone's."""
+        with self.lock:
+            return [
+                r
+                for r in self.index.all_committed()
+                if namespace is None or r.namespace == namespace
+            ]
+
+    def committed_record(self, namespace: str, step: int) -> StepRecord | None:
+        """The committed record of a step held here, anyone's (None if there is none)."""
+        with self.lock:
+            return self.index.committed.get(namespace, {}).get(step)
+
+    def prepared_attempts(self, *, older_than_s: float) -> list[StepRecord]:
+        """Attempts of steps spanning nodes prepared here longer ago than ``older_than_s`` and
+        not decided yet (in doubt: their decider is asked how they ended)."""
+        cutoff = time.time() - older_than_s
+        with self.lock:
+            return [
+                r
+                for r in self.index.writing.values()
+                if r.prepared_at is not None and r.prepared_at < cutoff
+            ]
+
+    def manifest(self, namespace: str, step: int, *, owner: str | None = None) -> StepManifest:
+        """The commit record of a step held here, as written on tmpfs."""
+        with self.lock:
+            path = self.record(namespace, step, owner=owner).manifest_path()
+        return read_manifest(path)
+
+    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
+        """The DCP metadata this node keeps for a step (empty where its holders keep it: see
+        :meth:`Restorer.metadata <tierckpt_daemon.tier.restore.Restorer.metadata>`)."""
+        return self.manifest(namespace, step, owner=owner).metadata
+
+    def list_namespaces(self, owner: str | None = None) -> list[NamespaceInfo]:
+        """The namespaces held here (with ``owner``: those it may reach)."""
+        with self.lock:
+            return [
+                self.index.namespace_info(ns)
+                for ns in self.index.namespaces()
+                if owner is None or self.index.owner_of(ns) in (None, owner)
+            ]
+
+    def list_steps(self, namespace: str, *, owner: str | None = None) -> list[StepInfo]:
+        validate_namespace(namespace)
+        with self.lock:
+            recs = list(self.index.committed.get(namespace, {}).values())
+            recs += [r for k, r in self.index.writing.items() if k[0] == namespace]
+            recs = [r for r in recs if owned_by(r.owner, owner)]
+            if not recs:
+                raise NamespaceNotFoundError(f"namespace {namespace} is unknown to this daemon")
+            return [r.info() for r in sorted(recs, key=lambda r: (r.step, r.state.value))]
