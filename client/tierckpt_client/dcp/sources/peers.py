@@ -31,8 +31,9 @@ from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.dcp.sources.base import MemoryFill
 from tierckpt_client.dcp.sources.files import LocalFiles
-from tierckpt_client.dcp.sources.streamed import CONCURRENCY, StreamedFiles, _Mismatch
+from tierckpt_client.dcp.sources.streamed import CONCURRENCY, StreamedFiles
 from tierckpt_core.errors import (
+    BlockMismatchError,
     CheckpointFormatError,
     PeerUnavailableError,
     ProtocolError,
@@ -131,7 +132,7 @@ class PeerRanges:
     ) -> None:
         m = self.manifest
         errors: list[str] = []
-        mismatch: _Mismatch | None = None
+        mismatch: BlockMismatchError | None = None
         bad = 0  # peers whose copy did not match
         peers = self.peers_of(key)
         buf = memoryview(bytearray(min(CHUNK, end - start)))
@@ -154,7 +155,7 @@ class PeerRanges:
                 return
             except (OSError, PeerUnavailableError) as e:
                 errors.append(f"{peer}: bytes {start}-{end} of {key} stopped at {off}: {e}")
-            except _Mismatch as e:  # this peer's copy is bad: another may be good
+            except BlockMismatchError as e:  # this peer's copy is bad: another may be good
                 logger.warning(
                     "%s/step %d: %s from peer %s does not match its checksum (block %d); trying "
                     "the next peer",

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import xxhash
 
 from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.dcp.sources.files import LocalFiles
-from tierckpt_core.errors import CheckpointFormatError, IntegrityError
+from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.manifest import FileRecord
+from tierckpt_core.verified import BlockStream, BlockSums
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +61,6 @@ class _Run:
     lo: int
     hi: int
     sinks: list[_Sink] = field(default_factory=list)
-
-
-class _Mismatch(Exception):
-    """A block did not match its checksum (not an IntegrityError: the store retries those, and a
-    stored block that is wrong stays wrong)."""
-
-    def __init__(self, block: int, nbytes: int) -> None:
-        super().__init__(block, nbytes)
-        self.block = block
-        self.nbytes = nbytes
 
 
 class RangeSource(Protocol):
@@ -256,32 +246,32 @@ class StreamedFiles:
         return pieces
 
     def _fetch(self, run: _Run) -> None:
+        """One run from the store, scattered into its sinks; each block checked where it landed
+        (the first sink it went to, else the store's buffer), as its last byte lands."""
         rec = self._records[run.name]
-        blocks, size = rec.blocks, rec.block_size
-        assert blocks is not None and size
+        sums = BlockSums.of(
+            rec,
+            where=self.where,
+            source=self._source,
+            remedy=f"the stored step is corrupt; {self._remedy}",
+        )
+        stream = BlockStream(sums, run.lo, run.hi)
         sinks = run.sinks  # sorted by offset
         state: dict[str, Any] = {}
 
-        def reset() -> None:
-            state.update(h=xxhash.xxh3_128(), next=0, active=[], checked=0)
-
-        reset()
-
         def put(view: memoryview, off: int) -> None:
             if off == run.lo:  # the first chunk (again, when the store retried the GET)
-                reset()
+                stream.restart()
+                state.update(next=0, active=[])
             end = off + len(view)
             pos = off
-            h = state["h"]
             active: list[_Sink] = state["active"]
             while pos < end:
                 while state["next"] < len(sinks) and sinks[state["next"]].offset <= pos:
                     active.append(sinks[state["next"]])
                     state["next"] += 1
                 active[:] = [s for s in active if s.end > pos]
-                block = pos // size
-                block_end = min((block + 1) * size, rec.length)
-                stop = min(end, block_end)
+                stop = end
                 if state["next"] < len(sinks):
                     stop = min(stop, sinks[state["next"]].offset)
                 for s in active:
@@ -291,23 +281,11 @@ class StreamedFiles:
                     for s in active:
                         s.dest[pos - s.offset : stop - s.offset] = src
                     first = active[0]
-                    h.update(first.dest[pos - first.offset : stop - first.offset])
+                    stream.update(first.dest[pos - first.offset : stop - first.offset])
                 else:
-                    h.update(src)
+                    stream.update(src)
                 pos = stop
-                if pos == block_end:
-                    if h.hexdigest() != blocks[block]:
-                        raise _Mismatch(block, block_end - block * size)
-                    state["checked"] += block_end - block * size
-                    h = state["h"] = xxhash.xxh3_128()
 
-        try:
-            self._store.get_range(self._keys[run.name], run.lo, run.hi, put)
-        except _Mismatch as e:
-            raise IntegrityError(
-                f"{self.where}: {run.name} {self._source} does not match the checksum taken when "
-                f"it was written (block {e.block}, bytes {e.block * size}+{e.nbytes}): the stored "
-                f"step is corrupt; {self._remedy}"
-            ) from None
+        self._store.get_range(self._keys[run.name], run.lo, run.hi, put)
         with self._lock:
-            self.verified_bytes += state["checked"]
+            self.verified_bytes += stream.checked
