@@ -88,21 +88,28 @@ class PeerFetcher:
     def _ask_steps(
         self, namespace: str, peers: list[str], owner: str | None
     ) -> dict[int, list[str]]:
-        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
         held: dict[int, list[str]] = {}
+        for peer, steps in self._listings(namespace, peers).items():
+            for s in steps:
+                if owned_by(s.owner, owner):
+                    held.setdefault(s.step, []).append(peer)
+        return held
+
+    def _listings(self, namespace: str, peers: list[str]) -> dict[str, list[PeerStep]]:
+        """Each peer's committed steps of ``namespace``, asked in parallel (in ``peers``'
+        order; a peer that does not know it, or does not answer in time, left out)."""
+        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
+        listed: dict[str, list[PeerStep]] = {}
         for peer, fut in futures.items():
             try:
-                steps = fut.result()
+                listed[peer] = fut.result()
             except NotFoundError:
                 continue
             except TierCkptError as e:
                 self.replicator.peer_failed(peer, e)
                 continue
             self.replicator.peer_ok(peer)
-            for s in steps:
-                if owned_by(s.owner, owner):
-                    held.setdefault(s.step, []).append(peer)
-        return held
+        return listed
 
     def hydrate(
         self,
@@ -216,16 +223,8 @@ class PeerFetcher:
         except PeerUnavailableError as e:
             logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
             return {}
-        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
         held: dict[str, PeerStep] = {}
-        for peer, fut in futures.items():
-            try:
-                steps = fut.result()
-            except NotFoundError:
-                continue
-            except TierCkptError as e:
-                self.replicator.peer_failed(peer, e)
-                continue
+        for peer, steps in self._listings(namespace, peers).items():
             for s in steps:
                 if s.step == step and owned_by(s.owner, owner):
                     held[peer] = s
@@ -249,9 +248,10 @@ class PeerFetcher:
         for off, n in ranges:
             if off < 0 or n < 0 or off + n > f.length:
                 raise ProtocolError(f"{namespace}/step {step}: range {off}+{n} is outside {f.name}")
-        held = self.holders(namespace, step)
+        copies = self.copies(namespace, step)
         peers = sorted(
-            (p for p, h in held.items() if h is None or f.name in h), key=lambda p: p != f.node
+            ((p, c.attempt) for p, c in copies.items() if c.held is None or f.name in c.held),
+            key=lambda pa: pa[0] != f.node,
         )
         segments = {(off, n): digest for off, n, digest in f.segments or ()}
         parts: dict[tuple[int, int], bytes] = {}
@@ -289,15 +289,23 @@ class PeerFetcher:
         return b"".join(parts.get((off, n), b"") for off, n in ranges)
 
     def _fetch_verified(
-        self, peers: list[str], namespace: str, step: int, start: int, length: int, sums: BlockSums
+        self,
+        peers: list[tuple[str, str]],
+        namespace: str,
+        step: int,
+        start: int,
+        length: int,
+        sums: BlockSums,
     ) -> bytes:
-        """``length`` bytes at ``start`` of a file (whole blocks of ``sums``) from the first peer
-        whose bytes match their checksums."""
+        """``length`` bytes at ``start`` of a file (whole blocks of ``sums``) from the first of
+        ``peers`` (each with the attempt id of its copy) whose bytes match their checksums."""
         errors = []
         where = f"{namespace}/step {step}"
-        for peer in peers:
+        for peer, attempt in peers:
             try:
-                data = self.client.read_range(peer, namespace, step, sums.name, start, length)
+                data = self.client.read_range(
+                    peer, namespace, step, attempt, sums.name, start, length
+                )
             except PEER_ERRORS as e:
                 errors.append(f"{peer}: {e}")
                 continue
