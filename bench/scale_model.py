@@ -131,7 +131,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--tensors", type=int, default=300)
     p.add_argument("--link-gbps", type=float, default=100.0)
-    p.add_argument("--fanout", type=int, default=16)
+    p.add_argument("--fanout", type=int, default=8)  # TIERCKPT_COMMIT_FANOUT
     p.add_argument("--holders", type=int, default=2)
     p.add_argument("--params", type=float, default=70e9, help="model parameters")
     p.add_argument("--bytes-per-param", type=float, default=16.0)
