@@ -344,8 +344,9 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _forget_pool() -> None:
-    global _POOL
-    _POOL = None  # a forked child has none of the parent's threads
+    global _POOL, _POOL_LOCK
+    # A forked child has none of the parent's threads, and the lock may have been held by one.
+    _POOL, _POOL_LOCK = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pool)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -245,3 +247,28 @@ def test_the_store_does_not_retry_a_block_that_does_not_match() -> None:
     with pytest.raises(IntegrityError, match="ended at byte 5"):
         store._data_call("downloading", "r0.data", cut_short)
     assert calls == ["mismatch"] + ["short"] * 3
+
+
+# Python 3.12+ warns that fork() in a process with threads may deadlock: that is what is tested.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_copies_over_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's threads stay in the parent: a child (a PROCESS-mode checkpoint) starts its own."""
+    monkeypatch.setattr(verified, "PARALLEL_MIN", BLOCK)
+    data, sums = _file()
+    copy_verified(data, bytearray(LENGTH), sums, 0, threads=2)  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the copy over threads works here
+        ok = False
+        try:
+            dest = bytearray(LENGTH)
+            ok = copy_verified(data, dest, sums, 0, threads=2) == LENGTH and dest == data
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60  # a child waiting on the parent's threads never ends
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's copy over threads did not finish")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
