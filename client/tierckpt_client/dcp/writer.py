@@ -195,15 +195,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_daemon"] = DaemonClient.shared(
-            self.config
-        )  # a fresh connection in the other process
-        state["_memory"] = MemoryTier(state["_daemon"], overwrite=self.overwrite)
+        # A fresh connection in the other process.
+        state["_daemon"] = daemon = DaemonClient.shared(self.config)
+        state["_memory"] = MemoryTier(daemon, overwrite=self.overwrite)
         state["_persistent"] = None  # re-opened (with its one warning) where it is needed
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
         # helper process: the staged file belongs to that copy from now on, so this one can stage
         # the next save.
-        state["_files"] = self._files.hand_over(state["_daemon"])
+        state["_files"] = self._files.hand_over(daemon)
         if self.config.prelease and self._prelease_key is not None:
             state["_mailbox"] = _prelease.mailbox(self._prelease_key)
         self._stale = []  # the copy gives them back
@@ -402,16 +401,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             # PROCESS mode: the next stage runs in the trainer, not here: send it there.
             here = self.config.prelease and self._staged_by == os.getpid()
             to = None if here else self._mailbox
-            _prelease.ask_next(
-                self._daemon,
-                namespace,
-                self.rank,
-                (step, attempt),
-                sealed[0].length,
-                stale,
-                here or to is not None,
-                to,
-            )
+            after, size = (step, attempt), sealed[0].length
+            ask = here or to is not None
+            _prelease.ask_next(self._daemon, namespace, self.rank, after, size, stale, ask, to)
         self.last_stats = SaveStats(
             staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
             copied_bytes=copied,
