@@ -145,7 +145,7 @@ NETCOUNT = Path(__file__).resolve().parent / "netcount"  # its sitecustomize cou
 
 @dataclass
 class Sample:
-    net: dict[str, int]  # bytes on the daemon's sockets (see netcount/sitecustomize.py)
+    net: dict[str, float]  # bytes on the daemon's sockets (see netcount/sitecustomize.py)
     cpu: float  # utime + stime, seconds
 
 
@@ -159,9 +159,16 @@ def sample(pid: int, netdir: Path) -> Sample:
     return Sample(net, cpu)
 
 
-def snapshot(pids: list[int], netdir: Path) -> list[Sample]:
-    time.sleep(0.08)  # the counters are written every 20 ms
-    return [sample(p, netdir) for p in pids]
+def snapshot(pids: list[int], netdir: Path, timeout: float = 10.0) -> list[Sample]:
+    """Every daemon's counters as of now: each counter file written after this call began (a
+    daemon's writer thread can be late under load; a stale file would miss bytes)."""
+    asked = time.time()
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [sample(p, netdir) for p in pids]
+        if all(s.net.get("t", 0) >= asked for s in got) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
 
 
 def net_delta(a: Sample, b: Sample, key: str) -> int:

@@ -1,7 +1,7 @@
 """Byte counters on every socket of a process, for bench/scale.py: put this directory on a
 daemon's PYTHONPATH and set ``TIERCKPT_BENCH_NETCOUNT`` to a directory; the process then writes
 ``<dir>/<pid>.json`` (bytes sent and received on TCP and Unix sockets, and by ``os.sendfile``)
-every 20 ms while they change. Without the variable this does nothing.
+every 20 ms while they change, and every 0.2 s with the time it was written. Without the variable this does nothing.
 
 Why here and not /proc/<pid>/io: rchar/wchar count read()/write(), not the send()/recv() that
 asyncio and httpx use on sockets. Counting in the socket methods sees what the daemon itself
@@ -68,13 +68,19 @@ def _install() -> None:
     path = os.path.join(str(_DIR), f"{os.getpid()}.json")
 
     def flush() -> None:
+        # When the counts change, and every 0.2 s regardless: "t" tells a reader that the file
+        # was written after a given moment, so it holds every byte sent or received before it
+        # (a busy daemon's thread may be late; the reader waits for it rather than read a stale
+        # file).
         last: dict[str, int] = {}
+        written = 0.0
         while True:
             now = dict(_COUNTS)
-            if now != last:
+            if now != last or time.time() - written > 0.2:
                 tmp = f"{path}.tmp"
+                written = time.time()
                 with open(tmp, "w") as f:
-                    json.dump(now, f)
+                    json.dump({**now, "t": written}, f)
                 os.replace(tmp, path)
                 last = now
             time.sleep(0.02)
