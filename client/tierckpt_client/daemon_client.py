@@ -9,7 +9,6 @@ DCP's async checkpoint process.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import logging
 import os
 import socket
@@ -20,7 +19,7 @@ from urllib.parse import urlencode
 import httpx
 
 from tierckpt_client.config import ClientConfig
-from tierckpt_core.errors import DaemonUnavailableError, ProtocolError, TierCkptError
+from tierckpt_core.errors import DaemonUnavailableError, ProtocolError
 from tierckpt_core.http import decode_response
 from tierckpt_core.protocol import (
     ClusterListing,
@@ -49,15 +48,6 @@ logger = logging.getLogger(__name__)
 _SHARED: dict[tuple[int, ClientConfig], httpx.Client] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
-
-# Pins released off a load's path (DaemonClient.unpin_later), by socket: each later request of
-# this process to that daemon waits for them first, so that nothing it does next (a save's commit
-# applying retention, say) can see a pin the load already gave up.
-# Keyed by process id: a forked child has neither the parent's thread nor its pins.
-_UNPINNER: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_UNPINNER_THREAD = "tierckpt-unpin"
-_PENDING: dict[tuple[int, str], list[concurrent.futures.Future[None]]] = {}
-_PENDING_LOCK = threading.Lock()
 
 
 @atexit.register
@@ -153,17 +143,6 @@ class DaemonClient:
             return False
         return True
 
-    def _settle(self) -> None:
-        """Wait for this process's pins on this daemon that are being released (see
-        :meth:`unpin_later`); not in the thread that releases them."""
-        if threading.current_thread().name.startswith(_UNPINNER_THREAD):
-            return
-        key = (os.getpid(), str(self.config.socket))
-        with _PENDING_LOCK:
-            pending = _PENDING.pop(key, None)
-        if pending:
-            concurrent.futures.wait(pending)
-
     def _request(
         self,
         method: str,
@@ -173,7 +152,6 @@ class DaemonClient:
         timeout: float | None = None,
         raw: bool = False,
     ) -> Any:
-        self._settle()
         self._preflight()
         kwargs: dict[str, Any] = {}
         if timeout is not None:
@@ -314,40 +292,14 @@ class DaemonClient:
             self._request("POST", f"/v1/namespaces/{namespace}/steps/{step}/pins")
         )
 
-    def open_read(self, namespace: str, step: int, known: str | None = None) -> ReadResponse:
-        """Pin a step in this node's memory for a load, with its metadata and file records unless
-        the caller holds those of version ``known`` already (one round trip, not metadata + pin)."""
-        body = ReadRequest(known=known).model_dump()
+    def open_read(
+        self, namespace: str, step: int, known: str | None = None, *, pin: bool = True
+    ) -> ReadResponse:
+        """A step in this node's memory for a load: its version, pinned (``pin``), with its
+        metadata and file records unless the caller holds those of version ``known`` already."""
+        body = ReadRequest(known=known, pin=pin).model_dump()
         path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
         return ReadResponse.model_validate(self._request("POST", path, body))
 
     def unpin(self, namespace: str, step: int, pin_id: str) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}")
-
-    def unpin_later(self, namespace: str, step: int, pin_id: str) -> None:
-        """Release a pin off the caller's path, in a background thread; this process's next
-        request to the daemon waits for it. A pin that cannot be released expires by itself."""
-
-        def run() -> None:
-            try:
-                self.unpin(namespace, step, pin_id)
-            except TierCkptError as e:
-                logger.warning(
-                    "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
-                )
-
-        with _PENDING_LOCK:
-            pool = _UNPINNER.get(os.getpid())
-            if pool is None:
-                pool = _UNPINNER[os.getpid()] = concurrent.futures.ThreadPoolExecutor(
-                    1, _UNPINNER_THREAD
-                )
-            fut: concurrent.futures.Future[None] | None
-            try:
-                fut = pool.submit(run)
-            except RuntimeError:  # the interpreter is exiting: release it here
-                fut = None
-            if fut is not None:
-                _PENDING.setdefault((os.getpid(), str(self.config.socket)), []).append(fut)
-        if fut is None:
-            run()

@@ -218,22 +218,24 @@ class PinResponse(BaseModel):
 
 
 class ReadRequest(BaseModel):
-    """Open a committed step in this node's memory for a load: pin it and say what it holds.
-    ``known``: the :attr:`ReadResponse.version` whose metadata and file records the reader
-    already holds (they are then left out of the answer)."""
+    """A committed step in this node's memory, for a load: what it holds, and (``pin``) the step
+    pinned for the read. ``known``: the :attr:`ReadResponse.version` whose metadata and file
+    records the reader already holds (they are then left out of the answer)."""
 
     known: str | None = Field(default=None, max_length=200)
+    pin: bool = True
 
 
 class ReadResponse(BaseModel):
-    """A pinned step for a load, in one round trip: the pin, its files' paths, and, unless the
-    reader holds them already (``version`` is the one it sent), the step's DCP metadata and its
-    file records with their block checksums (the larger part of the answer)."""
+    """A step for a load, in one round trip: a version of its commit, the pin and its files' paths
+    (when asked to pin), and, unless the reader holds them already (``version`` is the one it
+    sent), the step's DCP metadata and its file records with their block checksums (the larger
+    part of the answer)."""
 
-    pin_id: str
-    paths: dict[str, str]
-    expires_in_s: float
     version: str  # the step's committed contents: its commit time and every file's checksum
+    pin_id: str | None = None
+    paths: dict[str, str] = {}
+    expires_in_s: float = 0.0
     metadata: dict[str, Any] | None = None
     files: list[FileRecord] | None = None
 

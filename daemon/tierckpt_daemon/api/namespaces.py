@@ -103,28 +103,32 @@ def pin(namespace: str, step: int, service: Service, owner: Owner) -> PinRespons
 
 @router.post("/{namespace}/steps/{step}/reads")
 def open_read(
-    namespace: str,
-    step: int,
-    service: Service,
-    node: NodeDep,
-    owner: Owner,
-    req: ReadRequest | None = None,
+    namespace: str, step: int, service: Service, owner: Owner, req: ReadRequest | None = None
 ) -> ReadResponse:
-    """A load's one round trip before it reads: the step pinned (as ``pins``), and its metadata
-    and file records unless the reader holds those of this very commit already (``known``)."""
-    pin = service.pin(namespace, step, owner=owner)
-    version = _version(pin.step)
-    answer = ReadResponse(
-        pin_id=pin.pin_id, paths=pin.paths, expires_in_s=pin.expires_in_s, version=version
-    )
-    if req is None or req.known != version:
+    """A load's one round trip per phase: the step's version, pinned (as ``pins``) when asked,
+    and its metadata and file records unless the reader holds those of this very commit already
+    (``known``)."""
+    req = req or ReadRequest()
+    if req.pin:
+        pin = service.pin(namespace, step, owner=owner)
+        info = pin.step
+        answer = ReadResponse(
+            version=_version(info),
+            pin_id=pin.pin_id,
+            paths=pin.paths,
+            expires_in_s=pin.expires_in_s,
+        )
+    else:
+        info = service.get_step(namespace, step, owner=owner)
+        answer = ReadResponse(version=_version(info))
+    if req.known != answer.version:
         try:
-            # A step spanning nodes keeps its metadata on a few of them: the restorer fetches it.
-            answer.metadata = node.restorer.metadata(namespace, step, owner=owner)
+            answer.metadata = service.metadata(namespace, step, owner=owner)
         except BaseException:
-            service.unpin(namespace, step, pin.pin_id)
+            if answer.pin_id is not None:
+                service.unpin(namespace, step, answer.pin_id)
             raise
-        answer.files = pin.step.files
+        answer.files = info.files
     return answer
 
 

@@ -6,10 +6,11 @@ hands over connections), else brought whole into this node's memory first; when 
 only a little of one (a replicated scalar written by a rank on another node), just those ranges,
 fetched in blocks the daemon verifies.
 
-A load costs one round trip to the daemon before it reads (``open_read``: the pin, and the step's
-metadata and file records unless this process holds those of this very commit already), and none
-after: the pin is released off the load's path, once its files are read (or when the reader is
-dropped without reading, as a probe for the step does).
+A load asks its daemon (``open_read``) for the step's metadata in ``read_metadata`` and for a pin
+in ``read_data``, each a small answer: the step's metadata and file records (their block checksums
+are most of a step's record) come only when this process does not hold those of this very commit
+already. The pin is taken by ``read_data`` and released before it returns, as before: a load that
+fails, on any rank and in any phase, holds nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.dcp.sources.base import StepFiles
 from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_client.dcp.sources.peers import PeerSource
-from tierckpt_core.errors import NotFoundError, ProtocolError
+from tierckpt_core.errors import NotFoundError, ProtocolError, TierCkptError
 from tierckpt_core.manifest import FileRecord
 
 logger = logging.getLogger(__name__)
@@ -67,13 +67,6 @@ _KNOWN_MAX = 8
 _KNOWN_LOCK = threading.Lock()
 
 
-def _release(daemon: DaemonClient, held: dict[tuple[str, int], _Opened]) -> None:
-    """Pins taken for a load that never read them (the reader was dropped)."""
-    for (namespace, step), opened in list(held.items()):
-        daemon.unpin_later(namespace, step, opened.pin_id)
-    held.clear()
-
-
 class MemorySource:
     """A :class:`~tierckpt_client.dcp.sources.base.Source` on this node's memory tier.
 
@@ -88,30 +81,22 @@ class MemorySource:
         self.config = config
         self.peers = peers
         self.read_peers = False
-        # Steps pinned by metadata() for the open_files() that follows.
-        self._held: dict[tuple[str, int], _Opened] = {}
-        weakref.finalize(self, _release, daemon, self._held)
 
     def without_peers(self) -> MemorySource:
         """The same tier, every file brought into this node's memory by the daemon."""
         return MemorySource(self.daemon, self.config, peers=False)
 
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
-        """The step's metadata, the step pinned for the read that follows (NotFoundError when it
-        is not in this node's memory)."""
-        opened = self._open(namespace, step)
-        earlier = self._held.pop((namespace, step), None)
-        if earlier is not None:
-            self.daemon.unpin_later(namespace, step, earlier.pin_id)
-        self._held[(namespace, step)] = opened
-        return opened.known.metadata
+        """The step's metadata (NotFoundError when it is not in this node's memory)."""
+        return self._open(namespace, step, pin=False).known.metadata
 
-    def _open(self, namespace: str, step: int) -> _Opened:
-        """Pin the step: one round trip, with its metadata and records unless held already."""
+    def _open(self, namespace: str, step: int, *, pin: bool) -> _Opened:
+        """The step (pinned if ``pin``): one round trip, with its metadata and records unless
+        this process holds them already."""
         key = (str(self.config.socket), namespace, step)
         with _KNOWN_LOCK:
             known = _KNOWN.get(key)
-        answer = self.daemon.open_read(namespace, step, known.version if known else None)
+        answer = self.daemon.open_read(namespace, step, known.version if known else None, pin=pin)
         if answer.metadata is not None and answer.files is not None:
             known = _Known(answer.version, answer.metadata, {f.name: f for f in answer.files})
             with _KNOWN_LOCK:
@@ -120,24 +105,31 @@ class MemorySource:
                 while len(_KNOWN) > _KNOWN_MAX:
                     _KNOWN.popitem(last=False)
         elif known is None or known.version != answer.version:
-            self.daemon.unpin_later(namespace, step, answer.pin_id)
+            if answer.pin_id is not None:
+                self._unpin(namespace, step, answer.pin_id)
             raise ProtocolError(
                 f"{namespace}/step {step}: the daemon left out the step's metadata for a version "
                 f"this process does not hold ({answer.version})"
             )
-        return _Opened(answer.pin_id, answer.paths, known)
+        return _Opened(answer.pin_id or "", answer.paths, known)
+
+    def _unpin(self, namespace: str, step: int, pin_id: str) -> None:
+        try:
+            self.daemon.unpin(namespace, step, pin_id)
+        except TierCkptError as e:
+            logger.warning(
+                "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
+            )
 
     @contextlib.contextmanager
     def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[StepFiles]:
         daemon = self.daemon
         needed = {ref.file for ref in refs}
-        pin = self._held.pop((namespace, step), None)
-        if pin is None:  # a reader driven without read_metadata, or a second read
-            try:
-                pin = self._open(namespace, step)
-            except NotFoundError:  # evicted since read_metadata, or another node: bring it back
-                daemon.hydrate(namespace, step)
-                pin = self._open(namespace, step)
+        try:
+            pin = self._open(namespace, step, pin=True)
+        except NotFoundError:  # evicted since read_metadata, or another node: bring it back
+            daemon.hydrate(namespace, step)
+            pin = self._open(namespace, step, pin=True)
         fetched = needed - set(pin.paths)
         wants: dict[str, list[tuple[int, int]]] = {}
         for ref in refs:
@@ -158,7 +150,7 @@ class MemorySource:
         if whole and remote is None:  # needed in bulk: the daemon brings them here first
             daemon.unpin(namespace, step, pin.pin_id)
             daemon.hydrate(namespace, step, sorted(whole))
-            pin = self._open(namespace, step)
+            pin = self._open(namespace, step, pin=True)
         ranged: dict[str, dict[tuple[int, int], bytes]] = {}
         for name, ranges in wants.items():
             if name in whole:
@@ -190,4 +182,4 @@ class MemorySource:
             yield files
         finally:
             files.close()
-            daemon.unpin_later(namespace, step, pin.pin_id)
+            self._unpin(namespace, step, pin.pin_id)
