@@ -330,7 +330,14 @@ def run_n(args: argparse.Namespace, n: int, meta_cache: dict[Any, Any]) -> dict[
     files = [rank_file(rank, file_bytes, chunk, args.tensors) for rank in range(world)]
     tag = uuid.uuid4().hex[:6]
     t_start = time.perf_counter()
-    r = start_ring(n, m, file_bytes, tag)
+    for tries in range(3):  # ports are picked free, then bound: another process can win one
+        try:
+            r = start_ring(n, m, file_bytes, f"{tag}{tries}")
+            break
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or tries == 2:
+                raise
+            print(f"N={n}: a port was taken before its daemon bound it; new ports", flush=True)
     startup_s = time.perf_counter() - t_start
     try:
         names = [str(d.name) for d in r.nodes]
