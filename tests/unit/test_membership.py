@@ -136,7 +136,7 @@ def test_the_peer_client_sends_nothing_to_an_address_outside_the_ring(tmp_path: 
         lambda: client.get_file(stranger, "job", 1, "a1", "x", str(path), 10),
         lambda: client.get_file_blocks(stranger, "job", 1, "a1", "x", str(path), 10, 10, ["c"]),
         lambda: client.open_range(stranger, "job", 1, "a1", "x", 0, 10),
-        lambda: client.read_range(stranger, "job", 1, "x", 0, 10),
+        lambda: client.read_range(stranger, "job", 1, "a1", "x", 0, 10),
         lambda: client.prepare(stranger, "job", 1, "a1", prepare),
         lambda: client.decide(stranger, decision),
         lambda: client.abort(stranger, "job", 1, "a1"),

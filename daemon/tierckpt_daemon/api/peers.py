@@ -2,7 +2,8 @@
 the shared token (``Authorization: Bearer <TIERCKPT_PEER_TOKEN>``).
 
 Reads (a peer restoring a step, or pulling a replica): list steps, one step's manifest, stream one
-file. Replication: ``pull`` asks this daemon to copy one of the caller's steps (it then uses the
+file, whole or one range of it (``Range: bytes=first-last``, the one route for peers' byte
+ranges). Replication: ``pull`` asks this daemon to copy one of the caller's steps (it then uses the
 reads above on the caller). Commits across nodes: ``prepare``, ``commit`` (the decision),
 ``abort`` and ``outcome`` of one save attempt.
 """
@@ -48,7 +49,6 @@ def get_peer_server(request: Request) -> PeerServer:
 
 router = APIRouter(prefix="/v1/peer", dependencies=[Depends(require_peer_token)])
 Store = Annotated[PeerServer, Depends(get_peer_server)]
-MAX_RANGE_BYTES = 256 << 20
 
 
 @router.get("/inventory")
@@ -65,20 +65,6 @@ def list_steps(namespace: str, store: Store) -> list[PeerStep]:
 @router.get("/namespaces/{namespace}/steps/{step}")
 def manifest(namespace: str, step: int, store: Store) -> StepManifest:
     return store.manifest(namespace, step)
-
-
-@router.get("/namespaces/{namespace}/steps/{step}/files/{name}/range")
-def read_range(
-    namespace: str, step: int, name: str, offset: int, length: int, store: Store
-) -> Response:
-    """Bytes of one file this daemon holds, for a reader on another node that needs only a part
-    of it (whole blocks: the reader verifies each against the step's block checksums)."""
-    validate_namespace(namespace)
-    validate_step(step)
-    if not 0 <= length <= MAX_RANGE_BYTES:
-        raise ProtocolError(f"a range read is at most {MAX_RANGE_BYTES} bytes, asked {length}")
-    data = store.read_range(namespace, step, name, offset, length)
-    return Response(data, media_type="application/octet-stream")
 
 
 @router.get(

@@ -2,17 +2,21 @@
 and checksummed (:func:`receive`; block by block, each checked as it lands, is
 :func:`tierckpt_core.verified.receive_to`); the head of an answer off a raw socket without a byte
 of its body, so that the socket can be handed to a trainer (:func:`read_head`); a TLS peer's body
-to relay (:class:`RangeStream`). :mod:`tierckpt_daemon.peers.client` makes the requests."""
+to relay (:class:`RangeStream`). The heads of the answers to the one file route, whole
+(:func:`check_whole`) or one range of it (:func:`check_range`), are checked here too.
+:mod:`tierckpt_daemon.peers.client` makes the requests."""
 
 from __future__ import annotations
 
 import http.client
 import socket
+from collections.abc import Callable
 
 from tierckpt_core.errors import PeerUnavailableError, ProtocolError
 from tierckpt_core.integrity import Hasher
 from tierckpt_core.objectstore import pwriter
 from tierckpt_core.verified import CHUNK
+from tierckpt_daemon.peers.transport import decode
 
 MAX_HEAD = 64 << 10  # bytes of a response's status line and headers
 
@@ -108,3 +112,43 @@ def read_head(sock: socket.socket, what: str) -> tuple[int, dict[str, str]]:
     if "transfer-encoding" in headers:
         raise ProtocolError(f"{what}: a {headers['transfer-encoding']} body, not raw bytes")
     return int(parts[1]), headers
+
+
+def check_whole(peer: str, url: str, resp: http.client.HTTPResponse, length: int) -> None:
+    """The head of the answer to a GET of a whole file of ``length`` bytes."""
+    if resp.status != 200:
+        decode(peer, "GET", url, resp.status, resp.read())
+        raise ProtocolError(f"peer {peer}: GET {url} answered HTTP {resp.status}")
+    if resp.length is not None and resp.length != length:
+        raise ProtocolError(
+            f"peer {peer}: {url} is {resp.length} bytes, the manifest says {length}"
+        )
+
+
+def check_range(
+    peer: str,
+    url: str,
+    start: int,
+    stop: int,
+    total: int | None,
+    status: int,
+    header: Callable[[str], str | None],
+    body: Callable[[], bytes],
+) -> None:
+    """The head of the answer to a GET of bytes ``[start, stop)`` of a file (of ``total`` bytes,
+    when known): 206, that range, that many bytes; else the peer's error, or ProtocolError."""
+    what = f"peer {peer}: {url}"
+    if status != 206:
+        decode(peer, "GET", url, status, body())
+        raise ProtocolError(f"{what} with a range answered HTTP {status}, not 206")
+    got = header("content-range") or ""
+    want = f"bytes {start}-{stop - 1}/"
+    if (
+        not got.startswith(want)
+        or (total is not None and got != f"{want}{total}")
+        or header("content-length") != str(stop - start)
+    ):
+        raise ProtocolError(
+            f"{what} answered bytes {got!r} ({header('content-length')} bytes) for "
+            f"{start}-{stop - 1}"
+        )

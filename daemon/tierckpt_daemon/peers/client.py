@@ -1,12 +1,19 @@
-"""HTTP client of the daemon-to-daemon routes (``/v1/peer/...`` on a peer's TCP port).
+"""HTTP client of the daemon-to-daemon routes (``/v1/peer/...`` on a peer's TCP port): what to ask
+a peer; how it is carried, and how its failures become errors, is
+:class:`~tierckpt_daemon.peers.transport.Transport`.
 
-Thread-safe (one pooled ``httpx.Client``). Every call carries the shared token, so every call goes
-to a current member of the ring and nowhere else (:class:`~tierckpt_daemon.peers.membership.Members`,
-checked where each URL or connection is made: NotAMemberError, nothing sent), and has a timeout:
-``timeout_s`` to connect and for each read or write (a transfer that keeps moving may take longer in
-total; one that stalls fails). Transport failures become :class:`PeerUnavailableError` naming the
-peer; a peer's JSON errors map back to their classes by ``code``. Idempotent calls are retried a
-few times with tenacity; a replication (``pull``) is retried by the replicator.
+Thread-safe. Every call carries the shared token, so every call goes to a current member of the
+ring and nowhere else (:class:`~tierckpt_daemon.peers.membership.Members`, checked where each URL
+or connection is made: NotAMemberError, nothing sent), and has a timeout: ``timeout_s`` to connect
+and for each read or write (a transfer that keeps moving may take longer in total; one that stalls
+fails). Transport failures become :class:`PeerUnavailableError` naming the peer; a peer's JSON
+errors map back to their classes by ``code``. Idempotent calls are retried a few times with
+tenacity; a replication (``pull``) is retried by the replicator.
+
+Bytes of a file come from one route, ``.../attempts/{attempt}/files/{name}``: whole (200), or one
+range of it with ``Range: bytes=first-last`` (206): a large file in several streams at once
+(:meth:`PeerClient.get_file_blocks`), a range handed to a trainer (:meth:`PeerClient.open_range`),
+the blocks a reader on this node needs (:meth:`PeerClient.read_range`).
 
 With :class:`~tierckpt_daemon.peers.tls.PeerTLS` every call is HTTPS: the peer's certificate must chain
 to the CA and carry the peer's name (or the configured server name), and this daemon presents its
@@ -21,26 +28,11 @@ import http.client
 import logging
 import os
 import socket
-import ssl
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
-import httpx
-from tenacity import (
-    Retrying,
-    before_sleep_log,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential,
-)
-
-from tierckpt_core.errors import (
-    PeerUnavailableError,
-    ProtocolError,
-    TierCkptError,
-)
-from tierckpt_core.http import decode_response
+from tierckpt_core.errors import PeerUnavailableError, ProtocolError
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import pwriter
 from tierckpt_core.protocol import (
@@ -57,40 +49,24 @@ from tierckpt_core.verified import BlockSums, receive_to
 from tierckpt_daemon.peers.bodies import (
     MAX_HEAD,
     RangeStream,
+    check_range,
+    check_whole,
     read_head,
     receive,
     recv_exact,
 )
 from tierckpt_daemon.peers.membership import Members
-from tierckpt_daemon.peers.tls import PeerTLS, describe_tls_error
+from tierckpt_daemon.peers.tls import PeerTLS
+from tierckpt_daemon.peers.transport import PeerTLSError, Transport, decode
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
+__all__ = ["PeerClient", "PeerTLSError"]
+
 RETRIES = 3
 RANGE_STREAMS = 4  # connections at once for one large file: its receive copies and checksums
 # then run on several cores, not one thread
 RANGE_MIN = 64 << 20  # smaller files come in one stream
-
-
-class PeerTLSError(PeerUnavailableError):
-    """A peer's certificate (or this daemon's, at the peer) was refused: not retried."""
-
-
-class _HTTPSConnection(http.client.HTTPSConnection):
-    """Checks the peer's certificate for ``server_name`` rather than the host it dials."""
-
-    def __init__(
-        self, host: str, *, timeout: float, context: ssl.SSLContext, server_name: str
-    ) -> None:
-        super().__init__(host, timeout=timeout, context=context)
-        self._server_name = server_name
-
-    def connect(self) -> None:
-        http.client.HTTPConnection.connect(self)  # TCP only (no proxy tunnel to peers)
-        self.sock = self._context.wrap_socket(  # type: ignore[attr-defined]
-            self.sock, server_hostname=self._server_name
-        )
 
 
 class PeerClient:
@@ -105,66 +81,14 @@ class PeerClient:
         self.members = members
         self.timeout_s = timeout_s
         self.tls = tls
-        self._scheme = "https" if tls is not None else "http"
-        self._ssl = tls.client_context() if tls is not None else None
-        self._auth = f"Bearer {token}"
-        self._http = httpx.Client(
-            timeout=httpx.Timeout(timeout_s),
-            headers={"Authorization": f"Bearer {token}"},
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
-            verify=self._ssl if self._ssl is not None else True,
-            trust_env=False,  # peers are dialed directly, never through a proxy from the env
-        )
+        self._t = Transport(token, members=members, timeout_s=timeout_s, tls=tls)
         self._ranges = ThreadPoolExecutor(2 * RANGE_STREAMS, thread_name_prefix="tierckpt-range")
 
     def close(self) -> None:
-        self._http.close()
+        self._t.close()
         self._ranges.shutdown(wait=False, cancel_futures=True)
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _url(self, peer: str, path: str) -> str:
-        self.members.require(peer, f"peer request {path}")
-        return f"{self._scheme}://{peer}{path}"
-
-    def _extensions(self) -> dict[str, Any]:
-        """The name the peer's certificate is checked for, when it is not the peer's host."""
-        if self.tls is not None and self.tls.server_name:
-            return {"sni_hostname": self.tls.server_name}
-        return {}
-
-    def _connection(self, peer: str) -> http.client.HTTPConnection:
-        self.members.require(peer, "peer request")
-        if self.tls is None or self._ssl is None:
-            return http.client.HTTPConnection(peer, timeout=self.timeout_s)
-        return _HTTPSConnection(
-            peer,
-            timeout=self.timeout_s,
-            context=self._ssl,
-            server_name=self.tls.expected_name(peer),
-        )
-
-    def _unavailable(
-        self, peer: str, method: str, path: str, e: BaseException
-    ) -> PeerUnavailableError:
-        tls_problem = describe_tls_error(peer, e, self.tls)
-        if tls_problem is not None:
-            return PeerTLSError(f"{tls_problem} ({method} {path})")
-        if isinstance(e, httpx.HTTPError):
-            return _unavailable(peer, method, path, e)
-        what = "did not answer in time" if isinstance(e, TimeoutError) else "failed"
-        return PeerUnavailableError(
-            f"peer {peer}: {method} {path} {what} ({type(e).__name__}: {e or 'no detail'})"
-        )
-
-    def _retrying(self, attempts: int) -> Retrying:
-        return Retrying(
-            retry=retry_if_exception(_transient),
-            stop=stop_after_attempt(attempts),
-            wait=wait_exponential(multiplier=0.25, max=2.0),
-            before_sleep=before_sleep_log(logger, logging.INFO),
-            reraise=True,
-        )
-
     def _json(
         self,
         peer: str,
@@ -176,19 +100,29 @@ class PeerClient:
         **kwargs: Any,
     ) -> Any:
         def once() -> Any:
-            try:
-                resp = self._http.request(
+            with self._t.failures(peer, method, path):
+                resp = self._t.http.request(
                     method,
-                    self._url(peer, path),
+                    self._t.url(peer, path),
                     timeout=timeout_s or self.timeout_s,
-                    extensions=self._extensions(),
+                    extensions=self._t.extensions(),
                     **kwargs,
                 )
-            except httpx.HTTPError as e:
-                raise self._unavailable(peer, method, path, e) from e
-            return _decode(peer, method, path, resp)
+            return decode(peer, method, path, resp.status_code, resp.content)
 
-        return self._retrying(attempts)(once)
+        return self._t.retrying(attempts)(once)
+
+    def _get(
+        self, conn: http.client.HTTPConnection, url: str, span: tuple[int, int] | None = None
+    ) -> http.client.HTTPResponse:
+        """GET ``url`` on ``conn``: the whole file, or with ``span`` bytes ``[start, stop)`` of it
+        (and ``Connection: close``: the connection ends with the range)."""
+        headers = {"Authorization": self._t.auth}
+        if span is not None:
+            headers["Range"] = f"bytes={span[0]}-{span[1] - 1}"
+            headers["Connection"] = "close"
+        conn.request("GET", url, headers=headers)
+        return conn.getresponse()
 
     # -- reads ------------------------------------------------------------------------------
     def list_steps(self, peer: str, namespace: str, *, timeout_s: float | None = None) -> Any:
@@ -218,33 +152,21 @@ class PeerClient:
     ) -> str:
         """Stream one file of ``peer``'s step into the local file ``path`` (written in place, no
         second buffer); return the checksum of the bytes received. The caller verifies it."""
-        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
+        url = _file_url(namespace, step, attempt, name)
 
         def once() -> str:
-            # http.client rather than httpx for the bulk bytes: its readinto() fills a large
-            # buffer straight from the socket, where httpx hands out 64 KiB pieces through h11
-            # (about a third of the throughput here).
-            conn = self._connection(peer)
+            conn = self._t.connection(peer)
             fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                conn.request("GET", url, headers={"Authorization": self._auth})
-                resp = conn.getresponse()
-                if resp.status != 200:
-                    body = resp.read()
-                    _decode(peer, "GET", url, httpx.Response(resp.status, content=body))
-                    raise ProtocolError(f"peer {peer}: GET {url} answered HTTP {resp.status}")
-                if resp.length is not None and resp.length != length:
-                    raise ProtocolError(
-                        f"peer {peer}: {url} is {resp.length} bytes, the manifest says {length}"
-                    )
-                return receive(resp, fd, length, f"peer {peer}: {url}")
-            except (OSError, http.client.HTTPException) as e:
-                raise self._unavailable(peer, "GET", url, e) from e
+                with self._t.failures(peer, "GET", url):
+                    resp = self._get(conn, url)
+                    check_whole(peer, url, resp, length)
+                    return receive(resp, fd, length, f"peer {peer}: {url}")
             finally:
                 os.close(fd)
                 conn.close()
 
-        return self._retrying(RETRIES)(once)
+        return self._t.retrying(RETRIES)(once)
 
     def get_file_blocks(
         self,
@@ -268,7 +190,7 @@ class PeerClient:
                 f"peer {peer}: {name} has {len(blocks)} block checksums of {block_size} bytes "
                 f"for {length} bytes"
             )
-        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
+        url = _file_url(namespace, step, attempt, name)
         sums = BlockSums(
             name,
             length,
@@ -287,47 +209,40 @@ class PeerClient:
             start, stop = first * block_size, min(end * block_size, length)
 
             def once() -> bool:
-                conn = self._connection(peer)
+                conn = self._t.connection(peer)
                 fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
-                    headers = {"Authorization": self._auth}
-                    if not whole:
-                        headers["Range"] = f"bytes={start}-{stop - 1}"
-                    conn.request("GET", url, headers=headers)
-                    resp = conn.getresponse()
-                    if resp.status == 200 and not whole:
-                        return False
-                    if resp.status not in (200, 206):
-                        body = resp.read()
-                        _decode(peer, "GET", url, httpx.Response(resp.status, content=body))
-                        raise ProtocolError(f"peer {peer}: GET {url} answered HTTP {resp.status}")
-                    if resp.status == 206 and resp.getheader("content-range") != (
-                        f"bytes {start}-{stop - 1}/{length}"
-                    ):
-                        raise ProtocolError(
-                            f"peer {peer}: {url} answered bytes "
-                            f"{resp.getheader('content-range')!r} for {start}-{stop - 1}/{length}"
+                    with self._t.failures(peer, "GET", url):
+                        resp = self._get(conn, url, None if whole else (start, stop))
+                        if whole:
+                            check_whole(peer, url, resp, length)
+                        elif resp.status == 200:
+                            return False
+                        else:
+                            check_range(
+                                peer,
+                                url,
+                                start,
+                                stop,
+                                length,
+                                resp.status,
+                                resp.getheader,
+                                resp.read,
+                            )
+                        receive_to(
+                            lambda view, _at: resp.readinto(view),
+                            pwriter(fd),
+                            sums,
+                            start,
+                            stop,
+                            short=PeerUnavailableError,
                         )
-                    if resp.length is not None and resp.length != stop - start:
-                        raise ProtocolError(
-                            f"peer {peer}: {url} sent {resp.length} bytes for {start}-{stop - 1}"
-                        )
-                    receive_to(
-                        lambda view, _at: resp.readinto(view),
-                        pwriter(fd),
-                        sums,
-                        start,
-                        stop,
-                        short=PeerUnavailableError,
-                    )
-                    return True
-                except (OSError, http.client.HTTPException) as e:
-                    raise self._unavailable(peer, "GET", url, e) from e
+                        return True
                 finally:
                     os.close(fd)
                     conn.close()
 
-            return bool(self._retrying(RETRIES)(once))
+            return bool(self._t.retrying(RETRIES)(once))
 
         if len(parts) > 1:
             futures = [self._ranges.submit(part, a, b, False) for a, b in parts]
@@ -347,102 +262,87 @@ class PeerClient:
         on which the body comes next (its head was read without taking a byte of the body), to
         be handed over whole. With TLS, whose session cannot change hands: a
         :class:`RangeStream` to relay."""
-        url = f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"
+        url = _file_url(namespace, step, attempt, name)
         if not 0 <= start < stop:
             raise ProtocolError(f"peer {peer}: {url}: empty or negative range {start}-{stop}")
         what = f"peer {peer}: {url}"
 
-        def check(
-            status: int, headers: Callable[[str], str | None], body: Callable[[], bytes]
-        ) -> None:
-            if status != 206:
-                _decode(peer, "GET", url, httpx.Response(status, content=body()))
-                raise ProtocolError(f"{what} with a range answered HTTP {status}, not 206")
-            got = headers("content-range") or ""
-            if not got.startswith(f"bytes {start}-{stop - 1}/") or headers("content-length") != str(
-                stop - start
-            ):
-                raise ProtocolError(
-                    f"{what} answered bytes {got!r} ({headers('content-length')} bytes) for "
-                    f"{start}-{stop - 1}"
-                )
-
         def plain() -> socket.socket:
-            self.members.require(peer, f"peer request {url}")
-            addr = http.client.HTTPConnection(peer)  # parses host:port as requests to peers do
-            try:
-                sock = socket.create_connection((addr.host, addr.port), timeout=self.timeout_s)
-            except OSError as e:
-                raise self._unavailable(peer, "GET", url, e) from e
-            try:
-                sock.sendall(
-                    (
-                        f"GET {url} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: {self._auth}\r\n"
-                        f"Range: bytes={start}-{stop - 1}\r\nConnection: close\r\n\r\n"
-                    ).encode()
-                )
-                status, headers = read_head(sock, what)
-                n = min(int(headers.get("content-length", "0") or 0), MAX_HEAD)
-                check(status, headers.get, lambda: recv_exact(sock, n, what))
-                return sock
-            except OSError as e:
-                sock.close()
-                raise self._unavailable(peer, "GET", url, e) from e
-            except BaseException:
-                sock.close()
-                raise
+            with self._t.failures(peer, "GET", url):
+                sock = self._t.dial(peer, url)
+                try:
+                    sock.sendall(
+                        (
+                            f"GET {url} HTTP/1.1\r\nHost: {peer}\r\n"
+                            f"Authorization: {self._t.auth}\r\n"
+                            f"Range: bytes={start}-{stop - 1}\r\nConnection: close\r\n\r\n"
+                        ).encode()
+                    )
+                    status, headers = read_head(sock, what)
+                    n = min(int(headers.get("content-length", "0") or 0), MAX_HEAD)
+                    body = lambda: recv_exact(sock, n, what)  # noqa: E731
+                    check_range(peer, url, start, stop, None, status, headers.get, body)
+                    return sock
+                except BaseException:
+                    sock.close()
+                    raise
 
         def tls() -> RangeStream:
-            conn = self._connection(peer)
+            conn = self._t.connection(peer)
             try:
-                conn.request(
-                    "GET",
-                    url,
-                    headers={
-                        "Authorization": self._auth,
-                        "Range": f"bytes={start}-{stop - 1}",
-                        "Connection": "close",
-                    },
-                )
-                resp = conn.getresponse()
-                check(resp.status, resp.getheader, lambda: resp.read(MAX_HEAD))
-                return RangeStream(conn, resp, stop - start, what)
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                raise self._unavailable(peer, "GET", url, e) from e
+                with self._t.failures(peer, "GET", url):
+                    resp = self._get(conn, url, (start, stop))
+                    body = lambda: resp.read(MAX_HEAD)  # noqa: E731
+                    check_range(peer, url, start, stop, None, resp.status, resp.getheader, body)
+                    return RangeStream(conn, resp, stop - start, what)
             except BaseException:
                 conn.close()
                 raise
 
         once: Callable[[], socket.socket | RangeStream] = plain if self.tls is None else tls
-        return self._retrying(RETRIES)(once)
+        return self._t.retrying(RETRIES)(once)
 
     def read_range(
-        self, peer: str, namespace: str, step: int, name: str, offset: int, length: int
+        self,
+        peer: str,
+        namespace: str,
+        step: int,
+        attempt: str,
+        name: str,
+        offset: int,
+        length: int,
     ) -> bytes:
-        """``length`` bytes at ``offset`` of a file ``peer`` holds (unverified: the caller checks
-        them against the block checksums)."""
-        path = f"/v1/peer/namespaces/{namespace}/steps/{step}/files/{name}/range"
+        """``length`` bytes at ``offset`` of file ``name`` of ``peer``'s copy ``attempt`` of a
+        step (unverified: the caller checks them against the block checksums); a ranged GET on
+        the pooled connections (small reads: no connection of their own)."""
+        url = _file_url(namespace, step, attempt, name)
+        if not 0 <= offset < offset + length:
+            raise ProtocolError(f"peer {peer}: {url}: empty or negative range {offset}+{length}")
 
         def once() -> bytes:
-            try:
-                resp = self._http.get(
-                    self._url(peer, path),
-                    params={"offset": offset, "length": length},
-                    extensions=self._extensions(),
+            with self._t.failures(peer, "GET", url):
+                resp = self._t.http.get(
+                    self._t.url(peer, url),
+                    headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+                    extensions=self._t.extensions(),
                 )
-            except httpx.HTTPError as e:
-                raise self._unavailable(peer, "GET", path, e) from e
-            if resp.status_code != 200:
-                _decode(peer, "GET", path, resp)
-                raise ProtocolError(f"peer {peer}: GET {path} answered HTTP {resp.status_code}")
+            check_range(
+                peer,
+                url,
+                offset,
+                offset + length,
+                None,
+                resp.status_code,
+                resp.headers.get,
+                lambda: resp.content,
+            )
             if len(resp.content) != length:
                 raise PeerUnavailableError(
-                    f"peer {peer}: {path} sent {len(resp.content)} of {length} bytes"
+                    f"peer {peer}: {url} sent {len(resp.content)} of {length} bytes"
                 )
             return resp.content
 
-        return self._retrying(RETRIES)(once)
+        return self._t.retrying(RETRIES)(once)
 
     # -- commits across nodes ---------------------------------------------------------------
     def _attempt_path(self, namespace: str, step: int, attempt: str) -> str:
@@ -507,23 +407,5 @@ class PeerClient:
         return StepInfo.model_validate(doc)
 
 
-def _transient(e: BaseException) -> bool:
-    return isinstance(e, PeerUnavailableError) and not isinstance(e, PeerTLSError)
-
-
-def _unavailable(peer: str, method: str, path: str, e: httpx.HTTPError) -> PeerUnavailableError:
-    what = "did not answer in time" if isinstance(e, httpx.TimeoutException) else "failed"
-    return PeerUnavailableError(
-        f"peer {peer}: {method} {path} {what} ({type(e).__name__}: {e or 'no detail'})"
-    )
-
-
-def _decode(peer: str, method: str, path: str, resp: httpx.Response) -> Any:
-    try:
-        return decode_response(
-            resp, f"peer {peer} answered {method} {path}", prefix=f"peer {peer}: "
-        )
-    except TierCkptError as e:
-        if type(e) is TierCkptError:  # an unexpected failure in the peer: maybe transient
-            raise PeerUnavailableError(str(e)) from None
-        raise
+def _file_url(namespace: str, step: int, attempt: str, name: str) -> str:
+    return f"/v1/peer/namespaces/{namespace}/steps/{step}/attempts/{attempt}/files/{name}"

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from tierckpt_core.errors import (
     NotFoundError,
-    ProtocolError,
     TierCkptError,
 )
 from tierckpt_core.integrity import checksum_file
@@ -65,28 +64,6 @@ class PeerServer:
         if rec.remote:  # say which of the step's files this daemon can serve
             manifest.local = LocalState(held=sorted(rec.files))
         return manifest
-
-    def read_range(self, namespace: str, step: int, name: str, offset: int, length: int) -> bytes:
-        """``length`` bytes at ``offset`` of a file this daemon holds (the caller verifies them
-        against the step's block checksums)."""
-        validate_file_name(name)
-        pin = self.service.pin(namespace, step)
-        try:
-            f = next((x for x in pin.step.files if x.name == name), None)
-            if f is None or name not in pin.paths:
-                raise NotFoundError(f"{namespace}/step {step}: this daemon holds no file {name}")
-            if offset < 0 or length < 0 or offset + length > f.length:
-                raise ProtocolError(
-                    f"{namespace}/step {step}: range {offset}+{length} is outside {name} "
-                    f"({f.length} bytes)"
-                )
-            fd = os.open(pin.paths[name], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                return os.pread(fd, length, offset)
-            finally:
-                os.close(fd)
-        finally:
-            self.service.unpin(namespace, step, pin.pin_id)
 
     def open_file(self, namespace: str, step: int, attempt: str, name: str) -> OpenFile:
         """One file of a committed step, open for reading (never through a link); the step is
