@@ -25,6 +25,11 @@ from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_core.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
+from tierckpt_core.verified import BlockSums, copy_verified
+
+_CHANGED = (
+    "the copy in this node's memory changed; restore the step from the persistent tier or a peer"
+)
 
 
 class LocalFiles:
@@ -149,8 +154,19 @@ class LocalFiles:
             fill(offset, length)
             return True
         rec = self._record(name, offset, length, "a tensor")
-        size = _unit(rec)
         done = self._verified.setdefault(name, set())
+        if fd is None:
+            # Out of the mapping: each piece hashed in the tensor right after it was copied there
+            # (one pass over memory), split over torch's intra-op threads as its own copy is.
+            sums = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
+            src: Any = self.buffer(name).numpy()
+            dst: Any = flat.numpy()
+            self.verified_bytes += copy_verified(
+                src, dst, sums, offset, threads=torch.get_num_threads()
+            )
+            done.update(range(sums.block_of(offset), sums.block_of(offset + length - 1) + 1))
+            return True
+        size = _unit(rec)
         end = offset + length
         for i in range(offset // size, (end - 1) // size + 1):
             lo, hi = i * size, min((i + 1) * size, rec.length)
