@@ -1,0 +1,163 @@
+"""The persistent tier read back into memory: which steps are durable, a durable step's
+manifest, and its files brought into the memory tier (hydration), each verified as it lands.
+
+:class:`~tierckpt_daemon.tier.persist.Persister` inherits these (its reading half; the uploads are
+the persister itself): they share its store, its pool and its service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Executor
+
+from tierckpt_core.errors import IntegrityError, NotFoundError, StepNotFoundError
+from tierckpt_core.integrity import checksum_file_blocks
+from tierckpt_core.layout import durable_steps, file_key, read_step_manifest, verify_file
+from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.objectstore import ObjectStore
+from tierckpt_core.protocol import StepInfo
+from tierckpt_daemon.tier.hydration import fill_step
+from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.service import TierService
+
+logger = logging.getLogger(__name__)
+
+
+class DurableReads:
+    service: TierService
+    store: ObjectStore
+    _pool: Executor
+    _cv: threading.Condition
+    _hydrate_locks: dict[tuple[str, int], threading.Lock]
+    _hydrate_guard: threading.Lock
+    _hydrating: dict[tuple[str, int], list[int]]  # -> [done bytes, total bytes]
+
+    def durable_steps(self, namespace: str) -> list[int]:
+        """Steps with a commit marker in the persistent tier, oldest first."""
+        return durable_steps(self.store, namespace)
+
+    def manifest(self, namespace: str, step: int) -> StepManifest:
+        """The manifest of a durable step, as the persistent tier holds it."""
+        return read_step_manifest(self.store, namespace, step)
+
+    def hydrate(
+        self, namespace: str, step: int, files: set[str] | None = None, *, owner: str | None = None
+    ) -> StepInfo:
+        """Bring a durable step into memory (verified), unless it is there already. Of a step
+        that spanned nodes only ``files`` come (default: this node's own share). ``owner``: the
+        step must be that identity's (StepNotFoundError if its manifest names another)."""
+        with self._hydrate_guard:
+            lock = self._hydrate_locks.setdefault((namespace, step), threading.Lock())
+        with lock:
+            try:
+                rec = self.service.record(namespace, step, owner=owner)
+            except NotFoundError:
+                return self._hydrate(namespace, step, files, owner)
+            if files and not files <= set(rec.files):
+                return self._hydrate(namespace, step, files - set(rec.files), owner)
+            return rec.info()
+
+    def _hydrate(
+        self, namespace: str, step: int, names: set[str] | None, owner: str | None
+    ) -> StepInfo:
+        t0 = time.monotonic()
+        manifest = read_step_manifest(self.store, namespace, step)
+        if not owned_by(manifest.owner, owner):
+            # Another owner's step of the same name is not this caller's: as if not there (its
+            # "latest" goes on to an older step), like another owner's copy on a peer.
+            raise StepNotFoundError(
+                f"{namespace}/step {step} in {self.store.url} was saved by {manifest.owner}, "
+                f"not by {owner}: it is not restored for them"
+            )
+        spanning = manifest if manifest.coordinator is not None else None
+        files = manifest.files
+        if spanning is not None:
+            if names is None:
+                names = {f.name for f in manifest.share(self.service.node or "")}
+            files = [f for f in manifest.files if f.name in names]
+        progress = [0, sum(f.length for f in files)]
+        with self._cv:
+            self._hydrating[(namespace, step)] = progress
+
+        def fetch(f: FileRecord, path: str) -> None:
+            self._download(namespace, step, f, path)
+            with self._cv:
+                progress[0] += f.length
+
+        try:
+            # Files download in parallel, like uploads.
+            rec = fill_step(
+                self.service,
+                namespace,
+                step,
+                files,
+                metadata=manifest.metadata,
+                world_size=manifest.world_size,
+                fetch=fetch,
+                pool=self._pool,
+                attempt_prefix="h",
+                replicate=False,  # durable already; peers hydrate it themselves when they need it
+                spanning=spanning,
+                hold=True,  # for a reader: retention must not take it back at once
+                owner=manifest.owner,
+            )
+        finally:
+            with self._cv:
+                self._hydrating.pop((namespace, step), None)
+        self.service.mark_durable(rec, {f.name: f.checksum for f in files if f.checksum})
+        nbytes = sum(f.length for f in files)
+        self.service.metrics.hydrated_bytes.inc(nbytes)
+        dt = time.monotonic() - t0
+        logger.info(
+            "%s/step %d hydrated from %s: %d bytes in %.2fs (%.0f MB/s), checksums verified",
+            namespace,
+            step,
+            self.store.url,
+            nbytes,
+            dt,
+            nbytes / max(dt, 1e-9) / 1e6,
+        )
+        return rec.info()
+
+    def _download(self, namespace: str, step: int, f: FileRecord, path: str) -> None:
+        key = file_key(namespace, step, f.name)
+        if f.length == 0:
+            got = self.store.get_into(key, memoryview(bytearray()))
+        else:
+            # pwrite, not a mapping: the file's pages are fresh (no pre-faulting), and tmpfs
+            # allocates them about twice as fast on write() as on a page fault per 4 KiB.
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                got = self.store.get_to_file(key, fd, f.length)
+            finally:
+                os.close(fd)
+        try:
+            verify_file(got, f, namespace, step, self.store.url)
+        except IntegrityError as e:
+            self.service.metrics.verification_failures.inc()
+            block = _first_bad_block(path, f)
+            if block is None:
+                raise
+            # The reader's warning names the block, as a reader's own block checks do.
+            assert f.block_size
+            n = min(f.block_size, f.length - block * f.block_size)
+            raise IntegrityError(
+                f"{namespace}/step {step}: file {f.name} in {self.store.url} is corrupt: block "
+                f"{block} (bytes {block * f.block_size}+{n}) does not match the checksum taken "
+                "when it was written"
+            ) from e
+
+
+def _first_bad_block(path: str, f: FileRecord) -> int | None:
+    """The first block of a downloaded file that does not match its block checksum (read again
+    only after the whole-file checksum failed), or None if it has none or all match."""
+    if not (f.blocks and f.block_size and f.length):
+        return None
+    try:
+        _, _, blocks = checksum_file_blocks(path, f.length)
+    except OSError:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(blocks, f.blocks, strict=False)) if a != b), None)
