@@ -1,5 +1,6 @@
 """What the memory tier holds, asked under the service's lock: a step's record, the steps of a
-namespace, "latest", the commit record and its metadata, the namespaces, and the attempts in doubt.
+namespace, "latest", the commit record and its metadata, the namespaces, the attempts in doubt;
+and the pins that keep a step in memory while a reader copies out of it.
 
 :class:`~tierckpt_daemon.tier.service.TierService` inherits these (its query half; the state
 machine the trainers drive is the service itself).
@@ -9,14 +10,22 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
-from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError
+from tierckpt_core.errors import (
+    LeaseNotFoundError,
+    NamespaceNotFoundError,
+    StepNotFoundError,
+    StepStateError,
+)
 from tierckpt_core.manifest import StepManifest
-from tierckpt_core.protocol import NamespaceInfo, StepInfo, validate_namespace
+from tierckpt_core.protocol import NamespaceInfo, PinResponse, StepInfo, validate_namespace
 from tierckpt_daemon.tier.index import StepIndex
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord, read_manifest
+
+PIN_TTL_S = 600.0  # a pin a reader never released lapses after this
 
 
 class Queries:
@@ -107,3 +116,32 @@ class Queries:
             if not recs:
                 raise NamespaceNotFoundError(f"namespace {namespace} is unknown to this daemon")
             return [r.info() for r in sorted(recs, key=lambda r: (r.step, r.state.value))]
+
+    # -- a reader's pins: the step stays in memory while its reader copies out of it --------
+    def pin(
+        self, namespace: str, step: int, attempt: str | None = None, *, owner: str | None = None
+    ) -> PinResponse:
+        with self.lock:
+            rec = self.record(namespace, step, owner=owner)
+            if attempt is not None and rec.attempt != attempt:
+                raise StepStateError(
+                    f"{namespace}/step {step}: attempt {attempt} was superseded by {rec.attempt}"
+                )
+            pin_id = uuid.uuid4().hex
+            rec.pins[pin_id] = time.monotonic() + PIN_TTL_S
+            return PinResponse(
+                pin_id=pin_id,
+                step=rec.info(),
+                paths={name: str(rec.dir / name) for name in rec.files},
+                expires_in_s=PIN_TTL_S,
+            )
+
+    def unpin(self, namespace: str, step: int, pin_id: str) -> None:
+        with self.lock:
+            for rec in self.index.records_of(namespace, step):
+                if rec.pins.pop(pin_id, None) is not None:
+                    if not rec.pins:
+                        rec.hold_until = 0.0  # its reader is done: retention applies again
+                    self.index.drop_if_retired(rec)
+                    return
+            raise LeaseNotFoundError(f"{namespace}/step {step}: no pin {pin_id}")

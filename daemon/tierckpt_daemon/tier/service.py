@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from typing import Any, Protocol
 
 from tierckpt_core.errors import (
@@ -38,7 +37,6 @@ from tierckpt_core.protocol import (
     CommitRequest,
     LeaseAfter,
     LeaseResponse,
-    PinResponse,
     SealRequest,
     StepInfo,
     StepState,
@@ -55,7 +53,7 @@ from tierckpt_daemon.tier.freshness import Freshness
 from tierckpt_daemon.tier.index import StepIndex
 from tierckpt_daemon.tier.leases import Leases
 from tierckpt_daemon.tier.ownership import Ownership
-from tierckpt_daemon.tier.queries import Queries
+from tierckpt_daemon.tier.queries import PIN_TTL_S, Queries
 from tierckpt_daemon.tier.records import (
     MANIFEST,
     StepRecord,
@@ -67,7 +65,6 @@ from tierckpt_daemon.tier.worker_reports import WorkerReports
 
 logger = logging.getLogger(__name__)
 
-PIN_TTL_S = 600.0
 # How long a step hydrated for a reader stays in memory against retention if no reader pins and
 # unpins it (a reader that died between hydrating and reading).
 HOLD_S = PIN_TTL_S
@@ -461,34 +458,6 @@ class TierService(Queries, WorkerReports, Ownership, Attempts):
         return info
 
     # -- reads ------------------------------------------------------------------------------
-    def pin(
-        self, namespace: str, step: int, attempt: str | None = None, *, owner: str | None = None
-    ) -> PinResponse:
-        with self.lock:
-            rec = self.record(namespace, step, owner=owner)
-            if attempt is not None and rec.attempt != attempt:
-                raise StepStateError(
-                    f"{namespace}/step {step}: attempt {attempt} was superseded by {rec.attempt}"
-                )
-            pin_id = uuid.uuid4().hex
-            rec.pins[pin_id] = time.monotonic() + PIN_TTL_S
-            return PinResponse(
-                pin_id=pin_id,
-                step=rec.info(),
-                paths={name: str(rec.dir / name) for name in rec.files},
-                expires_in_s=PIN_TTL_S,
-            )
-
-    def unpin(self, namespace: str, step: int, pin_id: str) -> None:
-        with self.lock:
-            for rec in self.index.records_of(namespace, step):
-                if rec.pins.pop(pin_id, None) is not None:
-                    if not rec.pins:
-                        rec.hold_until = 0.0  # its reader is done: retention applies again
-                    self.index.drop_if_retired(rec)
-                    return
-            raise LeaseNotFoundError(f"{namespace}/step {step}: no pin {pin_id}")
-
     def delete_step(self, namespace: str, step: int, *, owner: str | None = None) -> None:
         with self.lock:
             self.index.retire(self.record(namespace, step, owner=owner))
