@@ -11,7 +11,7 @@ message out by hand. Torch-free.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tierckpt_core.errors import InvalidNameError, ProtocolError, TierCkptError, error_from_code
@@ -49,7 +49,7 @@ class HandoffRequest:
     stop: int
 
     def line(self) -> bytes:
-        return json.dumps(self.__dict__).encode() + b"\n"
+        return json.dumps(asdict(self)).encode() + b"\n"
 
     @classmethod
     def from_line(cls, line: bytes | bytearray) -> HandoffRequest:

@@ -18,7 +18,6 @@ without block checksums, leave the restore to the daemon as before.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 from collections.abc import Callable, Iterator
@@ -38,8 +37,8 @@ from tierckpt_core.errors import (
     PeerUnavailableError,
     ProtocolError,
     TierCkptError,
-    error_from_code,
 )
+from tierckpt_core.handoff import HandoffAnswer, HandoffRequest
 from tierckpt_core.protocol import PeerSources, handoff_socket
 
 logger = logging.getLogger(__name__)
@@ -63,22 +62,14 @@ class Handoff:
     def open(
         self, peer: str, namespace: str, step: int, attempt: str, name: str, start: int, stop: int
     ) -> socket.socket:
-        req = {
-            "peer": peer,
-            "namespace": namespace,
-            "step": step,
-            "attempt": attempt,
-            "file": name,
-            "start": start,
-            "stop": stop,
-        }
+        req = HandoffRequest(peer, namespace, step, attempt, name, start, stop)
         fds: list[int] = []  # closed unless handed to the caller
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
                 conn.settimeout(self.config.connect_timeout_s)
                 conn.connect(str(self.path))
                 conn.settimeout(self.config.timeout_s)
-                conn.sendall(json.dumps(req).encode() + b"\n")
+                conn.sendall(req.line())
                 answer = bytearray()
                 while not answer.endswith(b"\n"):
                     data, got, _, _ = socket.recv_fds(conn, MAX_ANSWER, 1)
@@ -86,12 +77,9 @@ class Handoff:
                     if not data or len(answer) + len(data) > MAX_ANSWER:
                         raise ProtocolError(f"{self.path}: no answer line from the daemon")
                     answer += data
-            try:
-                doc = json.loads(answer)
-            except ValueError as e:
-                raise ProtocolError(f"{self.path}: the daemon's answer is not JSON ({e})") from None
-            if not doc.get("ok"):
-                raise error_from_code(str(doc.get("code")), str(doc.get("detail")))
+            refused = HandoffAnswer.from_line(answer, str(self.path)).error()
+            if refused is not None:
+                raise refused
             if len(fds) != 1:
                 raise ProtocolError(f"{self.path}: the daemon answered without a connection")
             sock = socket.socket(fileno=fds.pop())
