@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import socket
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from tierckpt_core.errors import PeerUnavailableError, ProtocolError
 from tierckpt_core.integrity import Hasher
@@ -30,18 +31,18 @@ class RangeStream:
         resp: http.client.HTTPResponse,
         length: int,
         what: str,
+        failures: Callable[[], AbstractContextManager[None]],
     ) -> None:
         self._conn = conn
         self._resp = resp
         self.length = length
         self.what = what
+        self._failures = failures  # the transport's one translation of its errors
 
     def readinto(self, buf: memoryview) -> int:
         """Bytes of the body into ``buf``; PeerUnavailableError if it ends early."""
-        try:
+        with self._failures():
             n = self._resp.readinto(buf)
-        except (OSError, http.client.HTTPException) as e:
-            raise PeerUnavailableError(f"{self.what}: {type(e).__name__}: {e}") from e
         if not n and len(buf):
             raise PeerUnavailableError(f"{self.what}: the body ended early")
         return n

@@ -294,7 +294,8 @@ class PeerClient:
                     resp = self._get(conn, url, (start, stop))
                     body = lambda: resp.read(MAX_HEAD)  # noqa: E731
                     check_range(peer, url, start, stop, None, resp.status, resp.getheader, body)
-                    return RangeStream(conn, resp, stop - start, what)
+                    failures = lambda: self._t.failures(peer, "GET", url)  # noqa: E731
+                    return RangeStream(conn, resp, stop - start, what, failures)
             except BaseException:
                 conn.close()
                 raise
