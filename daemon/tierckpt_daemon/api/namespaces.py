@@ -103,7 +103,12 @@ def pin(namespace: str, step: int, service: Service, owner: Owner) -> PinRespons
 
 @router.post("/{namespace}/steps/{step}/reads")
 def open_read(
-    namespace: str, step: int, service: Service, owner: Owner, req: ReadRequest | None = None
+    namespace: str,
+    step: int,
+    service: Service,
+    node: NodeDep,
+    owner: Owner,
+    req: ReadRequest | None = None,
 ) -> ReadResponse:
     """A load's one round trip per phase: the step's version, pinned (as ``pins``) when asked,
     and its metadata and file records unless the reader holds those of this very commit already
@@ -123,7 +128,9 @@ def open_read(
         answer = ReadResponse(version=_version(info))
     if req.known != answer.version:
         try:
-            answer.metadata = service.metadata(namespace, step, owner=owner)
+            # A step spanning nodes keeps its metadata on a few of them: the restorer fetches it
+            # from one (checked against its digest) where this node keeps only the digest.
+            answer.metadata = node.restorer.metadata(namespace, step, owner=owner)
         except BaseException:
             if answer.pin_id is not None:
                 service.unpin(namespace, step, answer.pin_id)
