@@ -157,12 +157,15 @@ class PeerClient:
         def once() -> str:
             conn = self._t.connection(peer)
             fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            resp: http.client.HTTPResponse | None = None
             try:
                 with self._t.failures(peer, "GET", url):
                     resp = self._get(conn, url)
                     check_whole(peer, url, resp, length)
                     return receive(resp, fd, length, f"peer {peer}: {url}")
             finally:
+                if resp is not None:  # a body left unread keeps the socket open until closed
+                    resp.close()
                 os.close(fd)
                 conn.close()
 
@@ -211,6 +214,7 @@ class PeerClient:
             def once() -> bool:
                 conn = self._t.connection(peer)
                 fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                resp: http.client.HTTPResponse | None = None
                 try:
                     with self._t.failures(peer, "GET", url):
                         resp = self._get(conn, url, None if whole else (start, stop))
@@ -239,6 +243,8 @@ class PeerClient:
                         )
                         return True
                 finally:
+                    if resp is not None:  # a body left unread keeps the socket open until closed
+                        resp.close()
                     os.close(fd)
                     conn.close()
 
@@ -289,6 +295,7 @@ class PeerClient:
 
         def tls() -> RangeStream:
             conn = self._t.connection(peer)
+            resp: http.client.HTTPResponse | None = None
             try:
                 with self._t.failures(peer, "GET", url):
                     resp = self._get(conn, url, (start, stop))
@@ -297,6 +304,8 @@ class PeerClient:
                     failures = lambda: self._t.failures(peer, "GET", url)  # noqa: E731
                     return RangeStream(conn, resp, stop - start, what, failures)
             except BaseException:
+                if resp is not None:
+                    resp.close()
                 conn.close()
                 raise
 
