@@ -1,22 +1,34 @@
 """The tests' shared kit for one-rank saves and loads: state dicts to save, blank destinations of
 the same structure, and a save or load through the tiered writer and reader on this process (no
-process group). Daemons come from :mod:`helpers` (``started``) and the fixtures of
-``tests/conftest.py`` (``make_node``, ``make_ring``); spawned ranks from ``helpers.run_ranks``."""
+process group), or one rank's file sealed straight through the daemon's API (``seal_bytes``).
+Daemons come from :mod:`helpers` (``started``) and the fixtures of ``tests/conftest.py``
+(``make_node``, ``make_ring``); spawned ranks from ``helpers.run_ranks``."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadPlanner
 
-from tierckpt_client import ClientConfig
+from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_core.protocol import SealFile
 
 from helpers import DaemonProcess
 
-__all__ = ["blank_like", "blank_state", "client_config", "load", "reader", "save", "seeded_state"]
+__all__ = [
+    "blank_like",
+    "blank_state",
+    "client_config",
+    "load",
+    "reader",
+    "save",
+    "seal_bytes",
+    "seeded_state",
+]
 
 
 def seeded_state(step: int, numel: int, *, seed: int | None = None, **meta: Any) -> dict[str, Any]:
@@ -105,3 +117,19 @@ def load(
     ``dest``."""
     r = reader(ns, dest, step, node=node, config=config, planner=planner)
     return r.resolved_step, dest
+
+
+def seal_bytes(
+    node: DaemonProcess, ns: str, step: int, attempt: str, rank: int, size: int
+) -> tuple[str, bytes]:
+    """One rank's part of a save without the writer: lease ``size`` bytes on ``node``, write
+    random bytes into the leased file and seal it as ``r{rank:05d}.data`` in ``ns``/``step``'s
+    ``attempt`` (the commit is the caller's). Returns the file's name and its bytes."""
+    data = os.urandom(size)
+    name = f"r{rank:05d}.data"
+    with DaemonClient.from_socket(node.socket) as c:
+        lease = c.lease(ns, rank, len(data))
+        with open(lease.path, "r+b") as f:
+            f.write(data)
+        c.seal(ns, step, attempt, rank, [SealFile(lease_id=lease.lease_id, name=name, length=size)])
+    return name, data

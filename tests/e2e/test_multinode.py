@@ -21,9 +21,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from tierckpt_client import DaemonClient, demo
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_core.protocol import CommitRequest, SealFile
+from tierckpt_core.protocol import CommitRequest
 
 from helpers import DaemonProcess, ring, run_ranks, running
+from kit import seal_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -160,21 +161,6 @@ def test_resharding_across_nodes_reads_only_what_each_rank_needs(
     assert 0 < moved < r2_length
 
 
-def _seal(d: DaemonProcess, step: int, attempt: str, rank: int) -> None:
-    data = os.urandom(20_000)
-    with DaemonClient.from_socket(d.socket) as c:
-        lease = c.lease("lost", rank, len(data))
-        with open(lease.path, "r+b") as f:
-            f.write(data)
-        c.seal(
-            "lost",
-            step,
-            attempt,
-            rank,
-            [SealFile(lease_id=lease.lease_id, name=f"r{rank:05d}.data", length=len(data))],
-        )
-
-
 def test_when_a_share_and_its_only_replica_are_lost_latest_falls_back(tmp_path: Path) -> None:
     store = tmp_path / "store"
     # Step 1 is persisted (the first commit), step 2 is not (persist every 2nd commit).
@@ -196,7 +182,7 @@ def test_when_a_share_and_its_only_replica_are_lost_latest_falls_back(tmp_path: 
             d.start()
         for step in (1, 2):
             for rank, d in enumerate((a, b)):
-                _seal(d, step, f"s{step}", rank)
+                seal_bytes(d, "lost", step, f"s{step}", rank, 20_000)
             req = CommitRequest(
                 files=["r00000.data", "r00001.data"],
                 metadata={},

@@ -16,9 +16,10 @@ import pytest
 
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import TierCkptError
-from tierckpt_core.protocol import CommitRequest, SealFile
+from tierckpt_core.protocol import CommitRequest
 
 from helpers import DaemonProcess, ring, running
+from kit import seal_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -44,19 +45,7 @@ def five() -> Iterator[list[DaemonProcess]]:
 def _save(nodes: list[DaemonProcess], step: int, attempt: str) -> CommitRequest:
     placed = {}
     for rank, d in enumerate(nodes):
-        data = os.urandom(10_000)
-        name = f"r{rank:05d}.data"
-        with DaemonClient.from_socket(d.socket) as c:
-            lease = c.lease(NS, rank, len(data))
-            with open(lease.path, "r+b") as f:
-                f.write(data)
-            c.seal(
-                NS,
-                step,
-                attempt,
-                rank,
-                [SealFile(lease_id=lease.lease_id, name=name, length=len(data))],
-            )
+        name, _ = seal_bytes(d, NS, step, attempt, rank, 10_000)
         placed[name] = str(d.name)
     return CommitRequest(
         files=sorted(placed), metadata={"step": step}, world_size=len(nodes), nodes=placed
@@ -128,13 +117,8 @@ def test_a_relay_that_stops_answering_fails_the_save_and_leaves_nothing_torn(
 
 
 def _save_alone(d: DaemonProcess, step: int) -> None:
-    data = os.urandom(10_000)
+    seal_bytes(d, NS, step, f"s{step}", 0, 10_000)
     with DaemonClient.from_socket(d.socket) as c:
-        lease = c.lease(NS, 0, len(data))
-        with open(lease.path, "r+b") as f:
-            f.write(data)
-        seal = SealFile(lease_id=lease.lease_id, name="r00000.data", length=len(data))
-        c.seal(NS, step, f"s{step}", 0, [seal])
         c.commit(
             NS, step, f"s{step}", CommitRequest(files=["r00000.data"], metadata={}, world_size=1)
         )

@@ -8,7 +8,6 @@ or the new one, never a torn step; leftovers are reclaimed; the next save works.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -20,10 +19,11 @@ import pytest
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.manifest import FileRecord, StepManifest
-from tierckpt_core.protocol import CommitRequest, SealFile
+from tierckpt_core.protocol import CommitRequest
 from tierckpt_daemon.metrics import namespace_label
 
 from helpers import DaemonProcess, ring, running
+from kit import seal_bytes
 
 TOKEN = "peer-token-for-the-tests-0123456789"
 NS = "job"
@@ -35,26 +35,11 @@ def nodes() -> Iterator[list[DaemonProcess]]:
         yield ds
 
 
-def _seal(d: DaemonProcess, step: int, attempt: str, rank: int) -> tuple[str, bytes]:
-    data = os.urandom(50_000)
-    name = f"r{rank:05d}.data"
-    with DaemonClient.from_socket(d.socket) as c:
-        lease = c.lease(NS, rank, len(data))
-        with open(lease.path, "r+b") as f:
-            f.write(data)
-        c.seal(
-            NS,
-            step,
-            attempt,
-            rank,
-            [SealFile(lease_id=lease.lease_id, name=name, length=len(data))],
-        )
-    return name, data
-
-
 def _save(a: DaemonProcess, b: DaemonProcess, step: int, attempt: str) -> dict[str, bytes]:
     """Ranks 0 on ``a`` and 1 on ``b`` seal their files; the result maps name -> bytes."""
-    return dict([_seal(a, step, attempt, 0), _seal(b, step, attempt, 1)])
+    return dict(
+        [seal_bytes(a, NS, step, attempt, 0, 50_000), seal_bytes(b, NS, step, attempt, 1, 50_000)]
+    )
 
 
 def _commit_request(a: DaemonProcess, b: DaemonProcess) -> CommitRequest:
@@ -156,8 +141,14 @@ def test_a_step_is_committed_on_every_node_with_its_global_record(
         with _peer(d) as http:
             doc = StepManifest.model_validate(http.get(f"/v1/peer/namespaces/{NS}/steps/1").json())
         assert doc.coordinator == a.name
-        assert {f.name: f.node for f in doc.files} == {"r00000.data": a.name, "r00001.data": b.name}
-        assert all(f.checksum for f in doc.files)  # taken at prepare, carried everywhere
+        # Its own file's record, and of the other node's share an entry (names, records' digest).
+        assert doc.ring is not None
+        assert {n: doc.ring.node_of(n) for n in doc.ring.names()} == {
+            "r00000.data": a.name,
+            "r00001.data": b.name,
+        }
+        assert [f.node for f in doc.files] == [d.name]
+        assert all(f.checksum for f in doc.files)  # taken at prepare
 
 
 def test_a_participant_down_at_commit_fails_the_save_and_commits_nothing(

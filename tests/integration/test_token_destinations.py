@@ -9,7 +9,6 @@ an attempt in flight is refused, and the real decider's commit still goes throug
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -22,10 +21,11 @@ import pytest
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import NamespaceNotFoundError, NotAMemberError
 from tierckpt_core.manifest import FileRecord, StepManifest
-from tierckpt_core.protocol import CommitRequest, SealFile
+from tierckpt_core.protocol import CommitRequest
 from tierckpt_daemon.peers.commit import IN_DOUBT_AFTER_S, RESOLVE_INTERVAL_S
 
 from helpers import DaemonProcess, free_port, ring, running, wait_until
+from kit import seal_bytes
 
 TOKEN = "peer-token-for-the-tests-0123456789"
 NS = "job"
@@ -95,19 +95,7 @@ def nodes() -> Iterator[list[DaemonProcess]]:
 
 
 def _seal(d: DaemonProcess, step: int, attempt: str, rank: int) -> bytes:
-    data = os.urandom(50_000)
-    with DaemonClient.from_socket(d.socket) as c:
-        lease = c.lease(NS, rank, len(data))
-        with open(lease.path, "r+b") as f:
-            f.write(data)
-        c.seal(
-            NS,
-            step,
-            attempt,
-            rank,
-            [SealFile(lease_id=lease.lease_id, name=f"r{rank:05d}.data", length=len(data))],
-        )
-    return data
+    return seal_bytes(d, NS, step, attempt, rank, 50_000)[1]
 
 
 def _commit(a: DaemonProcess, step: int, attempt: str, nodes: list[str]) -> None:
