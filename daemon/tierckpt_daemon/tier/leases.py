@@ -1,12 +1,10 @@
-"""Arena files handed to trainers before they write (leases), the spare files prepared ahead of
-them, and the room a new file needs.
+"""Arena files handed to trainers before they write (leases), and the room a new file needs.
 
 A lease is a pre-faulted file under ``leases/``: recycled from the pool when a file of the size is
 there (the steady state: the previous save's files came back when retention evicted its step),
 else allocated fresh against a reservation, outside the lock, because faulting in new tmpfs pages
-is the one slow thing here. While a namespace ramps up to ``keep_last`` committed steps nothing is
-evicted yet, so a spare of each leased size is allocated in the background, within the budget and
-without evicting, for the next save.
+is the one slow thing here. While a namespace ramps up, a spare of each leased size is pre-faulted
+in the background for the next save (:mod:`tierckpt_daemon.tier.spares`).
 
 **Pre-leases** take the lease round trip out of the trainer's stall: after sealing its file, a
 rank asks for its next save's file ``after`` the save attempt commits. The daemon names the file
@@ -43,11 +41,9 @@ from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.tier.arena import Arena, round_up
 from tierckpt_daemon.tier.index import StepIndex
+from tierckpt_daemon.tier.spares import Spares
 
 logger = logging.getLogger(__name__)
-
-SPARE_MIN_BYTES = 1 << 20
-SPARE_WAIT_S = 60.0
 
 
 class Lease:
@@ -156,14 +152,11 @@ class Leases:
         self.arena = arena
         self.index = index
         self.metrics = metrics
-        self.keep_last = keep_last
         self.ttl_s = ttl_s
-        self.spares = spares
+        self.spares = Spares(arena, index, lock, keep_last=keep_last, enabled=spares)
         self._lock = lock
         self._leases: dict[str, Lease] = {}
         self._ahead: dict[str, Ahead] = {}  # pre-leases waiting for their attempt's commit
-        self._spares_in_flight: set[int] = set()
-        self._spare_done = threading.Condition(lock)
 
     @property
     def held_bytes(self) -> int:
@@ -177,16 +170,10 @@ class Leases:
         lease_id = uuid.uuid4().hex
         path = self.arena.lease_dir / f"{lease_id}.bin"
         with self._lock:
-            # A spare of this size being faulted in is further along than a new file would be.
-            deadline = time.monotonic() + SPARE_WAIT_S
-            while size in self._spares_in_flight and not self.arena.has_pooled(size):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._spare_done.wait(left)
+            self.spares.wait_for(size)
             if self.arena.take_from_pool(size, path):
                 if prefault:
-                    self._maybe_spare(namespace, size)
+                    self.spares.maybe_make(namespace, size)
                 return self._grant(
                     lease_id, namespace, rank, path, size, recycled=True, owner=owner
                 )
@@ -200,7 +187,7 @@ class Leases:
         with self._lock:
             self.arena.track(path, size)
             if prefault:
-                self._maybe_spare(namespace, size)
+                self.spares.maybe_make(namespace, size)
             return self._grant(lease_id, namespace, rank, path, size, recycled=False, owner=owner)
 
     def _grant(
@@ -397,39 +384,6 @@ class Leases:
             )
             del self._leases[lease.lease_id]
             self.arena.adopt_into_pool(lease.path)
-
-    # -- spares -----------------------------------------------------------------------------
-    def _maybe_spare(self, namespace: str, size: int) -> None:
-        if (
-            not self.spares
-            or size < SPARE_MIN_BYTES
-            or size in self._spares_in_flight
-            or self.arena.has_pooled(size)
-            or len(self.index.committed.get(namespace, {})) >= self.keep_last
-            or self.arena.capacity_bytes - self.arena.used_bytes < size
-        ):
-            return
-        self.arena.reserve(size)
-        self._spares_in_flight.add(size)
-        threading.Thread(
-            target=self._make_spare, args=(size,), name="tierckpt-prefault", daemon=True
-        ).start()
-
-    def _make_spare(self, size: int) -> None:
-        path = self.arena.pool_dir / f"{uuid.uuid4().hex}.bin"
-        made = False
-        try:
-            self.arena.allocate(path, size)
-            made = True
-        except CapacityExceededError as e:
-            logger.warning("could not pre-fault a spare file of %d bytes: %s", size, e)
-        finally:
-            with self._lock:
-                self.arena.unreserve(size)
-                self._spares_in_flight.discard(size)
-                if made:
-                    self.arena.add_to_pool(path, size)
-                self._spare_done.notify_all()
 
     # -- room -------------------------------------------------------------------------------
     def _make_room(self, size: int, namespace: str) -> None:
