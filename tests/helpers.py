@@ -130,6 +130,7 @@ def launch_script(
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",  # a rank that aborts leaves its threads' stacks in its log
         }
         log_dir.mkdir(parents=True, exist_ok=True)
         with open(log_dir / f"rank{rank}.log", "ab") as err:

@@ -10,6 +10,7 @@ collectives deadlocks), and a last durable save when the scheduler preempts the 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import signal
 import sys
@@ -344,8 +345,19 @@ class Checkpointer:
 
 
 def _destroy_process_groups() -> None:
+    """Destroy the process groups, then drop this module's own checkpoint and flag groups, so that
+    their gloo worker threads are joined here, while the interpreter still runs, not during its
+    finalization. ``destroy_process_group`` does not stop a group's threads (the last reference
+    to the group does), and a gloo thread that lets go of a Python object during finalization (a
+    tensor of the save's last collective, on a loaded machine) ends inside C++: the process
+    aborts with SIGABRT ("terminate called without an active exception") instead of exiting
+    with its code. The agreements' tensors in ``_KEPT`` stay: the flag group may outlive this
+    (a Checkpointer still referenced), and they are freed by the main thread at finalization."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    with _GROUPS_LOCK:
+        _GROUPS.clear()
+    gc.collect()
 
 
 def _fallback_step(e: CheckpointException) -> int | None:
