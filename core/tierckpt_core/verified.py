@@ -16,8 +16,10 @@ source, before the call returns.
 - :func:`receive_into`: from a source that reads into a buffer (a socket, a file, an HTTP
   response) straight into a destination buffer.
 - :func:`receive_to`: the same through one reused buffer, to a writer (``pwrite`` into a file).
-- :func:`copy_verified`: from a buffer (a tier file's mapping) into another, hashing each piece of
-  the destination right after it was copied.
+- :func:`copy_all`: many :class:`Copy`, each from a buffer (a tier file's mapping) or a file read
+  with ``preadv``, into its destination, hashing each piece of the destination right after it
+  landed, the whole blocks of all of them shared by several threads; :func:`copy_verified` is
+  one copy from a buffer.
 - :func:`check_blocks`: bytes already in hand.
 """
 
@@ -245,55 +247,169 @@ def receive_to(
     return stream.checked
 
 
+@dataclass(frozen=True)
+class Copy:
+    """Bytes ``[offset, offset + len(dest))`` of one stored file, to land in ``dest``: from
+    ``src``, a buffer holding the file's bytes from ``sums.origin`` (a tier file's mapping), or
+    else from ``read`` (``os.preadv`` on the file: no mapping, no page-table cost)."""
+
+    dest: Any
+    sums: BlockSums
+    offset: int
+    src: Any = None
+    read: Read | None = None
+
+
 def copy_verified(
     src: Any, dest: Any, sums: BlockSums, offset: int, *, chunk: int = CHUNK, threads: int = 1
 ) -> int:
     """Copy bytes ``[offset, offset + len(dest))`` of the file whose bytes ``src`` holds (from
     ``sums.origin``: a tier file's mapping) into ``dest``, checking every block they touch: hash
-    while copying, one pass over memory. Each piece of ``chunk`` bytes is hashed in ``dest`` right
-    after it was copied there, while it is in the cache (``src`` may be shared memory that others
-    can change: what was checked is what ``dest`` holds). A block ``dest`` covers only in part is
-    copied whole into a private buffer, checked there, and its part copied from it.
+    while copying, one pass over memory (see :func:`copy_all`). The bytes checked;
+    BlockMismatchError."""
+    return copy_all([Copy(dest, sums, offset, src=src)], chunk=chunk, threads=threads)
 
-    ``threads`` > 1: a long copy is split at block boundaries over that many threads of a shared
-    pool (the copy and the hash both release the GIL), as torch's own copy uses several cores.
-    Every part is waited for: a block that does not match fails the call, never a later read.
-    The bytes checked; BlockMismatchError (the first bad block)."""
-    src_b, out = _bytes(src), _bytes(dest)
-    stop = offset + len(out)
-    if len(src_b) < sums.length or offset < sums.origin or stop > sums.end:
-        raise ValueError(
-            f"{sums.name}: bytes {offset}-{stop} of a {len(src_b)}-byte source for "
-            f"{sums.origin}-{sums.end}"
-        )
-    if offset == stop:
-        return 0
-    base, copy = sums.origin, _copier()
-    lo, hi = sums.span(offset, stop)
-    # The whole blocks inside [offset, stop): copied and hashed in place. The blocks at either
-    # edge, which dest covers only in part: checked in a private copy.
-    inner_lo = lo if lo == offset else sums.bounds(sums.block_of(offset))[1]
-    inner_hi = hi if hi == stop else sums.bounds(sums.block_of(stop - 1))[0]
+
+def copy_all(
+    copies: Sequence[Copy],
+    *,
+    chunk: int = CHUNK,
+    threads: int = 1,
+    short: type[TierCkptError] = IntegrityError,
+) -> int:
+    """Land every :class:`Copy`, checking every block each touches: hash while copying, one pass
+    over memory. Each piece of ``chunk`` bytes is hashed in ``dest`` right after it was copied or
+    read there, while it is in the cache (the source may be shared memory that others can change:
+    what was checked is what ``dest`` holds). A block a ``dest`` covers only in part is copied
+    whole into a private buffer, checked there, and its part copied from it.
+
+    ``threads`` > 1: the whole blocks of all the copies, cut into runs of about
+    :data:`PARALLEL_MIN` bytes, are shared by that many workers (the caller's thread and threads
+    of a shared pool; the copy, ``preadv`` and the hash all release the GIL), as torch's own copy
+    uses several cores: one hand-over for a whole load, not one per tensor. Every worker is waited
+    for: a block that does not match fails the call, never a later read, and nothing writes into
+    a ``dest`` after the call returned. The bytes checked; BlockMismatchError (a bad block), or
+    ``short`` when a ``read`` ends early."""
     checked = 0
-    for block in {sums.block_of(offset), sums.block_of(stop - 1)}:
-        b_lo, b_hi = sums.bounds(block)
-        if inner_lo <= b_lo and b_hi <= inner_hi:
-            continue
-        private = bytes(src_b[b_lo - base : b_hi - base])
-        sums.check(block, private)
-        a, b = max(b_lo, offset), min(b_hi, stop)
-        out[a - offset : b - offset] = private[a - b_lo : b - b_lo]
-        checked += b_hi - b_lo
-    if inner_hi <= inner_lo:
+    runs: list[tuple[_Landing, int, int]] = []
+    for c in copies:
+        landing = _Landing(c, chunk, short)
+        checked += landing.edges()
+        runs += landing.runs(PARALLEL_MIN)
+    if not runs:
+        return checked
+    total = sum(hi - lo for _, lo, hi in runs)
+    workers = min(threads, len(runs), max(1, total // PARALLEL_MIN))
+    # Over many threads, pieces twice as large: each piece takes the GIL a few times between its
+    # copy and its hash, and with 16 threads 1 MiB pieces spent more time waiting for it than 2
+    # MiB ones (16 and 26 GB/s on a 16-core host; up to 8 threads 1 MiB was as fast or faster).
+    piece = chunk if workers <= 8 else 2 * chunk
+    todo = iter(runs)
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def work() -> int:
+        done = 0
+        while not failed.is_set():
+            with lock:
+                run = next(todo, None)
+            if run is None:
+                break
+            landing, lo, hi = run
+            try:
+                done += landing.whole(lo, hi, piece)
+            except BaseException:
+                failed.set()  # the others stop at their next run
+                raise
+        return done
+
+    if workers <= 1:
+        return checked + work()
+    futures = [_pool().submit(work) for _ in range(workers - 1)]
+    try:
+        checked += work()
+    finally:
+        concurrent.futures.wait(futures)  # none may still write into a dest after this returns
+    return checked + sum(f.result() for f in futures)  # a bad block's error
+
+
+class _Landing:
+    """One :class:`Copy` under way: its edges checked privately, its whole blocks by runs."""
+
+    def __init__(self, c: Copy, chunk: int, short: type[TierCkptError]) -> None:
+        self.sums, self.offset, self.chunk, self.short = c.sums, c.offset, chunk, short
+        self.out = _bytes(c.dest)
+        self.stop = c.offset + len(self.out)
+        self.src = _bytes(c.src) if c.src is not None else None
+        self.read = c.read
+        sums = c.sums
+        if self.src is None and self.read is None:
+            raise ValueError(f"{sums.name}: a copy needs a source (src or read)")
+        too_short = self.src is not None and len(self.src) < sums.length
+        if too_short or self.offset < sums.origin or self.stop > sums.end:
+            raise ValueError(
+                f"{sums.name}: bytes {self.offset}-{self.stop} of a "
+                f"{len(self.src) if self.src is not None else 'read'}-byte source for "
+                f"{sums.origin}-{sums.end}"
+            )
+        if self.offset == self.stop:
+            self.inner = (self.offset, self.offset)
+            return
+        lo, hi = sums.span(self.offset, self.stop)
+        # The whole blocks inside [offset, stop): landed and hashed in place. The blocks at
+        # either edge, which dest covers only in part: checked in a private copy.
+        self.inner = (
+            lo if lo == self.offset else sums.bounds(sums.block_of(self.offset))[1],
+            hi if hi == self.stop else sums.bounds(sums.block_of(self.stop - 1))[0],
+        )
+
+    def fetch(self, view: memoryview, at: int) -> None:
+        """Bytes ``[at, at + len(view))`` of the file into ``view``."""
+        if self.src is not None:
+            _copy(view, self.src[at - self.sums.origin : at - self.sums.origin + len(view)])
+            return
+        assert self.read is not None
+        got = 0
+        while got < len(view):
+            n = self.read(view[got:], at + got)
+            if not n:
+                raise self.sums.short(got, at, at + len(view), self.short)
+            got += n
+
+    def edges(self) -> int:
+        """Check the blocks ``dest`` covers only in part (privately), and land their parts."""
+        if self.offset == self.stop:
+            return 0
+        sums, inner_lo, inner_hi = self.sums, *self.inner
+        checked = 0
+        for block in {sums.block_of(self.offset), sums.block_of(self.stop - 1)}:
+            b_lo, b_hi = sums.bounds(block)
+            if inner_lo <= b_lo and b_hi <= inner_hi:
+                continue
+            private = memoryview(bytearray(b_hi - b_lo))
+            self.fetch(private, b_lo)
+            sums.check(block, private)
+            a, b = max(b_lo, self.offset), min(b_hi, self.stop)
+            self.out[a - self.offset : b - self.offset] = private[a - b_lo : b - b_lo]
+            checked += b_hi - b_lo
         return checked
 
-    def part(start: int, end: int, chunk: int = chunk) -> int:
-        """Whole blocks ``[start, end)``, copied and checked piece by piece."""
+    def runs(self, about: int) -> list[tuple[_Landing, int, int]]:
+        """The whole blocks inside, in runs of about ``about`` bytes (whole blocks each)."""
+        lo, hi = self.inner
+        if hi <= lo:
+            return []
+        per = max(1, about // self.sums.size) * self.sums.size
+        return [(self, a, min(a + per, hi)) for a in range(lo, hi, per)]
+
+    def whole(self, start: int, end: int, chunk: int) -> int:
+        """Whole blocks ``[start, end)``, landed and checked piece by piece."""
+        sums, out, offset = self.sums, self.out, self.offset
         if chunk < sums.size:  # pieces smaller than a block: a block's hash runs over several
             stream = BlockStream(sums, start, end)
             for at in range(start, end, chunk):
                 piece = out[at - offset : min(at + chunk, end) - offset]
-                copy(piece, src_b[at - base : at - base + len(piece)])
+                self.fetch(piece, at)
                 stream.update(piece)
             return stream.checked
         # Pieces of whole blocks, each block hashed in one call once its piece landed (xxh3's
@@ -301,7 +417,7 @@ def copy_verified(
         step, digests = chunk // sums.size * sums.size, sums.digests
         for at in range(start, end, step):
             upto = min(at + step, end)
-            copy(out[at - offset : upto - offset], src_b[at - base : upto - base])
+            self.fetch(out[at - offset : upto - offset], at)
             for lo in range(at, upto, sums.size):
                 block = sums.block_of(lo)
                 got = xxhash.xxh3_128_hexdigest(
@@ -311,23 +427,10 @@ def copy_verified(
                     raise sums.mismatch(block)
         return end - start
 
-    nblocks = sums.block_of(inner_hi - 1) - sums.block_of(inner_lo) + 1
-    parts = min(threads, nblocks, max(1, (inner_hi - inner_lo) // PARALLEL_MIN))
-    if parts <= 1:
-        return checked + part(inner_lo, inner_hi)
-    per = -(-nblocks // parts) * sums.size
-    bounds = [(a, min(a + per, inner_hi)) for a in range(inner_lo, inner_hi, per)]
-    # Over many threads, pieces twice as large: each piece takes the GIL a few times between its
-    # copy and its hash, and with 16 threads 1 MiB pieces spent more time waiting for it than 2
-    # MiB ones (16 and 26 GB/s on a 16-core host; up to 8 threads 1 MiB was as fast or faster).
-    piece = chunk if parts <= 8 else 2 * chunk
-    futures = [_pool().submit(part, a, b, piece) for a, b in bounds]
-    concurrent.futures.wait(futures)  # none may still write into dest after this returns
-    return checked + sum(f.result() for f in futures)  # the first bad block's error
-
 
 PARALLEL_MIN = 8 << 20
-"""Bytes below which a copy is not split over threads (handing a part over costs ~50 us)."""
+"""Bytes of whole blocks one worker takes at a time; and below which a copy is not split over
+threads (handing a run over costs ~50 us)."""
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -368,6 +471,16 @@ def _copier() -> Callable[[memoryview, memoryview], None]:
         np.copyto(np.frombuffer(dest, np.uint8), np.frombuffer(src, np.uint8))
 
     return copyto
+
+
+_COPY: Callable[[memoryview, memoryview], None] | None = None
+
+
+def _copy(dest: memoryview, src: memoryview) -> None:
+    global _COPY
+    if _COPY is None:  # numpy is imported on the first copy, not with the daemon
+        _COPY = _copier()
+    _COPY(dest, src)
 
 
 def check_blocks(data: Any, sums: BlockSums, start: int) -> int:

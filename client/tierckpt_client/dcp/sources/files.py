@@ -25,7 +25,7 @@ from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_core.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
-from tierckpt_core.verified import BlockSums, copy_verified
+from tierckpt_core.verified import BlockSums, Copy, copy_all
 
 _CHANGED = (
     "the copy in this node's memory changed; restore the step from the persistent tier or a peer"
@@ -60,14 +60,31 @@ class LocalFiles:
         self._records = records or {}  # the local files' checksums (required when _paths is set)
         self._verify_tensors = verify_tensors
         self._verified: dict[str, set[int]] = {}  # blocks of each file checked so far
+        # Whole tensors landed and verified: (file, offset, length, the target's data_ptr).
+        self._filled: set[tuple[str, int, int, int]] = set()
         self.verified_bytes = 0
         # Files of a step spanning nodes that this rank needed and that other nodes held.
         self.fetched: set[str] = set()
 
-    prefetches = False  # each item is read when the reader asks for it
+    prefetches = True  # the reader announces its whole tensors: they are copied all at once
 
     def prefetch(self, wants: list[tuple[ShardRef, torch.Tensor | None]]) -> None:
-        """Nothing to do ahead: every read is from memory, or a whole file fetched once."""
+        """Land every whole tensor of a local file that ``wants`` puts in a contiguous CPU
+        ``target``, verified, in one :func:`copy_all`: their blocks shared by torch's intra-op
+        threads in one hand-over for the load, not one per tensor. A bad block fails this call,
+        before the reader hands any tensor on. The rest is read when the reader asks."""
+        if not self._verify_tensors:
+            return  # DCP's copy out of the mapping, or one preadv per tensor, as asked
+        jobs = []
+        for ref, target in wants:
+            if target is None or not self._direct(ref.file, ref.length, target):
+                continue
+            if (ref.file, ref.offset, ref.length, target.data_ptr()) in self._filled:
+                continue
+            job = self._copy(ref.file, ref.offset, ref.length, target)
+            if job is not None:
+                jobs.append(job)
+        self._land(jobs)
 
     def buffer(self, name: str) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -115,73 +132,71 @@ class LocalFiles:
     def read_into(self, name: str, offset: int, length: int, target: torch.Tensor) -> bool:
         """Copy ``length`` bytes at ``offset`` of local file ``name`` into ``target`` (a
         contiguous CPU tensor of that size), checking them there; else False (the caller copies
-        from :meth:`region`).
+        from :meth:`region`). True at once for what :meth:`prefetch` landed.
 
-        Block by block: each block is checked in ``target`` right after it was copied there (the
-        bytes are still in the cache, and ``target`` is this process's own memory, so what was
-        checked is what the caller gets). A block the tensor covers only in part is copied whole
-        into a private buffer, checked there, and its part copied from it. The copy is ``preadv``
-        from a file this process has not mapped (no page-table cost), else out of the mapping.
+        Each piece is checked in ``target`` right after it landed there (the bytes are still in
+        the cache, and ``target`` is this process's own memory, so what was checked is what the
+        caller gets); a block the tensor covers only in part is copied whole into a private
+        buffer, checked there, and its part copied from it (:func:`copy_all`). The copy is
+        ``preadv`` from a file this process has not mapped (no page-table cost), else out of
+        the mapping.
         """
-        if (
-            target.device.type != "cpu"
-            or not target.is_contiguous()
-            or target.numel() * target.element_size() != length
-            or name not in self._paths
-            or name in self._ranged
-        ):
+        if (name, offset, length, target.data_ptr()) in self._filled:
+            return True
+        if not self._direct(name, length, target):
             return False
+        if not self._verify_tensors:
+            fd = self._unmapped_fd(name)
+            if fd is None:
+                return False  # DCP's copy out of the mapping is as fast
+            self._check_range(fd, name, offset, length, "a tensor")
+            flat: Any = target.reshape(-1).view(torch.uint8).numpy()
+            self._pread_into(fd, name, memoryview(flat), offset)
+            return True
+        job = self._copy(name, offset, length, target)
+        if job is not None:
+            self._land([job])
+        return True
+
+    def _direct(self, name: str, length: int, target: torch.Tensor) -> bool:
+        """Whether ``target`` takes ``length`` bytes of local file ``name`` as they are."""
+        return (
+            target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.numel() * target.element_size() == length
+            and name in self._paths
+            and name not in self._ranged
+        )
+
+    def _copy(self, name: str, offset: int, length: int, target: torch.Tensor) -> Copy | None:
+        """The verified copy of bytes ``[offset, offset + length)`` of ``name`` into ``target``:
+        out of this process's mapping, else ``preadv`` from the file (None: no bytes)."""
         fd = self._unmapped_fd(name)
-        if fd is None and not self._verify_tensors:
-            return False  # DCP's copy out of the mapping is as fast
         if fd is not None:
             self._check_range(fd, name, offset, length, "a tensor")
         elif offset + length > self.buffer(name).numel():
             raise CheckpointFormatError(f"{self.where}: a tensor lies beyond the end of {name}")
-        if not length:
-            return True
-        flat = target.reshape(-1).view(torch.uint8)
-
-        def fill(at: int, n: int) -> memoryview:  # bytes [at, at + n) of the file -> target
-            dst = flat[at - offset : at - offset + n]
-            if fd is None:
-                dst.copy_(self.buffer(name)[at : at + n])
-            else:
-                self._pread_into(fd, name, memoryview(dst.numpy()), at)  # type: ignore[arg-type]
-            return memoryview(dst.numpy())  # type: ignore[arg-type]
-
-        if not self._verify_tensors:
-            fill(offset, length)
-            return True
         rec = self._record(name, offset, length, "a tensor")
-        done = self._verified.setdefault(name, set())
+        if not length:
+            return None
+        sums = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
+        dest: Any = target.reshape(-1).view(torch.uint8).numpy()
         if fd is None:
-            # Out of the mapping: each piece hashed in the tensor right after it was copied there
-            # (one pass over memory), split over torch's intra-op threads as its own copy is.
-            sums = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
-            src: Any = self.buffer(name).numpy()
-            dst: Any = flat.numpy()
-            self.verified_bytes += copy_verified(
-                src, dst, sums, offset, threads=torch.get_num_threads()
-            )
-            done.update(range(sums.block_of(offset), sums.block_of(offset + length - 1) + 1))
-            return True
-        size = _unit(rec)
-        end = offset + length
-        for i in range(offset // size, (end - 1) // size + 1):
-            lo, hi = i * size, min((i + 1) * size, rec.length)
-            a, b = max(lo, offset), min(hi, end)
-            if (a, b) == (lo, hi):
-                self._check_block(rec, i, fill(a, b - a))
-            elif i in done:
-                fill(a, b - a)
-            else:
-                block = memoryview(bytearray(self._read(name, lo, hi - lo, "a tensor")))  # private
-                self._check_block(rec, i, block)
-                flat[a - offset : b - offset].copy_(
-                    torch.frombuffer(block[a - lo : b - lo], dtype=torch.uint8)
-                )
-        return True
+            return Copy(dest, sums, offset, src=self.buffer(name).numpy())
+        return Copy(dest, sums, offset, read=lambda view, at: os.preadv(fd, [view], at))
+
+    def _land(self, jobs: list[Copy]) -> None:
+        """Run the copies (a bad block or a short file fails here, naming file and block)."""
+        if not jobs:
+            return
+        self.verified_bytes += copy_all(
+            jobs, threads=torch.get_num_threads(), short=CheckpointFormatError
+        )
+        for job in jobs:
+            sums, end = job.sums, job.offset + len(job.dest)
+            self._filled.add((sums.name, job.offset, len(job.dest), int(job.dest.ctypes.data)))
+            done = self._verified.setdefault(sums.name, set())
+            done.update(range(sums.block_of(job.offset), sums.block_of(end - 1) + 1))
 
     def _pread_into(self, fd: int, name: str, view: memoryview, offset: int) -> None:
         done = 0
@@ -269,6 +284,7 @@ class LocalFiles:
             os.close(fd)
         self._fds.clear()
         self._buffers.clear()
+        self._filled.clear()
 
 
 def _unit(rec: FileRecord) -> int:
