@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader
@@ -74,3 +75,25 @@ def test_a_reader_dropped_before_it_reads_leaves_no_pin(make_node: Any) -> None:
     save("probe", 2, seeded_state(2, 4096))  # keep_last=1: step 1 leaves memory at this commit
     with DaemonClient() as c:
         assert [s.step for s in c.steps("probe") if s.in_memory] == [2], node.socket
+
+
+def test_a_step_saved_again_while_it_is_loaded_fails_the_load_naming_it(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP plans a load with the metadata ``read_metadata`` returned; a step saved again before
+    ``read_data`` pins it (another layout: "w" at another offset) is not read at the old offsets
+    (its new checksums would pass: the tensor would silently get the wrong bytes)."""
+    save("resaved", 5, seeded_state(5, 4096))
+    other = {"a": torch.ones(100), **seeded_state(6, 4096)}
+    real = TieredStorageReader.read_data
+
+    def saved_again_first(self: TieredStorageReader, plan: Any, planner: Any) -> Any:
+        save("resaved", 5, other)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(TieredStorageReader, "read_data", saved_again_first)
+    with pytest.raises(CheckpointException, match="saved again while it was being loaded"):
+        load("resaved", blank_state(4096), 5)
+    monkeypatch.setattr(TieredStorageReader, "read_data", real)
+    _, out = load("resaved", blank_state(4096), 5)  # loaded again: the step as saved again
+    assert torch.equal(out["w"], other["w"])

@@ -32,7 +32,7 @@ from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_client.dcp.sources.base import StepFiles
 from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_client.dcp.sources.peers import PeerSource
-from tierckpt_core.errors import NotFoundError, ProtocolError, TierCkptError
+from tierckpt_core.errors import NotFoundError, ProtocolError, StepStateError, TierCkptError
 from tierckpt_core.manifest import FileRecord
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class MemorySource:
         self.config = config
         self.peers = peers
         self.read_peers = False
+        # The metadata this source answered read_metadata with, by (namespace, step).
+        self._served: dict[tuple[str, int], dict[str, Any]] = {}
 
     def without_peers(self) -> MemorySource:
         """The same tier, every file brought into this node's memory by the daemon."""
@@ -88,7 +90,21 @@ class MemorySource:
 
     def metadata(self, namespace: str, step: int) -> dict[str, Any]:
         """The step's metadata (NotFoundError when it is not in this node's memory)."""
-        return self._open(namespace, step, pin=False).known.metadata
+        doc = self._open(namespace, step, pin=False).known.metadata
+        self._served[(namespace, step)] = doc
+        return doc
+
+    def _check_served(self, namespace: str, step: int, pin: _Opened) -> None:
+        """The step pinned for the read is the one whose metadata DCP planned with: saved again
+        in between (another layout, other offsets), it would be read at the wrong places."""
+        served = self._served.get((namespace, step))
+        if served is None or pin.known.metadata is served or pin.known.metadata == served:
+            return  # (a record that gained block checksums is a new version of the same step)
+        self._unpin(namespace, step, pin.pin_id)
+        raise StepStateError(
+            f"{namespace}/step {step} was saved again while it was being loaded (after DCP "
+            "planned the load with its metadata); load it again"
+        )
 
     def _open(self, namespace: str, step: int, *, pin: bool) -> _Opened:
         """The step (pinned if ``pin``): one round trip, with its metadata and records unless
@@ -130,6 +146,7 @@ class MemorySource:
         except NotFoundError:  # evicted since read_metadata, or another node: bring it back
             daemon.hydrate(namespace, step)
             pin = self._open(namespace, step, pin=True)
+        self._check_served(namespace, step, pin)
         fetched = needed - set(pin.paths)
         wants: dict[str, list[tuple[int, int]]] = {}
         for ref in refs:
@@ -151,6 +168,7 @@ class MemorySource:
             daemon.unpin(namespace, step, pin.pin_id)
             daemon.hydrate(namespace, step, sorted(whole))
             pin = self._open(namespace, step, pin=True)
+            self._check_served(namespace, step, pin)
         ranged: dict[str, dict[tuple[int, int], bytes]] = {}
         for name, ranges in wants.items():
             if name in whole:
