@@ -105,18 +105,71 @@ def metadata_digest(metadata: dict[str, Any]) -> str:
     return _digest(metadata)
 
 
-class RingRecord(BaseModel):
-    """What a step spanning nodes records of the whole job, so that no node keeps the whole
-    job's record: per node a digest of its share's file records (the records themselves, with
-    their block checksums, stay with the files: on the node and its replicas), and where the DCP
-    metadata is kept (the decider and its next nodes; the persistent tier once durable), with its
-    digest. Every other node keeps ``metadata`` empty and fetches it on demand."""
+class Share(BaseModel):
+    """One node's share of a step spanning nodes, as every node's record of the step carries it:
+    the digest of its full file records (``share_digest``: what a record fetched from the node or
+    a replica is checked against), the names of its files and their bytes. The records themselves
+    (rank, checksums, block checksums, segments) stay with the files."""
 
     model_config = ConfigDict(extra="ignore")
 
-    shares: dict[str, str]  # node -> share_digest of the files it holds as their writer's daemon
+    digest: str
+    # None only while a record of the previous format is read (its shares were bare digests,
+    # its other nodes' files listed slim in ``files``): StepManifest fills it from those.
+    files: list[str] | None = None
+    bytes: int = Field(default=0, ge=0)
+
+    @field_validator("files")
+    @classmethod
+    def _valid_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            for name in v:
+                validate_file_name(name)
+        return v
+
+    @classmethod
+    def of(cls, files: list[FileRecord]) -> Share:
+        """The entry of a share whose full records are ``files``."""
+        return cls(
+            digest=share_digest(files),
+            files=sorted(f.name for f in files),
+            bytes=sum(f.length for f in files),
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return self.files or []
+
+
+class RingRecord(BaseModel):
+    """What a step spanning nodes records of the whole job, so that no node keeps the whole
+    job's record: per node its :class:`Share` (a digest of its share's file records, its file
+    names and bytes; the records themselves, with their block checksums, stay with the files: on
+    the node and its replicas), and where the DCP metadata is kept (the decider and its next
+    nodes; the persistent tier once durable), with its digest. Every other node keeps
+    ``metadata`` empty and fetches it on demand."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    shares: dict[str, Share]  # node -> the files it holds as their writer's daemon
     metadata_digest: str
     metadata_holders: list[str]  # the decider first
+
+    @field_validator("shares", mode="before")
+    @classmethod
+    def _bare_digests(cls, v: Any) -> Any:
+        # The previous format: node -> digest (the files named in the manifest's slim records).
+        if isinstance(v, dict):
+            return {n: {"digest": s} if isinstance(s, str) else s for n, s in v.items()}
+        return v
+
+    def node_of(self, name: str) -> str | None:
+        """The node whose share holds file ``name`` (None: not a file of the step)."""
+        return next((n for n, s in self.shares.items() if name in s.names), None)
+
+    def names(self) -> set[str]:
+        """Every file of the step."""
+        return {name for s in self.shares.values() for name in s.names}
 
 
 class LocalState(BaseModel):
@@ -155,7 +208,9 @@ class StepManifest(BaseModel):
     # from before owners (anyone's).
     owner: str | None = None
     # A step spanning nodes, committed by a daemon that keeps the record per node (see RingRecord):
-    # other nodes' files are slim, and ``metadata`` is empty on nodes that do not keep it.
+    # ``files`` lists the files this copy's node holds (the persistent tier's: every file), the
+    # others are in ``ring.shares``; ``metadata`` is empty on nodes that do not keep it. (Records
+    # of the previous format list the other nodes' files slim, and are read as well.)
     ring: RingRecord | None = None
     local: LocalState | None = None
 
@@ -167,6 +222,17 @@ class StepManifest(BaseModel):
             data["local"] = {k: data.pop(k) for k in _LEGACY_LOCAL_FIELDS if k in data}
             data["format"] = FORMAT
         return data
+
+    @model_validator(mode="after")
+    def _legacy_shares(self) -> StepManifest:
+        # A record of the previous format: its shares' files are the slim records in ``files``.
+        if self.ring is not None:
+            for node, share in self.ring.shares.items():
+                if share.files is None:
+                    mine = [f for f in self.files if f.node == node]
+                    share.files = sorted(f.name for f in mine)
+                    share.bytes = sum(f.length for f in mine)
+        return self
 
     @field_validator("format")
     @classmethod
@@ -184,11 +250,22 @@ class StepManifest(BaseModel):
 
     def nodes(self) -> list[str]:
         """The daemons that hold the step's files (empty for a single-node step)."""
+        if self.ring is not None:
+            return sorted(self.ring.shares)
         return sorted({f.node for f in self.files if f.node is not None})
 
     def share(self, node: str) -> list[FileRecord]:
-        """The files ``node`` holds as their writer's daemon."""
+        """The records in this manifest of the files ``node`` holds as their writer's daemon."""
         return [f for f in self.files if f.node == node]
+
+    def share_names(self, node: str) -> set[str]:
+        """The names of the files ``node`` holds as their writer's daemon (of a step spanning
+        nodes: from its ring record, whether or not this copy lists their records)."""
+        ring = ring_of(self)
+        if ring is not None:
+            share = ring.shares.get(node)
+            return set(share.names) if share is not None else set()
+        return {f.name for f in self.share(node)}
 
     @property
     def metadata_elsewhere(self) -> bool:
@@ -225,3 +302,20 @@ class StepManifest(BaseModel):
             raise CheckpointFormatError(
                 f"{where}: the manifest has no checksum for {', '.join(missing[:8])}"
             )
+
+
+def ring_of(manifest: StepManifest) -> RingRecord | None:
+    """The ring record of a step spanning nodes; for one committed before ring records (every
+    node kept every file's full record and the metadata), the one it would have had. None: a
+    step of one node."""
+    if manifest.ring is not None or manifest.coordinator is None:
+        return manifest.ring
+    by_node: dict[str, list[FileRecord]] = {}
+    for f in manifest.files:
+        by_node.setdefault(f.node or manifest.coordinator, []).append(f)
+    others = sorted(n for n in by_node if n != manifest.coordinator)
+    return RingRecord(
+        shares={n: Share.of(files) for n, files in by_node.items()},
+        metadata_digest=metadata_digest(manifest.metadata),
+        metadata_holders=[manifest.coordinator, *others],
+    )

@@ -1,6 +1,6 @@
 """The global record of a step spanning nodes does not grow with the job on every node: a node
-keeps its own share's block checksums, other nodes' files slim (name, length, checksum, node)
-with a digest per node's share, and the DCP metadata only where the step says (its decider and
+keeps its own share's file records (block checksums), of other nodes' shares only an entry per
+node (file names, bytes, the digest of their records), and the DCP metadata only where the step says (its decider and
 the next node); every other node fetches what a reader needs on demand, checked against the
 digests, also when the decider's node is lost."""
 
@@ -95,12 +95,13 @@ def test_a_node_keeps_its_share_and_digests_and_reads_the_rest_on_demand(
     for d in three:
         doc = records[d.name]
         assert doc["ring"] == ring_record  # every node has every share's digest
-        held = set(doc["local"]["held"])  # its own share, and a replica of another's
-        assert {f["name"] for f in doc["files"] if f["node"] == d.name} <= held
-        own = [f for f in doc["files"] if f["name"] in held]
-        rest = [f for f in doc["files"] if f["name"] not in held]
-        assert own and all(f.get("blocks") for f in own)  # what it holds: block checksums
-        assert rest and not any(f.get("blocks") for f in rest)  # the others': slim
+        shares = doc["ring"]["shares"]
+        held = {f["name"] for f in doc["files"]}  # its own share, and a replica of another's
+        assert set(shares[d.name]["files"]) <= held
+        assert all(f.get("blocks") for f in doc["files"])  # what it holds: block checksums
+        # Of the rest, no file record: per node its files' names, bytes and records' digest.
+        rest = {name for s in shares.values() for name in s["files"]} - held
+        assert rest and all(s["digest"].startswith("sha256:") for s in shares.values())
         assert bool(doc["metadata"]) == (d.name in holders)
     # Every rank, the node without the metadata included, loads the step bit for bit.
     run_ranks(_load, 3, sockets)
@@ -131,3 +132,38 @@ def test_metadata_that_does_not_match_its_digest_is_refused(three: list[DaemonPr
     c = DaemonClient.from_socket(other.socket)
     with c, pytest.raises(StepNotFoundError, match="does not match the step's digest"):
         c.metadata(NS, 5)
+
+
+def _as_previous_format(doc: dict, slim: dict[str, dict]) -> dict:
+    """A node's record as the daemons before per-node share entries wrote it: every other
+    node's file slim in ``files``, the files held here in ``local.held``, a bare digest per
+    share."""
+    held = {f["name"] for f in doc["files"]}
+    doc["files"] = sorted(
+        doc["files"] + [s for name, s in slim.items() if name not in held],
+        key=lambda f: f["name"],
+    )
+    doc["local"]["held"] = sorted(held)
+    doc["ring"]["shares"] = {n: s["digest"] for n, s in doc["ring"]["shares"].items()}
+    return doc
+
+
+def test_a_step_recorded_in_the_previous_format_still_loads(three: list[DaemonProcess]) -> None:
+    sockets = [str(d.socket) for d in three]
+    run_ranks(_save, 3, sockets)
+    records = {d.name: _record(d) for d in three}
+    slim = {
+        f["name"]: {k: f[k] for k in ("name", "rank", "length", "checksum", "node")}
+        for doc in records.values()
+        for f in doc["files"]
+    }
+    for d in three:
+        d.kill()
+        _record_path(d).write_text(json.dumps(_as_previous_format(records[d.name], slim)))
+    for d in three:
+        d.start()
+    # "latest" finds the step whole, and every rank loads it bit for bit (other nodes' files
+    # read through the share records their holders send, checked against the old digests).
+    run_ranks(_load, 3, sockets)
+    for d in three:
+        assert "discarding" not in d.log()

@@ -8,8 +8,8 @@ nodes. The coordinator rank's daemon (the *decider*) then runs the commit (docs/
               of the attempt is sealed, write MANIFEST.prepared.json (your share, the decider, the
               participants), answer with your files (slim) and their digest, and those of the
               participants you relayed to. Any failure: abort everywhere, the save fails.
-    decide    the decider writes its own MANIFEST.json with the step's global record (every
-              file, slim, with the node that holds it; each share's digest; where the DCP
+    decide    the decider writes its own MANIFEST.json with the step's global record (per node
+              its share's file names, bytes and the digest of their full records; where the DCP
               metadata is kept: RingRecord). This write is the commit point.
     commit    decider -> the metadata's holders (with it), and through the tree to every other
               participant (without it): here is the global record; write your MANIFEST.json.
@@ -40,6 +40,7 @@ from tierckpt_core.errors import (
 from tierckpt_core.manifest import (
     FileRecord,
     RingRecord,
+    Share,
     StepManifest,
     metadata_digest,
     share_digest,
@@ -143,20 +144,24 @@ class GlobalCommitter:
                 f"{namespace}/step {step}: the commit across nodes {', '.join(participants)} "
                 f"failed at {node} ({error}); nothing was committed, the save's files are reclaimed"
             ) from error
-        files: list[FileRecord] = []
-        digests: dict[str, str] = {}
+        entries: dict[str, Share] = {}
         for node in participants:
             share = prepared.get(node)
-            got, digests[node] = _slim_share(share.files) if share else ([], "")
-            if share is not None and share.share_digest is not None:
-                digests[node] = share.share_digest  # its full records stay with it
+            got = share.files if share else []
+            entries[node] = Share(
+                # A participant's full records stay with it: it sent their digest.
+                digest=share.share_digest
+                if share is not None and share.share_digest is not None
+                else share_digest(got),
+                files=sorted(f.name for f in got),
+                bytes=sum(f.length for f in got),
+            )
             wrong = sorted({f.name for f in got} ^ set(shares[node]))
             if wrong:
                 self._abort_everywhere(namespace, step, attempt, participants)
                 raise ProtocolError(
                     f"{namespace}/step {step}: node {node} prepared files {wrong} it was not asked for"
                 )
-            files.extend(f.model_copy(update={"node": node}) for f in got)
         holders = self._metadata_holders(participants)
         manifest = StepManifest(
             namespace=namespace,
@@ -164,11 +169,14 @@ class GlobalCommitter:
             attempt=attempt,
             world_size=req.world_size,
             created_at=time.time(),
-            files=sorted(files, key=lambda f: f.name),
+            # No file records: each node has its own, and the others' are in ``ring.shares``
+            # (names, bytes, the digest of their records), so that the record a node keeps is
+            # O(its share + nodes), not O(the job's files).
+            files=[],
             metadata=req.metadata,
             coordinator=self.node,
             ring=RingRecord(
-                shares=digests,
+                shares=entries,
                 metadata_digest=metadata_digest(req.metadata),
                 metadata_holders=holders,
             ),

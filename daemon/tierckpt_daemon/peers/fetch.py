@@ -28,7 +28,7 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     TierCkptError,
 )
-from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, share_digest
+from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, ring_of, share_digest
 from tierckpt_core.protocol import PeerStep, StepInfo
 from tierckpt_core.verified import BlockSums, check_blocks
 from tierckpt_daemon.peers.client import PeerClient
@@ -139,11 +139,7 @@ class PeerFetcher:
                 continue
             if manifest.coordinator is None:
                 break
-            names = (
-                files
-                if files is not None
-                else {f.name for f in manifest.share(self.replicator.node)}
-            )
+            names = files if files is not None else manifest.share_names(self.replicator.node)
             return self.fetch_files(namespace, step, names, owner=owner)[0]
         return self._hydrate_whole(namespace, step, owner)
 
@@ -231,20 +227,20 @@ class PeerFetcher:
         return held
 
     def read_ranges(
-        self, f: FileRecord, namespace: str, step: int, ranges: list[tuple[int, int]]
+        self, node: str, name: str, namespace: str, step: int, ranges: list[tuple[int, int]]
     ) -> bytes:
-        """The ``ranges`` (offset, length) of file ``f`` of a step spanning nodes, which another
-        node holds, concatenated: fetched from a peer that holds it (its writer's node first),
-        verified before they leave this daemon. A small item the writing rank checksummed comes
-        alone; anything else in whole blocks, each checked against the block checksums taken at
-        prepare."""
-        if f.slim:  # the global record leaves block checksums with the file: ask its holders
-            ring = self.service.record(namespace, step).ring
-            if ring is None or f.node is None:
-                raise CheckpointFormatError(
-                    f"{namespace}/step {step}: {f.name} has no block checksums to verify a range"
-                )
-            f = self.share_records(namespace, step, f.node, ring, [f.name])[f.name]
+        """The ``ranges`` (offset, length) of file ``name`` of ``node``'s share of a step
+        spanning nodes, which another node holds, concatenated: fetched from a peer that holds
+        it (its writer's node first), verified before they leave this daemon. A small item the
+        writing rank checksummed comes alone; anything else in whole blocks, each checked
+        against the block checksums taken at prepare (from the share's records, fetched from
+        its holders and checked against the share's digest)."""
+        ring = self.service.record(namespace, step).ring
+        if ring is None:
+            raise CheckpointFormatError(
+                f"{namespace}/step {step}: {name} has no block checksums to verify a range"
+            )
+        f = self.share_records(namespace, step, node, ring)[name]
         for off, n in ranges:
             if off < 0 or n < 0 or off + n > f.length:
                 raise ProtocolError(f"{namespace}/step {step}: range {off}+{n} is outside {f.name}")
@@ -329,23 +325,25 @@ class PeerFetcher:
         return self.client.manifest(peer, namespace, step)
 
     def share_records(
-        self, namespace: str, step: int, node: str, ring: RingRecord, names: list[str]
+        self, namespace: str, step: int, node: str, ring: RingRecord
     ) -> dict[str, FileRecord]:
         """The full records (block checksums, segments) of ``node``'s share of a step spanning
-        nodes, which the global record carries slim: from ``node`` itself, else a peer holding
-        a replica of ``names``, each answer checked against the share's digest in ``ring``."""
-        expected = ring.shares.get(node)
+        nodes, which the global record leaves with the files (RingRecord.shares: names and a
+        digest): from ``node`` itself, else a peer holding a replica of them, each answer
+        checked against the share's digest. Never a record that does not match it."""
+        share = ring.shares.get(node)
         where = f"{namespace}/step {step}: the records of {node}'s share"
-        if expected is None:
+        if share is None:
             raise CheckpointFormatError(f"{where}: the step's record has no digest for them")
-        key = (namespace, step, node, expected)
+        names = set(share.names)
+        key = (namespace, step, node, share.digest)
         with self._shares_lock:
             if key in self._shares:
                 self._shares.move_to_end(key)
                 return self._shares[key]
         held = self.holders(namespace, step)
         peers = [node] if node in held else []
-        peers += [p for p, h in held.items() if p != node and (h is None or set(names) <= h)]
+        peers += [p for p, h in held.items() if p != node and (h is None or names <= h)]
         errors: list[str] = []
         for peer in peers:
             try:
@@ -353,15 +351,15 @@ class PeerFetcher:
             except TierCkptError as e:
                 errors.append(f"{peer}: {e}")
                 continue
-            share = [f for f in theirs.files if f.node == node]
-            if not share or any(f.slim for f in share):
+            found = [f for f in theirs.files if f.name in names and f.node == node and not f.slim]
+            if {f.name for f in found} != names:
                 errors.append(f"{peer} does not hold them")
                 continue
-            if share_digest(share) != expected:
+            if share_digest(found) != share.digest:
                 self.service.metrics.verification_failures.inc()
                 errors.append(f"{peer}: they do not match the step's digest of them")
                 continue
-            records = {f.name: f for f in share}
+            records = {f.name: f.model_copy(update={"size": None}) for f in found}
             with self._shares_lock:
                 self._shares[key] = records
                 while len(self._shares) > SHARE_CACHE:
@@ -372,34 +370,35 @@ class PeerFetcher:
         )
 
     def complete(self, manifest: StepManifest) -> StepManifest:
-        """``manifest`` with every file's full record where a holder of its share can be asked
-        (a reader on this node verifies ranges of them block by block)."""
-        ring = manifest.ring
+        """``manifest`` (a peer's record of a step) with every file's full record, from the
+        holders of its share (a reader on this node reads them from the peers, verified block by
+        block); StepNotFoundError names the shares whose records no holder could send."""
+        ring = ring_of(manifest)
         if ring is None:
             return manifest
-        files = {f.name: f for f in manifest.files}
+        files = {f.name: f for f in manifest.files if not f.slim}
         try:  # the files held here: their full records are this node's own
             here = self.service.record(manifest.namespace, manifest.step)
         except NotFoundError:
             here = None
         if here is not None and here.attempt == manifest.attempt:
             for name, f in here.files.items():
-                if name in files and files[name].slim:
-                    files[name] = f.model_copy(update={"node": files[name].node, "size": None})
-        slim: dict[str, list[str]] = {}
-        for f in files.values():
-            if f.slim and f.node is not None:
-                slim.setdefault(f.node, []).append(f.name)
-        for node, names in sorted(slim.items()):
-            try:
-                full = self.share_records(manifest.namespace, manifest.step, node, ring, names)
-            except TierCkptError as e:
-                logger.warning("%s", e)
+                files.setdefault(name, f.model_copy(update={"size": None}))
+        missing: list[str] = []
+        for node, share in sorted(ring.shares.items()):
+            if set(share.names) <= set(files):
                 continue
-            for name in names:
-                if name in full:
-                    files[name] = full[name].model_copy(update={"node": node, "size": None})
-        return manifest.model_copy(update={"files": sorted(files.values(), key=lambda f: f.name)})
+            try:
+                full = self.share_records(manifest.namespace, manifest.step, node, ring)
+            except TierCkptError as e:
+                missing.append(str(e))
+                continue
+            files.update(full)
+        if missing:  # a reader cannot verify what it would read of those shares
+            raise StepNotFoundError("; ".join(missing))
+        return manifest.model_copy(
+            update={"files": sorted(files.values(), key=lambda f: f.name), "ring": ring}
+        )
 
     def fetch_files(
         self, namespace: str, step: int, names: set[str], *, owner: str | None = None

@@ -42,7 +42,7 @@ class PeerServer:
                 bytes=r.bytes,
                 origin=r.origin,
                 committed_at=r.committed_at,
-                held=sorted(r.files) if r.remote else None,
+                held=sorted(r.files) if r.others() else None,
                 owner=r.owner,
             )
             for r in self.service.records(namespace)
@@ -61,7 +61,7 @@ class PeerServer:
                 self.service.unpin(namespace, step, pin.pin_id)
             self.service.set_checksums(rec, sums)
         manifest = rec.manifest(metadata).portable()
-        if rec.remote:  # say which of the step's files this daemon can serve
+        if rec.spans_nodes:  # say which of the step's files this daemon can serve
             manifest.local = LocalState(held=sorted(rec.files))
         return manifest
 

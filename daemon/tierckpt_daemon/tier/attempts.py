@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tierckpt_core.errors import ProtocolError, StepStateError
 from tierckpt_core.integrity import checksum_file_blocks
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import FileRecord, StepManifest, ring_of
 from tierckpt_core.protocol import OutcomeResponse, StepState
 from tierckpt_daemon.tier.records import StepRecord, read_manifest, write_prepared
 
@@ -153,7 +153,8 @@ class Attempts:
                     f"{m.namespace}/step {m.step}: attempt {m.attempt} was never prepared here"
                 )
             # Only the decision of the decider that prepared the attempt, over its participants.
-            strangers = sorted({f.node or "" for f in m.files} - set(rec.participants))
+            ring = ring_of(m)
+            strangers = sorted(set(m.nodes()) - set(rec.participants))
             if m.coordinator != rec.coordinator or (rec.participants and strangers):
                 raise StepStateError(
                     f"{m.namespace}/step {m.step}: a decision for attempt {m.attempt} by "
@@ -161,23 +162,21 @@ class Attempts:
                     f"does not match its prepare by decider {rec.coordinator} with participants "
                     f"{', '.join(rec.participants)}: refused"
                 )
-            mine = {f.name for f in m.share(self.node or "")}
+            mine = m.share_names(self.node or "")
             if mine != set(rec.files):
                 raise StepStateError(
                     f"{m.namespace}/step {m.step}: the decision lists {sorted(mine)} on "
                     f"{self.node}, which prepared {sorted(rec.files)}"
                 )
-            rec.remote = {
-                f.name: f.slimmed() if m.ring is not None else f
-                for f in m.files
-                if f.name not in mine
-            }
-            rec.ring = m.ring
+            # Of the other nodes' files only their shares' entries are kept (RingRecord).
+            rec.ring = ring
             rec.coordinator = m.coordinator
             rec.participants = []
             rec.prepared_at = None
             rec.world_size = m.world_size
-            rec.learn_checksums({f.name: f.checksum for f in m.files if f.checksum})
+            rec.learn_checksums(
+                {f.name: f.checksum for f in m.files if f.checksum and f.name in mine}
+            )
             rec = svc.install(rec, m.metadata, persist=persist, replicate=True)
         svc.freshness.committed(m.namespace, rec.committed_at)
         svc.notify_committed(rec)

@@ -21,7 +21,7 @@ from tierckpt_core.errors import (
     NotFoundError,
     StepStateError,
 )
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import FileRecord, StepManifest, ring_of
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.tier.records import StepRecord, update_manifest
 from tierckpt_daemon.tier.service import HOLD_S, TierService
@@ -59,7 +59,7 @@ def fill_step(
 
     ``spanning`` is the global record of a step whose files lie on several nodes, of which
     ``files`` are the ones to bring here: they join this node's record of the step if it has one
-    (same attempt), else a new record holds them and knows the rest as remote.
+    (same attempt), else a new record holds them and knows the rest by their shares' entries.
 
     Returns the committed record, with the files' checksums. On any failure every lease is given
     back (after every fetch has ended: none may still write into a pooled file) and the error is
@@ -149,8 +149,7 @@ def _fill_share(
                 raise StepStateError(f"{ns}/step {step}: attempt {attempt} is being saved here")
             rec.owner = owner
             add_files(service, rec, leases)
-            rec.remote = {f.name: f for f in manifest.files if f.name not in rec.files}
-            rec.ring = manifest.ring
+            rec.ring = ring_of(manifest)  # the rest of the step: its shares' entries
             rec.coordinator = manifest.coordinator
             rec.world_size = manifest.world_size
             if hold:
@@ -176,7 +175,6 @@ def add_files(service: TierService, rec: StepRecord, leased: list[tuple[FileReco
             service.leases.take(lease)
             service.arena.move(lease.path, rec.dir / f.name)
             rec.files[f.name] = f.model_copy(update={"size": lease.size})
-            rec.remote.pop(f.name, None)
         if rec.manifest_path().exists():
             update_manifest(rec)
 

@@ -34,7 +34,7 @@ from tierckpt_core.layout import (
     write_sidecar,
     write_step_commit,
 )
-from tierckpt_core.manifest import FileRecord
+from tierckpt_core.manifest import FileRecord, share_digest
 from tierckpt_core.objectstore import ObjectStore
 from tierckpt_core.protocol import (
     HydrationProgress,
@@ -257,24 +257,34 @@ class Persister(QueueWorker[StepRecord], DurableReads):
 
     def _collect_shares(self, rec: StepRecord, own: list[FileRecord]) -> list[FileRecord]:
         """The decider of a step spanning nodes: every other node's uploaded share, checked
-        against the step's global record. _SharesMissing while some are not there yet."""
+        against the step's global record (each share's sidecars against its digest).
+        _SharesMissing while some are not there yet."""
         ns, step = rec.namespace, rec.step
         files = {f.name: f for f in own}
         waiting: dict[str, list[str]] = {}
-        for f in rec.remote.values():
-            try:
-                got = read_sidecar(self.store, ns, step, f.name)
-            except NotFoundError:
-                waiting.setdefault(f.node or "?", []).append(f.name)
+        shares = rec.ring.shares if rec.ring is not None else {}
+        for node, share in sorted(shares.items()):
+            names = [n for n in share.names if n not in files]
+            if not names:
                 continue
-            if (got.length, got.checksum) != (f.length, f.checksum):
+            got: list[FileRecord] = []
+            for name in names:
+                try:
+                    got.append(read_sidecar(self.store, ns, step, name))
+                except NotFoundError:
+                    waiting.setdefault(node, []).append(name)
+            if node in waiting:
+                continue
+            # The uploaders' records carry the block checksums the global record leaves with
+            # the files: the persistent manifest has them all, checked against the share's digest.
+            theirs = [f for f in files.values() if f.name in share.names] + got
+            if share_digest(theirs) != share.digest:
                 raise IntegrityError(
-                    f"{ns}/step {step}: {f.name} uploaded by {f.node} has length {got.length} and "
-                    f"checksum {got.checksum}, the step's record says {f.length} and {f.checksum}"
+                    f"{ns}/step {step}: the files of {node}'s share uploaded ({', '.join(names[:8])}) "
+                    "do not match the step's record of that share (length, checksum or block "
+                    "checksums differ)"
                 )
-            # The uploader's record carries the block checksums that the global record (slim
-            # for other nodes' files) leaves with the file: the persistent manifest has them all.
-            files[f.name] = got.model_copy(update={"node": f.node, "size": None})
+            files.update({f.name: f.model_copy(update={"node": node, "size": None}) for f in got})
         if waiting:
             raise _SharesMissing(
                 f"{ns}/step {step}: waiting for the shares of "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt_core.errors import CheckpointFormatError
-from tierckpt_core.manifest import FileRecord, LocalState, RingRecord, StepManifest
+from tierckpt_core.manifest import FileRecord, LocalState, RingRecord, StepManifest, ring_of
 from tierckpt_core.protocol import StepInfo, StepState
 
 logger = logging.getLogger(__name__)
@@ -53,15 +53,15 @@ class StepRecord:
     # leaves it until this monotonic time, or until its readers have unpinned it.
     hold_until: float = 0.0
     evict_pending: bool = False
-    # A step spanning nodes: the files other daemons hold, the daemon that decides, and, on a
-    # participant between prepare and decision, that it has prepared (it must ask the decider).
-    remote: dict[str, FileRecord] = field(default_factory=dict)
+    # A step spanning nodes: the daemon that decides, and, on a participant between prepare and
+    # decision, that it has prepared (it must ask the decider).
     coordinator: str | None = None
     participants: list[str] = field(default_factory=list)
     prepared_at: float | None = None
     owner: str | None = None  # the identity its namespace belongs to (see tenants.py)
-    # A step spanning nodes: the digests of every node's share and where its metadata is kept
-    # (RingRecord); ``remote`` then holds slim records (no block checksums).
+    # A step spanning nodes: every node's share (its digest, file names, bytes) and where its
+    # metadata is kept (RingRecord). ``files`` are the ones held here: no record of another
+    # node's file is kept (it is fetched from its holders, checked against its share's digest).
     ring: RingRecord | None = None
 
     @property
@@ -95,6 +95,18 @@ class StepRecord:
     def spans_nodes(self) -> bool:
         return self.coordinator is not None
 
+    def others(self) -> dict[str, str]:
+        """Of a step spanning nodes, the files held elsewhere only: name -> the node whose
+        share it is."""
+        if self.ring is None:
+            return {}
+        return {
+            name: node
+            for node, share in self.ring.shares.items()
+            for name in share.names
+            if name not in self.files
+        }
+
     def sorted_files(self) -> list[FileRecord]:
         return sorted(self.files.values(), key=lambda f: f.name)
 
@@ -117,13 +129,12 @@ class StepRecord:
             world_size=self.world_size,
             created_at=self.created_at,
             committed_at=self.committed_at,
-            files=sorted([*self.files.values(), *self.remote.values()], key=lambda f: f.name),
+            files=self.sorted_files(),
             metadata=metadata,
             coordinator=self.coordinator,
             owner=self.owner,
             ring=self.ring,
             local=LocalState(
-                held=sorted(self.files) if self.remote else None,
                 participants=list(self.participants) or None,
                 persist=self.persist,
                 persist_pending=self.persist_pending,
@@ -234,12 +245,12 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
         replication_pending=local.replication_pending,
         coordinator=doc.coordinator,
         owner=doc.owner,
-        ring=doc.ring,
+        # A committed step of the format before ring records gets the one it would have had.
+        ring=ring_of(doc) if local.participants is None else doc.ring,
     )
     for f in doc.files:
         if f.name not in held:
-            rec.remote[f.name] = f
-            continue
+            continue  # a record of the previous format: another node's file (now in ``ring``)
         path = step_dir / f.name
         try:
             size = path.stat().st_size

@@ -23,7 +23,7 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
-from tierckpt_core.manifest import FileRecord, StepManifest, metadata_digest
+from tierckpt_core.manifest import StepManifest, metadata_digest, ring_of
 from tierckpt_core.protocol import (
     PeerStep,
     StepCandidate,
@@ -77,8 +77,10 @@ class PeerSource(Protocol):
         ...
 
     def read_ranges(
-        self, f: FileRecord, namespace: str, step: int, ranges: list[tuple[int, int]]
-    ) -> bytes: ...
+        self, node: str, name: str, namespace: str, step: int, ranges: list[tuple[int, int]]
+    ) -> bytes:
+        """Parts of file ``name`` of ``node``'s share, verified against its block checksums."""
+        ...
 
 
 class DurableSource(Protocol):
@@ -225,11 +227,10 @@ class Restorer:
         except NotFoundError:
             rec = None
         if self.peers is None:
-            return rec is not None and bool(rec.remote)
+            return rec is not None and bool(rec.others())
         holders = self.peers.holders(namespace, step, owner=owner)
         if rec is not None:
-            names, everything = set(rec.files), {*rec.files, *rec.remote}
-            owners = {f.name: f.node for f in rec.remote.values()}
+            ring, names = rec.ring, set(rec.files)
         else:
             if not holders:
                 return False
@@ -241,15 +242,15 @@ class Restorer:
                     "%s/step %d: cannot read its record from %s: %s", namespace, step, peer, e
                 )
                 return True
-            if manifest.coordinator is None:
-                return False
-            names, everything = set(), {f.name for f in manifest.files}
-            owners = {f.name: f.node for f in manifest.files}
+            ring, names = ring_of(manifest), set()
+        if ring is None:
+            return False  # a step of one node: whole wherever it is
+        everything = ring.names()
         for held in holders.values():
             names |= everything if held is None else held
         lost = sorted(everything - names)
         if lost:
-            nodes = sorted({owners.get(n) or "?" for n in lost})
+            nodes = sorted({ring.node_of(n) or "?" for n in lost})
             logger.warning(
                 "%s/step %d is incomplete: %s (written on %s) are on no reachable node and not in "
                 'the persistent tier; "latest" falls back to an older step',
@@ -303,8 +304,8 @@ class Restorer:
         """Parts of a file of a step spanning nodes that another node holds (a reader here needs
         a little of a big file: fetched in verified blocks, not whole)."""
         rec = self.service.record(namespace, step, owner=owner)
-        f = rec.remote.get(name)
-        if f is None:
+        node = rec.others().get(name)
+        if node is None:
             if name in rec.files:
                 raise StepStateError(
                     f"{namespace}/step {step}: {name} is held here; pin and read it"
@@ -312,9 +313,9 @@ class Restorer:
             raise StepNotFoundError(f"{namespace}/step {step} has no file {name}")
         if self.peers is None:
             raise StepNotFoundError(
-                f"{namespace}/step {step}: {name} is held by {f.node}, and this daemon has no peers"
+                f"{namespace}/step {step}: {name} is held by {node}, and this daemon has no peers"
             )
-        return self.peers.read_ranges(f, namespace, step, ranges)
+        return self.peers.read_ranges(node, name, namespace, step, ranges)
 
     def hydrate(
         self,
@@ -343,7 +344,7 @@ class Restorer:
                 need = set(files or ()) - set(rec.files)
                 if not need:
                     return rec.info()
-                unknown = sorted(need - set(rec.remote))
+                unknown = sorted(need - set(rec.others()))
                 if unknown:
                     raise StepNotFoundError(
                         f"{namespace}/step {step} has no file {', '.join(unknown[:8])}"
