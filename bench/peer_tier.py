@@ -26,16 +26,19 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import add_rates, free_port, machine_info, write_results
-from persistent_tier import (
+from _common import (
     MM_SIZE,
+    add_rates,
     busy_cores,
     check_equal,
     cpu_s,
+    free_port,
+    machine_info,
     make_state,
     mutate,
     system_cpu,
     victim,
+    write_results,
 )
 
 from tierckpt_client import ClientConfig, DaemonClient
