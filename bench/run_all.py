@@ -836,16 +836,18 @@ def issue24_rows(i24: dict[str, Any]) -> list[Row]:
                 )
         if small is not None:
             each = ", ".join(f"{k} {v:.1f}" for k, v in small["round_trip_ms"].items())
+            out = small.get("outside_copy_ms", small["fixed_ms"])
             rows.append(
                 (
                     f"{next(iter(sizes))} MiB",
-                    f"issue 24, {label}: restore's fixed cost (restore - paired memcpy)",
-                    f"{small['fixed_ms']:.1f} ms (best {small['fixed_ms_best']:.1f})",
+                    f"issue 24, {label}: restore's fixed cost (outside the verified copy)",
+                    f"{out:.1f} ms (best {small.get('outside_copy_ms_best', out):.1f})",
                     "",
                     f"{small['round_trips']:.0f} round trips, {small['round_trips_ms']:.1f} ms "
-                    f"({each}); the rest {small['rest_ms']:.1f} ms",
+                    f"({each}); the rest {small['rest_ms']:.1f} ms; restore - paired memcpy "
+                    f"{small['fixed_ms']:.1f} ms",
                     "<= 5 ms",
-                    yes(small["fixed_ms"] <= 5),
+                    yes(out <= 5),
                 )
             )
         for size, st in r.get("stall", {}).items():
