@@ -25,8 +25,11 @@ class Costs:
     entry_b: float = 205  # DCP metadata per (rank, tensor) chunk, JSON codec
     file_b: float = 36e3  # a file record with its block checksums (1,024 blocks), stored
     file_wire_b: float = 72e3  # the same in a prepare answer (as measured)
-    slim_file_b: float = 150  # a file record without block checksums (name, length, checksum)
-    node_b: float = 100  # a node's share digest in the global record
+    # The global record per other node's share (9009762): its entry (node name, digest of its
+    # records, bytes; ~125 B) and each of its files' names (~15 B). Before 9009762 a slim record
+    # per file (name, rank, length, checksum, node: ~150 B) and a bare digest (~100 B).
+    slim_file_b: float = 15
+    node_b: float = 125
     cand_s: float = 2.2e-3  # the asker's CPU per peer asked by candidates
     decode_us_per_entry: float = 25.0  # json.loads + decode_metadata, per chunk entry
 
@@ -65,7 +68,7 @@ def old_commit(j: Job, c: Costs) -> dict[str, float]:
 
 
 def new_commit(j: Job, c: Costs, *, tree: bool = True) -> dict[str, float]:
-    """The redesign: the global record holds a digest per node and slim file records; the
+    """The redesign: the global record holds an entry per node's share (digest, file names); the
     metadata goes to ``holders`` nodes only; prepare and decision travel down a tree of fan-out
     ``fanout`` (``tree=False``: one request per participant from the decider, as the first step
     of the redesign does), each message encoded once and sent to every child."""
