@@ -137,3 +137,25 @@ def test_latest_asks_the_ring_neighbours_and_everyone_only_when_they_know_nothin
         _save_alone(near, 2)
         with DaemonClient.from_socket(reader.socket) as c:  # a neighbour knows NS: it alone
             assert [(s.step, s.peers) for s in c.candidates(NS)] == [(2, [near.name])]
+
+
+def test_candidates_ask_the_nodes_of_the_steps_shares_not_every_member() -> None:
+    nodes = ring(7, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="64M")
+    with running(nodes) as ds:
+        ds = sorted(ds, key=lambda d: str(d.name))
+        # A step across nodes 0 and 1, decided by node 0. From node 0 the ring neighbours are
+        # nodes 1, 2 and 6, 5; nodes 3 and 4 hold nothing of the step and are far.
+        reader, holder, far = ds[0], ds[1], ds[3]
+        req = _save([reader, holder], 1, "a1")
+        with DaemonClient.from_socket(reader.socket) as c:
+            c.commit(NS, 1, "a1", req)
+        far.kill()  # a member that holds nothing of the step stops answering
+        before = len(reader.log_path.read_text(errors="replace"))
+        with DaemonClient.from_socket(reader.socket) as c:
+            got = [(s.step, s.in_memory, s.peers) for s in c.candidates(NS)]
+        assert got == [(1, True, [holder.name])]  # whole: its other share is on node 1
+        # Whether the step is whole was asked of the node its record names for the other share,
+        # not of every member: the stopped one was never asked (the reader logs a peer that
+        # does not answer).
+        asked = reader.log_path.read_text(errors="replace")[before:]
+        assert far.name not in asked

@@ -32,6 +32,7 @@ from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, ring_of
 from tierckpt_core.protocol import PeerStep, StepInfo
 from tierckpt_core.verified import BlockSums, check_blocks
 from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.membership import successors
 from tierckpt_daemon.peers.replication import PEER_ERRORS, Replicator
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord
@@ -127,8 +128,12 @@ class PeerFetcher:
         here = self.service.committed_record(namespace, step)
         if here is not None and here.spans_nodes:
             need = set(files or ()) - set(here.files)
-            return self.fetch_files(namespace, step, need, owner=owner)[0]
-        holders = self.holders(namespace, step, owner=owner)
+            return self.fetch_files(namespace, step, need, owner=owner, ring=here.ring)[0]
+        # Its record from a ring neighbour that holds the step (every participant holds it),
+        # else from any peer that does.
+        holders = self.peer_steps(namespace, owner=owner).get(step) or list(
+            self.holders(namespace, step, owner=owner)
+        )
         for peer in holders:
             try:
                 manifest = self.client.manifest(peer, namespace, step)
@@ -140,7 +145,7 @@ class PeerFetcher:
             if manifest.coordinator is None:
                 break
             names = files if files is not None else manifest.share_names(self.replicator.node)
-            return self.fetch_files(namespace, step, names, owner=owner)[0]
+            return self.fetch_files(namespace, step, names, owner=owner, ring=ring_of(manifest))[0]
         return self._hydrate_whole(namespace, step, owner)
 
     def _hydrate_whole(self, namespace: str, step: int, owner: str | None) -> StepInfo:
@@ -211,6 +216,82 @@ class PeerFetcher:
             for p, s in self.copies(namespace, step, owner=owner).items()
         }
 
+    def share_holders(
+        self,
+        namespace: str,
+        step: int,
+        ring: RingRecord,
+        *,
+        have: set[str] | frozenset[str] = frozenset(),
+        nodes: list[str] | None = None,
+        owner: str | None = None,
+    ) -> dict[str, set[str] | None]:
+        """Peers that hold the shares of a step spanning nodes, and which of its files (None:
+        all of them): :meth:`share_copies`'s answer."""
+        return {
+            p: set(c.held) if c.held is not None else None
+            for p, c in self.share_copies(
+                namespace, step, ring, have=have, nodes=nodes, owner=owner
+            ).items()
+        }
+
+    def share_copies(
+        self,
+        namespace: str,
+        step: int,
+        ring: RingRecord,
+        *,
+        have: set[str] | frozenset[str] = frozenset(),
+        nodes: list[str] | None = None,
+        owner: str | None = None,
+    ) -> dict[str, PeerStep]:
+        """The copies peers hold of a step spanning nodes (of ``nodes``' shares; default every
+        share), found through its ring record rather than by asking every member: each share's
+        node first; for a share those do not hold whole (its node lost, replaced, not
+        answering), the members after its node in ring order, where its replicas went; only
+        for a share none of those holds, every other member. ``have``: the files this node
+        holds itself (they count as found)."""
+        try:
+            others = self.replicator.successors()
+        except PeerUnavailableError as e:
+            logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
+            return {}
+        me = self.replicator.node
+        wanted = {n: set(s.names) for n, s in ring.shares.items() if nodes is None or n in nodes}
+        found: dict[str, PeerStep] = {}
+        asked = {me}
+
+        def ask(peers: list[str]) -> None:
+            new = [p for p in dict.fromkeys(peers) if p not in asked and p in others]
+            asked.update(new)
+            for peer, steps in self._listings(namespace, new).items():
+                for s in steps:
+                    if s.step == step and owned_by(s.owner, owner):
+                        found[peer] = s
+
+        def short() -> list[str]:
+            held = set(have)
+            for c in found.values():
+                if c.held is None:
+                    return []
+                held |= set(c.held)
+            return [n for n, names in sorted(wanted.items()) if not names <= held]
+
+        ask(sorted(wanted))
+        k = max(1, self.replicator.replicas) + 1
+        if missing := short():
+            ask([p for n in missing for p in successors([*others, me], n)[:k]])
+        if missing := short():
+            logger.info(
+                "%s/step %d: the shares of %s are neither on their nodes nor on the nodes after "
+                "them; asking every other member",
+                namespace,
+                step,
+                ", ".join(missing[:8]),
+            )
+            ask(others)
+        return found
+
     def copies(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, PeerStep]:
         """The copies of ``namespace/step`` that peers hold (each its own save attempt id, and
         which of the step's files), in ring order."""
@@ -244,7 +325,7 @@ class PeerFetcher:
         for off, n in ranges:
             if off < 0 or n < 0 or off + n > f.length:
                 raise ProtocolError(f"{namespace}/step {step}: range {off}+{n} is outside {f.name}")
-        copies = self.copies(namespace, step)
+        copies = self.share_copies(namespace, step, ring, nodes=[node])
         peers = sorted(
             ((p, c.attempt) for p, c in copies.items() if c.held is None or f.name in c.held),
             key=lambda pa: pa[0] != f.node,
@@ -341,7 +422,7 @@ class PeerFetcher:
             if key in self._shares:
                 self._shares.move_to_end(key)
                 return self._shares[key]
-        held = self.holders(namespace, step)
+        held = self.share_holders(namespace, step, ring, nodes=[node])
         peers = [node] if node in held else []
         peers += [p for p, h in held.items() if p != node and (h is None or names <= h)]
         errors: list[str] = []
@@ -401,12 +482,24 @@ class PeerFetcher:
         )
 
     def fetch_files(
-        self, namespace: str, step: int, names: set[str], *, owner: str | None = None
+        self,
+        namespace: str,
+        step: int,
+        names: set[str],
+        *,
+        owner: str | None = None,
+        ring: RingRecord | None = None,
     ) -> tuple[StepInfo, int]:
         """Bring the files ``names`` of a step spanning nodes here from the peers that hold them
-        (their writer's node first), verified. Returns the step as held here and the bytes moved;
-        StepNotFoundError names the files no reachable peer holds."""
-        holders = self.holders(namespace, step, owner=owner)
+        (their writer's node first), verified: of the step's ``ring`` record, the holders of
+        those files' shares are asked, else every peer. Returns the step as held here and the
+        bytes moved; StepNotFoundError names the files no reachable peer holds."""
+        if ring is not None and names:
+            owners = {name: node for node, s in ring.shares.items() for name in s.names}
+            nodes = sorted({owners[n] for n in names if n in owners})
+            holders = self.share_holders(namespace, step, ring, nodes=nodes, owner=owner)
+        else:
+            holders = self.holders(namespace, step, owner=owner)
         if not holders:
             raise StepNotFoundError(f"{namespace}/step {step}: no reachable peer holds it")
         if not names and self.service.committed_record(namespace, step) is None:

@@ -23,7 +23,7 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
-from tierckpt_core.manifest import StepManifest, metadata_digest, ring_of
+from tierckpt_core.manifest import RingRecord, StepManifest, metadata_digest, ring_of
 from tierckpt_core.protocol import (
     PeerStep,
     StepCandidate,
@@ -64,6 +64,20 @@ class PeerSource(Protocol):
         self, namespace: str, step: int, *, owner: str | None = None
     ) -> dict[str, set[str] | None]:
         """Peers that hold the step, and which of its files (None: all)."""
+        ...
+
+    def share_holders(
+        self,
+        namespace: str,
+        step: int,
+        ring: RingRecord,
+        *,
+        have: set[str] | frozenset[str] = frozenset(),
+        nodes: list[str] | None = None,
+        owner: str | None = None,
+    ) -> dict[str, set[str] | None]:
+        """Of a step spanning nodes, the peers that hold its shares (``nodes``'; default all)
+        and which files, asking the nodes its ring record names, not every peer."""
         ...
 
     def copies(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, PeerStep]:
@@ -202,7 +216,11 @@ class Restorer:
         durable |= {s for s, state in in_memory.items() if state == StepState.DURABLE}
         steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
         # "latest" must be whole: skip steps spanning nodes whose lost shares are nowhere.
-        while steps and steps[0] not in durable and self._lost(namespace, steps[0], owner):
+        while (
+            steps
+            and steps[0] not in durable
+            and self._lost(namespace, steps[0], owner, on_peers.get(steps[0], []))
+        ):
             steps.pop(0)
         if not steps:
             if tier_error is not None:
@@ -219,32 +237,39 @@ class Restorer:
             for s in steps
         ]
 
-    def _lost(self, namespace: str, step: int, owner: str | None) -> bool:
+    def _lost(self, namespace: str, step: int, owner: str | None, known: list[str]) -> bool:
         """Whether ``step`` spans nodes and some of its files are on no reachable node (it says
-        which, in a warning); a step of one node is whole wherever it is."""
+        which, in a warning); a step of one node is whole wherever it is. Only the nodes its
+        ring record names are asked (each share's node, then where its replicas went); every
+        peer only when no record of the step can be had. ``known``: peers that hold it."""
         try:
             rec = self.service.record(namespace, step, owner=owner)
         except NotFoundError:
             rec = None
         if self.peers is None:
             return rec is not None and bool(rec.others())
-        holders = self.peers.holders(namespace, step, owner=owner)
         if rec is not None:
             ring, names = rec.ring, set(rec.files)
         else:
-            if not holders:
-                return False
-            peer = next(iter(holders))
-            try:
-                manifest = self.peers.manifest_from(peer, namespace, step)
-            except TierCkptError as e:
-                logger.warning(
-                    "%s/step %d: cannot read its record from %s: %s", namespace, step, peer, e
-                )
-                return True
-            ring, names = ring_of(manifest), set()
+            ring, names = None, set()
+            sources = known or list(self.peers.holders(namespace, step, owner=owner))
+            for peer in sources:
+                try:
+                    manifest = self.peers.manifest_from(peer, namespace, step)
+                except TierCkptError as e:
+                    logger.warning(
+                        "%s/step %d: cannot read its record from %s: %s", namespace, step, peer, e
+                    )
+                    continue
+                if manifest.coordinator is None:
+                    return False  # a step of one node: whole wherever it is
+                ring = ring_of(manifest)
+                break
+            else:
+                return bool(sources)  # held, but its record could not be read: not "latest"
         if ring is None:
             return False  # a step of one node: whole wherever it is
+        holders = self.peers.share_holders(namespace, step, ring, have=names, owner=owner)
         everything = ring.names()
         for held in holders.values():
             names |= everything if held is None else held
