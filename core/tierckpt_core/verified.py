@@ -258,6 +258,9 @@ class Copy:
     offset: int
     src: Any = None
     read: Read | None = None
+    key: Any = None
+    """Copies of one call with the same ``key`` (not None) read the same file: a block that
+    several of them cover in part (small tensors side by side) is read and checked once."""
 
 
 def copy_verified(
@@ -290,12 +293,9 @@ def copy_all(
     for: a block that does not match fails the call, never a later read, and nothing writes into
     a ``dest`` after the call returned. The bytes checked; BlockMismatchError (a bad block), or
     ``short`` when a ``read`` ends early."""
-    checked = 0
-    runs: list[tuple[_Landing, int, int]] = []
-    for c in copies:
-        landing = _Landing(c, chunk, short)
-        checked += landing.edges()
-        runs += landing.runs(PARALLEL_MIN)
+    landings = [_Landing(c, chunk, short) for c in copies]
+    checked = _edges(landings)
+    runs = [run for landing in landings for run in landing.runs(PARALLEL_MIN)]
     if not runs:
         return checked
     total = sum(hi - lo for _, lo, hi in runs)
@@ -333,11 +333,34 @@ def copy_all(
     return checked + sum(f.result() for f in futures)  # a bad block's error
 
 
+def _edges(landings: list[_Landing]) -> int:
+    """Check the blocks each ``dest`` covers only in part in a private copy, and land their parts
+    from it: once per block for all the copies of one ``key`` that cover it."""
+    users: dict[tuple[Any, int], list[_Landing]] = {}
+    for i, landing in enumerate(landings):
+        key = landing.key if landing.key is not None else ("copy", i)
+        for block in landing.partial():
+            users.setdefault((key, block), []).append(landing)
+    checked = 0
+    for (_, block), them in users.items():
+        first = them[0]
+        lo, hi = first.sums.bounds(block)
+        private = memoryview(bytearray(hi - lo))
+        first.fetch(private, lo)
+        first.sums.check(block, private)
+        for landing in them:
+            a, b = max(lo, landing.offset), min(hi, landing.stop)
+            landing.out[a - landing.offset : b - landing.offset] = private[a - lo : b - lo]
+        checked += hi - lo
+    return checked
+
+
 class _Landing:
     """One :class:`Copy` under way: its edges checked privately, its whole blocks by runs."""
 
     def __init__(self, c: Copy, chunk: int, short: type[TierCkptError]) -> None:
         self.sums, self.offset, self.chunk, self.short = c.sums, c.offset, chunk, short
+        self.key = c.key
         self.out = _bytes(c.dest)
         self.stop = c.offset + len(self.out)
         self.src = _bytes(c.src) if c.src is not None else None
@@ -376,23 +399,17 @@ class _Landing:
                 raise self.sums.short(got, at, at + len(view), self.short)
             got += n
 
-    def edges(self) -> int:
-        """Check the blocks ``dest`` covers only in part (privately), and land their parts."""
+    def partial(self) -> list[int]:
+        """The blocks ``dest`` covers only in part (none, one or two)."""
         if self.offset == self.stop:
-            return 0
-        sums, inner_lo, inner_hi = self.sums, *self.inner
-        checked = 0
-        for block in {sums.block_of(self.offset), sums.block_of(self.stop - 1)}:
-            b_lo, b_hi = sums.bounds(block)
-            if inner_lo <= b_lo and b_hi <= inner_hi:
-                continue
-            private = memoryview(bytearray(b_hi - b_lo))
-            self.fetch(private, b_lo)
-            sums.check(block, private)
-            a, b = max(b_lo, self.offset), min(b_hi, self.stop)
-            self.out[a - self.offset : b - self.offset] = private[a - b_lo : b - b_lo]
-            checked += b_hi - b_lo
-        return checked
+            return []
+        sums, (inner_lo, inner_hi) = self.sums, self.inner
+        found = []
+        for block in sorted({sums.block_of(self.offset), sums.block_of(self.stop - 1)}):
+            lo, hi = sums.bounds(block)
+            if not (inner_lo <= lo and hi <= inner_hi):
+                found.append(block)
+        return found
 
     def runs(self, about: int) -> list[tuple[_Landing, int, int]]:
         """The whole blocks inside, in runs of about ``about`` bytes (whole blocks each)."""

@@ -30,7 +30,9 @@ from tierckpt_core.objectstore.s3 import S3Store
 from tierckpt_core.verified import (
     BlockStream,
     BlockSums,
+    Copy,
     check_blocks,
+    copy_all,
     copy_verified,
     receive_into,
     receive_to,
@@ -272,3 +274,45 @@ def test_a_forked_child_copies_over_threads_of_its_own(monkeypatch: pytest.Monke
         os.waitpid(pid, 0)
         pytest.fail("the forked child's copy over threads did not finish")
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_copy_all_reads_a_block_small_copies_share_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small tensors side by side (several in one block) from a file read with ``read``, and a
+    large one over threads: exact bytes land, each shared block is read (and checked) once, and
+    a flipped byte in a shared block fails the call naming the block."""
+    monkeypatch.setattr(verified, "PARALLEL_MIN", BLOCK)
+    data, sums = _file()
+    reads: list[tuple[int, int]] = []
+    read = _reader(data, piece=1 << 30)
+
+    def counted(view: memoryview, off: int) -> int:
+        reads.append((off, len(view)))
+        return read(view, off)
+
+    small = [(100 + 300 * i, 300) for i in range(10)]  # all in block 0
+    spans = [*small, (BLOCK + 10, 6 * BLOCK)]  # blocks 1 and 7 in part, 2-6 whole
+    dests = [bytearray(n) for _, n in spans]
+    copies = [
+        Copy(d, sums, at, read=counted, key="r0.data")
+        for d, (at, _) in zip(dests, spans, strict=True)
+    ]
+    assert copy_all(copies, threads=3) == 3 * BLOCK + 5 * BLOCK
+    assert all(d == data[at : at + n] for d, (at, n) in zip(dests, spans, strict=True))
+    assert reads.count((0, BLOCK)) == 1  # block 0, once for the ten small copies
+    bad = _flipped(data, 200)
+    dests = [bytearray(n) for _, n in small]
+    with pytest.raises(BlockMismatchError, match=r"\(block 0, "):
+        copy_all(
+            [
+                Copy(d, sums, at, src=bad, key="r0.data")
+                for d, (at, _) in zip(dests, small, strict=True)
+            ]
+        )
+    assert all(d == bytes(len(d)) for d in dests)  # nothing of the bad block landed
+
+
+def test_copy_all_from_a_read_that_ends_early_fails() -> None:
+    data, sums = _file()
+    dest = bytearray(LENGTH)
+    with pytest.raises(IntegrityError, match="ended after"):
+        copy_all([Copy(dest, sums, 0, read=_reader(data, short_by=10))])

@@ -181,9 +181,10 @@ class LocalFiles:
             return None
         sums = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
         dest: Any = target.reshape(-1).view(torch.uint8).numpy()
+        # key: a block that small tensors side by side share is read and checked once per load.
         if fd is None:
-            return Copy(dest, sums, offset, src=self.buffer(name).numpy())
-        return Copy(dest, sums, offset, read=lambda view, at: os.preadv(fd, [view], at))
+            return Copy(dest, sums, offset, src=self.buffer(name).numpy(), key=name)
+        return Copy(dest, sums, offset, read=lambda view, at: os.preadv(fd, [view], at), key=name)
 
     def _land(self, jobs: list[Copy]) -> None:
         """Run the copies (a bad block or a short file fails here, naming file and block)."""
