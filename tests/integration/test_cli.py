@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from s3proxy import S3FaultProxy
+from seaweed import SeaweedS3
 
 from tierckpt_client import DaemonClient
 
@@ -150,8 +152,12 @@ def _wait_state(ns: str, step: int, state: str, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def _cli_tty(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
-    """Run the CLI with its stderr on a pseudo-terminal: (exit code, stdout, terminal output)."""
+def _cli_tty(
+    *args: str, timeout: float = 60.0, on_output: Callable[[str], None] | None = None
+) -> tuple[int, str, str]:
+    """Run the CLI with its stderr on a pseudo-terminal: (exit code, stdout, terminal output).
+    ``on_output`` sees the terminal output so far each time more arrives; a CLI still running
+    after ``timeout`` is killed (its exit code then says so)."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierckpt_client.cli", *args],
@@ -172,8 +178,12 @@ def _cli_tty(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
             if not data:
                 break
             chunks.append(data)
+            if on_output is not None:
+                on_output(b"".join(chunks).decode(errors="replace"))
     finally:
         os.close(master)
+        if proc.poll() is None and time.monotonic() >= deadline:
+            proc.kill()
     assert proc.stdout is not None
     with proc.stdout:
         out = proc.stdout.read().decode()
@@ -261,28 +271,45 @@ def test_persist_without_a_persistent_tier_exits_1(client_env: DaemonProcess) ->
 
 
 def test_persist_wait_shows_bytes_rate_and_eta(
-    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+    s3_env: SeaweedS3, make_node: Callable[..., DaemonProcess], request: pytest.FixtureRequest
 ) -> None:
-    # Uploads capped at 64 KiB/s (a token bucket of one chunk: step 1 goes out at once, step 2
-    # then waits about 4 s for its bytes), long enough to watch step 2's upload.
-    d = make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", upload_max_rate="64K")
-    save("job", 1, seeded_state(1, N), staged=False)  # both queued for upload by the default policy
-    save("job", 2, seeded_state(2, N), staged=False)
-    total = sum(f["length"] for f in _json("inspect", "job", "2")["files"])
-    with DaemonClient.from_socket(d.socket) as client:
-        deadline = time.monotonic() + 10
-        while True:
-            p = client.status().persistent
-            assert p is not None
-            if [u for u in p.uploads if u.step == 2]:
-                break
-            assert time.monotonic() < deadline, "step 2's upload never showed in the status"
-            time.sleep(0.02)
-    u = p.uploads[0]
-    assert (u.namespace, u.step, u.total_bytes) == ("job", 2, total)
-    assert 0 <= u.done_bytes < total
+    # The persistent tier is S3 behind a proxy that holds step 2's uploads (as a server that
+    # stopped answering would) until the CLI has drawn its bar: the bar is seen however long the
+    # CLI takes to start. Not a rate cap: on a loaded machine the upload could end before the
+    # CLI's first look, and it would find the step durable and draw nothing.
+    with S3FaultProxy(s3_env.endpoint) as proxy:
+        proxy.add("stall", key=r"/step_000000000002/")  # every request for its objects
+        d = make_node(
+            client=True,
+            persist_url=f"s3://{s3_env.bucket}/{request.node.name}",
+            s3_endpoint=proxy.endpoint,
+            s3_timeout=600,  # the held upload must not time out while the CLI starts
+        )
+        save("job", 1, seeded_state(1, N), staged=False)  # both uploaded by the default policy
+        save("job", 2, seeded_state(2, N), staged=False)
+        total = sum(f["length"] for f in _json("inspect", "job", "2")["files"])
+        with DaemonClient.from_socket(d.socket) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                p = client.status().persistent
+                assert p is not None
+                mine = [u for u in p.uploads if u.step == 2]
+                if mine and proxy.injected():
+                    break
+                assert time.monotonic() < deadline, f"step 2's upload never started: {p}"
+                time.sleep(0.05)
+        u = mine[0]
+        assert (u.namespace, u.step, u.total_bytes) == ("job", 2, total)
+        assert 0 <= u.done_bytes < total
 
-    rc, out, term = _cli_tty("persist", "job", "2", "--wait")
+        def release_once_drawn(term: str) -> None:
+            if "job step 2: uploading" in term:
+                proxy.clear()
+                proxy.release()  # the held requests are reset; their retries go through
+
+        rc, out, term = _cli_tty(
+            "persist", "job", "2", "--wait", timeout=120, on_output=release_once_drawn
+        )
     assert rc == 0, term
     assert out.strip() == "job step 2 is durable"
     assert "job step 2: uploading" in term  # the bar while bytes are still going out
