@@ -176,9 +176,9 @@ class LocalFiles:
             self._check_range(fd, name, offset, length, "a tensor")
         elif offset + length > self.buffer(name).numel():
             raise CheckpointFormatError(f"{self.where}: a tensor lies beyond the end of {name}")
-        rec = self._record(name, offset, length, "a tensor")
         if not length:
             return None
+        rec = self._record(name, offset, length, "a tensor")
         sums = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
         dest: Any = target.reshape(-1).view(torch.uint8).numpy()
         # key: a block that small tensors side by side share is read and checked once per load.
