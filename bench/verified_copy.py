@@ -11,7 +11,7 @@ destination:
 - ``hash``: xxh3-128 (the block checksum) and xxh3-64 of the source alone, one thread, and
   xxh3-128 over two threads on two halves (does xxhash release the GIL?);
 - ``copy, then hash``: the two passes a restore made before;
-- ``fused``: :func:`tierckpt_core.verified.copy_verified`, each piece hashed in the destination
+- ``fused``: :func:`tierckpt_core.verified_copy.copy_verified`, each piece hashed in the destination
   right after it was copied, at several piece sizes, on one thread and split over as many threads
   as torch's copy uses (``--threads``).
 
@@ -37,7 +37,8 @@ import torch
 import xxhash
 
 from tierckpt_core.integrity import checksum_blocks
-from tierckpt_core.verified import BlockSums, copy_verified
+from tierckpt_core.verified import BlockSums
+from tierckpt_core.verified_copy import copy_verified
 
 
 def _source(size: int) -> tuple[mmap.mmap, BlockSums, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt_core import verified
+from tierckpt_core import verified_copy
 from tierckpt_core.errors import (
     BlockMismatchError,
     IntegrityError,
@@ -30,13 +30,11 @@ from tierckpt_core.objectstore.s3 import S3Store
 from tierckpt_core.verified import (
     BlockStream,
     BlockSums,
-    Copy,
     check_blocks,
-    copy_all,
-    copy_verified,
     receive_into,
     receive_to,
 )
+from tierckpt_core.verified_copy import Copy, copy_all, copy_verified
 
 BLOCK = 16 << 10
 LENGTH = 10 * BLOCK + 1234  # a short last block
@@ -218,7 +216,7 @@ def test_copy_verified_over_threads(
 ) -> None:
     """Split over threads at block boundaries: the same bytes land, and a bad block in any part
     fails the call (after every part stopped writing)."""
-    monkeypatch.setattr(verified, "PARALLEL_MIN", BLOCK)
+    monkeypatch.setattr(verified_copy, "PARALLEL_MIN", BLOCK)
     data, sums = _file()
     src = data if at is None else _flipped(data, at)
     dest = bytearray(LENGTH - 100)
@@ -255,7 +253,7 @@ def test_the_store_does_not_retry_a_block_that_does_not_match() -> None:
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_copies_over_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool's threads stay in the parent: a child (a PROCESS-mode checkpoint) starts its own."""
-    monkeypatch.setattr(verified, "PARALLEL_MIN", BLOCK)
+    monkeypatch.setattr(verified_copy, "PARALLEL_MIN", BLOCK)
     data, sums = _file()
     copy_verified(data, bytearray(LENGTH), sums, 0, threads=2)  # the parent's pool exists
     pid = os.fork()
@@ -280,7 +278,7 @@ def test_copy_all_reads_a_block_small_copies_share_once(monkeypatch: pytest.Monk
     """Small tensors side by side (several in one block) from a file read with ``read``, and a
     large one over threads: exact bytes land, each shared block is read (and checked) once, and
     a flipped byte in a shared block fails the call naming the block."""
-    monkeypatch.setattr(verified, "PARALLEL_MIN", BLOCK)
+    monkeypatch.setattr(verified_copy, "PARALLEL_MIN", BLOCK)
     data, sums = _file()
     reads: list[tuple[int, int]] = []
     read = _reader(data, piece=1 << 30)

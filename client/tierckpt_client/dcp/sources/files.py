@@ -25,7 +25,8 @@ from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_core.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
-from tierckpt_core.verified import BlockSums, Copy, copy_all
+from tierckpt_core.verified import BlockSums
+from tierckpt_core.verified_copy import Copy, copy_all
 
 _CHANGED = (
     "the copy in this node's memory changed; restore the step from the persistent tier or a peer"
