@@ -25,22 +25,17 @@ import time
 from typing import Any, Protocol
 
 from tierckpt_core.errors import (
-    LeaseNotFoundError,
     NamespaceOwnerError,
-    ProtocolError,
     StepNotFoundError,
     StepStateError,
 )
-from tierckpt_core.integrity import check_digests, checksum_file_blocks
-from tierckpt_core.manifest import FileRecord
+from tierckpt_core.integrity import checksum_file_blocks
 from tierckpt_core.protocol import (
     CommitRequest,
     LeaseAfter,
     LeaseResponse,
-    SealRequest,
     StepInfo,
     StepState,
-    validate_file_name,
     validate_namespace,
     validate_step,
 )
@@ -55,12 +50,12 @@ from tierckpt_daemon.tier.leases import Leases
 from tierckpt_daemon.tier.ownership import Ownership
 from tierckpt_daemon.tier.queries import PIN_TTL_S, Queries
 from tierckpt_daemon.tier.records import (
-    MANIFEST,
     StepRecord,
     committed_here,
     update_manifest,
     write_manifest,
 )
+from tierckpt_daemon.tier.sealing import Sealing
 from tierckpt_daemon.tier.worker_reports import WorkerReports
 
 logger = logging.getLogger(__name__)
@@ -83,7 +78,7 @@ class StepListener(Protocol):
         ...
 
 
-class TierService(Queries, WorkerReports, Ownership, Attempts):
+class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
     def __init__(
         self,
         arena: Arena,
@@ -155,92 +150,7 @@ class TierService(Queries, WorkerReports, Ownership, Attempts):
     ) -> None:
         self.leases.release(namespace, lease_id, owner, admin=admin)
 
-    # -- seal and commit --------------------------------------------------------------------
-    def seal(
-        self,
-        namespace: str,
-        step: int,
-        attempt: str,
-        req: SealRequest,
-        *,
-        owner: str | None = None,
-        admin: bool = False,
-    ) -> StepInfo:
-        """Seal a rank's files into a save attempt. ``owner``: the identity the save is for (the
-        caller's; a copy's owner), which the namespace's first save here claims; ``admin``
-        saves into a namespace of another owner on its behalf."""
-        validate_namespace(namespace)
-        validate_step(step)
-        validate_file_name(attempt)
-        with self.lock:
-            caller = owner
-            owner = self.claim(namespace, owner, admin=admin)
-            # Every lease is the caller's before the attempt begins: a refused seal must not
-            # leave a record behind, which would claim the namespace for the caller.
-            for f in req.files:
-                if self.leases.get(namespace, f.lease_id, caller, admin=admin) is None:
-                    raise self._unknown_lease(namespace, step, req.rank, f.lease_id, f.name)
-            rec = self.index.begin(namespace, step, attempt)
-            if rec.owner is None:
-                rec.owner = owner
-            for f in req.files:
-                validate_file_name(f.name)
-                if f.name.startswith(MANIFEST):
-                    raise StepStateError(f"file name {f.name!r} is reserved")
-                lease = self.leases.get(namespace, f.lease_id, caller, admin=admin)
-                if lease is None:  # the same lease named twice
-                    raise self._unknown_lease(namespace, step, req.rank, f.lease_id, f.name)
-                if f.name in rec.files:
-                    raise StepStateError(
-                        f"{namespace}/step {step}: file {f.name} was already sealed by rank "
-                        f"{rec.files[f.name].rank}"
-                    )
-                if f.length > lease.size:
-                    raise StepStateError(
-                        f"{namespace}/step {step}: file {f.name} claims {f.length} bytes but its "
-                        f"lease holds {lease.size}"
-                    )
-                if f.checksum is not None:
-                    problem = check_digests(f.length, f.checksum, f.block_size, f.blocks)
-                    if problem:
-                        raise ProtocolError(f"{namespace}/step {step}: file {f.name}: {problem}")
-                elif f.block_size is not None or f.blocks is not None:
-                    raise ProtocolError(
-                        f"{namespace}/step {step}: file {f.name}: block checksums without a checksum"
-                    )
-                self.leases.take(lease)
-                self.arena.move(lease.path, rec.dir / f.name)
-                rec.files[f.name] = FileRecord(
-                    name=f.name,
-                    rank=req.rank,
-                    size=lease.size,
-                    length=f.length,
-                    segments=f.segments,
-                    checksum=f.checksum,
-                    block_size=f.block_size,
-                    blocks=f.blocks,
-                )
-            rec.last_activity = time.monotonic()
-            logger.debug(
-                "%s/step %d attempt %s: rank %d sealed %d files",
-                namespace,
-                step,
-                attempt,
-                req.rank,
-                len(req.files),
-                extra=step_fields(namespace, step, attempt, rank=req.rank),
-            )
-            return rec.info()
-
-    @staticmethod
-    def _unknown_lease(
-        namespace: str, step: int, rank: int, lease_id: str, name: str
-    ) -> LeaseNotFoundError:
-        return LeaseNotFoundError(
-            f"{namespace}/step {step} rank {rank}: lease {lease_id} for file {name} is unknown or "
-            "expired, or another user's (was the daemon restarted during the save?)"
-        )
-
+    # -- commit -------------------------------------------------------------------------
     def commit(
         self,
         namespace: str,
