@@ -79,16 +79,18 @@ def started(**settings: Any) -> Iterator[DaemonProcess]:
 
 
 def _rank_entry(
-    rank: int, fn: Callable[..., None], world_size: int, port: int, args: tuple[Any, ...]
+    rank: int, fn: Callable[..., None], world_size: int, store: str, args: tuple[Any, ...]
 ) -> None:
     import torch.distributed as dist
 
+    # DCP's checkpoint process (PROCESS mode) puts its own store on MASTER_ADDR: loopback only.
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file rendezvous: no TCP port to pick, so no race with another process taking it between
+    # free_port() and the store's bind (gloo's own connections bind port 0).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -98,9 +100,13 @@ def _rank_entry(
 
 def run_ranks(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes on one gloo group."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, join=True)
+    with tempfile.TemporaryDirectory(prefix="tierckpt-ranks-") as tmp:
+        store = os.path.join(tmp, "store")
+        mp.spawn(_rank_entry, args=(fn, world_size, store, args), nprocs=world_size, join=True)
 
 
 def launch_script(
