@@ -9,18 +9,19 @@ DCP's async checkpoint process.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
-import httpx
-
+from tierckpt_client._uds_http import ConnectFailed, UnixHTTP
 from tierckpt_client.config import ClientConfig
-from tierckpt_core.errors import DaemonUnavailableError, ProtocolError
-from tierckpt_core.http import decode_response
+from tierckpt_core.errors import DaemonUnavailableError, ProtocolError, TierCkptError
+from tierckpt_core.http import decode_body
 from tierckpt_core.protocol import (
     ClusterListing,
     CommitRequest,
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # Connections shared by the writers and readers of one process (see DaemonClient.shared): a
 # training loop makes a new writer per save, and a new connection costs ~2 ms of the save's stall.
-_SHARED: dict[tuple[int, ClientConfig], httpx.Client] = {}
+_SHARED: dict[tuple[int, ClientConfig], UnixHTTP] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
 
@@ -61,7 +62,7 @@ def _close_shared() -> None:
 class DaemonClient:
     def __init__(self, config: ClientConfig | None = None, *, shared: bool = False) -> None:
         self.config = config or ClientConfig.from_env()
-        self._http: httpx.Client | None = None
+        self._http: UnixHTTP | None = None
         self._shared = shared
 
     @classmethod
@@ -97,7 +98,7 @@ class DaemonClient:
                 self._http.close()
             self._http = None
 
-    def _client(self) -> httpx.Client:
+    def _client(self) -> UnixHTTP:
         if self._http is None:
             if self._shared:
                 key = (os.getpid(), self.config)
@@ -110,37 +111,25 @@ class DaemonClient:
                 self._http = self._new_http()
         return self._http
 
-    def _new_http(self) -> httpx.Client:
-        cfg = self.config
-        return httpx.Client(
-            # Plain HTTP on a Unix socket: no TLS, so skip loading the CA bundle (~35 ms, on the
-            # trainer's critical path for every new writer).
-            transport=httpx.HTTPTransport(uds=str(cfg.socket), verify=False),
-            base_url="http://tierckpt",
-            timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
+    def _new_http(self) -> UnixHTTP:
+        return UnixHTTP(self.config.socket, self.config.connect_timeout_s)
+
+    def _unreachable(self, e: OSError) -> DaemonUnavailableError:
+        return DaemonUnavailableError(
+            f"cannot reach the tierckpt daemon at {self.config.socket} ({e.strerror or e}); is "
+            "it running, and does TIERCKPT_SOCKET point at its socket?"
         )
 
-    def _preflight(self) -> None:
-        # httpcore leaks the socket (a ResourceWarning in the trainer) when a Unix-socket connect
-        # fails, so find out with a socket of our own first; on a Unix socket this costs microseconds.
+    def ping(self) -> bool:
+        """Whether the daemon's socket accepts a connection (microseconds; no HTTP)."""
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.settimeout(self.config.connect_timeout_s)
             probe.connect(str(self.config.socket))
-        except OSError as e:
-            raise DaemonUnavailableError(
-                f"cannot reach the tierckpt daemon at {self.config.socket} ({e.strerror or e}); is "
-                "it running, and does TIERCKPT_SOCKET point at its socket?"
-            ) from None
+        except OSError:
+            return False
         finally:
             probe.close()
-
-    def ping(self) -> bool:
-        """Whether the daemon's socket accepts a connection (microseconds; no HTTP)."""
-        try:
-            self._preflight()
-        except DaemonUnavailableError:
-            return False
         return True
 
     def _request(
@@ -151,28 +140,53 @@ class DaemonClient:
         *,
         timeout: float | None = None,
         raw: bool = False,
+        later: bool = False,
     ) -> Any:
-        self._preflight()
-        kwargs: dict[str, Any] = {}
-        if timeout is not None:
-            kwargs["timeout"] = httpx.Timeout(timeout, connect=self.config.connect_timeout_s)
+        """The daemon's answer to one request, decoded. ``later``: only send it; an error in its
+        answer is logged when this process makes its next request (or exits)."""
+        limit = timeout if timeout is not None else self.config.timeout_s
+        data = json.dumps(body).encode() if body is not None else None
         try:
-            resp = self._client().request(method, path, json=body, **kwargs)
-        except httpx.TimeoutException as e:
+            if later:
+                what = f"{method} {path}"
+                self._client().send_later(method, path, data, limit, self._answered_later(what))
+                return None
+            status, content = self._client().request(method, path, data, limit)
+        except ConnectFailed as e:
+            raise self._unreachable(e) from None
+        except TimeoutError as e:
             raise DaemonUnavailableError(
                 f"the tierckpt daemon at {self.config.socket} did not answer {method} {path} "
-                f"within {timeout or self.config.timeout_s:.0f}s ({type(e).__name__})"
+                f"within {limit:.0f}s ({type(e).__name__})"
             ) from e
-        except httpx.TransportError as e:
+        except OSError as e:
             raise DaemonUnavailableError(
-                f"cannot reach the tierckpt daemon at {self.config.socket} ({e}); is it running, "
-                "and does TIERCKPT_SOCKET point at its socket?"
+                f"lost the connection to the tierckpt daemon at {self.config.socket} during "
+                f"{method} {path} ({type(e).__name__}: {e}); is it running?"
             ) from e
-        if resp.status_code == 204:
+        if status == 204:
             return None
-        if raw and resp.status_code == 200:
-            return resp.content
-        return decode_response(resp, f"daemon answered {method} {path}")
+        if raw and status == 200:
+            return content
+        return decode_body(status, content, f"daemon answered {method} {path}")
+
+    def _answered_later(
+        self, what: str
+    ) -> Callable[[tuple[int, bytes] | None, BaseException | None], None]:
+        def done(answer: tuple[int, bytes] | None, error: BaseException | None) -> None:
+            try:
+                if error is not None:
+                    raise DaemonUnavailableError(
+                        f"lost the connection to the tierckpt daemon at {self.config.socket} "
+                        f"before it answered {what} ({type(error).__name__}: {error})"
+                    )
+                assert answer is not None
+                if answer[0] != 204:
+                    decode_body(*answer, f"daemon answered {what}")
+            except TierCkptError as e:
+                logger.warning("%s failed: %s", what, e)
+
+        return done
 
     # -- API --------------------------------------------------------------------------------
     def status(self) -> StatusResponse:
@@ -301,5 +315,9 @@ class DaemonClient:
         path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
         return ReadResponse.model_validate(self._request("POST", path, body))
 
-    def unpin(self, namespace: str, step: int, pin_id: str) -> None:
-        self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}")
+    def unpin(self, namespace: str, step: int, pin_id: str, *, wait: bool = True) -> None:
+        """Release a pin. ``wait=False``: send the request and return (a load's last request,
+        off its path); a failure is logged as a warning when this process next asks its daemon
+        anything, which the daemon then answers with the pin released."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}"
+        self._request("DELETE", path, later=not wait)

@@ -6,6 +6,7 @@ A daemon answers JSON; errors are ``{"code": "...", "detail": "..."}`` with a st
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -17,12 +18,17 @@ def decode_response(resp: httpx.Response, what: str, *, prefix: str = "") -> Any
     """The JSON body of a daemon's answer, or its ``{"code", "detail"}`` error raised as the
     matching exception class (``prefix`` goes before the detail). ``what`` names the answer in a
     ProtocolError, e.g. ``"daemon answered GET /v1/status"``."""
+    return decode_body(resp.status_code, resp.content, what, prefix=prefix)
+
+
+def decode_body(status: int, content: bytes, what: str, *, prefix: str = "") -> Any:
+    """:func:`decode_response` for an answer's status and body (the trainer's own transport)."""
     try:
-        doc = resp.json()
+        doc = json.loads(content)
     except ValueError:
-        raise ProtocolError(f"{what} with HTTP {resp.status_code} and a non-JSON body") from None
-    if resp.status_code >= 400:
+        raise ProtocolError(f"{what} with HTTP {status} and a non-JSON body") from None
+    if status >= 400:
         if isinstance(doc, dict) and "code" in doc and "detail" in doc:
             raise error_from_code(str(doc["code"]), f"{prefix}{doc['detail']}")
-        raise ProtocolError(f"{what} with HTTP {resp.status_code}: {doc}")
+        raise ProtocolError(f"{what} with HTTP {status}: {doc}")
     return doc

@@ -10,6 +10,7 @@ import hashlib
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
+from starlette.concurrency import run_in_threadpool
 
 from tierckpt_core.protocol import (
     HydrateRequest,
@@ -22,7 +23,14 @@ from tierckpt_core.protocol import (
     StepCandidate,
     StepInfo,
 )
-from tierckpt_daemon.api.deps import authorize, get_caller, get_node, get_service, reader_owner
+from tierckpt_daemon.api.deps import (
+    authorize,
+    get_caller,
+    get_node,
+    get_service,
+    reader_owner,
+    under_lock,
+)
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.tier.service import TierService
 from tierckpt_daemon.tier.tenants import Caller
@@ -102,7 +110,7 @@ def pin(namespace: str, step: int, service: Service, owner: Owner) -> PinRespons
 
 
 @router.post("/{namespace}/steps/{step}/reads")
-def open_read(
+async def open_read(
     namespace: str,
     step: int,
     service: Service,
@@ -112,31 +120,44 @@ def open_read(
 ) -> ReadResponse:
     """A load's one round trip per phase: the step's version, pinned (as ``pins``) when asked,
     and its metadata and file records unless the reader holds those of this very commit already
-    (``known``)."""
+    (``known``).
+
+    On the trainer's path twice per load, so it runs on the event loop (no thread-pool hops)
+    while the service's lock is free; fetching the metadata (from another node, for a step
+    spanning nodes) goes to the thread pool."""
     req = req or ReadRequest()
-    if req.pin:
-        pin = service.pin(namespace, step, owner=owner)
-        info = pin.step
-        answer = ReadResponse(
-            version=_version(info),
-            pin_id=pin.pin_id,
-            paths=pin.paths,
-            expires_in_s=pin.expires_in_s,
-        )
-    else:
-        info = service.get_step(namespace, step, owner=owner)
-        answer = ReadResponse(version=_version(info))
+    answer, info = await under_lock(service, _open_read, service, namespace, step, owner, req.pin)
     if req.known != answer.version:
         try:
             # A step spanning nodes keeps its metadata on a few of them: the restorer fetches it
             # from one (checked against its digest) where this node keeps only the digest.
-            answer.metadata = node.restorer.metadata(namespace, step, owner=owner)
+            answer.metadata = await run_in_threadpool(
+                node.restorer.metadata, namespace, step, owner=owner
+            )
         except BaseException:
             if answer.pin_id is not None:
                 service.unpin(namespace, step, answer.pin_id)
             raise
         answer.files = info.files
     return answer
+
+
+def _open_read(
+    service: TierService, namespace: str, step: int, owner: str | None, pin: bool
+) -> tuple[ReadResponse, StepInfo]:
+    if pin:
+        pinned = service.pin(namespace, step, owner=owner)
+        info = pinned.step
+        answer = ReadResponse(
+            version=_version(info),
+            pin_id=pinned.pin_id,
+            paths=pinned.paths,
+            expires_in_s=pinned.expires_in_s,
+        )
+    else:
+        info = service.get_step(namespace, step, owner=owner)
+        answer = ReadResponse(version=_version(info))
+    return answer, info
 
 
 def _version(info: StepInfo) -> str:
@@ -152,6 +173,8 @@ def _version(info: StepInfo) -> str:
 
 @router.delete("/{namespace}/steps/{step}/pins/{pin_id}", status_code=204)
 def unpin(namespace: str, step: int, pin_id: str, service: Service) -> Response:
+    # In the thread pool: the last pin of a retired step gives its files back (renames,
+    # unlinks), which must not hold up the event loop.
     service.unpin(namespace, step, pin_id)
     return Response(status_code=204)
 

@@ -9,8 +9,9 @@ fetched in blocks the daemon verifies.
 A load asks its daemon (``open_read``) for the step's metadata in ``read_metadata`` and for a pin
 in ``read_data``, each a small answer: the step's metadata and file records (their block checksums
 are most of a step's record) come only when this process does not hold those of this very commit
-already. The pin is taken by ``read_data`` and released before it returns, as before: a load that
-fails, on any rank and in any phase, holds nothing.
+already. The pin is taken by ``read_data`` and its release sent before it returns, as before: a
+load that fails, on any rank and in any phase, holds nothing. The release's answer is read at the
+process's next request to a daemon (``DaemonClient.unpin(wait=False)``), not on the load's path.
 """
 
 from __future__ import annotations
@@ -129,9 +130,9 @@ class MemorySource:
             )
         return _Opened(answer.pin_id or "", answer.paths, known)
 
-    def _unpin(self, namespace: str, step: int, pin_id: str) -> None:
+    def _unpin(self, namespace: str, step: int, pin_id: str, *, wait: bool = True) -> None:
         try:
-            self.daemon.unpin(namespace, step, pin_id)
+            self.daemon.unpin(namespace, step, pin_id, wait=wait)
         except TierCkptError as e:
             logger.warning(
                 "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
@@ -200,4 +201,5 @@ class MemorySource:
             yield files
         finally:
             files.close()
-            self._unpin(namespace, step, pin.pin_id)
+            # Off the load's path: sent now, its answer read at this process's next request.
+            self._unpin(namespace, step, pin.pin_id, wait=False)
