@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._arena import FileMapping
+from tierckpt_client.dcp._byte_copy import ByteCopies, plain
 from tierckpt_client.dcp._metadata_codec import copy_tensor, dtype_name
 from tierckpt_core.errors import CheckpointFormatError
 
@@ -102,9 +103,11 @@ def stage_into(
     """Copy every tensor of ``state_dict`` into ``mapping``; return the aliasing state dict.
     With CUDA tensors among them and ``pin_memory``, the mapping is registered as page-locked
     memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA; one
-    synchronize at the end waits for them all."""
+    synchronize at the end waits for them all. Host tensors are copied as bytes, all together
+    at the end, shared over torch's number of threads (:mod:`_byte_copy`)."""
     offset = 0
     device_copies = 0
+    host = ByteCopies()
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset, device_copies
@@ -115,7 +118,10 @@ def stage_into(
         dst = mapping.tensor_at(offset, t.dtype, t.shape)
         offset += align(n)
         if t.device.type == "cpu":
-            copy_tensor(dst, t)
+            if plain(dst, t):
+                host.add(dst, t)
+            else:
+                copy_tensor(dst, t)
         else:
             if not device_copies and pin_memory and t.device.type == "cuda":
                 _arena.pin(mapping)
@@ -124,6 +130,7 @@ def stage_into(
         return dst
 
     staged = _walk(state_dict, place)
+    host.run(torch.get_num_threads())
     if device_copies and torch.cuda.is_available():
         torch.cuda.synchronize()
     return StageResult(staged, offset, device_copies)

@@ -1,0 +1,134 @@
+"""``async_save`` staging copies host tensors as bytes in runs shared by the trainer's thread and
+a pool (``_byte_copy``): every save stays bit-exact, whatever mix of tensors it gets (several runs
+per tensor, views with conjugate or negative bits, non-contiguous ones, odd sizes), and the copy
+never waits for a helper thread that was not scheduled."""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _byte_copy
+from tierckpt_client.dcp._arena import FileMapping
+from tierckpt_client.dcp._staging import stage_into, staging_size
+
+from helpers import DaemonProcess
+
+
+def _state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(5)
+    big = _byte_copy.RUN + 37  # float32s: 4 runs and a ragged tail
+    cplx = torch.randn(1000, dtype=torch.complex64, generator=gen)
+    return {
+        "model": {
+            "w0": torch.randn(big, generator=gen),
+            "w1": torch.randn(big // 2 + 3, generator=gen).to(torch.bfloat16),
+            "w2": torch.randint(-100, 100, (257, 1031), dtype=torch.int8, generator=gen),
+            "conj": cplx.conj(),  # contiguous, but its bytes are not the values
+            "neg": torch._neg_view(torch.randn(999, generator=gen)),
+            "rows": torch.randn(64, 1000, generator=gen)[::3],  # non-contiguous
+            "t": torch.randn(300, 200, generator=gen).t(),
+            "empty": torch.empty(0, 5),
+            "scalar": torch.tensor(2.5),
+        },
+        "step": 7,
+    }
+
+
+def _exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.numel():
+        return True
+    raw = [x.contiguous().reshape(-1).view(torch.uint8) for x in (a, b)]
+    return bool(torch.equal(*raw))
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    """At least 2 of torch's threads in the test's thread (the copy uses as many), put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
+def test_async_save_of_a_state_split_in_runs_is_bit_exact(
+    client_env: DaemonProcess, threads: None
+) -> None:
+    sd = _state()
+    assert staging_size(sd) >= 2 * _byte_copy.SPLIT_MIN  # the runs are shared over threads
+    want = {k: v.clone() for k, v in sd["model"].items()}
+    fut = dcp.async_save(
+        sd,
+        storage_writer=TieredStorageWriter("staging", 1),
+        async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        no_dist=True,
+    )
+    for v in sd["model"].values():  # training goes on while the save is written
+        if v.numel() and not v.is_conj() and not v.is_neg():
+            v.add_(1)
+    fut.result()
+    out = {
+        "model": {k: torch.full_like(v.resolve_conj().resolve_neg(), 3) for k, v in want.items()},
+        "step": 0,
+    }
+    dcp.load(out, storage_reader=TieredStorageReader("staging", 1), no_dist=True)
+    for k, v in want.items():
+        assert _exact(out["model"][k], v), k
+    assert out["step"] == 7
+
+
+def test_the_copy_does_not_wait_for_helpers_that_never_start() -> None:
+    """Every pool thread is held: the trainer's thread copies every run itself, and returns."""
+    pool = _byte_copy._pool()
+    release = threading.Event()
+    held = [pool.submit(release.wait, 60) for _ in range(_byte_copy.helpers())]
+    try:
+        src = torch.randint(0, 256, (3 * _byte_copy.SPLIT_MIN + 5,), dtype=torch.uint8)
+        mm = mmap.mmap(-1, 4 * _byte_copy.SPLIT_MIN)
+        mapping = FileMapping(-1, -1, -1, len(mm), torch.frombuffer(mm, dtype=torch.uint8))
+        done = threading.Event()
+        result: list[Any] = []
+
+        def stage() -> None:
+            torch.set_num_threads(4)  # (per thread) the trainer's thread and 3 helpers
+            result.append(stage_into({"x": src}, mapping).state_dict)
+            done.set()
+
+        threading.Thread(target=stage, daemon=True).start()
+        assert done.wait(60), "the copy waited for a helper that never started"
+        assert torch.equal(result[0]["x"], src)
+        assert not any(f.done() for f in held)  # the helpers were held all along
+    finally:
+        release.set()
+        for f in held:
+            f.result(timeout=60)
+    # Once the helpers are free they find nothing left to copy: the staged bytes stay as copied.
+    assert torch.equal(result[0]["x"], src)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_stage_into_lands_every_byte_on_any_number_of_threads(threads: int) -> None:
+    sd = _state()
+    size = staging_size(sd)
+    mm = mmap.mmap(-1, size)
+    mapping = FileMapping(-1, -1, -1, size, torch.frombuffer(mm, dtype=torch.uint8))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        staged = stage_into(sd, mapping).state_dict
+    finally:
+        torch.set_num_threads(before)
+    for k, v in sd["model"].items():
+        assert _exact(staged["model"][k], v), k
+        if v.numel():
+            assert mapping.base <= staged["model"][k].data_ptr() < mapping.base + size, k
