@@ -8,6 +8,9 @@ one CPU state dict of 16 float32 tensors, and ``--iters`` rounds. Each round, in
    the writer is its own stager),
 3. ``async_save`` with one reused torch ``DefaultStager`` and ``FileSystemWriter`` into /dev/shm.
 
+``--ranks 2``: spawned gloo ranks save one state together, each its share (``size / ranks``),
+between barriers; per round each contender's stall on its slower rank.
+
 The contenders alternate within every round, so load on a shared machine hits both alike. The
 stall is the time ``async_save`` takes to return; each future is waited for (untimed) before the
 next save. torch's stager is configured as its fastest honest CPU setting: synchronous staging
@@ -31,6 +34,7 @@ of the paired ratio) and ``..._best`` (minimum), ``tier_stall_minus_memcpy_ms`` 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import shutil
 import statistics
@@ -95,12 +99,21 @@ def parse_args() -> argparse.Namespace:
         "(what its helper process needs), and each contender's first save (the helper's start) "
         "falls in the warmup",
     )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="1, or spawned gloo ranks saving one state together, each its share (size / ranks); "
+        "per round the slower rank's stall of each contender",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/stall.json"))
     p.add_argument("--smoke", action="store_true", help="16 MiB, 3 rounds (CI)")
     args = p.parse_args()
     if args.smoke:
         args.sizes, args.iters, args.warmup, args.interval = "16", 3, 1, 0.0
     args.size_list = [int(s) for s in args.sizes.split(",") if s]
+    if args.ranks < 1:
+        p.error("--ranks must be at least 1")
     if not 1 <= args.warmup < args.iters:
         p.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup}), which must be >= 1")
     return args
@@ -174,12 +187,15 @@ class _ReusedStager(DefaultStager):
         self._close_inner()
 
 
-def make_state(size_mb: int, n_tensors: int = N_TENSORS) -> dict[str, Any]:
+def make_state(size_mb: int, n_tensors: int = N_TENSORS, rank: int | None = None) -> dict[str, Any]:
+    """``size_mb`` of float32 in ``n_tensors``; with ``rank``, named for that rank alone (each
+    rank's tensors are its own items: the same name on two ranks would be saved once)."""
     numel = size_mb * (1 << 20) // n_tensors // 4
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0 if rank is None else rank)
+    prefix = "" if rank is None else f"r{rank}."
     # Nested under one key, as a model's state is: DCP's async_save wraps every top-level key in
     # its method logger (~0.3 ms each here), a cost of the state's shape, not of the stager.
-    model = {f"w{i:05d}": torch.randn(numel, generator=gen) for i in range(n_tensors)}
+    model = {f"{prefix}w{i:05d}": torch.randn(numel, generator=gen) for i in range(n_tensors)}
     return {"model": model, "extra": {"step": 0, "tag": "stall"}}
 
 
@@ -188,8 +204,8 @@ def tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One daemon; the rounds on this process (1 rank) or on ``--ranks`` spawned gloo ranks."""
     shm = root / f"tier-{size_mb}"
-    fs_root = root / f"fs-{size_mb}"
     daemon = DaemonProcess(
         shm,
         log_path=root / f"daemon-{size_mb}.log",
@@ -200,8 +216,64 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
     ).start()
     assert daemon.proc is not None
     os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
+    out = root / f"rounds-{size_mb}.txt"
+    try:
+        if args.ranks > 1:
+            import torch.multiprocessing as mp
+
+            port = free_port()
+            job = (args.ranks, port, size_mb, args, root, daemon.proc.pid, str(out))
+            mp.spawn(run_rank, args=job, nprocs=args.ranks)
+        else:
+            run_rank(0, 1, 0, size_mb, args, root, daemon.proc.pid, str(out))
+        per_rank, cpu = ast.literal_eval(out.read_text())
+    finally:
+        daemon.stop(timeout=10)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(root / f"fs-{size_mb}", ignore_errors=True)
+    return summarize(per_rank, cpu, args, size_mb)
+
+
+def run_rank(
+    rank: int,
+    world: int,
+    port: int,
+    size_mb: int,
+    args: argparse.Namespace,
+    root: Path,
+    daemon_pid: int,
+    out: str,
+) -> None:
+    """This rank's rounds; rank 0 writes every rank's rows (and the CPU-seconds) to ``out``."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    if world > 1:
+        # DCP's helper process (PROCESS mode) puts its own store on MASTER_ADDR: loopback.
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows, cpu = rounds(rank, world, size_mb, args, root, daemon_pid)
+        every: list[Any] = [(rows, cpu)]
+        if world > 1:
+            every = [None] * world
+            dist.all_gather_object(every, (rows, cpu))
+        if rank == 0:
+            total = {k: sum(c[k] for _, c in every) for k in cpu}  # all ranks' CPU
+            Path(out).write_text(repr(([r for r, _ in every], total)))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def rounds(
+    rank: int, world: int, size_mb: int, args: argparse.Namespace, root: Path, daemon_pid: int
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """``--iters`` rounds of memcpy, tierckpt's and torch's ``async_save``, between barriers
+    when there are several ranks (each saves its share, ``size / ranks``, of the state)."""
+    fs_root = root / f"fs-{size_mb}"
+    sync = dist.barrier if world > 1 else (lambda: None)
+    collective: dict[str, Any] = {} if world > 1 else {"no_dist": True}
     off = ClientConfig.from_env(prelease=False)
-    sd = make_state(size_mb, args.tensors)
+    sd = make_state(size_mb // world, args.tensors, rank if world > 1 else None)
     dst = [torch.empty_like(t).fill_(0) for t in tensors(sd)]
     stager = _ReusedStager(
         StagingOptions(
@@ -220,8 +292,12 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
     ph.wrap(_arena, "map_file", "map_file", outside="background_map_file")
     ph.wrap(writer_module.TieredStorageWriter, "stage", "stage")
     ph.wrap(StateDictStager, "stage", "torch_copy")
-    rounds: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     cpu = {"tier_self": 0.0, "tier_daemon": 0.0, "torch_self": 0.0}
+    if world == 1 and args.mode == "process":  # DCP's helper process joins the trainer's group
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         for i in range(args.iters):
             if i:
@@ -229,33 +305,37 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
             for t in tensors(sd):
                 t[0] += 1
             sd["extra"]["step"] = i
+            sync()
             t0 = time.perf_counter()
             for d, s in zip(dst, tensors(sd), strict=True):
                 d.copy_(s)
             memcpy = time.perf_counter() - t0
 
             ph.t = {}
-            c0, d0 = self_cpu_s(), proc_cpu_s(daemon.proc.pid)
+            sync()
+            c0, d0 = self_cpu_s(), proc_cpu_s(daemon_pid) if rank == 0 else 0.0
             writer = writer_module.TieredStorageWriter("stall", step=i + 1)
             t0 = time.perf_counter()
             fut = dcp.async_save(
-                sd, storage_writer=writer, no_dist=True, async_checkpointer_type=kind
+                sd, storage_writer=writer, async_checkpointer_type=kind, **collective
             )
             tier = time.perf_counter() - t0
             fut.result()
             if i >= args.warmup:
                 cpu["tier_self"] += self_cpu_s() - c0
-                cpu["tier_daemon"] += proc_cpu_s(daemon.proc.pid) - d0
+                if rank == 0:
+                    cpu["tier_daemon"] += proc_cpu_s(daemon_pid) - d0
             phases = dict(ph.t)
             phases["async_save_rest"] = tier - phases.get("stage", 0.0)
 
             before = before_phases = None
             if args.before:  # the same writer with pre-leases off, in its own namespace
                 ph.t = {}
+                sync()
                 writer = writer_module.TieredStorageWriter("stall-before", step=i + 1, config=off)
                 t0 = time.perf_counter()
                 fut = dcp.async_save(
-                    sd, storage_writer=writer, no_dist=True, async_checkpointer_type=kind
+                    sd, storage_writer=writer, async_checkpointer_type=kind, **collective
                 )
                 before = time.perf_counter() - t0
                 fut.result()
@@ -263,6 +343,7 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
                 before_phases["async_save_rest"] = before - before_phases.get("stage", 0.0)
 
             ph.t = {}
+            sync()
             c0 = self_cpu_s()
             fs_writer = FileSystemWriter(fs_root / f"step_{i}")
             t0 = time.perf_counter()
@@ -270,15 +351,17 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
                 sd,
                 storage_writer=fs_writer,
                 async_stager=stager,
-                no_dist=True,
                 async_checkpointer_type=kind,
+                **collective,
             )
             torch_stall = time.perf_counter() - t0
             fut.result()
             torch_copy = ph.t.get("torch_copy", 0.0)
             if i >= args.warmup:
                 cpu["torch_self"] += self_cpu_s() - c0
-            shutil.rmtree(fs_root / f"step_{i}", ignore_errors=True)
+            sync()
+            if rank == 0:
+                shutil.rmtree(fs_root / f"step_{i}", ignore_errors=True)
             row: dict[str, Any] = {
                 "memcpy_ms": memcpy * 1e3,
                 "tier_ms": tier * 1e3,
@@ -293,22 +376,55 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
                 row["before_ms"] = before * 1e3
                 row["before_fixed_ms"] = (before - before_phases.get("copy", 0.0)) * 1e3
                 row["before_phases_ms"] = {k: v * 1e3 for k, v in before_phases.items()}
-            rounds.append(row)
-            print(
-                f"  {size_mb} MiB round {i}: memcpy {memcpy * 1e3:.1f} ms, tierckpt "
-                f"{tier * 1e3:.1f} ms, torch {torch_stall * 1e3:.1f} ms"
-                + (f", before {before * 1e3:.1f} ms" if before is not None else "")
-                + ", phases "
-                + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items()),
-                flush=True,
-            )
+            rows.append(row)
+            if rank == 0:
+                print(
+                    f"  {size_mb} MiB round {i}: memcpy {memcpy * 1e3:.1f} ms, tierckpt "
+                    f"{tier * 1e3:.1f} ms, torch {torch_stall * 1e3:.1f} ms"
+                    + (f", before {before * 1e3:.1f} ms" if before is not None else "")
+                    + ", phases "
+                    + " ".join(f"{k}={v * 1e3:.2f}" for k, v in phases.items())
+                    + (" (rank 0)" if world > 1 else ""),
+                    flush=True,
+                )
     finally:
         ph.undo()
         stager.close()
-        daemon.stop(timeout=10)
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(fs_root, ignore_errors=True)
-    steady = rounds[args.warmup :]
+        if world == 1 and args.mode == "process":
+            dist.destroy_process_group()
+    n = max(1, args.iters - args.warmup)
+    return rows, {k: v / n for k, v in cpu.items()}  # per save
+
+
+def slowest(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per round, each contender's time on its slower rank (the job goes on when every rank
+    has): the memcpy and torch's stall the largest over the ranks, tierckpt's stall and its
+    phases from the rank where it was largest."""
+    if len(per_rank) == 1:
+        return per_rank[0]
+    out = []
+    for ranks in zip(*per_rank, strict=True):
+        row = dict(max(ranks, key=lambda r: r["tier_ms"]))
+        row["memcpy_ms"] = max(r["memcpy_ms"] for r in ranks)
+        slow = max(ranks, key=lambda r: r["torch_ms"])
+        row["torch_ms"], row["torch_fixed_ms"] = slow["torch_ms"], slow["torch_fixed_ms"]
+        row["claimed"] = all(r["claimed"] for r in ranks)
+        if "before_ms" in row:
+            b = max(ranks, key=lambda r: r["before_ms"])
+            for k in ("before_ms", "before_fixed_ms", "before_phases_ms"):
+                row[k] = b[k]
+        out.append(row)
+    return out
+
+
+def summarize(
+    per_rank: list[list[dict[str, Any]]],
+    cpu: dict[str, float],
+    args: argparse.Namespace,
+    size_mb: int,
+) -> dict[str, Any]:
+    rows = slowest(per_rank)
+    steady = rows[args.warmup :]
     n = len(steady)
 
     def med(key: str) -> float:
@@ -337,7 +453,15 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
     # What the trainer waits for (stage's parts and the rest of async_save), then what runs in
     # the background thread (not in the stall).
     return {
-        "bytes": sum(t.numel() * t.element_size() for t in tensors(sd)),
+        "bytes": size_mb
+        // args.ranks
+        * (1 << 20)
+        // args.tensors
+        // 4
+        * 4
+        * args.tensors
+        * args.ranks,
+        "ranks": args.ranks,
         "tier_stall_ms": med("tier_ms"),
         "torch_stall_ms": med("torch_ms"),
         "memcpy_ms": med("memcpy_ms"),
@@ -360,9 +484,10 @@ def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, An
         },
         "prelease_claimed": sum(1 for r in steady if r["claimed"]),
         "steady_rounds": n,
-        "cpu_s": {k: v / n for k, v in cpu.items()},  # per save
+        "cpu_s": cpu,  # per save, all ranks
         **extra,
-        "rounds": rounds,
+        "rounds": rows,
+        **({"rank_rounds": per_rank} if len(per_rank) > 1 else {}),
     }
 
 
@@ -419,13 +544,10 @@ def main() -> None:
         warmup=args.warmup,
         tensors=args.tensors,
         mode=args.mode,
+        ranks=args.ranks,
         loadavg=os.getloadavg(),
     )
     sizes: dict[str, Any] = {}
-    if args.mode == "process":  # DCP's helper process joins the trainer's process group
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         for size in args.size_list:
             # The state, the memcpy target, torch's cached copy and KEEP_LAST + 2 tier files.
