@@ -77,8 +77,10 @@ class _Conn:
         """Idle too long, or closed (or talking out of turn) on the server's side."""
         if self.sock is None or now - self.idle_since > IDLE_EXPIRY_S:
             return True
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        return bool(readable)
+        # poll, not select: a trainer's process can hold descriptors above select's 1024.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def put(self, method: str, url: str, body: bytes | None, timeout: float) -> None:
         assert self.sock is not None
@@ -281,8 +283,12 @@ class UnixHTTP:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 return _Conn(self.path, self.connect_timeout), False
-            if not conn.stale(now):
-                return conn, True
+            try:
+                if not conn.stale(now):
+                    return conn, True
+            except BaseException:
+                conn.close()
+                raise
             conn.close()
 
     def _give(self, conn: _Conn) -> None:

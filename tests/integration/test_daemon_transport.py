@@ -7,7 +7,9 @@ socket."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import resource
 import time
 
 import pytest
@@ -110,3 +112,26 @@ def test_idle_connections_expire_well_before_the_servers_keep_alive(
     save("idle", 1, seeded_state(1, 1024))
     time.sleep(IDLE_EXPIRY_S + 0.5)
     assert [s.step for s in c.steps("idle")] == [1]
+
+
+def test_a_process_with_many_open_descriptors_reuses_its_connection(
+    client_env: DaemonProcess,
+) -> None:
+    """A trainer holds many descriptors (data loaders, communicators): a kept-alive connection
+    numbered above 1024 is checked and reused like any other (``select`` cannot watch it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        save("fds", 1, seeded_state(1, 1024))
+        with DaemonClient() as c:  # its connection is numbered above 1100
+            assert [s.step for s in c.steps("fds")] == [1]
+            assert [s.step for s in c.steps("fds")] == [1]  # reused
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
