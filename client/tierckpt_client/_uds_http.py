@@ -30,11 +30,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from urllib.parse import quote
 
 # Below uvicorn's default keep-alive timeout (5 s) with a margin: a connection the server may be
 # about to close is never reused.
 IDLE_EXPIRY_S = 2.0
 _LINE_MAX = 65536
+_URL_SAFE = "/?&=%:@+,;~!$'()*"
 
 Answer = tuple[int, bytes]
 Done = Callable[[Answer | None, BaseException | None], None]
@@ -85,7 +87,9 @@ class _Conn:
     def put(self, method: str, url: str, body: bytes | None, timeout: float) -> None:
         assert self.sock is not None
         self.sock.settimeout(timeout)
-        head = f"{method} {url} HTTP/1.1\r\nHost: tierckpt\r\n"
+        # Names in paths are validated to plain characters; anything else is escaped, never
+        # allowed to break the request line.
+        head = f"{method} {quote(url, safe=_URL_SAFE)} HTTP/1.1\r\nHost: tierckpt\r\n"
         if body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         elif method in ("POST", "PUT", "PATCH"):
