@@ -18,9 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.names import MAX_FILE_BYTES, MAX_RANK, MAX_STEP, validate_file_name
@@ -141,19 +150,33 @@ class Share(BaseModel):
         return self.files or []
 
 
+def table_digest(shares: dict[str, Share]) -> str:
+    """The digest of a step's share table (every node's :class:`Share`): what a node that keeps
+    only the digest checks a table fetched from the step's holders against."""
+    return _digest({n: [s.digest, sorted(s.names), s.bytes] for n, s in shares.items()})
+
+
 class RingRecord(BaseModel):
     """What a step spanning nodes records of the whole job, so that no node keeps the whole
-    job's record: per node its :class:`Share` (a digest of its share's file records, its file
-    names and bytes; the records themselves, with their block checksums, stay with the files: on
-    the node and its replicas), and where the DCP metadata is kept (the decider and its next
-    nodes; the persistent tier once durable), with its digest. Every other node keeps
-    ``metadata`` empty and fetches it on demand."""
+    job's record: its *share table* (per node its :class:`Share`: a digest of its share's file
+    records, its file names and bytes; the records themselves, with their block checksums, stay
+    with the files: on the node and its replicas), and where the DCP metadata is kept (the
+    decider and its next nodes; the persistent tier once durable), with its digest.
+
+    The table and the metadata are kept once per ring: on the ``metadata_holders`` (and in the
+    persistent tier). Every other node keeps ``shares`` None and ``metadata`` empty, with their
+    digests, and fetches them on demand, checked against those."""
 
     model_config = ConfigDict(extra="ignore")
 
-    shares: dict[str, Share]  # node -> the files it holds as their writer's daemon
+    # node -> the files it holds as their writer's daemon; None: kept by the holders only.
+    shares: dict[str, Share] | None = None
+    # Of ``shares`` (table_digest). None only in records from before it, which keep the table.
+    shares_digest: str | None = None
     metadata_digest: str
     metadata_holders: list[str]  # the decider first
+    # name -> node, built once from ``shares`` (the dict it was built from, to notice a new one).
+    _index: tuple[dict[str, Share], dict[str, str]] | None = PrivateAttr(default=None)
 
     @field_validator("shares", mode="before")
     @classmethod
@@ -163,13 +186,91 @@ class RingRecord(BaseModel):
             return {n: {"digest": s} if isinstance(s, str) else s for n, s in v.items()}
         return v
 
+    @model_validator(mode="after")
+    def _table_or_digest(self) -> RingRecord:
+        if self.shares is None and self.shares_digest is None:
+            raise ValueError("a ring record needs its share table or the table's digest")
+        return self
+
+    @property
+    def has_table(self) -> bool:
+        """Whether this copy keeps the share table (a holder's, the persistent tier's)."""
+        return self.shares is not None
+
+    @property
+    def table(self) -> dict[str, Share]:
+        """The share table; CheckpointFormatError on a copy that keeps only its digest (the
+        caller fetches it from the holders first: see the daemon's ``ring_table``)."""
+        if self.shares is None:
+            raise CheckpointFormatError(
+                "this copy of the step's ring record keeps only its share table's digest; the "
+                f"table is kept by {', '.join(self.metadata_holders)}"
+            )
+        return self.shares
+
+    def digest_of_table(self) -> str:
+        if self.shares is not None:
+            return table_digest(self.shares)
+        assert self.shares_digest is not None  # _table_or_digest
+        return self.shares_digest
+
+    def kept_by(self, node: str | None) -> RingRecord:
+        """The record as ``node`` keeps it: whole on the holders, else without the share table
+        (its digest only), so that a node's record does not grow with the number of nodes."""
+        if self.shares is None or node in self.metadata_holders:
+            return self
+        return RingRecord(
+            shares=None,
+            shares_digest=self.digest_of_table(),
+            metadata_digest=self.metadata_digest,
+            metadata_holders=list(self.metadata_holders),
+        )
+
+    def with_table(self, table: RingRecord, *, where: str) -> RingRecord:
+        """This record with the share table of ``table`` (another copy of it, fetched from a
+        holder), which must hash to this record's digest of it: CheckpointFormatError if not."""
+        if table.shares is None:
+            raise CheckpointFormatError(f"{where} keeps no share table of the step")
+        if self.shares is not None:
+            return self
+        if table_digest(table.shares) != self.shares_digest:
+            raise CheckpointFormatError(
+                f"{where}: its share table does not match the step's digest"
+            )
+        return RingRecord(
+            shares=table.shares,
+            shares_digest=self.shares_digest,
+            metadata_digest=self.metadata_digest,
+            metadata_holders=list(self.metadata_holders),
+        )
+
+    def holders_for(self, node: str | None) -> list[str]:
+        """The holders of the table and the metadata other than ``node``, in the order
+        ``node`` asks them: from one chosen by a hash of its name, so that a whole job's restore
+        spreads its fetches over the holders instead of all asking the decider."""
+        holders = [h for h in self.metadata_holders if h != node]
+        if holders:
+            first = zlib.crc32((node or "").encode()) % len(holders)
+            holders = holders[first:] + holders[:first]
+        return holders
+
+    def _names_index(self) -> dict[str, str]:
+        table = self.table
+        if self._index is None or self._index[0] is not table:
+            self._index = (table, {name: n for n, s in table.items() for name in s.names})
+        return self._index[1]
+
     def node_of(self, name: str) -> str | None:
         """The node whose share holds file ``name`` (None: not a file of the step)."""
-        return next((n for n, s in self.shares.items() if name in s.names), None)
+        return self._names_index().get(name)
 
     def names(self) -> set[str]:
         """Every file of the step."""
-        return {name for s in self.shares.values() for name in s.names}
+        return set(self._names_index())
+
+    def count(self) -> int:
+        """How many files the step has."""
+        return len(self._names_index())
 
 
 class LocalState(BaseModel):
@@ -209,8 +310,9 @@ class StepManifest(BaseModel):
     owner: str | None = None
     # A step spanning nodes, committed by a daemon that keeps the record per node (see RingRecord):
     # ``files`` lists the files this copy's node holds (the persistent tier's: every file), the
-    # others are in ``ring.shares``; ``metadata`` is empty on nodes that do not keep it. (Records
-    # of the previous format list the other nodes' files slim, and are read as well.)
+    # others are in ``ring.shares``; ``metadata`` and ``ring.shares`` are left out on nodes that do
+    # not keep them (their digests are there). (Records of earlier formats, which list the other
+    # nodes' files slim or keep the share table everywhere, are read as well.)
     ring: RingRecord | None = None
     local: LocalState | None = None
 
@@ -226,7 +328,7 @@ class StepManifest(BaseModel):
     @model_validator(mode="after")
     def _legacy_shares(self) -> StepManifest:
         # A record of the previous format: its shares' files are the slim records in ``files``.
-        if self.ring is not None:
+        if self.ring is not None and self.ring.shares is not None:
             for node, share in self.ring.shares.items():
                 if share.files is None:
                     mine = [f for f in self.files if f.node == node]
@@ -251,7 +353,7 @@ class StepManifest(BaseModel):
     def nodes(self) -> list[str]:
         """The daemons that hold the step's files (empty for a single-node step)."""
         if self.ring is not None:
-            return sorted(self.ring.shares)
+            return sorted(self.ring.table)
         return sorted({f.node for f in self.files if f.node is not None})
 
     def share(self, node: str) -> list[FileRecord]:
@@ -263,7 +365,7 @@ class StepManifest(BaseModel):
         nodes: from its ring record, whether or not this copy lists their records)."""
         ring = ring_of(self)
         if ring is not None:
-            share = ring.shares.get(node)
+            share = ring.table.get(node)
             return set(share.names) if share is not None else set()
         return {f.name for f in self.share(node)}
 
@@ -314,8 +416,10 @@ def ring_of(manifest: StepManifest) -> RingRecord | None:
     for f in manifest.files:
         by_node.setdefault(f.node or manifest.coordinator, []).append(f)
     others = sorted(n for n in by_node if n != manifest.coordinator)
+    shares = {n: Share.of(files) for n, files in by_node.items()}
     return RingRecord(
-        shares={n: Share.of(files) for n, files in by_node.items()},
+        shares=shares,
+        shares_digest=table_digest(shares),
         metadata_digest=metadata_digest(manifest.metadata),
         metadata_holders=[manifest.coordinator, *others],
     )

@@ -169,7 +169,14 @@ def build_node(settings: DaemonSettings) -> Node:
             fanout=settings.commit_fanout,
         )
     fetcher = (
-        PeerFetcher(service, replicator.client, replicator) if replicator is not None else None
+        PeerFetcher(
+            service,
+            replicator.client,
+            replicator,
+            durable=persister.manifest if persister is not None else None,
+        )
+        if replicator is not None
+        else None
     )
     restorer = Restorer(service, peers=fetcher, durable=persister)
     return Node(

@@ -1,8 +1,8 @@
 """The global record of a step spanning nodes does not grow with the job on every node: a node
-keeps its own share's file records (block checksums), of other nodes' shares only an entry per
-node (file names, bytes, the digest of their records), and the DCP metadata only where the step says (its decider and
-the next node); every other node fetches what a reader needs on demand, checked against the
-digests, also when the decider's node is lost."""
+keeps its own share's file records (block checksums); the share table (per node its file names,
+bytes and the digest of their records) and the DCP metadata only where the step says (its decider
+and the next node), every other node their digests; what a reader needs is fetched on demand,
+checked against the digests, also when the decider's node is lost."""
 
 from __future__ import annotations
 
@@ -92,10 +92,14 @@ def test_a_node_keeps_its_share_and_digests_and_reads_the_rest_on_demand(
     assert holders[0] == decider.name and len(holders) == 2
     assert sorted(ring_record["shares"]) == sorted(d.name for d in three)
     (other,) = [d for d in three if d.name not in holders]
+    shares = ring_record["shares"]
     for d in three:
         doc = records[d.name]
-        assert doc["ring"] == ring_record  # every node has every share's digest
-        shares = doc["ring"]["shares"]
+        if d.name in holders:
+            assert doc["ring"] == ring_record  # the share table
+        else:  # the table's digest, not the table
+            assert "shares" not in doc["ring"]
+            assert doc["ring"] == {k: v for k, v in ring_record.items() if k != "shares"}
         held = {f["name"] for f in doc["files"]}  # its own share, and a replica of another's
         assert set(shares[d.name]["files"]) <= held
         assert all(f.get("blocks") for f in doc["files"])  # what it holds: block checksums
@@ -134,7 +138,16 @@ def test_metadata_that_does_not_match_its_digest_is_refused(three: list[DaemonPr
         c.metadata(NS, 5)
 
 
-def _as_previous_format(doc: dict, slim: dict[str, dict]) -> dict:
+def _with_table_everywhere(doc: dict, table: dict) -> dict:
+    """A node's record as the daemons before the share table was kept once per ring wrote it:
+    every node with the whole table (per node its files' names, bytes and records' digest), no
+    digest of the table."""
+    doc["ring"].pop("shares_digest", None)
+    doc["ring"]["shares"] = table
+    return doc
+
+
+def _as_slim_file_format(doc: dict, table: dict, slim: dict[str, dict]) -> dict:
     """A node's record as the daemons before per-node share entries wrote it: every other
     node's file slim in ``files``, the files held here in ``local.held``, a bare digest per
     share."""
@@ -144,14 +157,19 @@ def _as_previous_format(doc: dict, slim: dict[str, dict]) -> dict:
         key=lambda f: f["name"],
     )
     doc["local"]["held"] = sorted(held)
-    doc["ring"]["shares"] = {n: s["digest"] for n, s in doc["ring"]["shares"].items()}
+    doc["ring"].pop("shares_digest", None)
+    doc["ring"]["shares"] = {n: s["digest"] for n, s in table.items()}
     return doc
 
 
-def test_a_step_recorded_in_the_previous_format_still_loads(three: list[DaemonProcess]) -> None:
+@pytest.mark.parametrize("previous", ["table_everywhere", "slim_files"])
+def test_a_step_recorded_in_a_previous_format_still_loads(
+    three: list[DaemonProcess], previous: str
+) -> None:
     sockets = [str(d.socket) for d in three]
     run_ranks(_save, 3, sockets)
     records = {d.name: _record(d) for d in three}
+    table = records[three[0].name]["ring"]["shares"]  # the decider keeps it
     slim = {
         f["name"]: {k: f[k] for k in ("name", "rank", "length", "checksum", "node")}
         for doc in records.values()
@@ -159,7 +177,13 @@ def test_a_step_recorded_in_the_previous_format_still_loads(three: list[DaemonPr
     }
     for d in three:
         d.kill()
-        _record_path(d).write_text(json.dumps(_as_previous_format(records[d.name], slim)))
+        doc = records[d.name]
+        old = (
+            _with_table_everywhere(doc, table)
+            if previous == "table_everywhere"
+            else _as_slim_file_format(doc, table, slim)
+        )
+        _record_path(d).write_text(json.dumps(old))
     for d in three:
         d.start()
     # "latest" finds the step whole, and every rank loads it bit for bit (other nodes' files
@@ -167,3 +191,33 @@ def test_a_step_recorded_in_the_previous_format_still_loads(three: list[DaemonPr
     run_ranks(_load, 3, sockets)
     for d in three:
         assert "discarding" not in d.log()
+
+
+def test_a_node_that_is_not_a_holder_keeps_no_share_table_and_loads_without_the_decider() -> None:
+    """Four nodes, the decider and the next keep the share table: the two others keep only its
+    digest, so their record does not grow with the number of nodes. With the decider stopped
+    and one of those two replaced by an empty node, the survivors' ranks still find the step,
+    restore the lost share from its replica and read the decider's share from its replica, bit
+    for bit: the table from the holder left."""
+    nodes = ring(4, token=TOKEN, replicas=1, prefix="tierckpt-test", capacity="256M")
+    with running(nodes):
+        # The ring (and the participants) in name order: each node's replica goes to the next.
+        s0, s1, s2, s3 = sorted(nodes, key=lambda d: d.name)
+        run_ranks(_save, 4, [str(d.socket) for d in (s0, s1, s2, s3)])  # rank 0: s0 decides
+        records = {d.name: _record(d) for d in nodes}
+        table = records[s0.name]["ring"]
+        assert table["metadata_holders"] == [s0.name, s1.name]
+        assert sorted(table["shares"]) == sorted(d.name for d in nodes)
+        for d in (s2, s3):
+            doc = records[d.name]
+            assert "shares" not in doc["ring"] and not doc["metadata"]
+            assert doc["ring"]["shares_digest"] == table["shares_digest"]
+            # Of the ring, digests and the holders' names: nothing per node of the job.
+            assert set(doc["ring"]) == {"shares_digest", "metadata_digest", "metadata_holders"}
+        s0.kill()  # the decider is stopped (its share's replica is on s1)
+        s2.lose_node()  # a node that is not a holder is replaced (its share's replica: on s3)
+        s2.start()
+        left = [s1, s2, s3]
+        run_ranks(_load, 3, [str(d.socket) for d in left])
+        with DaemonClient.from_socket(s2.socket) as c:
+            assert c.step(NS, 5).files  # its share, restored from the peers

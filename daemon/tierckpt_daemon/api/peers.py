@@ -63,8 +63,8 @@ def list_steps(namespace: str, store: Store) -> list[PeerStep]:
 
 
 @router.get("/namespaces/{namespace}/steps/{step}")
-def manifest(namespace: str, step: int, store: Store) -> StepManifest:
-    return store.manifest(namespace, step)
+def manifest(namespace: str, step: int, store: Store, metadata: bool = True) -> StepManifest:
+    return store.manifest(namespace, step, metadata=metadata)
 
 
 @router.get(

@@ -143,8 +143,14 @@ class PeerClient:
         )
         return [NodeStep.model_validate(x) for x in doc]
 
-    def manifest(self, peer: str, namespace: str, step: int) -> StepManifest:
-        doc = self._json(peer, "GET", f"/v1/peer/namespaces/{namespace}/steps/{step}")
+    def manifest(
+        self, peer: str, namespace: str, step: int, *, metadata: bool = True
+    ) -> StepManifest:
+        """``peer``'s record of a step; ``metadata=False``: without its DCP metadata (a daemon
+        from before that option sends it anyway)."""
+        url = f"/v1/peer/namespaces/{namespace}/steps/{step}"
+        params = {} if metadata else {"metadata": "false"}
+        doc = self._json(peer, "GET", url, params=params)
         return StepManifest.model_validate(doc)
 
     def get_file(

@@ -8,11 +8,13 @@ nodes. The coordinator rank's daemon (the *decider*) then runs the commit (docs/
               of the attempt is sealed, write MANIFEST.prepared.json (your share, the decider, the
               participants), answer with your files (slim) and their digest, and those of the
               participants you relayed to. Any failure: abort everywhere, the save fails.
-    decide    the decider writes its own MANIFEST.json with the step's global record (per node
-              its share's file names, bytes and the digest of their full records; where the DCP
-              metadata is kept: RingRecord). This write is the commit point.
+    decide    the decider writes its own MANIFEST.json with the step's global record (the share
+              table: per node its share's file names, bytes and the digest of their full
+              records; where the DCP metadata and the table are kept: RingRecord). This write is
+              the commit point.
     commit    decider -> the metadata's holders (with it), and through the tree to every other
-              participant (without it): here is the global record; write your MANIFEST.json.
+              participant (without it): here is the global record; write your MANIFEST.json
+              (a node that is not a holder keeps the table's digest, not the table).
               A node that does not answer is told again later, by whoever sent it the decision.
 
 A participant shows the step (as committed, and so as "latest") only once it holds the decision;
@@ -44,6 +46,7 @@ from tierckpt_core.manifest import (
     StepManifest,
     metadata_digest,
     share_digest,
+    table_digest,
 )
 from tierckpt_core.protocol import (
     CommitRequest,
@@ -177,6 +180,7 @@ class GlobalCommitter:
             coordinator=self.node,
             ring=RingRecord(
                 shares=entries,
+                shares_digest=table_digest(entries),
                 metadata_digest=metadata_digest(req.metadata),
                 metadata_holders=holders,
             ),

@@ -31,8 +31,10 @@ from tierckpt_core.errors import (
 from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, ring_of
 from tierckpt_core.protocol import PeerStep, StepInfo
 from tierckpt_core.verified import BlockSums, check_blocks
+from tierckpt_daemon.locks import KeyedLocks
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.replication import PEER_ERRORS, Replicator
+from tierckpt_daemon.peers.ring_table import DurableManifest
 from tierckpt_daemon.peers.shares import Shares
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord
@@ -42,10 +44,22 @@ logger = logging.getLogger(__name__)
 
 
 class PeerFetcher(Shares):
-    def __init__(self, service: TierService, client: PeerClient, replicator: Replicator) -> None:
+    def __init__(
+        self,
+        service: TierService,
+        client: PeerClient,
+        replicator: Replicator,
+        *,
+        durable: DurableManifest | None = None,
+    ) -> None:
         self.service = service
         self.client = client
         self.replicator = replicator  # the ring, peers' health, and the copy path
+        # A durable step's manifest (the share table, when none of its holders answers).
+        self.durable_manifest = durable
+        self._tables: OrderedDict[tuple[str, int, str], RingRecord] = OrderedDict()
+        self._tables_guard = threading.Lock()
+        self._table_locks = KeyedLocks()
         self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
         # Full records of other nodes' shares, fetched and checked against RingRecord.shares.
         self._shares: OrderedDict[tuple[str, int, str, str], dict[str, FileRecord]] = OrderedDict()
@@ -142,8 +156,13 @@ class PeerFetcher(Shares):
                 continue
             if manifest.coordinator is None:
                 break
-            names = files if files is not None else manifest.share_names(self.replicator.node)
-            return self.fetch_files(namespace, step, names, owner=owner, ring=ring_of(manifest))[0]
+            ring = ring_of(manifest)
+            if files is not None or ring is None:
+                names = files or set()
+            else:  # this node's own share (a replaced node's): named in the share table
+                share = self.ring_table(namespace, step, ring).table.get(self.replicator.node)
+                names = set(share.names) if share is not None else set()
+            return self.fetch_files(namespace, step, names, owner=owner, ring=ring)[0]
         return self._hydrate_whole(namespace, step, owner)
 
     def _hydrate_whole(self, namespace: str, step: int, owner: str | None) -> StepInfo:
@@ -243,6 +262,7 @@ class PeerFetcher(Shares):
             raise CheckpointFormatError(
                 f"{namespace}/step {step}: {name} has no block checksums to verify a range"
             )
+        ring = self.ring_table(namespace, step, ring)
         f = self.share_records(namespace, step, node, ring)[name]
         for off, n in ranges:
             if off < 0 or n < 0 or off + n > f.length:
@@ -341,8 +361,8 @@ class PeerFetcher(Shares):
         those files' shares are asked, else every peer. Returns the step as held here and the
         bytes moved; StepNotFoundError names the files no reachable peer holds."""
         if ring is not None and names:
-            owners = {name: node for node, s in ring.shares.items() for name in s.names}
-            nodes = sorted({owners[n] for n in names if n in owners})
+            ring = self.ring_table(namespace, step, ring)
+            nodes = sorted({node for n in names if (node := ring.node_of(n)) is not None})
             holders = self.share_holders(namespace, step, ring, nodes=nodes, owner=owner)
         else:
             holders = self.holders(namespace, step, owner=owner)

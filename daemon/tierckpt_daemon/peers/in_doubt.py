@@ -24,9 +24,11 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
+from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import DecideRequest, OutcomeResponse
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.membership import Members
+from tierckpt_daemon.peers.ring_table import fetch_table
 from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
 
@@ -158,6 +160,15 @@ class Resolver:
             self._gone.pop(key, None)
             self.settle.abort(ns, step, attempt)
 
+    def _with_table(self, m: StepManifest) -> StepManifest:
+        """A decision learnt from a node that keeps only its share table's digest, with the
+        table (from the step's holders, checked against it): taking it checks this node's share
+        and the participants against the table."""
+        if m.ring is None or m.ring.has_table:
+            return m
+        ring = fetch_table(self.client, self.node, m.namespace, m.step, m.ring)
+        return m.model_copy(update={"ring": ring})
+
     def _ask_about(self, rec: StepRecord, nodes: list[str]) -> bool:
         """Ask ``nodes`` (members) how ``rec``'s attempt ended: take the decision if one holds
         it committed; abort if its decider (asked) does not know it and every other answered.
@@ -176,6 +187,11 @@ class Resolver:
                 asked[node] = None
             answer = asked[node]
             if answer is not None and answer.outcome == "committed" and answer.manifest:
+                try:  # a participant that is not a holder answers with its table's digest only
+                    manifest = self._with_table(answer.manifest)
+                except TierCkptError as e:
+                    logger.info("%s/step %d: %s's answer: %s", ns, step, node, e)
+                    continue
                 logger.info(
                     "%s/step %d: attempt %s was committed (as %s says); committing it here",
                     ns,
@@ -184,9 +200,7 @@ class Resolver:
                     node,
                 )
                 try:
-                    self.settle.decide(
-                        DecideRequest(manifest=answer.manifest, persist=answer.persist)
-                    )
+                    self.settle.decide(DecideRequest(manifest=manifest, persist=answer.persist))
                 except (StepNotFoundError, StepStateError) as e:
                     logger.warning("%s/step %d: cannot take the decision: %s", ns, step, e)
                 return True

@@ -42,15 +42,17 @@ class PeerServer:
                 bytes=r.bytes,
                 origin=r.origin,
                 committed_at=r.committed_at,
-                held=sorted(r.files) if r.others() else None,
+                held=None if r.holds_all() else sorted(r.files),
                 owner=r.owner,
             )
             for r in self.service.records(namespace)
         ]
 
-    def manifest(self, namespace: str, step: int) -> StepManifest:
+    def manifest(self, namespace: str, step: int, *, metadata: bool = True) -> StepManifest:
+        """A step's record as this daemon keeps it; ``metadata=False``: without the DCP metadata
+        (a peer that wants a share's records or the share table, not the metadata)."""
         rec = self.service.record(namespace, step)
-        metadata = read_manifest(rec.manifest_path()).metadata
+        dcp = read_manifest(rec.manifest_path()).metadata if metadata else {}
         missing = [f for f in rec.files.values() if not f.checksum]
         if missing:
             # Neither replicated nor durable yet: checksum the files now (memory bandwidth).
@@ -60,7 +62,7 @@ class PeerServer:
             finally:
                 self.service.unpin(namespace, step, pin.pin_id)
             self.service.set_checksums(rec, sums)
-        manifest = rec.manifest(metadata).portable()
+        manifest = rec.manifest(dcp).portable()
         if rec.spans_nodes:  # say which of the step's files this daemon can serve
             manifest.local = LocalState(held=sorted(rec.files))
         return manifest

@@ -24,6 +24,7 @@ from tierckpt_core.protocol import PeerStep
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.membership import successors
 from tierckpt_daemon.peers.replication import Replicator
+from tierckpt_daemon.peers.ring_table import RingTables
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.service import TierService
 
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 SHARE_CACHE = 64  # other nodes' shares (full file records) kept after a fetch
 
 
-class Shares:
+class Shares(RingTables):
     service: TierService
     client: PeerClient
     replicator: Replicator
@@ -84,7 +85,9 @@ class Shares:
             logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
             return {}
         me = self.replicator.node
-        wanted = {n: set(s.names) for n, s in ring.shares.items() if nodes is None or n in nodes}
+        table = self.ring_table(namespace, step, ring).table
+        asked_for = table if nodes is None else {n: table[n] for n in nodes if n in table}
+        wanted = {n: set(s.names) for n, s in asked_for.items()}
         found: dict[str, PeerStep] = {}
         asked = {me}
 
@@ -123,11 +126,12 @@ class Shares:
         self, namespace: str, step: int, node: str, ring: RingRecord
     ) -> dict[str, FileRecord]:
         """The full records (block checksums, segments) of ``node``'s share of a step spanning
-        nodes, which the global record leaves with the files (RingRecord.shares: names and a
+        nodes, which the global record leaves with the files (the share table: names and a
         digest): from ``node`` itself, else a peer holding a replica of them, each answer
         checked against the share's digest. Never a record that does not match it."""
-        share = ring.shares.get(node)
         where = f"{namespace}/step {step}: the records of {node}'s share"
+        ring = self.ring_table(namespace, step, ring)
+        share = ring.table.get(node)
         if share is None:
             raise CheckpointFormatError(f"{where}: the step's record has no digest for them")
         names = set(share.names)
@@ -142,7 +146,7 @@ class Shares:
         errors: list[str] = []
         for peer in peers:
             try:
-                theirs = self.client.manifest(peer, namespace, step)
+                theirs = self.client.manifest(peer, namespace, step, metadata=False)
             except TierCkptError as e:
                 errors.append(f"{peer}: {e}")
                 continue
@@ -171,6 +175,7 @@ class Shares:
         ring = ring_of(manifest)
         if ring is None:
             return manifest
+        ring = self.ring_table(manifest.namespace, manifest.step, ring)
         files = {f.name: f for f in manifest.files if not f.slim}
         try:  # the files held here: their full records are this node's own
             here = self.service.record(manifest.namespace, manifest.step)
@@ -180,7 +185,7 @@ class Shares:
             for name, f in here.files.items():
                 files.setdefault(name, f.model_copy(update={"size": None}))
         missing: list[str] = []
-        for node, share in sorted(ring.shares.items()):
+        for node, share in sorted(ring.table.items()):
             if set(share.names) <= set(files):
                 continue
             try:

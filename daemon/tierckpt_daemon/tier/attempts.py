@@ -168,8 +168,9 @@ class Attempts:
                     f"{m.namespace}/step {m.step}: the decision lists {sorted(mine)} on "
                     f"{self.node}, which prepared {sorted(rec.files)}"
                 )
-            # Of the other nodes' files only their shares' entries are kept (RingRecord).
-            rec.ring = ring
+            # Of the other nodes' files only their shares' entries are kept (RingRecord), and
+            # those only on the step's holders: any other node keeps the table's digest.
+            rec.ring = ring.kept_by(self.node) if ring is not None else None
             rec.coordinator = m.coordinator
             rec.participants = []
             rec.prepared_at = None

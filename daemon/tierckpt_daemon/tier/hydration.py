@@ -149,7 +149,9 @@ def _fill_share(
                 raise StepStateError(f"{ns}/step {step}: attempt {attempt} is being saved here")
             rec.owner = owner
             add_files(service, rec, leases)
-            rec.ring = ring_of(manifest)  # the rest of the step: its shares' entries
+            # The rest of the step: its share table (on its holders; elsewhere the table's digest).
+            ring = ring_of(manifest)
+            rec.ring = ring.kept_by(service.node) if ring is not None else None
             rec.coordinator = manifest.coordinator
             rec.world_size = manifest.world_size
             if hold:

@@ -262,7 +262,8 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         ns, step = rec.namespace, rec.step
         files = {f.name: f for f in own}
         waiting: dict[str, list[str]] = {}
-        shares = rec.ring.shares if rec.ring is not None else {}
+        # The decider keeps the step's share table (it is the first of its holders).
+        shares = rec.ring.table if rec.ring is not None else {}
         for node, share in sorted(shares.items()):
             names = [n for n in share.names if n not in files]
             if not names:

@@ -59,9 +59,10 @@ class StepRecord:
     participants: list[str] = field(default_factory=list)
     prepared_at: float | None = None
     owner: str | None = None  # the identity its namespace belongs to (see tenants.py)
-    # A step spanning nodes: every node's share (its digest, file names, bytes) and where its
-    # metadata is kept (RingRecord). ``files`` are the ones held here: no record of another
-    # node's file is kept (it is fetched from its holders, checked against its share's digest).
+    # A step spanning nodes: every node's share (its digest, file names, bytes: the share table,
+    # on the step's holders only; elsewhere its digest) and where its metadata and table are kept
+    # (RingRecord). ``files`` are the ones held here: no record of another node's file is kept
+    # (it is fetched from its holders, checked against its share's digest).
     ring: RingRecord | None = None
 
     @property
@@ -95,17 +96,16 @@ class StepRecord:
     def spans_nodes(self) -> bool:
         return self.coordinator is not None
 
-    def others(self) -> dict[str, str]:
-        """Of a step spanning nodes, the files held elsewhere only: name -> the node whose
-        share it is."""
-        if self.ring is None:
-            return {}
-        return {
-            name: node
-            for node, share in self.ring.shares.items()
-            for name in share.names
-            if name not in self.files
-        }
+    def holds_all(self) -> bool:
+        """Whether every file of the step is held here: a step of one node always; of a step
+        spanning nodes, known from its share table only (without it, on a node that is not one
+        of the step's holders: False)."""
+        ring = self.ring
+        if ring is None:
+            return True
+        if not ring.has_table:
+            return False
+        return ring.count() == sum(1 for name in self.files if ring.node_of(name) is not None)
 
     def sorted_files(self) -> list[FileRecord]:
         return sorted(self.files.values(), key=lambda f: f.name)

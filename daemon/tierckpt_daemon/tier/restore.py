@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import zlib
 from collections import OrderedDict
 from typing import Any, Protocol
 
@@ -32,6 +31,7 @@ from tierckpt_core.protocol import (
     validate_namespace,
     validate_step,
 )
+from tierckpt_daemon.locks import KeyedLocks
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.service import TierService
 
@@ -86,6 +86,15 @@ class PeerSource(Protocol):
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest: ...
 
+    def ring_table(self, namespace: str, step: int, ring: RingRecord) -> RingRecord:
+        """``ring`` with its share table (fetched from the step's holders, else the persistent
+        tier, checked against its digest, cached); StepNotFoundError if none could be had."""
+        ...
+
+    def remember_table(self, namespace: str, step: int, ring: RingRecord | None) -> None:
+        """Keep the share table of a holder's record fetched for its metadata."""
+        ...
+
     def complete(self, manifest: StepManifest) -> StepManifest:
         """``manifest`` with the full records of other nodes' files (from their holders)."""
         ...
@@ -124,10 +133,10 @@ class Restorer:
         self.peers = peers
         self.durable = durable
         self._guard = threading.Lock()
-        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._locks = KeyedLocks()  # one hydration per step at a time
         # DCP metadata fetched from its holders (steps spanning nodes), newest last.
         self._metadata: OrderedDict[tuple[str, int, str], dict[str, Any]] = OrderedDict()
-        self._metadata_locks: dict[tuple[str, int], threading.Lock] = {}
+        self._metadata_locks = KeyedLocks()  # one fetch of a step's metadata at a time
 
     def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
         """The DCP metadata of a committed step held here. A step spanning nodes keeps it on its
@@ -143,9 +152,8 @@ class Restorer:
         namespace, step, ring = manifest.namespace, manifest.step, manifest.ring
         assert ring is not None
         key = (namespace, step, manifest.attempt or "")
-        with self._guard:
-            lock = self._metadata_locks.setdefault((namespace, step), threading.Lock())
-        with lock:  # the node's ranks all ask at the start of a load: one fetch
+        # The node's ranks all ask at the start of a load: one fetch.
+        with self._metadata_locks.held((namespace, step)):
             with self._guard:
                 if key in self._metadata:
                     self._metadata.move_to_end(key)
@@ -165,18 +173,14 @@ class Restorer:
 
         def fetched(source: str, m: StepManifest) -> dict[str, Any] | None:
             if metadata_digest(m.metadata) == ring.metadata_digest:
+                if self.peers is not None:  # a holder's record has the share table too
+                    self.peers.remember_table(namespace, step, m.ring)
                 return m.metadata
             tried.append(f"{source}: its metadata does not match the step's digest")
             return None
 
         found: dict[str, Any] | None = None
-        # Each node starts at its own holder (by a hash of its name), so that a whole job's
-        # restore spreads its fetches over the holders instead of all asking the decider.
-        holders = [h for h in ring.metadata_holders if h != self.service.node]
-        if holders:
-            first = zlib.crc32((self.service.node or "").encode()) % len(holders)
-            holders = holders[first:] + holders[:first]
-        for holder in holders:
+        for holder in ring.holders_for(self.service.node):
             if self.peers is None:
                 continue
             try:
@@ -196,6 +200,26 @@ class Restorer:
                 f"no copy could be had ({'; '.join(tried) or 'no peers, no persistent tier'})"
             )
         return found
+
+    def _table(self, namespace: str, step: int, ring: RingRecord) -> RingRecord:
+        """``ring`` with its share table: kept here (a holder), else from the step's holders
+        or the persistent tier, checked against its digest (StepNotFoundError if none)."""
+        if ring.has_table:
+            return ring
+        if self.peers is not None:
+            return self.peers.ring_table(namespace, step, ring)
+        where = f"{namespace}/step {step}: its share table"
+        if self.durable is None:
+            raise StepNotFoundError(f"{where} is kept by its holders, and this daemon has no peers")
+        try:
+            theirs = ring_of(self.durable.manifest(namespace, step))
+        except TierCkptError as e:
+            raise StepNotFoundError(f"{where}: the persistent tier: {e}") from e
+        if theirs is None:
+            raise StepNotFoundError(f"{where}: the persistent tier's manifest has none")
+        return ring.with_table(
+            theirs, where=f"the persistent tier's manifest of {namespace}/step {step}"
+        )
 
     def candidates(self, namespace: str, *, owner: str | None = None) -> list[StepCandidate]:
         """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
@@ -246,10 +270,10 @@ class Restorer:
             rec = self.service.record(namespace, step, owner=owner)
         except NotFoundError:
             rec = None
-        if self.peers is None:
-            return rec is not None and bool(rec.others())
         if rec is not None:
             ring, names = rec.ring, set(rec.files)
+        elif self.peers is None:
+            return False  # not here, and no peer to hold it: not a candidate of this node
         else:
             ring, names = None, set()
             sources = known or list(self.peers.holders(namespace, step, owner=owner))
@@ -269,7 +293,22 @@ class Restorer:
                 return bool(sources)  # held, but its record could not be read: not "latest"
         if ring is None:
             return False  # a step of one node: whole wherever it is
-        holders = self.peers.share_holders(namespace, step, ring, have=names, owner=owner)
+        try:
+            ring = self._table(namespace, step, ring)
+        except TierCkptError as e:
+            logger.warning(
+                '%s/step %d: cannot tell whether it is whole (%s); "latest" falls back to an '
+                "older step",
+                namespace,
+                step,
+                e,
+            )
+            return True
+        holders = (
+            self.peers.share_holders(namespace, step, ring, have=names, owner=owner)
+            if self.peers is not None
+            else {}
+        )
         everything = ring.names()
         for held in holders.values():
             names |= everything if held is None else held
@@ -329,12 +368,11 @@ class Restorer:
         """Parts of a file of a step spanning nodes that another node holds (a reader here needs
         a little of a big file: fetched in verified blocks, not whole)."""
         rec = self.service.record(namespace, step, owner=owner)
-        node = rec.others().get(name)
+        if name in rec.files:
+            raise StepStateError(f"{namespace}/step {step}: {name} is held here; pin and read it")
+        ring = self._table(namespace, step, rec.ring) if rec.ring is not None else None
+        node = ring.node_of(name) if ring is not None else None
         if node is None:
-            if name in rec.files:
-                raise StepStateError(
-                    f"{namespace}/step {step}: {name} is held here; pin and read it"
-                )
             raise StepNotFoundError(f"{namespace}/step {step} has no file {name}")
         if self.peers is None:
             raise StepNotFoundError(
@@ -358,9 +396,7 @@ class Restorer:
         asks) wait for the first."""
         validate_namespace(namespace)
         validate_step(step)
-        with self._guard:
-            lock = self._locks.setdefault((namespace, step), threading.Lock())
-        with lock:
+        with self._locks.held((namespace, step)):
             try:
                 rec = self.service.record(namespace, step, owner=owner)
             except NotFoundError as e:
@@ -369,7 +405,8 @@ class Restorer:
                 need = set(files or ()) - set(rec.files)
                 if not need:
                     return rec.info()
-                unknown = sorted(need - set(rec.others()))
+                ring = self._table(namespace, step, rec.ring) if rec.ring is not None else None
+                unknown = sorted(n for n in need if ring is None or ring.node_of(n) is None)
                 if unknown:
                     raise StepNotFoundError(
                         f"{namespace}/step {step} has no file {', '.join(unknown[:8])}"
