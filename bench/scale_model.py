@@ -30,6 +30,9 @@ class Costs:
     # per file (name, rank, length, checksum, node: ~150 B) and a bare digest (~100 B).
     slim_file_b: float = 15
     node_b: float = 125
+    # What a node that is not a holder keeps of the ring (5ce84d0: the share table stays on the
+    # holders): the table's and the metadata's digests and the holders' names.
+    ring_digests_b: float = 300
     cand_s: float = 2.2e-3  # the asker's CPU per peer asked by candidates
     decode_us_per_entry: float = 25.0  # json.loads + decode_metadata, per chunk entry
 
@@ -92,7 +95,8 @@ def new_commit(j: Job, c: Costs, *, tree: bool = True) -> dict[str, float]:
         "decider_msgs": 2 * f + (j.holders - 1),
         "decider_sent_MB": (f * record + (j.holders - 1) * meta) / MB,
         "participant_recv_MB": record / MB,
-        "participant_keeps_MB": (record + m * c.file_b) / MB,
+        "participant_keeps_MB": (c.ring_digests_b + m * c.file_b) / MB,
+        "holder_keeps_MB": (record + meta + m * c.file_b) / MB,
         "tree_depth": depth,
         "latency_s": tree_s + meta_s,
         "latency_opaque_meta_s": tree_s + meta_opaque_s,
@@ -158,6 +162,7 @@ def main() -> None:
         ("decider_sent_MB", "decider sends, MB"),
         ("participant_recv_MB", "participant receives, MB"),
         ("participant_keeps_MB", "participant keeps per step, MB"),
+        ("holder_keeps_MB", "a holder keeps per step, MB"),
         ("latency_s", "time to committed, s"),
         ("latency_opaque_meta_s", "... metadata kept opaque, s"),
         ("candidates_s", "candidates, s (asker's CPU)"),
