@@ -28,17 +28,10 @@ SPLIT_MIN = 2 * RUN
 """Below this many bytes in all, the trainer's thread copies alone."""
 
 
-def plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether ``dst.copy_(src)`` is a copy of ``src``'s bytes as they are (``dst`` is a
-    contiguous tensor of the same dtype and shape in host memory)."""
-    return (
-        src.device.type == "cpu"
-        and src.dtype == dst.dtype
-        and not src.is_conj()
-        and not src.is_neg()
-        and src.is_contiguous()
-        and dst.is_contiguous()
-    )
+def plain(src: torch.Tensor) -> bool:
+    """Whether copying ``src`` into a contiguous host tensor of its dtype and shape is a copy of
+    its bytes as they are (``src`` in host memory)."""
+    return src.is_contiguous() and not src.is_conj() and not src.is_neg()
 
 
 class ByteCopies:
@@ -49,11 +42,10 @@ class ByteCopies:
         self.nbytes = 0
         self._keep: list[torch.Tensor] = []  # the sources stay alive until the copy is done
 
-    def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src``'s bytes into ``dst`` (both as :func:`plain` checked) in :meth:`run`."""
-        n = src.numel() * src.element_size()
+    def add(self, dst: int, src: torch.Tensor, n: int) -> None:
+        """Copy the ``n`` bytes of ``src`` (:func:`plain`) to address ``dst`` in :meth:`run`."""
         if n:
-            self._pieces.append((dst.data_ptr(), src.data_ptr(), n))
+            self._pieces.append((dst, src.data_ptr(), n))
             self._keep.append(src)
             self.nbytes += n
 

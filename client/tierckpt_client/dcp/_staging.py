@@ -108,6 +108,7 @@ def stage_into(
     offset = 0
     device_copies = 0
     host = ByteCopies()
+    base = mapping.base if mapping is not None else 0
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset, device_copies
@@ -115,11 +116,11 @@ def stage_into(
         if n == 0:
             return torch.empty(t.shape, dtype=t.dtype)
         assert mapping is not None
-        dst = mapping.tensor_at(offset, t.dtype, t.shape)
-        offset += align(n)
+        at, offset = offset, offset + align(n)
+        dst = mapping.tensor_at(at, t.dtype, t.shape)
         if t.device.type == "cpu":
-            if plain(dst, t):
-                host.add(dst, t)
+            if plain(t):
+                host.add(base + at, t, n)
             else:
                 copy_tensor(dst, t)
         else:
