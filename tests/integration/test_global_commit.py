@@ -18,7 +18,14 @@ import pytest
 
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import TierCkptError
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import (
+    FileRecord,
+    RingRecord,
+    Share,
+    StepManifest,
+    metadata_digest,
+    table_digest,
+)
 from tierckpt_core.protocol import CommitRequest
 from tierckpt_daemon.metrics import namespace_label
 
@@ -243,3 +250,68 @@ def test_a_prepared_participant_waits_while_its_decider_is_unreachable(
     time.sleep(9)  # longer than a participant waits before it asks
     assert _step_dirs(b, 2) != []  # never guessed away
     assert _latest(b) is None  # and never shown
+
+
+def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_share_table() -> None:
+    """Four nodes; the decider and the next keep the step's share table, the other two its
+    digest. A participant killed after prepare comes back while the decider is down: the first
+    participant it asks holds the decision without the table, so it fetches the table from the
+    holder left (checked against the digest) and takes the decision."""
+    four = ring(
+        4, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M", log_level="INFO"
+    )
+    with running(four) as ds:
+        d0, d1, d2, d3 = sorted(ds, key=lambda d: d.name)  # participants in name order
+        every = [str(d.name) for d in (d0, d1, d2, d3)]
+        decider = d2  # holders: d2 and the next, d3; d0 and d1 keep the digest only
+        shares: dict[str, Share] = {}
+        for rank, d in enumerate((d0, d1, d2, d3)):
+            seal_bytes(d, NS, 1, "s1", rank, 30_000)
+            with _peer(d) as http:
+                resp = http.post(
+                    f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/prepare",
+                    json={
+                        "coordinator": decider.name,
+                        "participants": every,
+                        "files": [f"r{rank:05d}.data"],
+                        "world_size": 4,
+                    },
+                )
+            assert resp.status_code == 200, resp.text
+            got = resp.json()
+            shares[str(d.name)] = Share(
+                digest=got["share_digest"], files=[f"r{rank:05d}.data"], bytes=30_000
+            )
+        d1.kill()  # prepared, then gone before it learns the decision
+        metadata = {"what": "test"}
+        manifest = StepManifest(
+            namespace=NS,
+            step=1,
+            attempt="s1",
+            world_size=4,
+            files=[],
+            metadata=metadata,
+            coordinator=decider.name,
+            ring=RingRecord(
+                shares=shares,
+                shares_digest=table_digest(shares),
+                metadata_digest=metadata_digest(metadata),
+                metadata_holders=[str(decider.name), str(d3.name)],
+            ),
+        )
+        with _peer(decider) as http:  # the decider decides; the others ask it (in doubt)
+            resp = http.post(
+                f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit",
+                json={"manifest": manifest.model_dump(mode="json"), "persist": False},
+            )
+        assert resp.status_code == 200, resp.text
+        for d in (d0, d3):
+            _until(f"{d.name} to take the decision", lambda d=d: _latest(d) == 1, 90)
+        (d0_record,) = (d0.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
+        assert '"shares":' not in d0_record.read_text()  # the table's digest only
+        decider.kill()
+        d1.start()  # asks the decider (down), then d0, which has no table: the table from d3
+        _until("node d1 to take the decision", lambda: _latest(d1) == 1, 90)
+        assert f"attempt s1 was committed (as {d0.name} says)" in d1.log()
+        (d1_record,) = (d1.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
+        assert '"shares":' not in d1_record.read_text()
