@@ -192,6 +192,15 @@ class RingRecord(BaseModel):
             raise ValueError("a ring record needs its share table or the table's digest")
         return self
 
+    def __eq__(self, other: object) -> bool:
+        # The fields only: not whether a copy has built its index yet.
+        if not isinstance(other, RingRecord):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.shares, self.shares_digest, self.metadata_digest, self.metadata_holders)
+
     @property
     def has_table(self) -> bool:
         """Whether this copy keeps the share table (a holder's, the persistent tier's)."""

@@ -51,6 +51,7 @@ def test_a_fetched_table_is_used_only_if_it_matches_the_digest() -> None:
     slim = ring.kept_by("n5:1")
     whole = slim.with_table(ring, where="n0:1's record")
     assert whole.node_of("r00003.data") == "n3:1" and whole.count() == 8
+    assert whole == RingRecord.model_validate(whole.model_dump())  # its index is not a field
     forged = _ring(8)
     assert forged.shares is not None
     forged.shares["n3:1"] = Share(digest="sha256:" + "0" * 64, files=["r00003.data"], bytes=1)
