@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,6 +43,8 @@ _MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerTy
 # process (creating a group is a collective every rank must join), reused by every Checkpointer.
 _GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 _GROUPS_LOCK = threading.Lock()
+# Every Checkpointer alive: at exit their references to the groups are dropped as well.
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 class SaveFailedError(TierCkptError):
@@ -107,6 +110,7 @@ def _groups(
             ckpt = process_group or dist.new_group(ranks=list(ranks), backend="gloo")
             flag = dist.new_group(ranks=list(ranks), backend="gloo")
             _GROUPS[ranks] = (ckpt, flag)
+            _destroy_at_exit()
         ckpt, flag = _GROUPS[ranks]
     return (process_group or ckpt), flag
 
@@ -171,6 +175,7 @@ class Checkpointer:
         self.on_unavailable = on_unavailable
         self.preempt_deadline_s = preempt_deadline_s
         self.process_group, self._flag_group = _groups(process_group)
+        _LIVE.add(self)
         self._inflight = SaveInFlight(self.namespace)
         self.last_saved_step: int | None = None  # the newest step whose save has been started
         self._closed = False
@@ -337,11 +342,27 @@ class Checkpointer:
         # The loop's own destroy_process_group() is never reached; without it gloo's worker
         # threads outlive the interpreter and can abort the exit (SIGABRT instead of ``code``).
         # At exit, not here: ``finally`` blocks that unwind first may still use the groups.
-        atexit.register(_destroy_process_groups)
+        _destroy_at_exit()
         sys.exit(code)
 
     def _first_rank(self) -> bool:
         return self._flag_group is None or dist.get_rank(self._flag_group) == 0
+
+
+_AT_EXIT = False
+_AT_EXIT_LOCK = threading.Lock()
+
+
+def _destroy_at_exit() -> None:
+    """Have :func:`_destroy_process_groups` run when the interpreter exits (registered once).
+    Registered when this module makes its first groups, not only at a preemption: a loop that
+    ends normally (its ``destroy_process_group()`` does not stop the groups' threads either)
+    exits past the last save's DCP collectives on the checkpoint group just the same."""
+    global _AT_EXIT
+    with _AT_EXIT_LOCK:
+        if not _AT_EXIT:
+            atexit.register(_destroy_process_groups)
+            _AT_EXIT = True
 
 
 def _destroy_process_groups() -> None:
@@ -351,12 +372,15 @@ def _destroy_process_groups() -> None:
     to the group does), and a gloo thread that lets go of a Python object during finalization (a
     tensor of the save's last collective, on a loaded machine) ends inside C++: the process
     aborts with SIGABRT ("terminate called without an active exception") instead of exiting
-    with its code. The agreements' tensors in ``_KEPT`` stay: the flag group may outlive this
-    (a Checkpointer still referenced), and they are freed by the main thread at finalization."""
+    with its code. Checkpointers still referenced (one kept in a script's global) let go of
+    their groups too. The agreements' tensors in ``_KEPT`` stay: they are freed by the main
+    thread at finalization."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     with _GROUPS_LOCK:
         _GROUPS.clear()
+    for ckpt in list(_LIVE):
+        ckpt.process_group = ckpt._flag_group = None
     gc.collect()
 
 
