@@ -133,3 +133,13 @@ def seal_bytes(
             f.write(data)
         c.seal(ns, step, attempt, rank, [SealFile(lease_id=lease.lease_id, name=name, length=size)])
     return name, data
+
+
+def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0x01) -> None:
+    """Damage one stored byte in place (XOR with ``mask``), as a bad disk or a stray writer
+    would: what a verified read must catch."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))

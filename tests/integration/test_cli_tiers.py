@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from helpers import DaemonProcess
-from kit import save, seeded_state
+from kit import flip_byte, save, seeded_state
 
 N = 64 * 1024  # 256 KiB of float32 per step
 CLI = [sys.executable, "-m", "tierckpt_client.cli"]
@@ -46,14 +46,6 @@ def _wait_durable(ns: str, step: int, timeout: float = 30.0) -> None:
     while _json("inspect", ns, str(step))["state"] != "durable":
         assert time.monotonic() < deadline, f"{ns} step {step} never became durable"
         time.sleep(0.1)
-
-
-def _flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 @pytest.fixture
@@ -208,7 +200,7 @@ def test_verify_checks_every_tier_and_finds_corruption(
         (p for p in (tmp_path / "store" / "job" / f"step_{1:012d}").iterdir()),
         key=lambda p: p.stat().st_size,
     )
-    _flip_byte(data, 1000)
+    flip_byte(data, 1000, 0xFF)
     proc = _cli("verify", "job", "1", "--json")
     assert proc.returncode == 5
     bad = [f for f in json.loads(proc.stdout)["files"] if f["result"] != "ok"]
@@ -216,11 +208,11 @@ def test_verify_checks_every_tier_and_finds_corruption(
         ("persistent", data.name, "CORRUPT")
     ]
     assert "1 file(s) corrupt or missing" in proc.stderr
-    _flip_byte(data, 1000)  # repaired
+    flip_byte(data, 1000, 0xFF)  # repaired
 
     in_memory = list(tiered.shm_dir.glob(f"ns/job/{1:012d}-*/{data.name}"))
     assert len(in_memory) == 1
-    _flip_byte(in_memory[0], 1000)
+    flip_byte(in_memory[0], 1000, 0xFF)
     bad = [f for f in json.loads(_cli("verify", "job", "1", "--json").stdout)["files"]]
     assert [(f["tier"], f["result"]) for f in bad if f["result"] != "ok"] == [("memory", "CORRUPT")]
     assert _cli("verify", "job", "99").returncode == 3

@@ -22,20 +22,12 @@ from tierckpt_client._uds_http import IDLE_EXPIRY_S
 from tierckpt_core.errors import DaemonUnavailableError
 
 from helpers import DaemonProcess
-from kit import blank_state, load, save, seeded_state
+from kit import blank_state, flip_byte, load, save, seeded_state
 
 
 def _in_memory(ns: str) -> list[int]:
     with DaemonClient() as c:
         return [s.step for s in c.steps(ns) if s.in_memory]
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_a_loads_pin_is_released_when_it_returns_read_or_failed(make_node: object) -> None:
@@ -54,7 +46,7 @@ def test_a_loads_pin_is_released_when_it_returns_read_or_failed(make_node: objec
         c.unpin("pins", 2, pin.pin_id)
     paths = pin.paths
     name, data = next((n, p) for n, p in paths.items() if n.endswith(".data"))
-    _flip(data, 1000)
+    flip_byte(data, 1000)
     with pytest.raises(CheckpointException, match=rf"{re.escape(name)}.*block 0"):
         load("pins", blank_state(1 << 16), 2)
     save("pins", 3, seeded_state(3, 1 << 16))

@@ -22,6 +22,7 @@ from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.protocol import CommitRequest, SealFile
 
 from helpers import DaemonProcess, new_shm_dir
+from kit import flip_byte
 
 
 def _state() -> dict[str, object]:
@@ -44,14 +45,6 @@ def _load(ns: str, step: int) -> dict[str, object]:
     return out
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
 def _files(ns: str, step: int) -> dict[str, str]:
     with DaemonClient() as c:
         pin = c.pin(ns, step)
@@ -71,7 +64,7 @@ def test_a_flipped_tensor_byte_in_memory_fails_the_load(
 ) -> None:
     _save("job", 1)
     data = next(p for name, p in _files("job", 1).items() if name.endswith(".data"))
-    _flip(data, 1000)
+    flip_byte(data, 1000)
     with pytest.raises(CheckpointException, match=r"does not match the checksum taken when"):
         _load("job", 1)
     # Turned off for tensors (TIERCKPT_VERIFY_READS=0) the flip goes through: the cost is the
@@ -105,7 +98,7 @@ def test_a_flipped_byte_fails_the_first_restore_of_a_process(
 
     # One file holds both: "a" at 0, "w" from 4032; blocks of 16 KiB, block 0 shared.
     data = max(_files("fresh", 1).values(), key=os.path.getsize)
-    _flip(data, at)
+    flip_byte(data, at)
     _arena.clear_cache()
     with pytest.raises(CheckpointException, match=r"does not match the checksum taken when"):
         dcp.load(blank(), storage_reader=TieredStorageReader("fresh", 1), no_dist=True)
@@ -145,7 +138,7 @@ def test_bytes_changed_after_the_commit_are_not_made_durable(
         d.start()
         _save("job", 1, persist=False)
         data = next(p for name, p in _files("job", 1).items() if name.endswith(".data"))
-        _flip(data, 5)
+        flip_byte(data, 5)
         with DaemonClient() as c:
             c.persist("job", 1)
             deadline = time.monotonic() + 30

@@ -15,14 +15,7 @@ from tierckpt_core.protocol import CommitRequest, SealFile
 
 from _tiers import durable_problems, leftovers, memory_problems, phases
 from helpers import DaemonProcess
-
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
+from kit import flip_byte
 
 
 def test_the_checks_see_damage_and_leftovers(
@@ -52,9 +45,9 @@ def test_the_checks_see_damage_and_leftovers(
 
         pin = c.pin("job", 1)
         c.unpin("job", 1, pin.pin_id)
-        _flip(Path(pin.paths["r0"]), 4321)
+        flip_byte(Path(pin.paths["r0"]), 4321)
         assert any("bytes differ" in x for x in memory_problems(d, "job"))
-        _flip(store / file_key("job", 1, "r0"), 17)
+        flip_byte(store / file_key("job", 1, "r0"), 17)
         assert any("bytes differ" in x for x in durable_problems(url, "job")[1])
         (store / file_key("job", 1, "r0")).unlink()
         assert durable_problems(url, "job")[1]
