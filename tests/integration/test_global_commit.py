@@ -89,6 +89,31 @@ def _peer(d: DaemonProcess) -> httpx.Client:
     )
 
 
+def _prepare_answer(
+    coordinator: DaemonProcess,
+    d: DaemonProcess,
+    step: int,
+    attempt: str,
+    name: str,
+    participants: list[str],
+    world_size: int = 2,
+) -> dict[str, Any]:
+    """``d``'s answer to the prepare of its file ``name``, as the decider would send it."""
+    with _peer(d) as http:
+        resp = http.post(
+            f"/v1/peer/namespaces/{NS}/steps/{step}/attempts/{attempt}/prepare",
+            json={
+                "coordinator": coordinator.name,
+                "participants": participants,
+                "files": [name],
+                "world_size": world_size,
+            },
+        )
+    assert resp.status_code == 200, resp.text
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
 def _prepare(
     coordinator: DaemonProcess,
     d: DaemonProcess,
@@ -97,18 +122,8 @@ def _prepare(
     name: str,
     participants: list[str],
 ) -> list[FileRecord]:
-    with _peer(d) as http:
-        resp = http.post(
-            f"/v1/peer/namespaces/{NS}/steps/{step}/attempts/{attempt}/prepare",
-            json={
-                "coordinator": coordinator.name,
-                "participants": participants,
-                "files": [name],
-                "world_size": 2,
-            },
-        )
-    assert resp.status_code == 200, resp.text
-    return [FileRecord.model_validate(f) for f in resp.json()["files"]]
+    answer = _prepare_answer(coordinator, d, step, attempt, name, participants)
+    return [FileRecord.model_validate(f) for f in answer["files"]]
 
 
 def _since_commit(d: DaemonProcess) -> list[str]:
@@ -267,18 +282,7 @@ def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_sha
         shares: dict[str, Share] = {}
         for rank, d in enumerate((d0, d1, d2, d3)):
             seal_bytes(d, NS, 1, "s1", rank, 30_000)
-            with _peer(d) as http:
-                resp = http.post(
-                    f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/prepare",
-                    json={
-                        "coordinator": decider.name,
-                        "participants": every,
-                        "files": [f"r{rank:05d}.data"],
-                        "world_size": 4,
-                    },
-                )
-            assert resp.status_code == 200, resp.text
-            got = resp.json()
+            got = _prepare_answer(decider, d, 1, "s1", f"r{rank:05d}.data", every, world_size=4)
             shares[str(d.name)] = Share(
                 digest=got["share_digest"], files=[f"r{rank:05d}.data"], bytes=30_000
             )
