@@ -19,6 +19,7 @@ from tierckpt_core.layout import durable_steps, file_key, read_step_manifest, ve
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.objectstore import ObjectStore
 from tierckpt_core.protocol import StepInfo
+from tierckpt_daemon.locks import KeyedLocks
 from tierckpt_daemon.tier.hydration import fill_step
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.service import TierService
@@ -31,8 +32,7 @@ class DurableReads:
     store: ObjectStore
     _pool: Executor
     _cv: threading.Condition
-    _hydrate_locks: dict[tuple[str, int], threading.Lock]
-    _hydrate_guard: threading.Lock
+    _hydrate_locks: KeyedLocks  # one hydration per step at a time
     _hydrating: dict[tuple[str, int], list[int]]  # -> [done bytes, total bytes]
 
     def durable_steps(self, namespace: str) -> list[int]:
@@ -49,9 +49,7 @@ class DurableReads:
         """Bring a durable step into memory (verified), unless it is there already. Of a step
         that spanned nodes only ``files`` come (default: this node's own share). ``owner``: the
         step must be that identity's (StepNotFoundError if its manifest names another)."""
-        with self._hydrate_guard:
-            lock = self._hydrate_locks.setdefault((namespace, step), threading.Lock())
-        with lock:
+        with self._hydrate_locks.held((namespace, step)):
             try:
                 rec = self.service.record(namespace, step, owner=owner)
             except NotFoundError:
