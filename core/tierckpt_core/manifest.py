@@ -32,6 +32,8 @@ from pydantic import (
 )
 
 from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.metadata_blob import MetadataText
+from tierckpt_core.metadata_blob import metadata_digest as metadata_digest
 from tierckpt_core.names import MAX_FILE_BYTES, MAX_RANK, MAX_STEP, validate_file_name
 
 FORMAT = "tierckpt-step/1"
@@ -106,12 +108,6 @@ def share_digest(files: list[FileRecord]) -> str:
             for f in sorted(files, key=lambda f: f.name)
         ]
     )
-
-
-def metadata_digest(metadata: dict[str, Any]) -> str:
-    """The digest of a step's DCP metadata (as the daemons keep it): what a node that does not
-    keep the metadata checks a copy fetched from one that does against."""
-    return _digest(metadata)
 
 
 class Share(BaseModel):
@@ -311,7 +307,9 @@ class StepManifest(BaseModel):
     created_at: float | None = None
     committed_at: float | None = None
     files: list[FileRecord]
-    metadata: dict[str, Any]
+    # The DCP metadata as the writer encoded it, kept opaque (tierckpt_core.metadata_blob); ""
+    # on a node that leaves it to the step's holders.
+    metadata: MetadataText
     coordinator: str | None = None  # a step spanning nodes: the daemon that decided its commit
     # The identity the step's namespace belongs to (``uid:<n>`` of the trainer that committed
     # it); it travels with every copy, so that peers keep tenants apart. None: saved by a daemon
@@ -381,7 +379,7 @@ class StepManifest(BaseModel):
     @property
     def metadata_elsewhere(self) -> bool:
         """Whether this copy of the record leaves the DCP metadata to its holders."""
-        return self.ring is not None and not self.metadata
+        return self.ring is not None and self.metadata in ("", "{}")
 
     def portable(self) -> StepManifest:
         """This manifest as it leaves the node: no local state, no memory-tier sizes."""

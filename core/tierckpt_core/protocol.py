@@ -13,11 +13,11 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, Field
 
 from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.metadata_blob import MetadataText
 
 # The wire's name rules, re-exported: the API validates with them.
 from tierckpt_core.names import MAX_FILE_BYTES as MAX_FILE_BYTES
@@ -105,7 +105,10 @@ class SealRequest(BaseModel):
 
 class CommitRequest(BaseModel):
     files: list[str]
-    metadata: dict[str, Any]
+    # The DCP metadata as the writer encoded it (tierckpt_core.metadata_blob.pack_metadata): kept
+    # and passed on as sent, never parsed by a daemon. A JSON object is taken too (kept as its
+    # canonical text).
+    metadata: MetadataText
     world_size: int = Field(ge=1, le=MAX_RANK)
     persist: bool | None = None
     # A step whose ranks used several daemons: file name -> the node (TIERCKPT_NODE_NAME) of the
@@ -236,7 +239,7 @@ class ReadResponse(BaseModel):
     pin_id: str | None = None
     paths: dict[str, str] = {}
     expires_in_s: float = 0.0
-    metadata: dict[str, Any] | None = None
+    metadata: MetadataText | None = None  # as committed: see tierckpt_core.metadata_blob
     files: list[FileRecord] | None = None
 
 

@@ -26,6 +26,7 @@ from tierckpt_core.manifest import (
     metadata_digest,
     table_digest,
 )
+from tierckpt_core.metadata_blob import canonical_json
 from tierckpt_core.protocol import CommitRequest
 from tierckpt_daemon.metrics import namespace_label
 
@@ -299,7 +300,7 @@ def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_sha
             ring=RingRecord(
                 shares=shares,
                 shares_digest=table_digest(shares),
-                metadata_digest=metadata_digest(metadata),
+                metadata_digest=metadata_digest(canonical_json(metadata)),
                 metadata_holders=[str(decider.name), str(d3.name)],
             ),
         )

@@ -21,6 +21,7 @@ import pytest
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import NamespaceNotFoundError, NotAMemberError
 from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import CommitRequest
 from tierckpt_daemon.peers.commit import IN_DOUBT_AFTER_S, RESOLVE_INTERVAL_S
 
@@ -158,7 +159,7 @@ def _read(d: DaemonProcess, step: int) -> tuple[dict[str, bytes], dict[str, Any]
             c.unpin(NS, step, pin.pin_id)
     with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         doc = http.get(f"http://{d.name}/v1/peer/namespaces/{NS}/steps/{step}").json()
-    return out, StepManifest.model_validate(doc).metadata
+    return out, unpack_metadata(StepManifest.model_validate(doc).metadata, where="test")
 
 
 def _step_dirs(d: DaemonProcess, step: int) -> list[str]:

@@ -15,6 +15,7 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     StepStateError,
 )
+from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.tier.arena import Arena
@@ -56,7 +57,7 @@ def test_commit_makes_step_visible_with_metadata(root: Path) -> None:
     svc = make(root)
     save(svc, "job", 3)
     assert svc.latest("job").step == 3
-    assert svc.metadata("job", 3) == {"step": 3}
+    assert unpack_metadata(svc.metadata("job", 3), where="test") == {"step": 3}
     pin = svc.pin("job", 3)
     with open(pin.paths["r0"], "rb") as f:
         assert int.from_bytes(f.read(8), "little") == 3
@@ -167,7 +168,7 @@ def test_rebuild_keeps_committed_and_reclaims_partial(root: Path) -> None:
     svc2 = make(root)
     assert [(s.step, s.state.value) for s in svc2.list_steps("job")] == [(1, "committed")]
     assert svc2.arena.pool_files == 2
-    assert svc2.metadata("job", 1) == {"step": 1}
+    assert unpack_metadata(svc2.metadata("job", 1), where="test") == {"step": 1}
     assert svc2.arena.used_bytes == 3 * MiB
 
 
@@ -223,6 +224,8 @@ def test_overwrite_false_refuses_to_replace_a_committed_step(root: Path) -> None
     req = CommitRequest(files=["r0"], metadata={"step": "new"}, world_size=1, overwrite=False)
     with pytest.raises(StepStateError, match=r"job/step 4 is already committed.*overwrite=False"):
         svc.commit("job", 4, "second", req)
-    assert svc.metadata("job", 4) == {"step": 4}  # the committed step is untouched
+    assert unpack_metadata(svc.metadata("job", 4), where="test") == {
+        "step": 4
+    }  # the committed step is untouched
     svc.commit("job", 4, "second", req.model_copy(update={"overwrite": True}))
-    assert svc.metadata("job", 4) == {"step": "new"}
+    assert unpack_metadata(svc.metadata("job", 4), where="test") == {"step": "new"}

@@ -17,6 +17,7 @@ from tierckpt_core.errors import IntegrityError, NotFoundError, PersistentTierUn
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.layout import durable_steps, read_step_manifest
 from tierckpt_core.manifest import StepManifest
+from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.objectstore import FileStore
 from tierckpt_core.protocol import CommitRequest, PeerStep, SealFile, SealRequest, StepInfo
 from tierckpt_daemon.peers.fetch import PeerFetcher
@@ -105,7 +106,7 @@ def test_uploads_are_durable_with_the_checksums_of_the_bytes(
         manifest = read_step_manifest(store, "job", step)
         assert manifest.file("r0.data") is not None
         assert manifest.file("r0.data").checksum == checksum(payload)  # type: ignore[union-attr]
-        assert manifest.metadata == {"step": step}
+        assert unpack_metadata(manifest.metadata, where="test") == {"step": step}
         assert svc.get_step("job", step).state.value == "durable"
     status = persister.status()
     # Step 1 failed twice (throttled) and was retried while step 2 went ahead.

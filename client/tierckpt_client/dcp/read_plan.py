@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
@@ -128,7 +127,7 @@ class Planner:
         )
 
     # -- from where ---------------------------------------------------------------------------
-    def plan(self, namespace: str, chosen: ReadPlan | int) -> tuple[ReadPlan, dict[str, Any]]:
+    def plan(self, namespace: str, chosen: ReadPlan | int) -> tuple[ReadPlan, str]:
         """This rank's plan for the step chosen (an explicit step, or the one "latest" resolved
         to), and the step's metadata. This node's memory first; a step not there is read
         straight from where it is (:meth:`_elsewhere`), else brought into memory by the daemon."""
@@ -143,7 +142,7 @@ class Planner:
         assert self.direct is not None
         return ReadPlan(step, self.direct), self.direct.metadata(namespace, step)
 
-    def _through_daemon(self, namespace: str, step: int) -> tuple[ReadPlan, dict[str, Any]]:
+    def _through_daemon(self, namespace: str, step: int) -> tuple[ReadPlan, str]:
         try:
             return self.in_memory(step), self.memory.metadata(namespace, step)
         except NotFoundError:

@@ -46,6 +46,7 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
+from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
@@ -56,20 +57,21 @@ __all__ = ["RANGED_READ_MAX", "TieredStorageReader"]
 # The metadata of the steps this process loaded, decoded, by the document the source answered
 # with (the memory source keeps one per commit of a step): decoding it costs ~10 us per tensor,
 # on every load, where the document is the same.
-_DECODED: OrderedDict[int, tuple[dict[str, Any], Metadata]] = OrderedDict()
+_DECODED: OrderedDict[int, tuple[str, Metadata]] = OrderedDict()
 _DECODED_MAX = 8
 _DECODED_LOCK = threading.Lock()
 
 
-def _decoded(doc: dict[str, Any]) -> Metadata:
-    """``decode_metadata(doc)``, decoded once per document; each load gets its own copy of the
-    tables (DCP and a user's planner may keep or change what they are given)."""
+def _decoded(doc: str, *, where: str) -> Metadata:
+    """The metadata kept as ``doc`` (tierckpt_core.metadata_blob: inflated, parsed, decoded),
+    decoded once per document; each load gets its own copy of the tables (DCP and a user's
+    planner may keep or change what they are given)."""
     with _DECODED_LOCK:
         hit = _DECODED.get(id(doc))
     if hit is not None and hit[0] is doc:
         metadata = hit[1]
     else:
-        metadata = decode_metadata(doc)
+        metadata = decode_metadata(unpack_metadata(doc, where=where))
         with _DECODED_LOCK:
             _DECODED[id(doc)] = (doc, metadata)  # (the document held: its id is not reused)
             while len(_DECODED) > _DECODED_MAX:
@@ -210,7 +212,7 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         self._resolved = chosen.step if isinstance(chosen, ReadPlan) else chosen
         self._plan, doc = self._planner.plan(namespace, chosen)
-        metadata = _decoded(doc)
+        metadata = _decoded(doc, where=f"{namespace}/step {self._resolved}")
         metadata.storage_meta = replace(
             metadata.storage_meta or StorageMeta(), load_id=self.load_id
         )

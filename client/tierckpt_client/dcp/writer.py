@@ -41,6 +41,7 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
+from tierckpt_core.metadata_blob import pack_metadata
 from tierckpt_core.protocol import CommitRequest, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
@@ -434,7 +435,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             }
         req = CommitRequest(
             files=sorted(files),
-            metadata=encode_metadata(metadata),
+            metadata=pack_metadata(encode_metadata(metadata)),
             world_size=len(results),
             persist=self.persist,
             nodes=nodes,

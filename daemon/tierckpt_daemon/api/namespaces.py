@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Response
 from starlette.concurrency import run_in_threadpool
 
+from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import (
     HydrateRequest,
     NamespaceInfo,
@@ -95,7 +96,11 @@ def get_step(namespace: str, step: int, service: Service, owner: Owner) -> StepI
 
 @router.get("/{namespace}/steps/{step}/metadata")
 def get_metadata(namespace: str, step: int, node: NodeDep, owner: Owner) -> dict[str, Any]:
-    return node.restorer.metadata(namespace, step, owner=owner)
+    """The step's DCP metadata in its JSON form (docs/format.md), for inspection: loads take it
+    as committed (opaque, compressed) with ``POST .../reads``."""
+    return unpack_metadata(
+        node.restorer.metadata(namespace, step, owner=owner), where=f"{namespace}/step {step}"
+    )
 
 
 @router.delete("/{namespace}/steps/{step}", status_code=204)

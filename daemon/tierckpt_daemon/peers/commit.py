@@ -189,7 +189,7 @@ class GlobalCommitter:
         rec = self.decide(decision)  # the commit point: the decider's MANIFEST.json
         # The metadata goes to its holders only; every other node keeps its digest.
         without = DecideRequest(
-            manifest=manifest.model_copy(update={"metadata": {}}), persist=persist
+            manifest=manifest.model_copy(update={"metadata": ""}), persist=persist
         )
         # Holders straight from the decider; everyone else through the tree.
         rest = [n for n in participants if n not in holders]

@@ -52,7 +52,7 @@ class PeerServer:
         """A step's record as this daemon keeps it; ``metadata=False``: without the DCP metadata
         (a peer that wants a share's records or the share table, not the metadata)."""
         rec = self.service.record(namespace, step)
-        dcp = read_manifest(rec.manifest_path()).metadata if metadata else {}
+        dcp = read_manifest(rec.manifest_path()).metadata if metadata else ""
         missing = [f for f in rec.files.values() if not f.checksum]
         if missing:
             # Neither replicated nor durable yet: checksum the files now (memory bandwidth).

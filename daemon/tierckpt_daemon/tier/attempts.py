@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tierckpt_core.errors import ProtocolError, StepStateError
 from tierckpt_core.integrity import checksum_file_blocks
@@ -41,7 +41,7 @@ class _Service(Protocol):
     def install(
         self,
         rec: StepRecord,
-        metadata: dict[str, Any],
+        metadata: str,
         *,
         persist: bool,
         replicate: bool,

@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import Any
 
 from tierckpt_core.errors import (
     CheckpointFormatError,
@@ -37,7 +36,7 @@ def fill_step(
     step: int,
     files: Sequence[FileRecord],
     *,
-    metadata: dict[str, Any],
+    metadata: str,
     world_size: int | None,
     fetch: Fetch,
     pool: Executor,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any
 
 from tierckpt_core.errors import (
     LeaseNotFoundError,
@@ -93,7 +92,7 @@ class Queries:
             path = self.record(namespace, step, owner=owner).manifest_path()
         return read_manifest(path)
 
-    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
+    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> str:
         """The DCP metadata this node keeps for a step (empty where its holders keep it: see
         :meth:`Restorer.metadata <tierckpt_daemon.tier.restore.Restorer.metadata>`)."""
         return self.manifest(namespace, step, owner=owner).metadata

@@ -17,7 +17,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.manifest import FileRecord, LocalState, RingRecord, StepManifest, ring_of
@@ -121,7 +120,7 @@ class StepRecord:
             if f is not None and f.checksum is None:
                 f.checksum = digest
 
-    def manifest(self, metadata: dict[str, Any]) -> StepManifest:
+    def manifest(self, metadata: str) -> StepManifest:
         return StepManifest(
             namespace=self.namespace,
             step=self.step,
@@ -175,13 +174,13 @@ def parse_step_dir_name(name: str) -> tuple[int, str] | None:
     return int(head), attempt
 
 
-def write_manifest(record: StepRecord, metadata: dict[str, Any]) -> None:
+def write_manifest(record: StepRecord, metadata: str) -> None:
     _write(record, record.manifest(metadata))
 
 
 def write_prepared(record: StepRecord) -> None:
     """A participant's prepare: its share and the decider, before it acknowledges."""
-    _write_atomically(record.prepared_path(), record.manifest({}).encode())
+    _write_atomically(record.prepared_path(), record.manifest("").encode())
 
 
 def update_manifest(record: StepRecord) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any, Protocol
+from typing import Protocol
 
 from tierckpt_core.errors import (
     CheckpointFormatError,
@@ -135,10 +135,10 @@ class Restorer:
         self._guard = threading.Lock()
         self._locks = KeyedLocks()  # one hydration per step at a time
         # DCP metadata fetched from its holders (steps spanning nodes), newest last.
-        self._metadata: OrderedDict[tuple[str, int, str], dict[str, Any]] = OrderedDict()
+        self._metadata: OrderedDict[tuple[str, int, str], str] = OrderedDict()
         self._metadata_locks = KeyedLocks()  # one fetch of a step's metadata at a time
 
-    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> dict[str, Any]:
+    def metadata(self, namespace: str, step: int, *, owner: str | None = None) -> str:
         """The DCP metadata of a committed step held here. A step spanning nodes keeps it on its
         decider and the nodes after it (RingRecord): on any other node it comes from one of
         them, else from the persistent tier, checked against the digest in the step's record,
@@ -148,7 +148,7 @@ class Restorer:
             return manifest.metadata
         return self._fetch_metadata(manifest)
 
-    def _fetch_metadata(self, manifest: StepManifest) -> dict[str, Any]:
+    def _fetch_metadata(self, manifest: StepManifest) -> str:
         namespace, step, ring = manifest.namespace, manifest.step, manifest.ring
         assert ring is not None
         key = (namespace, step, manifest.attempt or "")
@@ -165,13 +165,13 @@ class Restorer:
                     self._metadata.popitem(last=False)
             return found
 
-    def _fetch_metadata_once(self, manifest: StepManifest) -> dict[str, Any]:
+    def _fetch_metadata_once(self, manifest: StepManifest) -> str:
         namespace, step, ring = manifest.namespace, manifest.step, manifest.ring
         assert ring is not None
         where = f"{namespace}/step {step}"
         tried: list[str] = []
 
-        def fetched(source: str, m: StepManifest) -> dict[str, Any] | None:
+        def fetched(source: str, m: StepManifest) -> str | None:
             if metadata_digest(m.metadata) == ring.metadata_digest:
                 if self.peers is not None:  # a holder's record has the share table too
                     self.peers.remember_table(namespace, step, m.ring)
@@ -179,7 +179,7 @@ class Restorer:
             tried.append(f"{source}: its metadata does not match the step's digest")
             return None
 
-        found: dict[str, Any] | None = None
+        found: str | None = None
         for holder in ring.holders_for(self.service.node):
             if self.peers is None:
                 continue

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 from tierckpt_core.errors import (
     NamespaceOwnerError,
@@ -271,7 +271,7 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
     def install(
         self,
         rec: StepRecord,
-        metadata: dict[str, Any],
+        metadata: str,
         *,
         persist: bool,
         replicate: bool,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -55,7 +55,7 @@ class Source(Protocol):
     @property
     def filling(self) -> threading.Thread | None: ...
 
-    def metadata(self, namespace: str, step: int) -> dict[str, Any]: ...
+    def metadata(self, namespace: str, step: int) -> str: ...
 
     def open_files(
         self, namespace: str, step: int, refs: list[ShardRef]

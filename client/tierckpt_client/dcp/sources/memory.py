@@ -22,7 +22,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -47,7 +46,7 @@ class _Known:
     """A step's metadata and file records (by name), as of one ``version`` of its commit."""
 
     version: str
-    metadata: dict[str, Any]
+    metadata: str  # as committed (tierckpt_core.metadata_blob)
     records: dict[str, FileRecord]
 
 
@@ -83,13 +82,13 @@ class MemorySource:
         self.peers = peers
         self.read_peers = False
         # The metadata this source answered read_metadata with, by (namespace, step).
-        self._served: dict[tuple[str, int], dict[str, Any]] = {}
+        self._served: dict[tuple[str, int], str] = {}
 
     def without_peers(self) -> MemorySource:
         """The same tier, every file brought into this node's memory by the daemon."""
         return MemorySource(self.daemon, self.config, peers=False)
 
-    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
+    def metadata(self, namespace: str, step: int) -> str:
         """The step's metadata (NotFoundError when it is not in this node's memory)."""
         doc = self._open(namespace, step, pin=False).known.metadata
         self._served[(namespace, step)] = doc

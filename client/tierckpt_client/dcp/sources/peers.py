@@ -21,7 +21,6 @@ import contextlib
 import logging
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
@@ -203,7 +202,7 @@ class PeerSource(MemoryFill):
             )
         return cls(sources, config)
 
-    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
+    def metadata(self, namespace: str, step: int) -> str:
         return self.sources.manifest.metadata
 
     def files(self, where: str, names: set[str] | None, rest: LocalFiles) -> StreamedFiles:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -84,7 +83,7 @@ class PersistentSource(MemoryFill):
             self._manifests[key] = read_step_manifest(self.store, namespace, step)
         return self._manifests[key]
 
-    def metadata(self, namespace: str, step: int) -> dict[str, Any]:
+    def metadata(self, namespace: str, step: int) -> str:
         return self.manifest(namespace, step).metadata
 
     def fetch(self, namespace: str, step: int, name: str) -> torch.Tensor:
