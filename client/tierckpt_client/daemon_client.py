@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
@@ -35,6 +36,7 @@ from tierckpt_core.protocol import (
     RangesRequest,
     ReadRequest,
     ReadResponse,
+    ReadStamp,
     SealFile,
     SealRequest,
     StatusResponse,
@@ -49,6 +51,11 @@ logger = logging.getLogger(__name__)
 _SHARED: dict[tuple[int, ClientConfig], UnixHTTP] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
+# What the daemons answered this process's ``open_read`` of a step last, by (socket, namespace,
+# step): the version, and its commit record in the tier directory as the daemon found it then.
+_STAMPS: OrderedDict[tuple[str, str, int], tuple[str, ReadStamp]] = OrderedDict()
+_STAMPS_MAX = 64
+_STAMPS_LOCK = threading.Lock()
 
 
 @atexit.register
@@ -310,10 +317,29 @@ class DaemonClient:
         self, namespace: str, step: int, known: str | None = None, *, pin: bool = True
     ) -> ReadResponse:
         """A step in this node's memory for a load: its version, pinned (``pin``), with its
-        metadata and file records unless the caller holds those of version ``known`` already."""
+        metadata and file records unless the caller holds those of version ``known`` already.
+
+        Without ``pin``, for a ``known`` version that the daemon last answered this process, and
+        whose commit record is the same file still (:class:`ReadStamp`, an ``lstat``): answered
+        here without a request (version ``known``, nothing else), as the daemon would. Nothing
+        is read on the strength of it: a load's pin asks the daemon, whose answer has the
+        step's version then, and its file records, which the bytes are verified against, when
+        they are not those of ``known``."""
+        key = (str(self.config.socket), namespace, step)
+        if not pin and known is not None and _unchanged(key, known):
+            return ReadResponse(version=known)
         body = ReadRequest(known=known, pin=pin).model_dump()
         path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
-        return ReadResponse.model_validate(self._request("POST", path, body))
+        answer = ReadResponse.model_validate(self._request("POST", path, body))
+        with _STAMPS_LOCK:
+            if answer.stamp is None:
+                _STAMPS.pop(key, None)
+            else:
+                _STAMPS[key] = (answer.version, answer.stamp)
+                _STAMPS.move_to_end(key)
+                while len(_STAMPS) > _STAMPS_MAX:
+                    _STAMPS.popitem(last=False)
+        return answer
 
     def unpin(self, namespace: str, step: int, pin_id: str, *, wait: bool = True) -> None:
         """Release a pin. ``wait=False``: send the request and return (a load's last request,
@@ -321,3 +347,19 @@ class DaemonClient:
         anything, which the daemon then answers with the pin released."""
         path = f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}"
         self._request("DELETE", path, later=not wait)
+
+
+def _unchanged(key: tuple[str, str, int], version: str) -> bool:
+    """Whether the daemon answered ``version`` for the step last and its commit record is the
+    same file still (the daemon rewrites it, as a new file, on every change of the step, and
+    removes it when the step leaves its memory)."""
+    with _STAMPS_LOCK:
+        seen = _STAMPS.get(key)
+    if seen is None or seen[0] != version:
+        return False
+    stamp = seen[1]
+    try:
+        st = os.lstat(stamp.path)
+    except OSError:
+        return False
+    return (st.st_ino, st.st_ctime_ns, st.st_size) == (stamp.ino, stamp.ctime_ns, stamp.size)

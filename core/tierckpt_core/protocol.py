@@ -220,6 +220,17 @@ class PinResponse(BaseModel):
     expires_in_s: float
 
 
+class ReadStamp(BaseModel):
+    """A step's commit record in the tier directory (``path``), as ``lstat`` found it when the
+    daemon answered: every change of a committed step rewrites that record (a new file renamed
+    into place), so a reader that finds the same file there may take the step as unchanged."""
+
+    path: str
+    ino: int
+    ctime_ns: int
+    size: int
+
+
 class ReadRequest(BaseModel):
     """A committed step in this node's memory, for a load: what it holds, and (``pin``) the step
     pinned for the read. ``known``: the :attr:`ReadResponse.version` whose metadata and file
@@ -236,6 +247,7 @@ class ReadResponse(BaseModel):
     part of the answer)."""
 
     version: str  # the step's committed contents: its commit time and every file's checksum
+    stamp: ReadStamp | None = None  # how to tell, without asking, that ``version`` still holds
     pin_id: str | None = None
     paths: dict[str, str] = {}
     expires_in_s: float = 0.0

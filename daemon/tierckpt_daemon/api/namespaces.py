@@ -7,6 +7,7 @@ what it shows of peers and of the persistent tier is that owner's steps only."""
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Response
@@ -21,6 +22,7 @@ from tierckpt_core.protocol import (
     RangesRequest,
     ReadRequest,
     ReadResponse,
+    ReadStamp,
     StepCandidate,
     StepInfo,
 )
@@ -33,6 +35,7 @@ from tierckpt_daemon.api.deps import (
     under_lock,
 )
 from tierckpt_daemon.node import Node
+from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
 from tierckpt_daemon.tier.tenants import Caller
 
@@ -162,7 +165,24 @@ def _open_read(
     else:
         info = service.get_step(namespace, step, owner=owner)
         answer = ReadResponse(version=_version(info))
+    answer.stamp = _stamp(service.record(namespace, step, owner=owner))
     return answer, info
+
+
+def _stamp(rec: StepRecord) -> ReadStamp | None:
+    """The step's commit record as it is now, under the service's lock, like the version: every
+    change of a committed record is written to it (renamed into place: a new inode), and it is
+    removed when the step leaves the tables. A reader that finds the same file there next time
+    holds this version without asking (``DaemonClient.open_read``); it still pins through the
+    daemon and takes the file records it verifies against from the pin's answer, so a stamp that
+    lies (the directory is writable by the node's trainers) costs a reader a re-plan, never an
+    unverified or a stale byte."""
+    path = rec.manifest_path()
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return ReadStamp(path=str(path), ino=st.st_ino, ctime_ns=st.st_ctime_ns, size=st.st_size)
 
 
 def _version(info: StepInfo) -> str:

@@ -1,0 +1,173 @@
+"""A load of a step this process loaded before, unchanged since, makes one request to its daemon
+(the pin) and an unpin it does not wait for (issue 24, goal 2): ``read_metadata`` takes the
+step's metadata from what it holds when the step's commit record in the tier directory is the
+file the daemon's last answer named (a ``ReadStamp``). What a load reads is still verified
+against the file records of the pin's answer: a step saved again, deleted or evicted between two
+loads is read as it is now or fails the load, naming it; never read as it was; a flipped byte
+still fails the load, naming file and block; and a stamp that lies (the directory is writable by
+the node's trainers) costs a clear error at worst, never an old or unverified byte."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tierckpt_client import daemon_client
+from tierckpt_client.daemon_client import DaemonClient
+
+from helpers import DaemonProcess
+from kit import blank_state, flip_byte, load, save, seeded_state
+
+N = 4096
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The ``POST .../reads`` requests this process sent a daemon (``pin`` or ``metadata``)."""
+    made: list[str] = []
+    real = DaemonClient._request
+
+    def counted(self: DaemonClient, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        if path.endswith("/reads"):
+            made.append("pin" if (args[0] if args else kwargs["body"])["pin"] else "metadata")
+        return real(self, method, path, *args, **kwargs)
+
+    monkeypatch.setattr(DaemonClient, "_request", counted)
+    yield made
+
+
+def _paths(ns: str, step: int) -> dict[str, str]:
+    with DaemonClient() as c:
+        pin = c.pin(ns, step)
+        c.unpin(ns, step, pin.pin_id)
+    return pin.paths
+
+
+def test_a_step_loaded_before_and_unchanged_is_loaded_with_one_request(
+    client_env: DaemonProcess, reads: list[str]
+) -> None:
+    save("same", 1, seeded_state(1, N))
+    assert torch.equal(load("same", blank_state(N), 1)[1]["w"], seeded_state(1, N)["w"])
+    assert reads == ["metadata", "pin"]
+    reads.clear()
+    for _ in range(2):
+        _, out = load("same", blank_state(N), 1)
+        assert torch.equal(out["w"], seeded_state(1, N)["w"])
+        assert out["meta"] == {"step": 1}
+    assert reads == ["pin", "pin"]
+    # A save of another step leaves this one's record as it was.
+    save("same", 2, seeded_state(2, N))
+    reads.clear()
+    assert torch.equal(load("same", blank_state(N), 1)[1]["w"], seeded_state(1, N)["w"])
+    assert reads == ["pin"]
+
+
+@pytest.mark.parametrize("layout", ["same", "other"])
+def test_a_step_saved_again_between_two_loads_is_read_as_saved_again(
+    client_env: DaemonProcess, reads: list[str], layout: str
+) -> None:
+    save("again", 3, seeded_state(3, N))
+    assert torch.equal(load("again", blank_state(N), 3)[1]["w"], seeded_state(3, N)["w"])
+    # Another layout: "a" first, so "w" sits at another offset of another file.
+    new = seeded_state(3, N, seed=99)
+    if layout == "other":
+        new = {"a": torch.full((1000,), 7.0), **new}
+    save("again", 3, new)
+    reads.clear()
+    dest = {**({"a": torch.zeros(1000)} if layout == "other" else {}), **blank_state(N)}
+    _, out = load("again", dest, 3)
+    assert torch.equal(out["w"], new["w"])
+    if layout == "other":
+        assert torch.equal(out["a"], new["a"])
+    assert reads == ["metadata", "pin"]  # the old commit record is gone: asked again
+
+
+def test_a_step_saved_again_while_an_old_reader_pins_it_is_read_as_saved_again(
+    client_env: DaemonProcess,
+) -> None:
+    """The superseded attempt keeps its directory and files while a reader pins it; its commit
+    record goes at once."""
+    save("pinned", 4, seeded_state(4, N))
+    load("pinned", blank_state(N), 4)
+    with DaemonClient() as c:
+        held = c.pin("pinned", 4)
+        new = {"a": torch.full((1000,), 3.0), **seeded_state(4, N, seed=5)}
+        save("pinned", 4, new)
+        _, out = load("pinned", {"a": torch.zeros(1000), **blank_state(N)}, 4)
+        c.unpin("pinned", 4, held.pin_id)
+    assert torch.equal(out["w"], new["w"]) and torch.equal(out["a"], new["a"])
+
+
+def test_a_step_deleted_between_two_loads_fails_the_load_naming_it(
+    client_env: DaemonProcess,
+) -> None:
+    save("gone", 4, seeded_state(4, N))
+    save("gone", 5, seeded_state(5, N))
+    load("gone", blank_state(N), 5)
+    with DaemonClient() as c:
+        c.delete("gone", 5)
+    dest = blank_state(N)
+    with pytest.raises(CheckpointException, match=r"gone/step 5 is not committed"):
+        load("gone", dest, 5)
+    assert not dest["w"].any()  # nothing of the old bytes reached the tensor
+    save("gone", 5, seeded_state(5, N, seed=11))  # and saved anew: the new bytes
+    assert torch.equal(load("gone", blank_state(N), 5)[1]["w"], seeded_state(5, N, seed=11)["w"])
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_step_retired_between_two_loads_fails_the_load_naming_it(
+    client_env: DaemonProcess,
+) -> None:
+    save("kept", 1, seeded_state(1, N))
+    load("kept", blank_state(N), 1)
+    save("kept", 2, seeded_state(2, N))  # keep_last=1: step 1 leaves memory
+    with pytest.raises(CheckpointException, match=r"kept/step 1 is not committed"):
+        load("kept", blank_state(N), 1)
+
+
+def test_a_flipped_byte_fails_a_load_that_did_not_ask_for_the_metadata(
+    client_env: DaemonProcess, reads: list[str]
+) -> None:
+    save("flip", 6, seeded_state(6, N))
+    load("flip", blank_state(N), 6)
+    data = next(p for name, p in _paths("flip", 6).items() if name.endswith(".data"))
+    flip_byte(data, 100)
+    reads.clear()
+    with pytest.raises(CheckpointException, match=r"file \S+ does not match the checksum.*block 0"):
+        load("flip", blank_state(N), 6)
+    assert reads == ["pin"]
+
+
+@pytest.mark.parametrize("layout", ["same", "other"])
+def test_a_stamp_that_lies_never_gives_old_bytes(
+    client_env: DaemonProcess, reads: list[str], layout: str
+) -> None:
+    """The client is told the step is unchanged while it was saved again (a forged or reused
+    commit record): DCP plans with the old metadata, and the pin's answer brings the new records.
+    The same layout reads the new bytes, verified; another fails the load, naming the step."""
+    save("lie", 7, seeded_state(7, N))
+    load("lie", blank_state(N), 7)
+    key = (str(client_env.socket), "lie", 7)
+    old_version = daemon_client._STAMPS[key][0]
+    new = seeded_state(7, N, seed=42)
+    if layout == "other":
+        new = {"a": torch.full((N,), 2.0), "w": new["w"][: N // 2], "meta": new["meta"]}
+    save("lie", 7, new)
+    with DaemonClient() as c:  # the record as it is now, filed under the old version
+        stamp = c.open_read("lie", 7, pin=False).stamp
+    assert stamp is not None
+    daemon_client._STAMPS[key] = (old_version, stamp)
+    reads.clear()
+    dest = blank_state(N)
+    if layout == "same":
+        _, out = load("lie", dest, 7)
+        assert torch.equal(out["w"], new["w"])
+    else:
+        with pytest.raises(CheckpointException, match=r"lie/step 7 was saved again"):
+            load("lie", dest, 7)
+        assert not dest["w"].any()
+    assert reads == ["pin"]
