@@ -50,6 +50,7 @@ from tierckpt_client import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.integrity import block_digest, checksum_blocks
 from tierckpt_core.launcher import DaemonProcess, ring
+from tierckpt_core.metadata_blob import pack_metadata
 from tierckpt_core.protocol import CommitRequest, SealFile
 
 TOKEN = "bench-scale-peer-token-not-a-secret-0123"
@@ -68,6 +69,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--commits", type=int, default=5, help="saves per N (the first is warm-up)")
     p.add_argument("--candidates", type=int, default=5, help="candidates calls timed per node")
     p.add_argument("--no-restore", action="store_true", help="skip the replaced node's restore")
+    p.add_argument(
+        "--json-metadata",
+        action="store_true",
+        help="send the metadata as a JSON object (writers before 075a2e0), not compressed text",
+    )
     p.add_argument("--tag", default="", help="label of this run in the table")
     p.add_argument("--out", type=Path, default=Path("bench/results/scale.json"))
     p.add_argument("--md", type=Path, default=None, help="also write the table here")
@@ -327,6 +333,10 @@ def run_n(args: argparse.Namespace, n: int, meta_cache: dict[Any, Any]) -> dict[
         meta_cache[key] = (*meta_cache[key][:2], time.perf_counter() - t0)
     metadata, chunk, _ = meta_cache[key]
     meta_bytes = len(json.dumps(metadata, separators=(",", ":")))
+    # As the writer sends it (compressed text the daemons keep opaque), or --json-metadata: the
+    # JSON object, as writers before 075a2e0 sent it.
+    sent: str | dict[str, Any] = metadata if args.json_metadata else pack_metadata(metadata)
+    sent_bytes = len(sent) if isinstance(sent, str) else meta_bytes
     files = [rank_file(rank, file_bytes, chunk, args.tensors) for rank in range(world)]
     tag = uuid.uuid4().hex[:6]
     t_start = time.perf_counter()
@@ -359,7 +369,7 @@ def run_n(args: argparse.Namespace, n: int, meta_cache: dict[Any, Any]) -> dict[
                 sealed_s = time.perf_counter() - t0
                 req = CommitRequest(
                     files=sorted(f"r{rank:05d}.data" for rank in range(world)),
-                    metadata=metadata,
+                    metadata=sent,
                     world_size=world,
                     nodes={f"r{rank:05d}.data": names[rank // m] for rank in range(world)},
                 )
@@ -416,7 +426,9 @@ def run_n(args: argparse.Namespace, n: int, meta_cache: dict[Any, Any]) -> dict[
         raise
     finally:
         stop_ring(r)
-    return summarize(args, n, commits, records, rss, cand, restore, meta_bytes, startup_s)
+    return summarize(
+        args, n, commits, records, rss, cand, restore, (meta_bytes, sent_bytes), startup_s
+    )
 
 
 def replace_last_node(r: Ring, step: int, m: int, file_bytes: int) -> dict[str, Any]:
@@ -465,7 +477,7 @@ def summarize(
     rss: list[float],
     cand: dict[str, list[float]],
     restore: dict[str, Any] | None,
-    meta_bytes: int,
+    meta_sizes: tuple[int, int],
     startup_s: float,
 ) -> dict[str, Any]:
     steady = commits[1:]  # the first save faults in fresh tmpfs pages and warms connections
@@ -483,7 +495,8 @@ def summarize(
         "ranks_per_node": args.ranks,
         "file_bytes": args.file_kib << 10,
         "tensors": args.tensors,
-        "metadata_json_bytes": meta_bytes,
+        "metadata_json_bytes": meta_sizes[0],
+        "metadata_sent_bytes": meta_sizes[1],
         "ring_start_s": startup_s,
         "commit_s": {"median": statistics.median(lat), "max": max(lat), "all": lat},
         "seal_phase_s": statistics.median(c["seal_phase_s"] for c in steady),
@@ -519,7 +532,7 @@ def summarize(
 # -- output -------------------------------------------------------------------------------
 def table(rows: list[dict[str, Any]], tag: str) -> str:
     head = (
-        "| nodes | ranks | file | metadata JSON | committed median (max) | lease+seal | "
+        "| nodes | ranks | file | metadata JSON (sent) | committed median (max) | lease+seal | "
         "peer bytes/commit: decider sent (recv) | participant recv (sent) | CPU s/commit decider / participant | "
         "records kept/step participant (decider) | RSS median (max) | candidates | "
         "replaced node: restore (start) |\n"
@@ -535,7 +548,8 @@ def table(rows: list[dict[str, Any]], tag: str) -> str:
         )
         lines.append(
             f"| {r['nodes']} | {r['ranks_per_node']} | {_size(r['file_bytes'])} | "
-            f"{_size(r['metadata_json_bytes'])} | {r['commit_s']['median']:.3f} s "
+            f"{_size(r['metadata_json_bytes'])} ({_size(r.get('metadata_sent_bytes', 0))}) | "
+            f"{r['commit_s']['median']:.3f} s "
             f"({r['commit_s']['max']:.3f}) | {r['seal_phase_s']:.2f} s | "
             f"{_size(pb['decider_sent'])} ({_size(pb['decider_recv'])}) | "
             f"{_size(pb['participant_recv'])} ({_size(pb['participant_sent'])}) | "

@@ -22,6 +22,13 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.errors import StepNotFoundError
+from tierckpt_core.metadata_blob import (
+    PREFIX,
+    canonical_json,
+    metadata_digest,
+    pack_metadata,
+    unpack_metadata,
+)
 
 from helpers import DaemonProcess, ring, run_ranks, running
 
@@ -106,7 +113,8 @@ def test_a_node_keeps_its_share_and_digests_and_reads_the_rest_on_demand(
         # Of the rest, no file record: per node its files' names, bytes and records' digest.
         rest = {name for s in shares.values() for name in s["files"]} - held
         assert rest and all(s["digest"].startswith("sha256:") for s in shares.values())
-        assert bool(doc["metadata"]) == (d.name in holders)
+        # The metadata on the holders only, as the writer sent it: compressed text.
+        assert doc["metadata"].startswith(PREFIX) == (d.name in holders)
     # Every rank, the node without the metadata included, loads the step bit for bit.
     run_ranks(_load, 3, sockets)
     # The decider's node is lost: the two left reshard, reading its share from its replica
@@ -131,7 +139,9 @@ def test_metadata_that_does_not_match_its_digest_is_refused(three: list[DaemonPr
         if d.name in holders:
             path = _record_path(d)
             doc = json.loads(path.read_text())
-            doc["metadata"]["forged"] = True
+            forged = unpack_metadata(doc["metadata"], where=str(path))
+            forged["forged"] = True
+            doc["metadata"] = pack_metadata(forged)
             path.write_text(json.dumps(doc))
     c = DaemonClient.from_socket(other.socket)
     with c, pytest.raises(StepNotFoundError, match="does not match the step's digest"):
@@ -162,7 +172,16 @@ def _as_slim_file_format(doc: dict, table: dict, slim: dict[str, dict]) -> dict:
     return doc
 
 
-@pytest.mark.parametrize("previous", ["table_everywhere", "slim_files"])
+def _with_json_metadata(doc: dict, metadata: dict) -> dict:
+    """A node's record as the daemons before the metadata was kept as the writer's compressed
+    text wrote it: the JSON object on the holders, and the digest of its canonical JSON."""
+    if doc["metadata"]:
+        doc["metadata"] = metadata
+    doc["ring"]["metadata_digest"] = metadata_digest(canonical_json(metadata))
+    return doc
+
+
+@pytest.mark.parametrize("previous", ["table_everywhere", "slim_files", "json_metadata"])
 def test_a_step_recorded_in_a_previous_format_still_loads(
     three: list[DaemonProcess], previous: str
 ) -> None:
@@ -170,6 +189,7 @@ def test_a_step_recorded_in_a_previous_format_still_loads(
     run_ranks(_save, 3, sockets)
     records = {d.name: _record(d) for d in three}
     table = records[three[0].name]["ring"]["shares"]  # the decider keeps it
+    metadata = unpack_metadata(records[three[0].name]["metadata"], where="the decider")
     slim = {
         f["name"]: {k: f[k] for k in ("name", "rank", "length", "checksum", "node")}
         for doc in records.values()
@@ -178,11 +198,12 @@ def test_a_step_recorded_in_a_previous_format_still_loads(
     for d in three:
         d.kill()
         doc = records[d.name]
-        old = (
-            _with_table_everywhere(doc, table)
-            if previous == "table_everywhere"
-            else _as_slim_file_format(doc, table, slim)
-        )
+        if previous == "table_everywhere":
+            old = _with_table_everywhere(doc, table)
+        elif previous == "slim_files":
+            old = _as_slim_file_format(doc, table, slim)
+        else:
+            old = _with_json_metadata(doc, metadata)
         _record_path(d).write_text(json.dumps(old))
     for d in three:
         d.start()
