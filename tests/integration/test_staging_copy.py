@@ -6,6 +6,7 @@ never waits for a helper thread that was not scheduled."""
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _byte_copy
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._staging import stage_into, staging_size
+from tierckpt_core.errors import CheckpointFormatError
 
 from helpers import DaemonProcess
 
@@ -88,10 +90,9 @@ def test_async_save_of_a_state_split_in_runs_is_bit_exact(
 
 
 def test_the_copy_does_not_wait_for_helpers_that_never_start() -> None:
-    """Every pool thread is held: the trainer's thread copies every run itself, and returns."""
-    pool = _byte_copy._pool()
+    """Every helper thread is held: the trainer's thread copies every run itself, and returns."""
     release = threading.Event()
-    held = [pool.submit(release.wait, 60) for _ in range(_byte_copy.helpers())]
+    held = [h.submit(lambda: release.wait(60)) for h in _byte_copy._helpers(_byte_copy.helpers())]
     try:
         src = torch.randint(0, 256, (3 * _byte_copy.SPLIT_MIN + 5,), dtype=torch.uint8)
         mm = mmap.mmap(-1, 4 * _byte_copy.SPLIT_MIN)
@@ -132,3 +133,43 @@ def test_stage_into_lands_every_byte_on_any_number_of_threads(threads: int) -> N
         assert _exact(staged["model"][k], v), k
         if v.numel():
             assert mapping.base <= staged["model"][k].data_ptr() < mapping.base + size, k
+
+
+def test_a_stage_that_fails_midway_leaves_no_helper_writing_into_the_file() -> None:
+    """Helpers start on the first tensors while the rest are laid out; when a later tensor
+    fails, stage_into returns only once no helper is copying, and none copies after."""
+    first = torch.randint(0, 256, (4 * _byte_copy.RUN,), dtype=torch.uint8)
+    second = torch.randint(0, 256, (4 * _byte_copy.RUN,), dtype=torch.uint8)
+    size = first.numel() + 64  # room for the first tensor only: the second one fails
+    mm = mmap.mmap(-1, size)
+    mapping = FileMapping(-1, -1, -1, size, torch.frombuffer(mm, dtype=torch.uint8))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(CheckpointFormatError, match="outside"):
+            stage_into({"a": first, "b": second}, mapping)
+    finally:
+        torch.set_num_threads(before)
+    landed = mapping.buffer.clone()
+    # Every helper is idle: a task queued behind anything still running returns at once.
+    for h in _byte_copy._helpers(_byte_copy.helpers()):
+        h.submit(lambda: None).result(timeout=60)
+    assert torch.equal(mapping.buffer, landed)
+
+
+def test_staging_leaves_the_trainer_threads_cores_as_they_were() -> None:
+    """Only the helpers' affinity is steered (off the trainer's core); the caller's never."""
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no affinity calls on this platform")
+    mine = os.sched_getaffinity(0)
+    src = torch.randint(0, 256, (3 * _byte_copy.SPLIT_MIN,), dtype=torch.uint8)
+    mm = mmap.mmap(-1, src.numel())
+    mapping = FileMapping(-1, -1, -1, src.numel(), torch.frombuffer(mm, dtype=torch.uint8))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        staged = stage_into({"x": src}, mapping).state_dict
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(staged["x"], src)
+    assert os.sched_getaffinity(0) == mine

@@ -104,11 +104,13 @@ def stage_into(
     With CUDA tensors among them and ``pin_memory``, the mapping is registered as page-locked
     memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA; one
     synchronize at the end waits for them all. Host tensors are copied as bytes, all together
-    at the end, shared over torch's number of threads (:mod:`_byte_copy`)."""
+    as they are laid out, shared over torch's number of threads (:mod:`_byte_copy`): the helpers
+    start on the first tensors while this thread lays out the next, and it joins them at the
+    end."""
     offset = 0
     device_copies = 0
-    host = ByteCopies()
     base = mapping.base if mapping is not None else 0
+    host = ByteCopies(torch.get_num_threads(), mapping.size if mapping is not None else 0)
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset, device_copies
@@ -130,8 +132,12 @@ def stage_into(
             device_copies += 1
         return dst
 
-    staged = _walk(state_dict, place)
-    host.run(torch.get_num_threads())
+    try:
+        staged = _walk(state_dict, place)
+    except BaseException:
+        host.cancel()  # no helper writes into the file once this returns
+        raise
+    host.run()
     if device_copies and torch.cuda.is_available():
         torch.cuda.synchronize()
     return StageResult(staged, offset, device_copies)
