@@ -11,7 +11,10 @@ one CPU state dict of 16 float32 tensors, and ``--iters`` rounds. Each round, in
 ``--ranks 2``: spawned gloo ranks save one state together, each its share (``size / ranks``),
 between barriers; per round each contender's stall on its slower rank.
 
-The contenders alternate within every round, so load on a shared machine hits both alike. The
+The contenders alternate within every round, so load on a shared machine hits both alike, and
+which of them comes right after the memcpy floor alternates from round to round (``--fixed-order``:
+tierckpt always; the floor's ``copy_`` leaves torch's OpenMP workers spinning for a few ms, which
+taxes whatever copies next on a 2-core machine and helps a ``copy_`` that follows). The
 stall is the time ``async_save`` takes to return; each future is waited for (untimed) before the
 next save. torch's stager is configured as its fastest honest CPU setting: synchronous staging
 (``use_async_staging=False``: an asynchronous stager returns before the copy is done, and the
@@ -105,6 +108,11 @@ def parse_args() -> argparse.Namespace:
         default=1,
         help="1, or spawned gloo ranks saving one state together, each its share (size / ranks); "
         "per round the slower rank's stall of each contender",
+    )
+    p.add_argument(
+        "--fixed-order",
+        action="store_true",
+        help="tierckpt always first after the memcpy floor (the order before rounds alternated)",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/stall.json"))
     p.add_argument("--smoke", action="store_true", help="16 MiB, 3 rounds (CI)")
@@ -311,54 +319,71 @@ def rounds(
                 d.copy_(s)
             memcpy = time.perf_counter() - t0
 
-            ph.t = {}
-            sync()
-            c0, d0 = self_cpu_s(), proc_cpu_s(daemon_pid) if rank == 0 else 0.0
-            writer = writer_module.TieredStorageWriter("stall", step=i + 1)
-            t0 = time.perf_counter()
-            fut = dcp.async_save(
-                sd, storage_writer=writer, async_checkpointer_type=kind, **collective
-            )
-            tier = time.perf_counter() - t0
-            fut.result()
-            if i >= args.warmup:
-                cpu["tier_self"] += self_cpu_s() - c0
-                if rank == 0:
-                    cpu["tier_daemon"] += proc_cpu_s(daemon_pid) - d0
-            phases = dict(ph.t)
-            phases["async_save_rest"] = tier - phases.get("stage", 0.0)
-
-            before = before_phases = None
-            if args.before:  # the same writer with pre-leases off, in its own namespace
+            def tierckpt_save(i: int = i) -> tuple[float, dict[str, float], float | None, Any]:
                 ph.t = {}
                 sync()
-                writer = writer_module.TieredStorageWriter("stall-before", step=i + 1, config=off)
+                c0, d0 = self_cpu_s(), proc_cpu_s(daemon_pid) if rank == 0 else 0.0
+                writer = writer_module.TieredStorageWriter("stall", step=i + 1)
                 t0 = time.perf_counter()
                 fut = dcp.async_save(
                     sd, storage_writer=writer, async_checkpointer_type=kind, **collective
                 )
-                before = time.perf_counter() - t0
+                tier = time.perf_counter() - t0
                 fut.result()
-                before_phases = dict(ph.t)
-                before_phases["async_save_rest"] = before - before_phases.get("stage", 0.0)
+                if i >= args.warmup:
+                    cpu["tier_self"] += self_cpu_s() - c0
+                    if rank == 0:
+                        cpu["tier_daemon"] += proc_cpu_s(daemon_pid) - d0
+                phases = dict(ph.t)
+                phases["async_save_rest"] = tier - phases.get("stage", 0.0)
 
-            ph.t = {}
-            sync()
-            c0 = self_cpu_s()
-            fs_writer = FileSystemWriter(fs_root / f"step_{i}")
-            t0 = time.perf_counter()
-            fut = dcp.async_save(
-                sd,
-                storage_writer=fs_writer,
-                async_stager=stager,
-                async_checkpointer_type=kind,
-                **collective,
-            )
-            torch_stall = time.perf_counter() - t0
-            fut.result()
-            torch_copy = ph.t.get("torch_copy", 0.0)
-            if i >= args.warmup:
-                cpu["torch_self"] += self_cpu_s() - c0
+                before = before_phases = None
+                if args.before:  # the same writer with pre-leases off, in its own namespace
+                    ph.t = {}
+                    sync()
+                    writer = writer_module.TieredStorageWriter(
+                        "stall-before", step=i + 1, config=off
+                    )
+                    t0 = time.perf_counter()
+                    fut = dcp.async_save(
+                        sd, storage_writer=writer, async_checkpointer_type=kind, **collective
+                    )
+                    before = time.perf_counter() - t0
+                    fut.result()
+                    before_phases = dict(ph.t)
+                    before_phases["async_save_rest"] = before - before_phases.get("stage", 0.0)
+
+                return tier, phases, before, before_phases
+
+            def torch_save(i: int = i) -> tuple[float, float]:
+                ph.t = {}
+                sync()
+                c0 = self_cpu_s()
+                fs_writer = FileSystemWriter(fs_root / f"step_{i}")
+                t0 = time.perf_counter()
+                fut = dcp.async_save(
+                    sd,
+                    storage_writer=fs_writer,
+                    async_stager=stager,
+                    async_checkpointer_type=kind,
+                    **collective,
+                )
+                torch_stall = time.perf_counter() - t0
+                fut.result()
+                torch_copy = ph.t.get("torch_copy", 0.0)
+                if i >= args.warmup:
+                    cpu["torch_self"] += self_cpu_s() - c0
+                return torch_stall, torch_copy
+
+            # Each contender right after the memcpy floor in every other round: the floor's
+            # copy_ leaves torch's OpenMP workers spinning for milliseconds, which taxes
+            # whatever runs next on a machine with few cores (see _byte_copy).
+            if args.fixed_order or i % 2 == 0:
+                tier, phases, before, before_phases = tierckpt_save()
+                torch_stall, torch_copy = torch_save()
+            else:
+                torch_stall, torch_copy = torch_save()
+                tier, phases, before, before_phases = tierckpt_save()
             sync()
             if rank == 0:
                 shutil.rmtree(fs_root / f"step_{i}", ignore_errors=True)
