@@ -11,8 +11,9 @@ THREAD or ``--checkpointer process``), then ``--iters`` rounds of, in this order
 Per size: the paired ratio memcpy time / restore time (restore GB/s over memcpy GB/s: median and
 best over the rounds after the first); restore - paired memcpy; and the time outside the copy
 (the restore less its time in the reader's verified copies), split into the daemon round trips
-the load made (each timed: method and route) and the rest (DCP's planning, the metadata's
-decoding, the reader's own work); and the calling thread's CPU time outside the copies, which a
+the load made (each timed: method and route; a pin sent ahead by ``read_metadata`` is its send,
+and ``read_data``'s wait for its answer) and the rest (DCP's planning, the metadata's decoding,
+the reader's own work); and the calling thread's CPU time outside the copies, which a
 busy machine inflates least.
 
 ``--fresh``: also the first restore in a new process (the restart after a failure: the step's
@@ -44,6 +45,7 @@ from _common import free_port, machine_info, write_results
 from memory_tier import check_equal, make_state, start_daemon, tensors, zeros_like_state
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from tierckpt_client import _reads
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp.sources import files
@@ -101,6 +103,18 @@ class RoundTrips:
                 self.made.append((f"{method} {what}", time.perf_counter() - t0))
 
         DaemonClient._request = timed  # type: ignore[method-assign]
+        # A pin sent ahead (read_metadata) is one request sent there, its answer waited for in
+        # read_data: that wait is the round trip's time left on the load's path.
+        real_wait = _reads.Ahead.wait
+
+        def waited(ahead: _reads.Ahead, timeout: float) -> bool:
+            t0 = time.perf_counter()
+            try:
+                return real_wait(ahead, timeout)
+            finally:
+                self.made.append(("pin sent ahead: waited", time.perf_counter() - t0))
+
+        _reads.Ahead.wait = waited  # type: ignore[method-assign]
 
     def _timed_copy(self, real: Callable[..., int]) -> Callable[..., int]:
         def timed(*a: Any, **k: Any) -> int:
@@ -182,7 +196,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], nbytes: int) -> dict[str, An
     for r in rows:
         for what, s in r["round_trips"]:
             trips.setdefault(what, []).append(s * 1e3)
-    n_trips = [len(r["round_trips"]) for r in rows]
+    n_trips = [sum(not w.startswith("pin sent ahead") for w, _ in r["round_trips"]) for r in rows]
     trips_ms = [sum(s for _, s in r["round_trips"]) * 1e3 for r in rows]
     return {
         "bytes": nbytes,

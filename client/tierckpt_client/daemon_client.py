@@ -9,17 +9,18 @@ DCP's async checkpoint process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import socket
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
-from tierckpt_client._uds_http import ConnectFailed, UnixHTTP
+from tierckpt_client import _reads
+from tierckpt_client._uds_http import Answer, ConnectFailed, Done, UnixHTTP
 from tierckpt_client.config import ClientConfig
 from tierckpt_core.errors import DaemonUnavailableError, ProtocolError, TierCkptError
 from tierckpt_core.http import decode_body
@@ -36,7 +37,6 @@ from tierckpt_core.protocol import (
     RangesRequest,
     ReadRequest,
     ReadResponse,
-    ReadStamp,
     SealFile,
     SealRequest,
     StatusResponse,
@@ -51,11 +51,6 @@ logger = logging.getLogger(__name__)
 _SHARED: dict[tuple[int, ClientConfig], UnixHTTP] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
-# What the daemons answered this process's ``open_read`` of a step last, by (socket, namespace,
-# step): the version, and its commit record in the tier directory as the daemon found it then.
-_STAMPS: OrderedDict[tuple[str, str, int], tuple[str, ReadStamp]] = OrderedDict()
-_STAMPS_MAX = 64
-_STAMPS_LOCK = threading.Lock()
 
 
 @atexit.register
@@ -148,34 +143,47 @@ class DaemonClient:
         timeout: float | None = None,
         raw: bool = False,
         later: bool = False,
+        done: Done | None = None,
     ) -> Any:
         """The daemon's answer to one request, decoded. ``later``: only send it; an error in its
-        answer is logged when this process makes its next request (or exits)."""
+        answer is logged when this process makes its next request (or exits), or the answer goes
+        to ``done``."""
         limit = timeout if timeout is not None else self.config.timeout_s
         data = json.dumps(body).encode() if body is not None else None
         try:
             if later:
                 what = f"{method} {path}"
-                self._client().send_later(method, path, data, limit, self._answered_later(what))
+                done = done or self._answered_later(what)
+                self._client().send_later(method, path, data, limit, done)
                 return None
             status, content = self._client().request(method, path, data, limit)
-        except ConnectFailed as e:
-            raise self._unreachable(e) from None
-        except TimeoutError as e:
-            raise DaemonUnavailableError(
-                f"the tierckpt daemon at {self.config.socket} did not answer {method} {path} "
-                f"within {limit:.0f}s ({type(e).__name__})"
-            ) from e
         except OSError as e:
-            raise DaemonUnavailableError(
-                f"lost the connection to the tierckpt daemon at {self.config.socket} during "
-                f"{method} {path} ({type(e).__name__}: {e}); is it running?"
-            ) from e
+            raise self._failed(e, f"{method} {path}", limit) from (
+                None if isinstance(e, ConnectFailed) else e
+            )
+        return self._decoded((status, content), f"{method} {path}", raw=raw)
+
+    def _failed(self, e: OSError, what: str, limit: float) -> DaemonUnavailableError:
+        if isinstance(e, ConnectFailed):
+            return self._unreachable(e)
+        if isinstance(e, TimeoutError):
+            return DaemonUnavailableError(
+                f"the tierckpt daemon at {self.config.socket} did not answer {what} within "
+                f"{limit:.0f}s ({type(e).__name__})"
+            )
+        return DaemonUnavailableError(
+            f"lost the connection to the tierckpt daemon at {self.config.socket} during {what} "
+            f"({type(e).__name__}: {e}); is it running?"
+        )
+
+    @staticmethod
+    def _decoded(answer: Answer, what: str, *, raw: bool = False) -> Any:
+        status, content = answer
         if status == 204:
             return None
         if raw and status == 200:
             return content
-        return decode_body(status, content, f"daemon answered {method} {path}")
+        return decode_body(status, content, f"daemon answered {what}")
 
     def _answered_later(
         self, what: str
@@ -319,27 +327,74 @@ class DaemonClient:
         """A step in this node's memory for a load: its version, pinned (``pin``), with its
         metadata and file records unless the caller holds those of version ``known`` already.
 
-        Without ``pin``, for a ``known`` version that the daemon last answered this process, and
-        whose commit record is the same file still (:class:`ReadStamp`, an ``lstat``): answered
-        here without a request (version ``known``, nothing else), as the daemon would. Nothing
-        is read on the strength of it: a load's pin asks the daemon, whose answer has the
-        step's version then, and its file records, which the bytes are verified against, when
-        they are not those of ``known``."""
+        Without ``pin``, for a ``known`` version whose commit record the daemon's last answer
+        named and ``lstat`` finds unchanged: answered here (version ``known``, nothing else), as
+        the daemon would, and the load's pin is sent ahead, for its next ``open_read`` with
+        ``pin`` to claim; see :mod:`tierckpt_client._reads`, also for why neither takes a byte
+        on trust."""
         key = (str(self.config.socket), namespace, step)
-        if not pin and known is not None and _unchanged(key, known):
+        path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
+        if pin:
+            ahead = _reads.claim(key)
+            answer = self._claimed(ahead, namespace, step, known) if ahead is not None else None
+            if answer is not None:
+                return answer
+        elif known is not None and _reads.unchanged(key, known):
+            ahead = _reads.Ahead(key, known, self._give_back(namespace, step))
+            body = ReadRequest(known=known, pin=True).model_dump()
+            with contextlib.suppress(TierCkptError):  # not sent: read_data asks for its pin
+                _reads.send_ahead(
+                    ahead, lambda: self._request("POST", path, body, later=True, done=ahead.done)
+                )
             return ReadResponse(version=known)
         body = ReadRequest(known=known, pin=pin).model_dump()
-        path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
         answer = ReadResponse.model_validate(self._request("POST", path, body))
-        with _STAMPS_LOCK:
-            if answer.stamp is None:
-                _STAMPS.pop(key, None)
-            else:
-                _STAMPS[key] = (answer.version, answer.stamp)
-                _STAMPS.move_to_end(key)
-                while len(_STAMPS) > _STAMPS_MAX:
-                    _STAMPS.popitem(last=False)
+        _reads.remember(key, answer)
         return answer
+
+    def _claimed(
+        self, ahead: _reads.Ahead, namespace: str, step: int, known: str | None
+    ) -> ReadResponse | None:
+        """The answer to the pin sent ahead (None: it was for another version, given back)."""
+        what = f"POST /v1/namespaces/{namespace}/steps/{step}/reads"
+        if not ahead.wait(self.config.timeout_s):
+            raise DaemonUnavailableError(
+                f"the tierckpt daemon at {self.config.socket} did not answer {what} within "
+                f"{self.config.timeout_s:.0f}s"
+            )
+        if ahead.answer is None:
+            error = ahead.error if isinstance(ahead.error, OSError) else OSError(str(ahead.error))
+            raise self._failed(error, what, self.config.timeout_s) from ahead.error
+        if ahead.known != known:
+            self._give_back(namespace, step)(ahead.answer)
+            return None
+        answer = ReadResponse.model_validate(self._decoded(ahead.answer, what))
+        _reads.remember(ahead.key, answer)
+        return answer
+
+    def _give_back(self, namespace: str, step: int) -> Callable[[Answer], None]:
+        """Release the pin in an answer to a pin sent ahead that no load claimed (and wait: what
+        this process asks next does not see it)."""
+
+        def give_back(answer: Answer) -> None:
+            try:
+                pin_id = ReadResponse.model_validate_json(answer[1]).pin_id
+            except ValueError:
+                return  # an error: no pin taken
+            if pin_id is None:
+                return
+            try:
+                self.unpin(namespace, step, pin_id)
+            except TierCkptError as e:
+                logger.warning(
+                    "%s/step %d: could not give back a pin sent ahead of a load that did not "
+                    "read: %s (it expires by itself)",
+                    namespace,
+                    step,
+                    e,
+                )
+
+        return give_back
 
     def unpin(self, namespace: str, step: int, pin_id: str, *, wait: bool = True) -> None:
         """Release a pin. ``wait=False``: send the request and return (a load's last request,
@@ -347,19 +402,3 @@ class DaemonClient:
         anything, which the daemon then answers with the pin released."""
         path = f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}"
         self._request("DELETE", path, later=not wait)
-
-
-def _unchanged(key: tuple[str, str, int], version: str) -> bool:
-    """Whether the daemon answered ``version`` for the step last and its commit record is the
-    same file still (the daemon rewrites it, as a new file, on every change of the step, and
-    removes it when the step leaves its memory)."""
-    with _STAMPS_LOCK:
-        seen = _STAMPS.get(key)
-    if seen is None or seen[0] != version:
-        return False
-    stamp = seen[1]
-    try:
-        st = os.lstat(stamp.path)
-    except OSError:
-        return False
-    return (st.st_ino, st.st_ctime_ns, st.st_size) == (stamp.ino, stamp.ctime_ns, stamp.size)

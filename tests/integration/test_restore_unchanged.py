@@ -9,15 +9,21 @@ the node's trainers) costs a clear error at worst, never an old or unverified by
 
 from __future__ import annotations
 
+import gc
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierckpt_client import daemon_client
+from tierckpt_client import _reads
 from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_client.dcp import TieredStorageReader
 
 from helpers import DaemonProcess
 from kit import blank_state, flip_byte, load, save, seeded_state
@@ -152,7 +158,7 @@ def test_a_stamp_that_lies_never_gives_old_bytes(
     save("lie", 7, seeded_state(7, N))
     load("lie", blank_state(N), 7)
     key = (str(client_env.socket), "lie", 7)
-    old_version = daemon_client._STAMPS[key][0]
+    old_version = _reads._STAMPS[key][0]
     new = seeded_state(7, N, seed=42)
     if layout == "other":
         new = {"a": torch.full((N,), 2.0), "w": new["w"][: N // 2], "meta": new["meta"]}
@@ -160,7 +166,7 @@ def test_a_stamp_that_lies_never_gives_old_bytes(
     with DaemonClient() as c:  # the record as it is now, filed under the old version
         stamp = c.open_read("lie", 7, pin=False).stamp
     assert stamp is not None
-    daemon_client._STAMPS[key] = (old_version, stamp)
+    _reads._STAMPS[key] = (old_version, stamp)
     reads.clear()
     dest = blank_state(N)
     if layout == "same":
@@ -171,3 +177,75 @@ def test_a_stamp_that_lies_never_gives_old_bytes(
             load("lie", dest, 7)
         assert not dest["w"].any()
     assert reads == ["pin"]
+
+
+# -- the pin sent ahead (read_metadata sends the pin read_data claims) --------------------------
+
+
+def _gone(paths: dict[str, str]) -> bool:
+    return not any(os.path.exists(p) for p in paths.values())
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_pin_sent_ahead_of_a_load_that_fails_in_planning_is_given_back(
+    client_env: DaemonProcess, reads: list[str]
+) -> None:
+    """DCP refuses the destination after ``read_metadata`` (another shape): the pin sent ahead
+    is given back before this process's next request is served, so the next commit takes the
+    step out of memory (keep_last=1) and its files with it."""
+    save("fail", 1, seeded_state(1, N))
+    load("fail", blank_state(N), 1)
+    paths = _paths("fail", 1)
+    reads.clear()
+    with pytest.raises(CheckpointException, match="Size mismatch"):
+        load("fail", blank_state(N // 2), 1)
+    assert reads == ["pin"]  # sent ahead by read_metadata, never claimed
+    save("fail", 2, seeded_state(2, N))
+    assert _gone(paths)
+    assert torch.equal(load("fail", blank_state(N), 2)[1]["w"], seeded_state(2, N)["w"])
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_pin_sent_ahead_for_a_reader_dropped_before_it_reads_is_given_back(
+    client_env: DaemonProcess,
+) -> None:
+    save("probe", 1, seeded_state(1, N))
+    load("probe", blank_state(N), 1)
+    paths = _paths("probe", 1)
+    probe = TieredStorageReader("probe", 1)
+    assert probe.read_metadata() is not None
+    del probe
+    gc.collect()
+    save("probe", 2, seeded_state(2, N))
+    assert _gone(paths)
+
+
+EXITS = """
+import sys
+from kit import blank_state, load
+load("exit", blank_state({n}), 1)
+try:
+    load("exit", blank_state({n} // 2), 1)  # fails in DCP's planning, after the pin went ahead
+except BaseException as e:  # (CheckpointException is one)
+    print("failed:", type(e).__name__)
+"""
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_pin_sent_ahead_is_given_back_when_the_process_exits(
+    client_env: DaemonProcess,
+) -> None:
+    save("exit", 1, seeded_state(1, N))
+    paths = _paths("exit", 1)
+    tests = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-c", EXITS.format(n=N)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and "failed: CheckpointException" in run.stdout, run.stderr[-3000:]
+    save("exit", 2, seeded_state(2, N))
+    assert _gone(paths)

@@ -1,0 +1,132 @@
+"""What a load's ``POST .../reads`` requests to its daemon may leave out or send early (issue 24,
+goal 2; used by :meth:`DaemonClient.open_read <tierckpt_client.daemon_client.DaemonClient.open_read>`).
+
+A load asks twice: for the step's metadata (``read_metadata``) and for a pin (``read_data``).
+
+- **Stamps.** Each answer names the step's commit record in the tier directory as the daemon found
+  it (:class:`~tierckpt_core.protocol.ReadStamp`). The daemon rewrites that record, as a new file,
+  on every change of the step, and removes it when the step leaves its memory: while ``lstat``
+  finds the same file, the step is as last answered, and the metadata request is not sent.
+- **Pins sent ahead.** Then the pin that ``read_data`` asks for next is sent at once, without
+  waiting for its answer: the daemon serves it while DCP plans the load, and ``read_data`` claims
+  the answer (:func:`claim`). A pin no load claims (a load that failed in DCP's planning, a reader
+  dropped after ``read_metadata``) is given back when its answer is read: at this process's next
+  request to a daemon, or when it exits.
+
+Neither is trusted with a byte: the load's bytes are verified against the file records of the
+pin's answer, which the daemon sends whenever the step is not the version the reader holds; a
+stamp that lies (the directory is writable by the node's trainers) costs a clear error at worst
+(DCP planned with the metadata of a step saved again since: ``MemorySource`` refuses it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from tierckpt_client._uds_http import Answer, collect_owed
+from tierckpt_core.protocol import ReadResponse, ReadStamp
+
+Key = tuple[str, str, int]  # (socket, namespace, step)
+
+# What the daemons answered this process's reads of a step last: the version, and the step's
+# commit record as the daemon found it then.
+_STAMPS: OrderedDict[Key, tuple[str, ReadStamp]] = OrderedDict()
+_STAMPS_MAX = 64
+_LOCK = threading.Lock()
+
+
+def remember(key: Key, answer: ReadResponse) -> None:
+    with _LOCK:
+        if answer.stamp is None:
+            _STAMPS.pop(key, None)
+            return
+        _STAMPS[key] = (answer.version, answer.stamp)
+        _STAMPS.move_to_end(key)
+        while len(_STAMPS) > _STAMPS_MAX:
+            _STAMPS.popitem(last=False)
+
+
+def unchanged(key: Key, version: str) -> bool:
+    """Whether the daemon answered ``version`` for the step last and its commit record is the
+    same file still."""
+    with _LOCK:
+        seen = _STAMPS.get(key)
+    if seen is None or seen[0] != version:
+        return False
+    stamp = seen[1]
+    try:
+        st = os.lstat(stamp.path)
+    except OSError:
+        return False
+    return (st.st_ino, st.st_ctime_ns, st.st_size) == (stamp.ino, stamp.ctime_ns, stamp.size)
+
+
+class Ahead:
+    """A pin sent ahead for the load that holds version ``known`` of a step: claimed by that
+    load's ``read_data``, else given back (``give_back(answer)``) once its answer is read."""
+
+    def __init__(self, key: Key, known: str, give_back: Callable[[Answer], None]) -> None:
+        self.key, self.known, self.give_back = key, known, give_back
+        self.pid = os.getpid()
+        self.claimed = False
+        self.answer: Answer | None = None
+        self.error: BaseException | None = None
+        self.arrived = threading.Event()
+
+    def done(self, answer: Answer | None, error: BaseException | None) -> None:
+        """The answer, read by whichever request of this process came first."""
+        self.answer, self.error = answer, error
+        with _LOCK:
+            self.arrived.set()
+            orphan = not self.claimed
+            if orphan and _AHEAD.get(self.key) is self:
+                del _AHEAD[self.key]
+        if orphan and answer is not None:
+            self.give_back(answer)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for the answer (read here, unless another thread is reading it)."""
+        collect_owed()
+        return self.arrived.wait(timeout)
+
+
+_AHEAD: dict[Key, Ahead] = {}
+
+
+def send_ahead(ahead: Ahead, send: Callable[[], None]) -> None:
+    """Register ``ahead`` (a pin sent ahead of the same step before, unclaimed, is given back
+    when its answer comes), then ``send`` it; one that cannot be sent is dropped."""
+    with _LOCK:
+        _AHEAD[ahead.key] = ahead
+    try:
+        send()
+    except BaseException:
+        with _LOCK:
+            if _AHEAD.get(ahead.key) is ahead:
+                del _AHEAD[ahead.key]
+        raise
+
+
+def claim(key: Key) -> Ahead | None:
+    """The pin sent ahead for this step, now the caller's (None if there is none)."""
+    with _LOCK:
+        ahead = _AHEAD.pop(key, None)
+        if ahead is None or ahead.pid != os.getpid() or ahead.arrived.is_set():
+            return None  # (one that arrived unclaimed was given back already)
+        ahead.claimed = True
+        return ahead
+
+
+# After _uds_http's (atexit runs the last registered first): read the answers of pins sent
+# ahead that no load claimed, so that they are given back; the rest is dropped there.
+@atexit.register
+def _give_back_at_exit() -> None:
+    pid = os.getpid()
+    with _LOCK:
+        pending = any(a.pid == pid for a in _AHEAD.values())
+    if pending:
+        collect_owed(limit=2.0)
