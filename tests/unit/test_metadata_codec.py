@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import json
 
 import pytest
@@ -16,7 +17,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tierckpt_client.dcp._metadata_codec import ShardRef, decode_metadata, encode_metadata
+from tierckpt_client.dcp.reader import _decoded
 from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.metadata_blob import pack_metadata
 
 
 def _metadata():  # type: ignore[no-untyped-def]
@@ -78,3 +81,34 @@ def test_malformed_metadata_is_rejected_with_the_field(mutate, message: str) -> 
     mutate(bad)
     with pytest.raises(CheckpointFormatError, match=message):
         decode_metadata(bad)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_reader_decodes_the_packed_text_and_leaves_the_collector_as_it_found_it(
+    enabled: bool,
+) -> None:
+    """The reader pauses the garbage collector while it decodes (it allocates per chunk of every
+    tensor); a process's collector must come out as it went in, also when decoding fails."""
+    md = _metadata()
+    text = pack_metadata(encode_metadata(md))
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        back = _decoded(text, where="j/step 1")
+        assert back.state_dict_metadata == md.state_dict_metadata
+        assert back.storage_data == md.storage_data
+        assert gc.isenabled() == enabled
+        bad = pack_metadata({**encode_metadata(md), "format": "tierckpt-dcp-metadata/0"})
+        with pytest.raises(CheckpointFormatError, match="not in the tierckpt-dcp-metadata/1"):
+            _decoded(bad, where="j/step 1")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+@pytest.mark.parametrize("value", [[1, True], [1, -1], [1.0], (1, 2), "12", None])
+def test_chunk_offsets_must_be_lists_of_non_negative_integers(value: object) -> None:
+    doc = encode_metadata(_metadata())
+    doc["state_dict_metadata"]["w"]["chunks"][0]["offsets"] = value
+    with pytest.raises(CheckpointFormatError, match="expected a list of non-negative integers"):
+        decode_metadata(doc)

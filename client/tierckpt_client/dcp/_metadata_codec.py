@@ -154,11 +154,15 @@ def _encode_planner_data(pd: Any) -> Any:
 
 
 def _ints(value: object, where: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
-    ):
-        raise CheckpointFormatError(f"{where}: expected a list of non-negative integers")
-    return value
+    # A plain loop on exact types (bool is not int here): called for every chunk's offsets and
+    # sizes, N·M·T times per load; a generator under all() took 3x as long.
+    if type(value) is list:
+        for x in value:
+            if type(x) is not int or x < 0:
+                break
+        else:
+            return value
+    raise CheckpointFormatError(f"{where}: expected a list of non-negative integers")
 
 
 def _str(value: object, where: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -62,6 +63,20 @@ _DECODED_MAX = 8
 _DECODED_LOCK = threading.Lock()
 
 
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """No cyclic garbage collection while the metadata is decoded: it allocates several objects
+    per chunk of every tensor on every rank (N·M·T chunks), none of them garbage, and the
+    collector's passes over them took more than half the time (bench/decode_metadata.py)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def _decoded(doc: str, *, where: str) -> Metadata:
     """The metadata kept as ``doc`` (tierckpt_core.metadata_blob: inflated, parsed, decoded),
     decoded once per document; each load gets its own copy of the tables (DCP and a user's
@@ -71,7 +86,8 @@ def _decoded(doc: str, *, where: str) -> Metadata:
     if hit is not None and hit[0] is doc:
         metadata = hit[1]
     else:
-        metadata = decode_metadata(unpack_metadata(doc, where=where))
+        with _collection_paused():
+            metadata = decode_metadata(unpack_metadata(doc, where=where))
         with _DECODED_LOCK:
             _DECODED[id(doc)] = (doc, metadata)  # (the document held: its id is not reused)
             while len(_DECODED) > _DECODED_MAX:
