@@ -34,7 +34,9 @@ class Costs:
     # holders): the table's and the metadata's digests and the holders' names.
     ring_digests_b: float = 300
     cand_s: float = 2.2e-3  # the asker's CPU per peer asked by candidates
-    decode_us_per_entry: float = 25.0  # json.loads + decode_metadata, per chunk entry
+    # Inflate, json.loads and decode_metadata, per chunk entry, as a reader does it since 05d70cc
+    # (the garbage collector paused: bench/decode_metadata.py, 8.3-10.6 us; 20-24 us before).
+    decode_us_per_entry: float = 10.0
     # The metadata as the writer sends it since 075a2e0 (zlib level 1, base64): the writer's CPU
     # per MB of JSON (19 ms for 10.5 MB), and JSON bytes per byte of text (16-29x measured on
     # bench/scale.py's FSDP shapes; 10 assumed for a real model's less regular names).
