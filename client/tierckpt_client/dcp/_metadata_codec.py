@@ -7,6 +7,9 @@ type-checked and dtypes come from a fixed table, and any problem raises
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +56,21 @@ class ShardRef:
     length: int
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a step's metadata is encoded or decoded: that builds
+    several objects per chunk of every tensor (N·M·T chunks for the job), none of them garbage,
+    and the collector's passes over them were more than half the time (bench/decode_metadata.py).
+    The collector comes back as it was, also after an error."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

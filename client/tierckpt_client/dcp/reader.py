@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import io
 import logging
 import os
@@ -36,7 +35,13 @@ from tierckpt_client.dcp._fallback import (
     plan_misfit,
 )
 from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
-from tierckpt_client.dcp._metadata_codec import DTYPES, ShardRef, copy_tensor, decode_metadata
+from tierckpt_client.dcp._metadata_codec import (
+    DTYPES,
+    ShardRef,
+    collection_paused,
+    copy_tensor,
+    decode_metadata,
+)
 from tierckpt_client.dcp.read_plan import Planner, ReadPlan
 from tierckpt_client.dcp.sources import RANGED_READ_MAX, Source, StepFiles
 from tierckpt_core.errors import (
@@ -63,20 +68,6 @@ _DECODED_MAX = 8
 _DECODED_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """No cyclic garbage collection while the metadata is decoded: it allocates several objects
-    per chunk of every tensor on every rank (N·M·T chunks), none of them garbage, and the
-    collector's passes over them took more than half the time (bench/decode_metadata.py)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _decoded(doc: str, *, where: str) -> Metadata:
     """The metadata kept as ``doc`` (tierckpt_core.metadata_blob: inflated, parsed, decoded),
     decoded once per document; each load gets its own copy of the tables (DCP and a user's
@@ -86,7 +77,7 @@ def _decoded(doc: str, *, where: str) -> Metadata:
     if hit is not None and hit[0] is doc:
         metadata = hit[1]
     else:
-        with _collection_paused():
+        with collection_paused():
             metadata = decode_metadata(unpack_metadata(doc, where=where))
         with _DECODED_LOCK:
             _DECODED[id(doc)] = (doc, metadata)  # (the document held: its id is not reused)

@@ -30,7 +30,7 @@ from tierckpt_client.dcp._ids import (
     next_attempt,
     parse_checkpoint_id,
 )
-from tierckpt_client.dcp._metadata_codec import encode_metadata
+from tierckpt_client.dcp._metadata_codec import collection_paused, encode_metadata
 from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData, RankLayout, dcp_save_world_size
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_client.dcp._targets import MemoryTier, SaveTarget
@@ -433,9 +433,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 for rank, rank_results in enumerate(results)
                 for r in rank_results
             }
+        with collection_paused():  # N·M·T chunks: see collection_paused
+            text = pack_metadata(encode_metadata(metadata))
         req = CommitRequest(
             files=sorted(files),
-            metadata=pack_metadata(encode_metadata(metadata)),
+            metadata=text,
             world_size=len(results),
             persist=self.persist,
             nodes=nodes,
