@@ -1,8 +1,8 @@
-"""What a rank pays to read a step's DCP metadata at load: inflate the text the daemons keep, parse
-the JSON, decode it into DCP's ``Metadata`` (every rank does it whole: DCP plans a load against
-every chunk of every tensor). The FSDP shape of bench/scale.py (``--tensors`` tensors, each
-sharded over every rank); per chunk entry, with the garbage collector running and paused (the
-reader pauses it: see ``tierckpt_client.dcp.reader._collection_paused``).
+"""What the DCP metadata of a step costs the client: the coordinator encodes and packs it at save
+(on the save's background thread), and every rank inflates, parses and decodes it whole at load
+(DCP plans a load against every chunk of every tensor). The FSDP shape of bench/scale.py
+(``--tensors`` tensors, each sharded over every rank); with the garbage collector running and
+paused (the client pauses it: ``tierckpt_client.dcp._metadata_codec.collection_paused``).
 
     python bench/decode_metadata.py --ranks 64,256,1024 --tensors 200
 """
@@ -15,14 +15,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale import fsdp_metadata
+import pydantic_core
+from scale import fsdp_metadata_object
+from torch.distributed.checkpoint.metadata import Metadata
 
-from tierckpt_client.dcp._metadata_codec import decode_metadata
+from tierckpt_client.dcp._metadata_codec import decode_metadata, encode_metadata
 from tierckpt_core.metadata_blob import pack_metadata, unpack_metadata
 
 
@@ -49,24 +50,28 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args()
     print(
-        "| ranks | chunks | packed text | inflate + parse, GC on / paused | decode, GC on / paused "
-        "| per chunk, GC on / paused |"
+        "| ranks | chunks | JSON | packed text | writer: encode + pack, GC on / paused "
+        "| reader: inflate + parse + decode, GC on / paused | reader per chunk, paused |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for world in (int(x) for x in args.ranks.split(",")):
-        doc, _ = fsdp_metadata(world, args.tensors, 16 << 20)
-        text = pack_metadata(doc)
+        md, _ = fsdp_metadata_object(world, args.tensors, 16 << 20)
+        text = pack_metadata(encode_metadata(md))
         entries = world * args.tensors
-        cells = []
-        for paused in (False, True):
-            parse = timed(partial(unpack_metadata, text, where="bench"), args.repeat, paused=paused)
-            decode = timed(partial(decode_metadata, doc), args.repeat, paused=paused)
-            cells.append((parse, decode))
-        (p_on, d_on), (p_off, d_off) = cells
+        json_bytes = len(pydantic_core.to_json(encode_metadata(md)))
+
+        def write(m: Metadata = md) -> str:
+            return pack_metadata(encode_metadata(m))
+
+        def read(t: str = text) -> Metadata:
+            return decode_metadata(unpack_metadata(t, where="bench"))
+
+        w_on, w_off = (timed(write, args.repeat, paused=x) for x in (False, True))
+        r_on, r_off = (timed(read, args.repeat, paused=x) for x in (False, True))
         print(
-            f"| {world} | {entries} | {len(text) / 1e6:.2f} MB | {p_on * 1e3:.0f} / {p_off * 1e3:.0f} ms "
-            f"| {d_on * 1e3:.0f} / {d_off * 1e3:.0f} ms "
-            f"| {(p_on + d_on) / entries * 1e6:.1f} / {(p_off + d_off) / entries * 1e6:.1f} µs |"
+            f"| {world} | {entries:,} | {json_bytes / 1e6:.2f} MB | {len(text) / 1e6:.2f} MB "
+            f"| {w_on * 1e3:,.0f} / {w_off * 1e3:,.0f} ms | {r_on * 1e3:,.0f} / {r_off * 1e3:,.0f} ms "
+            f"| {r_off / entries * 1e6:.1f} µs |"
         )
 
 

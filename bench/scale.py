@@ -103,6 +103,14 @@ def fsdp_metadata(world: int, tensors: int, file_bytes: int) -> tuple[dict[str, 
     """The encoded DCP metadata of ``tensors`` bf16 tensors, each sharded on dim 0 over
     ``world`` ranks (FSDP2), rank r's chunks laid out one after another in ``r<r>.data``; and
     the length of one chunk (the segments of a small chunk are checksummed like the writer's)."""
+    from tierckpt_client.dcp._metadata_codec import encode_metadata
+
+    md, chunk = fsdp_metadata_object(world, tensors, file_bytes)
+    return encode_metadata(md), chunk
+
+
+def fsdp_metadata_object(world: int, tensors: int, file_bytes: int) -> tuple[Any, int]:
+    """:func:`fsdp_metadata` as DCP's ``Metadata``, before the client encodes it."""
     import torch
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
@@ -112,7 +120,7 @@ def fsdp_metadata(world: int, tensors: int, file_bytes: int) -> tuple[dict[str, 
         TensorStorageMetadata,
     )
 
-    from tierckpt_client.dcp._metadata_codec import ShardRef, encode_metadata
+    from tierckpt_client.dcp._metadata_codec import ShardRef
 
     cols = 128
     rows = max(1, file_bytes // tensors // (2 * cols))
@@ -141,8 +149,7 @@ def fsdp_metadata(world: int, tensors: int, file_bytes: int) -> tuple[dict[str, 
                 dtype="bfloat16",
                 shape=(rows, cols),
             )
-    md = Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage)
-    return encode_metadata(md), chunk
+    return Metadata(state_dict_metadata=sd, planner_data=planner, storage_data=storage), chunk
 
 
 # -- one daemon's counters ------------------------------------------------------------------

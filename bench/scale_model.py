@@ -37,10 +37,11 @@ class Costs:
     # Inflate, json.loads and decode_metadata, per chunk entry, as a reader does it since 05d70cc
     # (the garbage collector paused: bench/decode_metadata.py, 8.3-10.6 us; 20-24 us before).
     decode_us_per_entry: float = 10.0
-    # The metadata as the writer sends it since 075a2e0 (zlib level 1, base64): the writer's CPU
-    # per MB of JSON (19 ms for 10.5 MB), and JSON bytes per byte of text (16-29x measured on
+    # The metadata as the writer sends it since 075a2e0 (JSON, zlib level 1, base64): the
+    # coordinator's CPU to encode DCP's Metadata and pack it, per MB of JSON (677 ms for 42 MB at
+    # 1,024 ranks, bench/decode_metadata.py), and JSON bytes per byte of text (12-29x measured on
     # bench/scale.py's FSDP shapes; 10 assumed for a real model's less regular names).
-    pack_s_per_mb: float = 1.8e-3
+    pack_s_per_mb: float = 16e-3
     meta_ratio: float = 10.0
 
 
@@ -93,10 +94,11 @@ def new_commit(j: Job, c: Costs, *, tree: bool = True) -> dict[str, float]:
     # Prepare down and its answers up (each node's slim records, growing to the record at the
     # root), then the decision down: three passes over the tree.
     tree_s = 3 * depth * (level + nic)
-    # The metadata: packed by the writer (075a2e0), then into the decider's daemon and on to the
-    # other holders as opaque text, hashed, never parsed.
+    # The metadata: packed by the writer (075a2e0; before it, encoded about as long: not in the
+    # latency, see writer_encode_s), then into the decider's daemon and on to the other holders
+    # as opaque text, hashed, never parsed.
     text = meta / c.meta_ratio
-    meta_s = meta / MB * c.pack_s_per_mb + text * j.holders / (c.copy_gbps * GB)
+    meta_s = text * j.holders / (c.copy_gbps * GB)
     # Before 075a2e0: the JSON object, parsed, hashed and re-encoded by the decider's daemon.
     meta_parsed_s = meta / MB * (c.parse_s_per_mb + (j.holders - 1) * c.send_s_per_mb)
     return {
@@ -111,6 +113,7 @@ def new_commit(j: Job, c: Costs, *, tree: bool = True) -> dict[str, float]:
         "tree_depth": depth,
         "latency_s": tree_s + meta_s,
         "latency_parsed_meta_s": tree_s + meta_parsed_s,
+        "writer_encode_s": meta / MB * c.pack_s_per_mb,
         "candidates_s": 2 * c.msg_s,
     }
 
@@ -177,6 +180,7 @@ def main() -> None:
         ("holder_keeps_MB", "a holder keeps per step, MB"),
         ("latency_s", "time to committed, s"),
         ("latency_parsed_meta_s", "... with the metadata parsed by the daemon (before 075a2e0), s"),
+        ("writer_encode_s", "the coordinator encodes the metadata before, s"),
         ("candidates_s", "candidates, s (asker's CPU)"),
     ]
     print(_row(["", *[f"{n} nodes: old" for n in ns], *[f"{n}: new" for n in ns]]))

@@ -22,6 +22,7 @@ import json
 import zlib
 from typing import Annotated, Any
 
+import pydantic_core
 from pydantic import BeforeValidator
 
 from tierckpt_core.errors import CheckpointFormatError
@@ -40,7 +41,7 @@ def canonical_json(doc: Any) -> str:
 def pack_metadata(doc: dict[str, Any]) -> str:
     """The metadata's JSON form as the daemons keep it (compressed, then base64: about 1/10 to
     1/40 of the JSON for DCP metadata, whose keys and offsets repeat)."""
-    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw = pydantic_core.to_json(doc)  # compact; 2-3x json.dumps's speed (docs/scale.md)
     return PREFIX + base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
@@ -90,8 +91,8 @@ def unpack_metadata(text: str | dict[str, Any], *, where: str) -> dict[str, Any]
             f"{where}: the step's metadata is neither {PREFIX!r} text nor a JSON object"
         )
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
+        doc = pydantic_core.from_json(raw)  # ~1.5x json.loads's speed
+    except ValueError as e:
         raise CheckpointFormatError(f"{where}: the step's metadata is not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{where}: the step's metadata is not a JSON object")
