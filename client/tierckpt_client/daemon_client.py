@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 _SHARED: dict[tuple[int, ClientConfig], UnixHTTP] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
+GIVE_BACK_S = 5.0  # the bound on releasing a pin sent ahead that no load claimed
 
 
 @atexit.register
@@ -383,8 +384,10 @@ class DaemonClient:
                 return  # an error: no pin taken
             if pin_id is None:
                 return
+            path = f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}"
             try:
-                self.unpin(namespace, step, pin_id)
+                # Bounded apart: it may run at exit (a daemon that hangs must not hold it up).
+                self._request("DELETE", path, timeout=min(self.config.timeout_s, GIVE_BACK_S))
             except TierCkptError as e:
                 logger.warning(
                     "%s/step %d: could not give back a pin sent ahead of a load that did not "
