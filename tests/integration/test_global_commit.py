@@ -320,3 +320,63 @@ def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_sha
         assert f"attempt s1 was committed (as {d0.name} says)" in d1.log()
         (d1_record,) = (d1.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
         assert '"shares":' not in d1_record.read_text()
+
+
+def test_a_holder_in_doubt_takes_the_decision_while_no_other_holder_answers() -> None:
+    """Four nodes; the decider and the next (d3) keep the share table. d3 is killed after
+    prepare and the decider after deciding: the only nodes holding the decision keep the
+    table's digest, and the only other holder is down. d3 does not wait for it forever: it
+    commits its share as prepared, with the digest only; once the decider is back every node
+    finds the step whole and serves its metadata (the table and the metadata from the decider,
+    checked against the digests)."""
+    four = ring(
+        4, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M", log_level="INFO"
+    )
+    with running(four) as ds:
+        d0, d1, d2, d3 = sorted(ds, key=lambda d: d.name)  # participants in name order
+        every = [str(d.name) for d in (d0, d1, d2, d3)]
+        decider = d2  # holders: d2 and the next, d3
+        shares: dict[str, Share] = {}
+        written: dict[str, bytes] = {}
+        for rank, d in enumerate((d0, d1, d2, d3)):
+            name, data = seal_bytes(d, NS, 1, "s1", rank, 30_000)
+            written[name] = data
+            got = _prepare_answer(decider, d, 1, "s1", f"r{rank:05d}.data", every, world_size=4)
+            shares[str(d.name)] = Share(
+                digest=got["share_digest"], files=[f"r{rank:05d}.data"], bytes=30_000
+            )
+        d3.kill()  # a holder, prepared, then gone before it learns the decision
+        metadata = {"what": "test"}
+        manifest = StepManifest(
+            namespace=NS,
+            step=1,
+            attempt="s1",
+            world_size=4,
+            files=[],
+            metadata=metadata,
+            coordinator=decider.name,
+            ring=RingRecord(
+                shares=shares,
+                shares_digest=table_digest(shares),
+                metadata_digest=metadata_digest(canonical_json(metadata)),
+                metadata_holders=[str(decider.name), str(d3.name)],
+            ),
+        )
+        with _peer(decider) as http:
+            resp = http.post(
+                f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit",
+                json={"manifest": manifest.model_dump(mode="json"), "persist": False},
+            )
+        assert resp.status_code == 200, resp.text
+        for d in (d0, d1):
+            _until(f"{d.name} to take the decision", lambda d=d: _latest(d) == 1, 90)
+        decider.kill()
+        d3.start()  # asks the decider (down), d0 and d1 (the digest only): no table anywhere
+        _until("the holder d3 to take the decision", lambda: _latest(d3) == 1, 90)
+        assert "committing this node's share as prepared" in d3.log()
+        assert _read(d3, 1) == {"r00003.data": written["r00003.data"]}
+        decider.start()
+        for d in (d0, d1, d2, d3):
+            with DaemonClient.from_socket(d.socket) as c:
+                assert c.metadata(NS, 1) == metadata
+                assert 1 in [s.step for s in c.candidates(NS)]

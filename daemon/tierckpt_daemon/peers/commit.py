@@ -295,12 +295,13 @@ class GlobalCommitter:
             world_size=req.world_size,
         )
 
-    def decide(self, req: DecideRequest) -> StepRecord:
-        """Commit this node's share of a step with the decider's global record (idempotent)."""
+    def decide(self, req: DecideRequest, *, as_prepared: bool = False) -> StepRecord:
+        """Commit this node's share of a step with the decider's global record (idempotent).
+        ``as_prepared``: see :meth:`TierService.take_decision`."""
         m = req.manifest
         if m.attempt is None or m.coordinator is None:
             raise ProtocolError(f"{m.namespace}/step {m.step}: a decision without attempt/decider")
-        return self.service.take_decision(m, persist=req.persist)
+        return self.service.take_decision(m, persist=req.persist, as_prepared=as_prepared)
 
     def abort(self, namespace: str, step: int, attempt: str) -> None:
         self.service.abort_attempt(namespace, step, attempt)

@@ -42,7 +42,7 @@ DECIDER_GONE_S = 600.0  # a decider not a member this long: its prepared attempt
 class Settle(Protocol):
     """How this node ends an attempt: take a decision, or abort (the committer)."""
 
-    def decide(self, req: DecideRequest) -> StepRecord: ...
+    def decide(self, req: DecideRequest, *, as_prepared: bool = False) -> StepRecord: ...
 
     def abort(self, namespace: str, step: int, attempt: str) -> None: ...
 
@@ -169,12 +169,20 @@ class Resolver:
         ring = fetch_table(self.client, self.node, m.namespace, m.step, m.ring)
         return m.model_copy(update={"ring": ring})
 
+    def _take(self, decision: DecideRequest, *, as_prepared: bool = False) -> None:
+        m = decision.manifest
+        try:
+            self.settle.decide(decision, as_prepared=as_prepared)
+        except (StepNotFoundError, StepStateError) as e:
+            logger.warning("%s/step %d: cannot take the decision: %s", m.namespace, m.step, e)
+
     def _ask_about(self, rec: StepRecord, nodes: list[str]) -> bool:
         """Ask ``nodes`` (members) how ``rec``'s attempt ended: take the decision if one holds
         it committed; abort if its decider (asked) does not know it and every other answered.
         True when the attempt was settled either way."""
         ns, step, attempt = rec.namespace, rec.step, rec.attempt
         asked: dict[str, OutcomeResponse | None] = {}
+        without_table: tuple[str, OutcomeResponse] | None = None
         for node in nodes:
             if not node or node == self.node or node in asked:
                 continue
@@ -191,6 +199,7 @@ class Resolver:
                     manifest = self._with_table(answer.manifest)
                 except TierCkptError as e:
                     logger.info("%s/step %d: %s's answer: %s", ns, step, node, e)
+                    without_table = without_table or (node, answer)
                     continue
                 logger.info(
                     "%s/step %d: attempt %s was committed (as %s says); committing it here",
@@ -199,11 +208,31 @@ class Resolver:
                     attempt,
                     node,
                 )
-                try:
-                    self.settle.decide(DecideRequest(manifest=manifest, persist=answer.persist))
-                except (StepNotFoundError, StepStateError) as e:
-                    logger.warning("%s/step %d: cannot take the decision: %s", ns, step, e)
+                self._take(DecideRequest(manifest=manifest, persist=answer.persist))
                 return True
+        if without_table is not None:
+            # Committed, and every holder of the share table is down or in doubt too (the
+            # decider died right after deciding; the other holder is this node, or missed the
+            # decision as well). Waiting for them could be forever: take the decision on this
+            # node's share as prepared for this very attempt, and keep the table's digest only
+            # (the table and the metadata are fetched from the holders when a reader needs
+            # them; a share that did not match its digest would fail that read, loudly).
+            node, answer = without_table
+            assert answer.manifest is not None
+            logger.warning(
+                "%s/step %d: attempt %s was committed (as %s says), and no holder of its share "
+                "table (%s) can give it: committing this node's share as prepared, with the "
+                "table's digest only",
+                ns,
+                step,
+                attempt,
+                node,
+                ", ".join(answer.manifest.ring.metadata_holders if answer.manifest.ring else []),
+            )
+            self._take(
+                DecideRequest(manifest=answer.manifest, persist=answer.persist), as_prepared=True
+            )
+            return True
         decider = asked.get(rec.coordinator or "")
         if (
             decider is not None

@@ -138,8 +138,15 @@ class Attempts:
             )
         return [f.model_copy(update={"size": None}) for f in rec.sorted_files()]
 
-    def take_decision(self: _Service, m: StepManifest, *, persist: bool) -> StepRecord:
-        """Commit this node's share of a step with the decider's global record (idempotent)."""
+    def take_decision(
+        self: _Service, m: StepManifest, *, persist: bool, as_prepared: bool = False
+    ) -> StepRecord:
+        """Commit this node's share of a step with the decider's global record (idempotent).
+
+        The decision's share table is checked against what this node prepared (its files, the
+        participants). ``as_prepared``: a decision with the table's digest only, learnt in doubt
+        from a participant while no holder of the table answers (the in-doubt resolver): this
+        node's share is what it prepared for this attempt."""
         svc = self
         if m.attempt is None or m.coordinator is None:
             raise ProtocolError(f"{m.namespace}/step {m.step}: a decision without attempt/decider")
@@ -154,7 +161,8 @@ class Attempts:
                 )
             # Only the decision of the decider that prepared the attempt, over its participants.
             ring = ring_of(m)
-            strangers = sorted(set(m.nodes()) - set(rec.participants))
+            blind = as_prepared and ring is not None and not ring.has_table
+            strangers = [] if blind else sorted(set(m.nodes()) - set(rec.participants))
             if m.coordinator != rec.coordinator or (rec.participants and strangers):
                 raise StepStateError(
                     f"{m.namespace}/step {m.step}: a decision for attempt {m.attempt} by "
@@ -162,7 +170,7 @@ class Attempts:
                     f"does not match its prepare by decider {rec.coordinator} with participants "
                     f"{', '.join(rec.participants)}: refused"
                 )
-            mine = m.share_names(self.node or "")
+            mine = set(rec.files) if blind else m.share_names(self.node or "")
             if mine != set(rec.files):
                 raise StepStateError(
                     f"{m.namespace}/step {m.step}: the decision lists {sorted(mine)} on "
