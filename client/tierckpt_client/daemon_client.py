@@ -9,7 +9,6 @@ DCP's async checkpoint process.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
@@ -343,11 +342,14 @@ class DaemonClient:
         elif known is not None and _reads.unchanged(key, known):
             ahead = _reads.Ahead(key, known, self._give_back(namespace, step))
             body = ReadRequest(known=known, pin=True).model_dump()
-            with contextlib.suppress(TierCkptError):  # not sent: read_data asks for its pin
+            try:
                 _reads.send_ahead(
                     ahead, lambda: self._request("POST", path, body, later=True, done=ahead.done)
                 )
-            return ReadResponse(version=known)
+            except DaemonUnavailableError:
+                pass  # asked below, as before: a daemon gone is read_metadata's to handle
+            else:
+                return ReadResponse(version=known)
         body = ReadRequest(known=known, pin=pin).model_dump()
         answer = ReadResponse.model_validate(self._request("POST", path, body))
         _reads.remember(key, answer)

@@ -25,7 +25,7 @@ from tierckpt_client import _reads
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader
 
-from helpers import DaemonProcess
+from helpers import DaemonProcess, wait_until
 from kit import blank_state, flip_byte, load, save, seeded_state
 
 N = 4096
@@ -249,3 +249,21 @@ def test_a_pin_sent_ahead_is_given_back_when_the_process_exits(
     assert run.returncode == 0 and "failed: CheckpointException" in run.stdout, run.stderr[-3000:]
     save("exit", 2, seeded_state(2, N))
     assert _gone(paths)
+
+
+def test_a_daemon_gone_between_two_loads_is_read_past_as_without_one(
+    make_node: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's commit record outlives its daemon (the tier directory is its journal): a load
+    after the daemon stopped still asks it in ``read_metadata``, and reads the persistent tier
+    itself (``TIERCKPT_PERSIST_URL``) as a load without a daemon does."""
+    url = f"file://{tmp_path / 'store'}"
+    node = make_node(client=True, persist_url=url)
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", url)
+    save("past", 1, seeded_state(1, N), persist=True)
+    with DaemonClient() as c:
+        wait_until("step 1 durable", lambda: c.step("past", 1).state.value == "durable")
+    load("past", blank_state(N), 1)
+    node.stop()
+    _, out = load("past", blank_state(N), 1)
+    assert torch.equal(out["w"], seeded_state(1, N)["w"])
