@@ -23,7 +23,7 @@ import zlib
 from typing import Annotated, Any
 
 import pydantic_core
-from pydantic import BeforeValidator
+from pydantic import AfterValidator, BeforeValidator
 
 from tierckpt_core.errors import CheckpointFormatError
 
@@ -55,6 +55,24 @@ def _as_text(value: Any) -> Any:
 
 # The type of every ``metadata`` field of a record or a message.
 MetadataText = Annotated[str, BeforeValidator(_as_text)]
+
+
+def _sent_as_text(value: Any) -> Any:
+    return canonical_json(value) if isinstance(value, dict) else value
+
+
+def _well_formed(text: str) -> str:
+    if not (text.startswith(PREFIX) or text.startswith("{")):
+        raise ValueError(
+            f"must be {PREFIX!r} text (tierckpt_core.metadata_blob.pack_metadata) or a JSON "
+            f"object, not {text[:40]!r}"
+        )
+    return text
+
+
+# The metadata of a commit request: as a writer packs it, or a JSON object (a client from
+# before); anything else is refused at commit rather than at the first load.
+SentMetadata = Annotated[str, BeforeValidator(_sent_as_text), AfterValidator(_well_formed)]
 
 
 def metadata_digest(text: str) -> str:

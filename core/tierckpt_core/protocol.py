@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from tierckpt_core.manifest import FileRecord, StepManifest
-from tierckpt_core.metadata_blob import MetadataText
+from tierckpt_core.metadata_blob import MetadataText, SentMetadata
 
 # The wire's name rules, re-exported: the API validates with them.
 from tierckpt_core.names import MAX_FILE_BYTES as MAX_FILE_BYTES
@@ -108,7 +108,7 @@ class CommitRequest(BaseModel):
     # The DCP metadata as the writer encoded it (tierckpt_core.metadata_blob.pack_metadata): kept
     # and passed on as sent, never parsed by a daemon. A JSON object is taken too (kept as its
     # canonical text).
-    metadata: MetadataText
+    metadata: SentMetadata
     world_size: int = Field(ge=1, le=MAX_RANK)
     persist: bool | None = None
     # A step whose ranks used several daemons: file name -> the node (TIERCKPT_NODE_NAME) of the

@@ -9,6 +9,7 @@ import json
 import zlib
 
 import pytest
+from pydantic import ValidationError
 
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.manifest import RingRecord, StepManifest, ring_of
@@ -112,3 +113,10 @@ def test_a_blob_that_inflates_past_the_bound_is_refused(monkeypatch: pytest.Monk
     assert len(bomb) < 8 << 10
     with pytest.raises(CheckpointFormatError, match="inflates past"):
         unpack_metadata(bomb, where="job/step 4")
+
+
+@pytest.mark.parametrize("sent", ["", "metadata", "eJzLSM3JyQcABiwCFQ==", "[1, 2]"])
+def test_a_commit_with_metadata_that_is_neither_text_nor_an_object_is_refused(sent: str) -> None:
+    with pytest.raises(ValidationError, match=r"metadata\n.*must be 'zlib\+b64:' text"):
+        CommitRequest(files=["r0"], metadata=sent, world_size=1)
+    assert CommitRequest(files=["r0"], metadata={}, world_size=1).metadata == "{}"
