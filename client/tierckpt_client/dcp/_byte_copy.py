@@ -56,17 +56,18 @@ class ByteCopies:
     """Copies of whole byte ranges, gathered and then run together by :meth:`run`.
 
     Made with ``threads > 1`` and an ``expect``-ed byte count of at least :data:`SPLIT_MIN`, it
-    wakes its helpers at once: they copy the runs of each :meth:`add` while the trainer's thread
-    lays out the next tensors, and :meth:`run` joins them for what is left."""
+    wakes its helpers at the first :meth:`add` (not before: a helper woken with nothing to copy
+    goes back to sleep, and its second wake-up can wait behind whatever holds its core): they
+    copy the runs of each :meth:`add` while the trainer's thread lays out the next tensors, and
+    :meth:`run` joins them for what is left."""
 
     def __init__(self, threads: int = 1, expect: int = 0) -> None:
         self._pieces: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
         self.nbytes = 0
         self._keep: list[torch.Tensor] = []  # the sources stay alive until the copy is done
         self._threads = threads
+        self._expect = expect if threads > 1 and expect >= SPLIT_MIN else 0
         self._shared: _Runs | None = None
-        if threads > 1 and expect >= SPLIT_MIN:
-            self._start(threads, expect)
 
     def _start(self, threads: int, expect: int) -> None:
         self._shared = _Runs()
@@ -89,6 +90,8 @@ class ByteCopies:
         ptr = src.data_ptr()
         self._keep.append(src)
         self.nbytes += n
+        if self._expect and self._shared is None:
+            self._start(self._threads, self._expect)
         if self._shared is not None:
             self._shared.add([(dst + at, ptr + at, min(RUN, n - at)) for at in range(0, n, RUN)])
         else:
@@ -115,12 +118,14 @@ class ByteCopies:
                 self._join(self._shared)
         finally:
             self._shared = None
+            self._expect = 0
             self._keep.clear()
             self.nbytes = 0
 
     def cancel(self) -> None:
         """Copy nothing more; returns once no helper is copying (a failed stage)."""
         shared, self._shared = self._shared, None
+        self._expect = 0
         if shared is not None:
             shared.close()
         self._pieces = []
