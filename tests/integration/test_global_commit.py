@@ -268,115 +268,97 @@ def test_a_prepared_participant_waits_while_its_decider_is_unreachable(
     assert _latest(b) is None  # and never shown
 
 
-def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_share_table() -> None:
+METADATA = {"what": "test"}
+
+
+@pytest.fixture
+def four() -> Iterator[list[DaemonProcess]]:
+    """Four nodes in name order (the participants' order)."""
+    nodes = ring(
+        4, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M", log_level="INFO"
+    )
+    with running(nodes) as ds:
+        yield sorted(ds, key=lambda d: d.name)
+
+
+def _decided_without(four: list[DaemonProcess], away: DaemonProcess) -> dict[str, bytes]:
+    """Step 1 over ``four``, each node one rank's file, prepared everywhere and then decided by
+    the third node (the holders of its share table and metadata: it and the fourth) while
+    ``away`` is down: it learns the decision only by asking, once back. Returns the files."""
+    every = [str(d.name) for d in four]
+    decider, holder = four[2], four[3]
+    shares: dict[str, Share] = {}
+    written: dict[str, bytes] = {}
+    for rank, d in enumerate(four):
+        name, data = seal_bytes(d, NS, 1, "s1", rank, 30_000)
+        written[name] = data
+        got = _prepare_answer(decider, d, 1, "s1", name, every, world_size=4)
+        shares[str(d.name)] = Share(digest=got["share_digest"], files=[name], bytes=30_000)
+    away.kill()  # prepared, then gone before it learns the decision
+    manifest = StepManifest(
+        namespace=NS,
+        step=1,
+        attempt="s1",
+        world_size=4,
+        files=[],
+        metadata=METADATA,
+        coordinator=decider.name,
+        ring=RingRecord(
+            shares=shares,
+            shares_digest=table_digest(shares),
+            metadata_digest=metadata_digest(canonical_json(METADATA)),
+            metadata_holders=[str(decider.name), str(holder.name)],
+        ),
+    )
+    with _peer(decider) as http:  # the decider decides; the others ask it (in doubt)
+        resp = http.post(
+            f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit",
+            json={"manifest": manifest.model_dump(mode="json"), "persist": False},
+        )
+    assert resp.status_code == 200, resp.text
+    for d in four:
+        if d is not away:
+            _until(f"{d.name} to take the decision", lambda d=d: _latest(d) == 1, 90)
+    return written
+
+
+def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_share_table(
+    four: list[DaemonProcess],
+) -> None:
     """Four nodes; the decider and the next keep the step's share table, the other two its
     digest. A participant killed after prepare comes back while the decider is down: the first
     participant it asks holds the decision without the table, so it fetches the table from the
     holder left (checked against the digest) and takes the decision."""
-    four = ring(
-        4, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M", log_level="INFO"
-    )
-    with running(four) as ds:
-        d0, d1, d2, d3 = sorted(ds, key=lambda d: d.name)  # participants in name order
-        every = [str(d.name) for d in (d0, d1, d2, d3)]
-        decider = d2  # holders: d2 and the next, d3; d0 and d1 keep the digest only
-        shares: dict[str, Share] = {}
-        for rank, d in enumerate((d0, d1, d2, d3)):
-            seal_bytes(d, NS, 1, "s1", rank, 30_000)
-            got = _prepare_answer(decider, d, 1, "s1", f"r{rank:05d}.data", every, world_size=4)
-            shares[str(d.name)] = Share(
-                digest=got["share_digest"], files=[f"r{rank:05d}.data"], bytes=30_000
-            )
-        d1.kill()  # prepared, then gone before it learns the decision
-        metadata = {"what": "test"}
-        manifest = StepManifest(
-            namespace=NS,
-            step=1,
-            attempt="s1",
-            world_size=4,
-            files=[],
-            metadata=metadata,
-            coordinator=decider.name,
-            ring=RingRecord(
-                shares=shares,
-                shares_digest=table_digest(shares),
-                metadata_digest=metadata_digest(canonical_json(metadata)),
-                metadata_holders=[str(decider.name), str(d3.name)],
-            ),
-        )
-        with _peer(decider) as http:  # the decider decides; the others ask it (in doubt)
-            resp = http.post(
-                f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit",
-                json={"manifest": manifest.model_dump(mode="json"), "persist": False},
-            )
-        assert resp.status_code == 200, resp.text
-        for d in (d0, d3):
-            _until(f"{d.name} to take the decision", lambda d=d: _latest(d) == 1, 90)
-        (d0_record,) = (d0.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
-        assert '"shares":' not in d0_record.read_text()  # the table's digest only
-        decider.kill()
-        d1.start()  # asks the decider (down), then d0, which has no table: the table from d3
-        _until("node d1 to take the decision", lambda: _latest(d1) == 1, 90)
-        assert f"attempt s1 was committed (as {d0.name} says)" in d1.log()
-        (d1_record,) = (d1.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
-        assert '"shares":' not in d1_record.read_text()
+    d0, d1, decider, _ = four  # holders: the decider and d3; d0 and d1 keep the digest only
+    _decided_without(four, d1)
+    (d0_record,) = (d0.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
+    assert '"shares":' not in d0_record.read_text()  # the table's digest only
+    decider.kill()
+    d1.start()  # asks the decider (down), then d0, which has no table: the table from d3
+    _until("node d1 to take the decision", lambda: _latest(d1) == 1, 90)
+    assert f"attempt s1 was committed (as {d0.name} says)" in d1.log()
+    (d1_record,) = (d1.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
+    assert '"shares":' not in d1_record.read_text()
 
 
-def test_a_holder_in_doubt_takes_the_decision_while_no_other_holder_answers() -> None:
+def test_a_holder_in_doubt_takes_the_decision_while_no_other_holder_answers(
+    four: list[DaemonProcess],
+) -> None:
     """Four nodes; the decider and the next (d3) keep the share table. d3 is killed after
     prepare and the decider after deciding: the only nodes holding the decision keep the
     table's digest, and the only other holder is down. d3 does not wait for it forever: it
     commits its share as prepared, with the digest only; once the decider is back every node
     finds the step whole and serves its metadata (the table and the metadata from the decider,
     checked against the digests)."""
-    four = ring(
-        4, token=TOKEN, replicas=0, prefix="tierckpt-test", capacity="256M", log_level="INFO"
-    )
-    with running(four) as ds:
-        d0, d1, d2, d3 = sorted(ds, key=lambda d: d.name)  # participants in name order
-        every = [str(d.name) for d in (d0, d1, d2, d3)]
-        decider = d2  # holders: d2 and the next, d3
-        shares: dict[str, Share] = {}
-        written: dict[str, bytes] = {}
-        for rank, d in enumerate((d0, d1, d2, d3)):
-            name, data = seal_bytes(d, NS, 1, "s1", rank, 30_000)
-            written[name] = data
-            got = _prepare_answer(decider, d, 1, "s1", f"r{rank:05d}.data", every, world_size=4)
-            shares[str(d.name)] = Share(
-                digest=got["share_digest"], files=[f"r{rank:05d}.data"], bytes=30_000
-            )
-        d3.kill()  # a holder, prepared, then gone before it learns the decision
-        metadata = {"what": "test"}
-        manifest = StepManifest(
-            namespace=NS,
-            step=1,
-            attempt="s1",
-            world_size=4,
-            files=[],
-            metadata=metadata,
-            coordinator=decider.name,
-            ring=RingRecord(
-                shares=shares,
-                shares_digest=table_digest(shares),
-                metadata_digest=metadata_digest(canonical_json(metadata)),
-                metadata_holders=[str(decider.name), str(d3.name)],
-            ),
-        )
-        with _peer(decider) as http:
-            resp = http.post(
-                f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit",
-                json={"manifest": manifest.model_dump(mode="json"), "persist": False},
-            )
-        assert resp.status_code == 200, resp.text
-        for d in (d0, d1):
-            _until(f"{d.name} to take the decision", lambda d=d: _latest(d) == 1, 90)
-        decider.kill()
-        d3.start()  # asks the decider (down), d0 and d1 (the digest only): no table anywhere
-        _until("the holder d3 to take the decision", lambda: _latest(d3) == 1, 90)
-        assert "committing this node's share as prepared" in d3.log()
-        assert _read(d3, 1) == {"r00003.data": written["r00003.data"]}
-        decider.start()
-        for d in (d0, d1, d2, d3):
-            with DaemonClient.from_socket(d.socket) as c:
-                assert c.metadata(NS, 1) == metadata
-                assert 1 in [s.step for s in c.candidates(NS)]
+    _, _, decider, d3 = four
+    written = _decided_without(four, d3)
+    decider.kill()
+    d3.start()  # asks the decider (down), d0 and d1 (the digest only): no table anywhere
+    _until("the holder d3 to take the decision", lambda: _latest(d3) == 1, 90)
+    assert "committing this node's share as prepared" in d3.log()
+    assert _read(d3, 1) == {"r00003.data": written["r00003.data"]}
+    decider.start()
+    for d in four:
+        with DaemonClient.from_socket(d.socket) as c:
+            assert c.metadata(NS, 1) == METADATA
+            assert 1 in [s.step for s in c.candidates(NS)]
