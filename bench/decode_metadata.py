@@ -2,7 +2,7 @@
 (on the save's background thread), and every rank inflates, parses and decodes it whole at load
 (DCP plans a load against every chunk of every tensor). The FSDP shape of bench/scale.py
 (``--tensors`` tensors, each sharded over every rank); with the garbage collector running and
-paused (the client pauses it: ``tierckpt_client.dcp._metadata_codec.collection_paused``).
+paused (the client pauses it: ``tierckpt_client.dcp._metadata_codec.metadata_text`` and ``metadata_from_text``).
 
     python bench/decode_metadata.py --ranks 64,256,1024 --tensors 200
 """

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.metadata_blob import pack_metadata, unpack_metadata
 
 FORMAT = "tierckpt-dcp-metadata/1"
 
@@ -59,7 +60,7 @@ class ShardRef:
 
 
 @contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
+def _collection_paused() -> Iterator[None]:
     """No cyclic garbage collection while a step's metadata is encoded or decoded: that builds
     several objects per chunk of every tensor (N·M·T chunks for the job), none of them garbage,
     and the collector's passes over them were more than half the time (bench/decode_metadata.py).
@@ -71,6 +72,20 @@ def collection_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def metadata_text(md: Metadata) -> str:
+    """``md`` as the daemons keep it (tierckpt_core.metadata_blob): encoded and packed, with the
+    garbage collector paused."""
+    with _collection_paused():
+        return pack_metadata(encode_metadata(md))
+
+
+def metadata_from_text(text: str, *, where: str) -> Metadata:
+    """The metadata kept as ``text`` (untrusted: see :func:`decode_metadata`), inflated, parsed
+    and decoded with the garbage collector paused."""
+    with _collection_paused():
+        return decode_metadata(unpack_metadata(text, where=where))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -38,9 +38,8 @@ from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, par
 from tierckpt_client.dcp._metadata_codec import (
     DTYPES,
     ShardRef,
-    collection_paused,
     copy_tensor,
-    decode_metadata,
+    metadata_from_text,
 )
 from tierckpt_client.dcp.read_plan import Planner, ReadPlan
 from tierckpt_client.dcp.sources import RANGED_READ_MAX, Source, StepFiles
@@ -52,7 +51,6 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
-from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
@@ -77,8 +75,7 @@ def _decoded(doc: str, *, where: str) -> Metadata:
     if hit is not None and hit[0] is doc:
         metadata = hit[1]
     else:
-        with collection_paused():
-            metadata = decode_metadata(unpack_metadata(doc, where=where))
+        metadata = metadata_from_text(doc, where=where)
         with _DECODED_LOCK:
             _DECODED[id(doc)] = (doc, metadata)  # (the document held: its id is not reused)
             while len(_DECODED) > _DECODED_MAX:

@@ -30,7 +30,7 @@ from tierckpt_client.dcp._ids import (
     next_attempt,
     parse_checkpoint_id,
 )
-from tierckpt_client.dcp._metadata_codec import collection_paused, encode_metadata
+from tierckpt_client.dcp._metadata_codec import metadata_text
 from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData, RankLayout, dcp_save_world_size
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_client.dcp._targets import MemoryTier, SaveTarget
@@ -41,7 +41,6 @@ from tierckpt_core.errors import (
     StepStateError,
     TierCkptError,
 )
-from tierckpt_core.metadata_blob import pack_metadata
 from tierckpt_core.protocol import CommitRequest, validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
@@ -433,11 +432,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 for rank, rank_results in enumerate(results)
                 for r in rank_results
             }
-        with collection_paused():  # N·M·T chunks: see collection_paused
-            text = pack_metadata(encode_metadata(metadata))
         req = CommitRequest(
             files=sorted(files),
-            metadata=text,
+            metadata=metadata_text(metadata),
             world_size=len(results),
             persist=self.persist,
             nodes=nodes,
