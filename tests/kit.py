@@ -135,6 +135,15 @@ def seal_bytes(
     return name, data
 
 
+def step_paths(ns: str, step: int) -> dict[str, str]:
+    """The paths of a committed step's files in the tier directory of this process's daemon
+    (``TIERCKPT_SOCKET``), as a pin shows them."""
+    with DaemonClient() as c:
+        pin = c.pin(ns, step)
+        c.unpin(ns, step, pin.pin_id)
+    return pin.paths
+
+
 def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0x01) -> None:
     """Damage one stored byte in place (XOR with ``mask``), as a bad disk or a stray writer
     would: what a verified read must catch."""

@@ -26,7 +26,7 @@ from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader
 
 from helpers import DaemonProcess, wait_until
-from kit import blank_state, flip_byte, load, save, seeded_state
+from kit import blank_state, flip_byte, load, save, seeded_state, step_paths
 
 N = 4096
 
@@ -44,13 +44,6 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     monkeypatch.setattr(DaemonClient, "_request", counted)
     yield made
-
-
-def _paths(ns: str, step: int) -> dict[str, str]:
-    with DaemonClient() as c:
-        pin = c.pin(ns, step)
-        c.unpin(ns, step, pin.pin_id)
-    return pin.paths
 
 
 def test_a_step_loaded_before_and_unchanged_is_loaded_with_one_request(
@@ -140,7 +133,7 @@ def test_a_flipped_byte_fails_a_load_that_did_not_ask_for_the_metadata(
 ) -> None:
     save("flip", 6, seeded_state(6, N))
     load("flip", blank_state(N), 6)
-    data = next(p for name, p in _paths("flip", 6).items() if name.endswith(".data"))
+    data = next(p for name, p in step_paths("flip", 6).items() if name.endswith(".data"))
     flip_byte(data, 100)
     reads.clear()
     with pytest.raises(CheckpointException, match=r"file \S+ does not match the checksum.*block 0"):
@@ -195,7 +188,7 @@ def test_a_pin_sent_ahead_of_a_load_that_fails_in_planning_is_given_back(
     step out of memory (keep_last=1) and its files with it."""
     save("fail", 1, seeded_state(1, N))
     load("fail", blank_state(N), 1)
-    paths = _paths("fail", 1)
+    paths = step_paths("fail", 1)
     reads.clear()
     with pytest.raises(CheckpointException, match="Size mismatch"):
         load("fail", blank_state(N // 2), 1)
@@ -211,7 +204,7 @@ def test_a_pin_sent_ahead_for_a_reader_dropped_before_it_reads_is_given_back(
 ) -> None:
     save("probe", 1, seeded_state(1, N))
     load("probe", blank_state(N), 1)
-    paths = _paths("probe", 1)
+    paths = step_paths("probe", 1)
     probe = TieredStorageReader("probe", 1)
     assert probe.read_metadata() is not None
     del probe
@@ -236,7 +229,7 @@ def test_a_pin_sent_ahead_is_given_back_when_the_process_exits(
     client_env: DaemonProcess,
 ) -> None:
     save("exit", 1, seeded_state(1, N))
-    paths = _paths("exit", 1)
+    paths = step_paths("exit", 1)
     tests = str(Path(__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(

@@ -22,7 +22,7 @@ from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.protocol import CommitRequest, SealFile
 
 from helpers import DaemonProcess, new_shm_dir
-from kit import flip_byte
+from kit import flip_byte, step_paths
 
 
 def _state() -> dict[str, object]:
@@ -45,13 +45,6 @@ def _load(ns: str, step: int) -> dict[str, object]:
     return out
 
 
-def _files(ns: str, step: int) -> dict[str, str]:
-    with DaemonClient() as c:
-        pin = c.pin(ns, step)
-        c.unpin(ns, step, pin.pin_id)
-    return pin.paths
-
-
 def test_every_committed_file_has_the_writers_checksums(client_env: DaemonProcess) -> None:
     _save("job", 1)
     with DaemonClient() as c:
@@ -63,7 +56,7 @@ def test_a_flipped_tensor_byte_in_memory_fails_the_load(
     client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _save("job", 1)
-    data = next(p for name, p in _files("job", 1).items() if name.endswith(".data"))
+    data = next(p for name, p in step_paths("job", 1).items() if name.endswith(".data"))
     flip_byte(data, 1000)
     with pytest.raises(CheckpointException, match=r"does not match the checksum taken when"):
         _load("job", 1)
@@ -97,7 +90,7 @@ def test_a_flipped_byte_fails_the_first_restore_of_a_process(
     assert not _arena._by_identity, "the test needs the preadv path"
 
     # One file holds both: "a" at 0, "w" from 4032; blocks of 16 KiB, block 0 shared.
-    data = max(_files("fresh", 1).values(), key=os.path.getsize)
+    data = max(step_paths("fresh", 1).values(), key=os.path.getsize)
     flip_byte(data, at)
     _arena.clear_cache()
     with pytest.raises(CheckpointException, match=r"does not match the checksum taken when"):
@@ -119,7 +112,7 @@ def test_a_replaced_pickle_is_never_unpickled(
 ) -> None:
     monkeypatch.setenv("TIERCKPT_VERIFY_READS", "0")  # bytes items are checked regardless
     _save("job", 1)
-    extra = next(p for name, p in _files("job", 1).items() if not name.endswith(".data"))
+    extra = next(p for name, p in step_paths("job", 1).items() if not name.endswith(".data"))
     marker = tmp_path / "marker"
     evil = pickle.dumps(_Planted(str(marker)))
     with open(extra, "r+b") as f:  # a member of the daemon's group rewrites the item in place
@@ -137,7 +130,7 @@ def test_bytes_changed_after_the_commit_are_not_made_durable(
     try:
         d.start()
         _save("job", 1, persist=False)
-        data = next(p for name, p in _files("job", 1).items() if name.endswith(".data"))
+        data = next(p for name, p in step_paths("job", 1).items() if name.endswith(".data"))
         flip_byte(data, 5)
         with DaemonClient() as c:
             c.persist("job", 1)
