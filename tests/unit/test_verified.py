@@ -8,6 +8,7 @@ import pickle
 import random
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -314,3 +315,21 @@ def test_copy_all_from_a_read_that_ends_early_fails() -> None:
     dest = bytearray(LENGTH)
     with pytest.raises(IntegrityError, match="ended after"):
         copy_all([Copy(dest, sums, 0, read=_reader(data, short_by=10))])
+
+
+@pytest.mark.parametrize("with_numpy", [True, False])
+def test_copy_bytes_lands_every_byte_as_it_is(
+    monkeypatch: pytest.MonkeyPatch, with_numpy: bool
+) -> None:
+    """The copy under every restore and every stage (numpy's vectorised loop in the client,
+    Python's slice copy where numpy is missing): exact bytes, odd lengths and offsets included,
+    and nothing written past the end."""
+    if not with_numpy:
+        monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy fails
+    monkeypatch.setattr(verified_copy, "_COPY", None)  # chosen again, and put back after
+    data = random.Random(7).randbytes(3 * BLOCK + 17)
+    for at, n in [(0, len(data)), (1, 1), (3, 2 * BLOCK + 5), (BLOCK - 1, 0)]:
+        dest = bytearray(b"\xa5" * (n + 9))
+        verified_copy.copy_bytes(memoryview(dest)[2 : 2 + n], memoryview(data)[at : at + n])
+        assert dest[2 : 2 + n] == data[at : at + n]
+        assert dest[:2] == b"\xa5\xa5" and dest[2 + n :] == b"\xa5" * 7

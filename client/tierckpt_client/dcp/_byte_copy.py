@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from tierckpt_core.verified_copy import copy_bytes
+
 logger = logging.getLogger(__name__)
 
 RUN = 4 << 20
@@ -44,6 +46,13 @@ RUN = 4 << 20
 
 SPLIT_MIN = 2 * RUN
 """Below this many bytes in all, the trainer's thread copies alone."""
+
+
+def _move(dst: int, src: int, n: int) -> None:
+    """Copy ``n`` bytes from address ``src`` to address ``dst`` (not overlapping), the GIL
+    released (:func:`tierckpt_core.verified_copy.copy_bytes`: a vectorised loop, faster than
+    libc's ``memmove`` here)."""
+    copy_bytes((ctypes.c_uint8 * n).from_address(dst), (ctypes.c_uint8 * n).from_address(src))
 
 
 def plain(src: torch.Tensor) -> bool:
@@ -113,7 +122,7 @@ class ByteCopies:
                     )
                 pieces = []
             for dst, src, n in pieces:
-                ctypes.memmove(dst, src, n)
+                _move(dst, src, n)
             if self._shared is not None:
                 self._join(self._shared)
         finally:
@@ -183,7 +192,7 @@ class _Runs:
     def work(self) -> None:
         while (run := self._take()) is not None:
             try:
-                ctypes.memmove(*run)
+                _move(*run)
             finally:
                 with self._cond:
                     self._busy -= 1
