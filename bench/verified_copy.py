@@ -114,7 +114,7 @@ def main() -> None:
             src_view, dest_view, sums, 0, chunk=c
         )
     for t in threads:
-        for c in (1 << 20, 2 << 20):
+        for c in [256 << 10, 512 << 10, 1 << 20, 2 << 20]:
             cases[f"fused, {c >> 10} KiB pieces, {t} threads"] = lambda t=t, c=c: copy_verified(
                 src_view, dest_view, sums, 0, chunk=c, threads=t
             )
