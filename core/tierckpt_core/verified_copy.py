@@ -53,6 +53,7 @@ def copy_all(
     chunk: int = CHUNK,
     threads: int = 1,
     short: type[TierCkptError] = IntegrityError,
+    spawn: Spawn | None = None,
 ) -> int:
     """Land every :class:`Copy`, checking every block each touches: hash while copying, one pass
     over memory. Each piece of ``chunk`` bytes is hashed in ``dest`` right after it was copied or
@@ -65,8 +66,11 @@ def copy_all(
     of a shared pool; the copy, ``preadv`` and the hash all release the GIL), as torch's own copy
     uses several cores: one hand-over for a whole load, not one per tensor. Every worker is waited
     for: a block that does not match fails the call, never a later read, and nothing writes into
-    a ``dest`` after the call returned. The bytes checked; BlockMismatchError (a bad block), or
-    ``short`` when a ``read`` ends early."""
+    a ``dest`` after the call returned; a worker that has not started when the caller's thread
+    is done is cancelled, not waited for. ``spawn(n, work)`` starts ``work`` on ``n`` other
+    threads (default: a pool of this module's; the client's keeps them off the caller's core).
+    The bytes checked; BlockMismatchError (a bad block), or ``short`` when a ``read`` ends
+    early."""
     landings = [_Landing(c, chunk, short) for c in copies]
     checked = _edges(landings)
     runs = [run for landing in landings for run in landing.runs(PARALLEL_MIN)]
@@ -99,12 +103,15 @@ def copy_all(
 
     if workers <= 1:
         return checked + work()
-    futures = [_pool().submit(work) for _ in range(workers - 1)]
+    futures = (spawn or _on_pool)(workers - 1, work)
     try:
         checked += work()
     finally:
-        concurrent.futures.wait(futures)  # none may still write into a dest after this returns
-    return checked + sum(f.result() for f in futures)  # a bad block's error
+        # A worker that has not started finds no run left: cancelled, it is not waited for.
+        # One that runs may still write into a dest: waited for.
+        running = [f for f in futures if not f.cancel()]
+        concurrent.futures.wait(running)
+    return checked + sum(f.result() for f in running)  # a bad block's error
 
 
 def _edges(landings: list[_Landing]) -> int:
@@ -217,6 +224,14 @@ class _Landing:
                 if got != digests[block]:
                     raise sums.mismatch(block)
         return end - start
+
+
+Spawn = Callable[[int, Callable[[], int]], Sequence["concurrent.futures.Future[int]"]]
+"""``spawn(n, work)``: ``work`` started on ``n`` other threads, a future for each."""
+
+
+def _on_pool(n: int, work: Callable[[], int]) -> list[concurrent.futures.Future[int]]:
+    return [_pool().submit(work) for _ in range(n)]
 
 
 PARALLEL_MIN = 8 << 20

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _byte_copy
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _byte_copy, _helpers
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_core.errors import CheckpointFormatError
@@ -92,7 +92,10 @@ def test_async_save_of_a_state_split_in_runs_is_bit_exact(
 def test_the_copy_does_not_wait_for_helpers_that_never_start() -> None:
     """Every helper thread is held: the trainer's thread copies every run itself, and returns."""
     release = threading.Event()
-    held = [h.submit(lambda: release.wait(60)) for h in _byte_copy._helpers(_byte_copy.helpers())]
+    held = [
+        h.submit(lambda: release.wait(60))
+        for h in _helpers._helpers(_helpers.STAGE, _helpers.helpers())
+    ]
     try:
         src = torch.randint(0, 256, (3 * _byte_copy.SPLIT_MIN + 5,), dtype=torch.uint8)
         mm = mmap.mmap(-1, 4 * _byte_copy.SPLIT_MIN)
@@ -152,7 +155,7 @@ def test_a_stage_that_fails_midway_leaves_no_helper_writing_into_the_file() -> N
         torch.set_num_threads(before)
     landed = mapping.buffer.clone()
     # Every helper is idle: a task queued behind anything still running returns at once.
-    for h in _byte_copy._helpers(_byte_copy.helpers()):
+    for h in _helpers._helpers(_helpers.STAGE, _helpers.helpers()):
         h.submit(lambda: None).result(timeout=60)
     assert torch.equal(mapping.buffer, landed)
 
@@ -173,3 +176,20 @@ def test_staging_leaves_the_trainer_threads_cores_as_they_were() -> None:
         torch.set_num_threads(before)
     assert torch.equal(staged["x"], src)
     assert os.sched_getaffinity(0) == mine
+
+
+def test_a_helper_task_cancelled_before_it_runs_never_runs() -> None:
+    """A copy cancels the helpers' tasks that have not started when its own thread is done
+    (tierckpt_core.verified_copy.copy_all): such a task must never run later."""
+    release = threading.Event()
+    kind = _helpers.VERIFY
+    held = [h.submit(lambda: release.wait(60)) for h in _helpers._helpers(kind, 1)]
+    ran: list[int] = []
+    try:
+        (late,) = _helpers.on_helpers(kind, 1, lambda: ran.append(1))
+        assert late.cancel()
+    finally:
+        release.set()
+        held[0].result(timeout=60)
+    _helpers._helpers(kind, 1)[0].submit(lambda: None).result(timeout=60)  # the queue drained
+    assert ran == []

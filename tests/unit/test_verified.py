@@ -333,3 +333,34 @@ def test_copy_bytes_lands_every_byte_as_it_is(
         verified_copy.copy_bytes(memoryview(dest)[2 : 2 + n], memoryview(data)[at : at + n])
         assert dest[2 : 2 + n] == data[at : at + n]
         assert dest[:2] == b"\xa5\xa5" and dest[2 + n :] == b"\xa5" * 7
+
+
+def test_copy_all_does_not_wait_for_a_worker_that_never_starts() -> None:
+    """Every thread of the pool is held: the caller's thread lands and checks every block
+    itself and returns, exact; the worker that never started is not waited for, and once free
+    it writes nothing."""
+    length = 2 * verified_copy.PARALLEL_MIN + 12345  # shared over threads
+    data = random.Random(3).randbytes(length)
+    whole, size, blocks = checksum_blocks(memoryview(data))
+    rec = FileRecord(
+        name="r0.data", rank=0, length=length, checksum=whole, block_size=size, blocks=blocks
+    )
+    sums = BlockSums.of(rec, where="job/step 3", source="in this node's memory")
+    release = threading.Event()
+    pool = verified_copy._pool()
+    held = [pool.submit(release.wait, 60) for _ in range(pool._max_workers)]
+    dest = bytearray(length)
+    done = threading.Event()
+    try:
+        threading.Thread(
+            target=lambda: (copy_all([Copy(dest, sums, 0, src=data)], threads=4), done.set()),
+            daemon=True,
+        ).start()
+        assert done.wait(30), "the copy waited for a worker that never started"
+        assert dest == data
+    finally:
+        release.set()
+        for f in held:
+            f.result(timeout=60)
+    pool.submit(lambda: None).result(timeout=60)  # every worker idle again
+    assert dest == data

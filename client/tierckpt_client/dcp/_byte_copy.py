@@ -5,41 +5,24 @@ torch's ``copy_`` splits each tensor over its OpenMP threads and waits at a barr
 them, per tensor. On a busy machine a thread the scheduler holds back holds the whole copy: on
 the shared 2-core box a 64 MiB copy that takes 3 ms quiet took 100-200 ms in such rounds, and
 the stall of ``async_save`` is that copy. Here the bytes of all the tensors are cut into runs of
-:data:`RUN` bytes that the trainer's thread and the helpers' take in turn (``memmove`` through
-ctypes releases the GIL): a helper that has not started when the trainer's thread runs out of
+:data:`RUN` bytes that the trainer's thread and the helpers' take in turn (the copy releases the
+GIL): a helper that has not started when the trainer's thread runs out of
 runs does none, so the copy waits only for runs that are under way, never for a thread that was
 not scheduled. Only the plain case goes this way (a contiguous CPU source without conjugate or
 negative bit: the same bytes ``copy_`` would write); everything else is ``copy_``.
 
-**Where the helpers run.** After any parallel torch op, the trainer's OpenMP workers spin for
-several milliseconds (libgomp's default wait policy) waiting for the next one: a save right after
-a training step finds the other cores taken by them. A woken helper then tends to land on the
-trainer's own core (the only one the scheduler sees as no busier), and the two share it while the
-spinning worker keeps its core: on the 2-core box the copy ran at one thread's speed with a
-helper, and a helper often started milliseconds late. So each copy keeps its helpers off the
-core the trainer's thread is on when they are woken (an affinity mask of the process's cores less
-that one), and each helper lifts the mask as soon as it runs: from then on the scheduler may move
-it anywhere, e.g. onto the core the trainer's thread leaves idle while it waits for a helper's
-run. (A mask kept for the whole copy measured ~10 % slower on average under load: a helper held
-on a busy core could not be moved.)
+Where the helpers run: :mod:`tierckpt_client.dcp._helpers`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
 
 import torch
 
+from tierckpt_client.dcp._helpers import STAGE, on_helpers
 from tierckpt_core.verified_copy import copy_bytes
-
-logger = logging.getLogger(__name__)
 
 RUN = 4 << 20
 """Bytes one thread copies at a time: handing a run over costs a few microseconds."""
@@ -79,17 +62,8 @@ class ByteCopies:
         self._shared: _Runs | None = None
 
     def _start(self, threads: int, expect: int) -> None:
-        self._shared = _Runs()
-        cores = _Cores.now()
-        shared = self._shared
-        for h in _helpers(min(threads - 1, -(-expect // RUN) - 1, helpers())):
-            cores.keep_off(h.tid)  # before it wakes: see the module docstring
-
-            def help_out() -> None:
-                cores.release(0)  # running, off the trainer's core: free to move from here on
-                shared.work()
-
-            h.submit(help_out)
+        self._shared = shared = _Runs()
+        on_helpers(STAGE, min(threads - 1, -(-expect // RUN) - 1), shared.work)
 
     def add(self, dst: int, src: torch.Tensor, n: int) -> None:
         """Copy the ``n`` bytes of ``src`` (:func:`plain`) to address ``dst`` by the end of
@@ -206,111 +180,3 @@ class _Runs:
             self._cond.notify_all()  # helpers waiting for runs return
             while self._busy:
                 self._cond.wait()
-
-
-class _Cores:
-    """Where the helpers of one copy may run: the process's cores less the one the trainer's
-    thread is on (see the module docstring). Best effort: where the platform has no affinity
-    calls, or refuses one, the helpers run wherever the scheduler puts them."""
-
-    def __init__(self, allowed: set[int], away: set[int]) -> None:
-        self._allowed = allowed
-        self._away = away
-
-    @classmethod
-    def now(cls) -> _Cores:
-        if _sched_getcpu is None or not hasattr(os, "sched_getaffinity"):
-            return cls(set(), set())
-        try:
-            allowed = os.sched_getaffinity(0)  # this thread's: the trainer's
-        except OSError:
-            return cls(set(), set())
-        cpu = _sched_getcpu()
-        away = allowed - {cpu}
-        return cls(allowed, away if cpu in allowed and away else set())
-
-    def keep_off(self, tid: int) -> None:
-        self._set(tid, self._away)
-
-    def release(self, tid: int) -> None:
-        self._set(tid, self._allowed if self._away else set())
-
-    @staticmethod
-    def _set(tid: int, cpus: set[int]) -> None:
-        """``tid`` 0: the calling thread."""
-        if not cpus:
-            return
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except OSError as e:  # e.g. a cpuset that changed under us: the mask stays as it was
-            logger.debug("could not set a staging helper's cores to %s: %s", sorted(cpus), e)
-
-
-def _getcpu() -> Callable[[], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sched_getcpu
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = []
-    return fn
-
-
-_sched_getcpu = _getcpu()
-
-
-class _Helper:
-    """One staging helper thread, with its kernel thread id (for its affinity mask)."""
-
-    def __init__(self, name: str) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self.tid = 0
-        started = threading.Event()
-        # A daemon thread: the interpreter's exit does not wait for it, and it is never in the
-        # middle of a copy then (run() returns only when every run taken is done).
-        self._thread = threading.Thread(target=self._loop, args=(started,), name=name, daemon=True)
-        self._thread.start()
-        started.wait()
-
-    def _loop(self, started: threading.Event) -> None:
-        self.tid = threading.get_native_id()
-        started.set()
-        while True:
-            fn, fut = self._tasks.get()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # reported through the future, as an executor does
-                fut.set_exception(e)
-
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._tasks.put((fn, fut))
-        return fut
-
-
-_HELPERS: list[_Helper] = []
-_HELPERS_LOCK = threading.Lock()
-
-
-def helpers() -> int:
-    """Helper threads: with the trainer's thread, one per core (at most 16)."""
-    return max(1, min(15, (os.cpu_count() or 2) - 1))
-
-
-def _helpers(n: int) -> list[_Helper]:
-    """The first ``n`` helpers, started on first use."""
-    with _HELPERS_LOCK:
-        while len(_HELPERS) < n:
-            _HELPERS.append(_Helper(f"tierckpt-stage_{len(_HELPERS)}"))
-        return _HELPERS[:n]
-
-
-def _forget_helpers() -> None:
-    global _HELPERS, _HELPERS_LOCK
-    # A forked child has none of the parent's threads, and the lock may have been held by one.
-    _HELPERS, _HELPERS_LOCK = [], threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_helpers)

@@ -14,6 +14,7 @@ other nodes and files downloaded from the persistent tier are verified where the
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._helpers import VERIFY, on_helpers
 from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_core.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
@@ -192,7 +194,10 @@ class LocalFiles:
         if not jobs:
             return
         self.verified_bytes += copy_all(
-            jobs, threads=torch.get_num_threads(), short=CheckpointFormatError
+            jobs,
+            threads=torch.get_num_threads(),
+            short=CheckpointFormatError,
+            spawn=functools.partial(on_helpers, VERIFY),  # woken off this thread's core
         )
         for job in jobs:
             sums, end = job.sums, job.offset + len(job.dest)
