@@ -39,10 +39,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _common import free_port, machine_info, write_results
 from memory_tier import check_equal, make_state, start_daemon, tensors, zeros_like_state
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client import _reads
@@ -147,11 +149,27 @@ def save(size_mb: int, step: int, checkpointer: str, rank: int = 0) -> dict[str,
     return sd
 
 
+def floor_state(sd: dict[str, Any], where: Path) -> tuple[dict[str, Any], FileSystemReader]:
+    """DCP's own fixed cost, the floor under any storage reader: the state's keys and
+    structure with one-element tensors, saved once with ``FileSystemWriter`` under ``where`` (in
+    /dev/shm) by every rank; what ``dcp.load`` of it takes is DCP's planning, its collectives
+    and one small file read per rank, next to nothing of a copy."""
+    tiny = {k: (torch.ones(1) if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    kwargs: dict[str, Any] = {} if dist.is_initialized() else {"no_dist": True}
+    dcp.save(tiny, storage_writer=FileSystemWriter(str(where)), **kwargs)
+    return zeros_like_state(tiny), FileSystemReader(str(where))
+
+
 def rounds(
-    sd: dict[str, Any], step: int, iters: int, trips: RoundTrips, sync: Callable[[], None]
+    sd: dict[str, Any],
+    step: int,
+    iters: int,
+    trips: RoundTrips,
+    sync: Callable[[], None],
+    floor: tuple[dict[str, Any], FileSystemReader],
 ) -> list[dict[str, Any]]:
-    """Paired memcpy, then restore, ``iters`` times: per round the two times (s) and the round
-    trips of the restore."""
+    """Paired memcpy, then restore, then DCP's floor (:func:`floor_state`), ``iters`` times:
+    per round the three times (s) and the round trips of the restore."""
     dst = zeros_like_state(sd)
     src, out = tensors(sd), tensors(dst)
     kwargs: dict[str, Any] = {} if dist.is_initialized() else {"no_dist": True}
@@ -171,9 +189,14 @@ def rounds(
         load, cpu = time.perf_counter() - t0, time.thread_time() - c0
         made, copy, copy_cpu = trips.take()
         check_equal(dst, sd, "restore")
+        sync()
+        t0 = time.perf_counter()
+        dcp.load(floor[0], storage_reader=floor[1], **kwargs)
+        dcp_floor = time.perf_counter() - t0
         res.append(
             {
                 "memcpy_s": memcpy,
+                "dcp_floor_s": dcp_floor,
                 "restore_s": load,
                 "copy_s": copy,
                 "cpu_outside_copy_s": cpu - copy_cpu,
@@ -209,6 +232,12 @@ def summarize(per_rank: list[list[dict[str, Any]]], nbytes: int) -> dict[str, An
         "copy_ms": med(r["copy_s"] for r in rows) * 1e3,
         "outside_copy_ms": med(outside),
         "outside_copy_ms_best": min(outside),
+        # DCP's own fixed cost (FileSystemReader, one-element tensors), in the same rounds; and
+        # what ours adds over it, per round.
+        "dcp_floor_ms": med(r["dcp_floor_s"] for r in rows) * 1e3,
+        "outside_copy_over_floor_ms": med(
+            o - r["dcp_floor_s"] * 1e3 for o, r in zip(outside, rows, strict=True)
+        ),
         # The load's CPU on the calling thread outside the copies: what a busy machine inflates
         # least (its wall clock waits for the daemon and for cores).
         "cpu_outside_copy_ms": med(r["cpu_outside_copy_s"] for r in rows) * 1e3,
@@ -276,8 +305,9 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: st
     try:
         for i, size in enumerate(args.size_list):
             sd = save(size // world, i + 1, args.checkpointer, rank)
+            floor = floor_state(sd, Path(args.floor_dir) / str(size))
             time.sleep(args.settle)
-            mine = rounds(sd, i + 1, args.iters, trips, sync)
+            mine = rounds(sd, i + 1, args.iters, trips, sync, floor)
             every: list[Any] = [mine]
             if dist.is_initialized():
                 every = [None] * world
@@ -297,9 +327,9 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, out: st
 def render(res: dict[str, Any]) -> str:
     lines = [
         "| size | memcpy ms | restore ms | restore / memcpy GB/s (best) | restore - memcpy ms "
-        "(best) | copy ms | outside the copy ms (best) | round trips: n, ms | the rest ms "
-        "| main-thread CPU outside the copy ms |",
-        "|---:|---:|---:|---|---|---:|---|---|---:|---:|",
+        "(best) | copy ms | outside the copy ms (best) | DCP's floor ms (outside the copy over it) "
+        "| round trips: n, ms | the rest ms | main-thread CPU outside the copy ms |",
+        "|---:|---:|---:|---|---|---:|---|---|---|---:|---:|",
     ]
     for size, r in res.items():
         each = ", ".join(f"{k} {v:.2f}" for k, v in r["round_trip_ms"].items())
@@ -307,7 +337,8 @@ def render(res: dict[str, Any]) -> str:
             f"| {size} MiB | {r['memcpy_ms']:.1f} | {r['restore_ms']:.1f} | "
             f"{r['restore_over_memcpy']:.2f} ({r['restore_over_memcpy_best']:.2f}) | "
             f"{r['fixed_ms']:.1f} ({r['fixed_ms_best']:.1f}) | {r['copy_ms']:.1f} | "
-            f"{r['outside_copy_ms']:.1f} ({r['outside_copy_ms_best']:.1f}) | {r['round_trips']:.0f}, "
+            f"{r['outside_copy_ms']:.1f} ({r['outside_copy_ms_best']:.1f}) | "
+            f"{r['dcp_floor_ms']:.1f} ({r['outside_copy_over_floor_ms']:+.1f}) | {r['round_trips']:.0f}, "
             f"{r['round_trips_ms']:.1f} ({each}) | {r['rest_ms']:.1f} | "
             f"{r['cpu_outside_copy_ms']:.1f} |"
         )
@@ -315,7 +346,7 @@ def render(res: dict[str, Any]) -> str:
             f = r["fresh"]
             lines.append(
                 f"| {size} MiB | | {f['restore_ms']:.1f} | {f['restore_over_memcpy']:.2f} "
-                f"({f['restore_over_memcpy_best']:.2f}) first restore in a new process | | | | | | |"
+                f"({f['restore_over_memcpy_best']:.2f}) first restore in a new process | | | | | | | |"
             )
     return "\n".join(lines)
 
@@ -326,6 +357,7 @@ def main() -> None:
 
     tag = uuid.uuid4().hex[:8]
     shm_dir = Path(f"/dev/shm/tierckpt-bench-restore-{tag}")
+    args.floor_dir = f"/dev/shm/tierckpt-bench-restore-floor-{tag}"  # DCP's floor, FileSystemWriter
     log = Path(tempfile.gettempdir()) / f"tierckpt-bench-restore-{tag}.log"
     info = machine_info(
         sizes_mb=args.size_list,
@@ -356,6 +388,7 @@ def main() -> None:
     finally:
         daemon.stop(timeout=10)
         shutil.rmtree(shm_dir, ignore_errors=True)
+        shutil.rmtree(args.floor_dir, ignore_errors=True)
         log.unlink(missing_ok=True)
         out.unlink(missing_ok=True)
     info["load_after"] = os.getloadavg()

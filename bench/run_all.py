@@ -848,6 +848,20 @@ def issue24_rows(i24: dict[str, Any]) -> list[Row]:
                     yes(out <= 5),
                 )
             )
+            if "dcp_floor_ms" in small:
+                rows.append(
+                    (
+                        f"{next(iter(sizes))} MiB",
+                        f"issue 24, {label}: DCP's own fixed cost (FileSystemReader, the same keys "
+                        "as one-element tensors, same rounds)",
+                        f"{small['dcp_floor_ms']:.1f} ms",
+                        "",
+                        f"ours outside the copy over it: {small['outside_copy_over_floor_ms']:+.1f} "
+                        "ms (median of the rounds)",
+                        "",
+                        "",
+                    )
+                )
         for size, st in r.get("stall", {}).items():
             if "skipped" in st:
                 continue
