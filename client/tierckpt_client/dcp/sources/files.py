@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from tierckpt_client.dcp import _arena
-from tierckpt_client.dcp._helpers import VERIFY, on_helpers
+from tierckpt_client.dcp._helpers import VERIFY, on_helpers, quiet_openmp
 from tierckpt_client.dcp._metadata_codec import ShardRef
 from tierckpt_core.errors import CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.verified import BlockSums
-from tierckpt_core.verified_copy import Copy, copy_all
+from tierckpt_core.verified_copy import PARALLEL_MIN, Copy, copy_all
 
 _CHANGED = (
     "the copy in this node's memory changed; restore the step from the persistent tier or a peer"
@@ -193,9 +193,12 @@ class LocalFiles:
         """Run the copies (a bad block or a short file fails here, naming file and block)."""
         if not jobs:
             return
+        threads = torch.get_num_threads()
+        if threads > 1 and sum(j.dest.nbytes for j in jobs) >= 2 * PARALLEL_MIN:
+            quiet_openmp()  # torch's spinning workers off the cores the copy's helpers take
         self.verified_bytes += copy_all(
             jobs,
-            threads=torch.get_num_threads(),
+            threads=threads,
             short=CheckpointFormatError,
             spawn=functools.partial(on_helpers, VERIFY),  # woken off this thread's core
         )
