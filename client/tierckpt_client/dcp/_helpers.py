@@ -173,8 +173,8 @@ def quiet_openmp() -> None:
     copy after a 20 ms pause: 5.0-5.1). Paused, the workers leave; torch's next parallel op
     starts them again (a thread each, ~50 us). Only the calling thread's pool is affected, and
     only outside a parallel region. For the restore's copy only: a save every few steps would
-    pay that restart on the trainer's next op each time. Best effort: a no-op where the
-    runtime has no such call, or where it cannot be found (non-Linux)."""
+    pay that restart on the trainer's next op each time. Best effort: a no-op where torch's
+    runtime is not libgomp (:func:`_find_omp_pause`) or has no such call."""
     fn = _omp_pause()
     if fn is not None:
         fn(1)  # omp_pause_soft
@@ -191,8 +191,11 @@ def _omp_pause() -> Any:
 
 
 def _find_omp_pause() -> Any:
-    """``omp_pause_resource_all`` of the OpenMP runtime already loaded into this process (torch's
-    own libgomp, or an LLVM/Intel one), never one loaded anew."""
+    """``omp_pause_resource_all`` of the GNU OpenMP runtime already loaded into this process
+    (torch's own libgomp on Linux), never one loaded anew. Only libgomp's: there it frees the
+    calling thread's own pool and nothing else, and does nothing inside a parallel region;
+    LLVM's and Intel's runtimes pause the whole runtime, which other threads of the trainer
+    may be using (a data loader's)."""
     try:
         with open("/proc/self/maps") as f:
             fields = [line.split(maxsplit=5) for line in f]
@@ -200,7 +203,7 @@ def _find_omp_pause() -> Any:
         return None
     paths = {x[5].strip() for x in fields if len(x) == 6 and x[5].startswith("/")}
     for path in sorted(paths):
-        if not os.path.basename(path).startswith(("libgomp", "libomp", "libiomp5")):
+        if not os.path.basename(path).startswith("libgomp"):
             continue
         try:
             fn = ctypes.CDLL(path).omp_pause_resource_all
