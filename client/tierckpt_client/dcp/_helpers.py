@@ -206,7 +206,9 @@ def _find_omp_pause() -> Any:
         if not os.path.basename(path).startswith("libgomp"):
             continue
         try:
-            fn = ctypes.CDLL(path).omp_pause_resource_all
+            # RTLD_NOLOAD: a handle to the library as loaded, or none (never a file read anew).
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            fn = lib.omp_pause_resource_all
         except (OSError, AttributeError):
             continue
         fn.argtypes = [ctypes.c_int]
