@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Iterable
@@ -13,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tierckpt_core.launcher import free_port  # noqa: F401 (the benches' one port picker)
 
 
 def machine_info(**extra: Any) -> dict[str, Any]:
@@ -26,13 +27,6 @@ def machine_info(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         **extra,
     }
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def add_rates(res: dict[str, Any], keys: Iterable[str]) -> None:

@@ -12,13 +12,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from tierckpt_core.launcher import free_port
 
 # Flags of `weed mini` that open a listening port; each gets its own free loopback port so that no
 # default (8333, 9333, 8888, ...) or derived (http port + 10000 for gRPC) port can collide.
@@ -47,16 +48,12 @@ def find_weed() -> str:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct ports, below the ephemeral range (``launcher.free_port``)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (p := free_port()) not in ports:
+            ports.append(p)
+    return ports
 
 
 class SeaweedS3:

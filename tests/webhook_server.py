@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
-import socket
 import ssl
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from tierckpt_core.launcher import free_port
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
@@ -57,13 +58,6 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass
 class Webhook:
     """A running ``tierckpt-webhook``; ``output()`` stops it and returns its log."""
@@ -100,7 +94,7 @@ class Webhook:
 def start_webhook(tmp_path: Path, *args: str) -> Webhook:
     """Start the webhook (extra command-line arguments as given) and wait until it answers."""
     cert, key = _self_signed(tmp_path)
-    port = _free_port()
+    port = free_port()
     log = tmp_path / f"webhook-{port}.log"
     # The console script's entry point, as the chart's Deployment runs it.
     with log.open("wb") as out:

@@ -20,6 +20,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -52,10 +53,34 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the same range as the source ports of
+    outgoing connections: between this call and the daemon's ``bind``, any connection made on
+    the machine (a client to another daemon, gloo's) could take it, and the daemon then failed
+    with "Address already in use" (seen once in CI). A port below that range is never picked
+    for an outgoing connection; only an explicit ``bind`` can take it."""
+    lo = _ephemeral_start()
+    for _ in range(64):
+        port = random.randrange(max(1024, lo - 12000), lo)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or lingering): another
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(2048, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def new_shm_dir(prefix: str = "tierckpt") -> Path:
