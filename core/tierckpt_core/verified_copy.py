@@ -64,10 +64,10 @@ def copy_all(
     ``threads`` > 1: the whole blocks of all the copies, cut into runs of about
     :data:`PARALLEL_MIN` bytes, are shared by that many workers (the caller's thread and threads
     of a shared pool; the copy, ``preadv`` and the hash all release the GIL), as torch's own copy
-    uses several cores: one hand-over for a whole load, not one per tensor. Every worker is waited
-    for: a block that does not match fails the call, never a later read, and nothing writes into
-    a ``dest`` after the call returned; a worker that has not started when the caller's thread
-    is done is cancelled, not waited for. ``spawn(n, work)`` starts ``work`` on ``n`` other
+    uses several cores: one hand-over for a whole load, not one per tensor. Every worker that
+    started is waited for: a block that does not match fails the call, never a later read, and
+    nothing writes into a ``dest`` after the call returned; a worker that has not started when
+    the caller's thread is done (every run taken) is cancelled, not waited for. ``spawn(n, work)`` starts ``work`` on ``n`` other
     threads (default: a pool of this module's; the client's keeps them off the caller's core).
     The bytes checked; BlockMismatchError (a bad block), or ``short`` when a ``read`` ends
     early."""
@@ -269,9 +269,8 @@ def _copier() -> Callable[[Any, Any], None]:
     ``copyto``: ``copyto`` calls libc's ``memmove``, and ``positive`` runs numpy's vectorised
     loop, the kind of loop torch's own ``copy_`` runs. On the 2-core AMD box glibc's
     ``memmove`` moved 4 MiB pieces at 11.7-12.3 GB/s on one thread, 256 KiB ones at 6.9; the
-    loop 13.4-14.0 GB/s at both sizes
-    (``bench/verified_copy.py``); a 64 MiB ``async_save`` stall fell by ~12 %
-    (``bench/stall.py``)."""
+    loop 13.4-14.0 GB/s at both sizes, and the 64 MiB ``async_save`` stall's copy took 12-15 %
+    less time (docs/benchmarks.md)."""
     try:
         import numpy as np
     except ImportError:
