@@ -6,7 +6,9 @@ THREAD or ``--checkpointer process``), then ``--iters`` rounds of, in this order
 
 1. a memcpy of the state into the destination tensors (pre-touched; the paired baseline),
 2. the destination zeroed (untimed), then ``dcp.load`` with ``TieredStorageReader`` into it
-   (verified, as by default), checked bit-exact (untimed).
+   (verified, as by default), checked bit-exact (untimed),
+3. DCP's own fixed cost: ``dcp.load`` of the state's keys as one-element tensors through
+   ``FileSystemReader`` from /dev/shm (:func:`floor_state`), and ours outside the copy over it.
 
 Per size: the paired ratio memcpy time / restore time (restore GB/s over memcpy GB/s: median and
 best over the rounds after the first); restore - paired memcpy; and the time outside the copy
