@@ -11,11 +11,13 @@ import time
 from typing import Any
 
 from tierckpt_client.cli import _render as r
+from tierckpt_client.cli import attempts
 from tierckpt_client.cli._tiers import Persistent
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.errors import NotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.layout import StepManifest
 from tierckpt_core.protocol import (
+    AttemptInfo,
     PersistentStatus,
     ReplicationStatus,
     StepCandidate,
@@ -163,15 +165,19 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
                 durable=True,
                 peers=c.peers if c else [],
             )
-    docs: dict[int, dict[str, Any]] = {}
+    # A step may be committed and have a save attempt in progress too: one row each.
+    docs: dict[tuple[int, str], dict[str, Any]] = {}
     for s in steps:
-        docs[s.step] = {**s.model_dump(mode="json"), "tiers": _tiers(s, candidates.get(s.step))}
+        doc = {**s.model_dump(mode="json"), "tiers": _tiers(s, candidates.get(s.step))}
+        docs[(s.step, s.attempt or "")] = doc
+    held = {step for step, _ in docs}
     for c in candidates.values():
-        if c.step not in docs and (c.durable or c.peers):
-            docs[c.step] = _not_in_memory(ns, c)
+        if c.step not in held and (c.durable or c.peers):
+            docs[(c.step, "")] = _not_in_memory(ns, c)
     if not docs:
         raise NotFoundError(f"namespace {ns!r} has no steps in memory" + _where(tier))
     now = time.time()
+    ordered = [d for _, d in sorted(docs.items())]
     rows = [
         (
             d["step"],
@@ -182,10 +188,10 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
             ",".join(d["tiers"]),
             _replicas_cell(d),
         )
-        for _, d in sorted(docs.items())
+        for d in ordered
     ]
     text = r.table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"), rows)
-    r.emit(args.json, [d for _, d in sorted(docs.items())], text)
+    r.emit(args.json, ordered, "\n".join([text, *attempts.ls_notes(ns, ordered)]))
 
 
 def _ls_cluster(client: DaemonClient, args: argparse.Namespace) -> None:
@@ -295,7 +301,13 @@ def cmd_inspect(client: DaemonClient, tier: Persistent, args: argparse.Namespace
     try:
         info = client.step(ns, step)
     except NotFoundError:
+        pending = _attempts(client, ns, step)
         manifest = tier.manifest(ns, step)
+        if manifest is None and pending:  # only a save in progress, or one left by a dead trainer
+            writing: dict[str, Any] = {"namespace": ns, "step": step, "state": "writing"}
+            writing["attempts"] = [a.model_dump(mode="json") for a in pending]
+            r.emit(args.json, writing, attempts.attempts_text(ns, step, pending))
+            return
         if manifest is None:
             raise StepNotFoundError(f"{ns}/step {step} is not in memory{_where(tier)}") from None
         doc = _manifest_doc(manifest)
@@ -304,9 +316,21 @@ def cmd_inspect(client: DaemonClient, tier: Persistent, args: argparse.Namespace
         if not durable and tier.url is not None and not tier.is_daemons:
             durable = tier.manifest(ns, step) is not None
         doc = {**info.model_dump(mode="json")}
-        doc["tiers"] = ["memory"] + (["peers"] if info.replicated_to else [])
-        doc["tiers"] += ["persistent"] if durable else []
-    r.emit(args.json, doc, _step_text(doc))
+        tiers = ["memory"] + (["peers"] if info.replicated_to else [])
+        doc["tiers"] = tiers + (["persistent"] if durable else [])
+        pending = _attempts(client, ns, step)
+    doc["attempts"] = [a.model_dump(mode="json") for a in pending]
+    text = _step_text(doc)
+    if pending:
+        text += "\n\n" + attempts.attempts_text(ns, step, pending)
+    r.emit(args.json, doc, text)
+
+
+def _attempts(client: DaemonClient, ns: str, step: int) -> list[AttemptInfo]:
+    try:
+        return client.attempts(ns, step)
+    except NotFoundError:  # the namespace is not on this node
+        return []
 
 
 def _step_text(d: dict[str, Any]) -> str:

@@ -169,6 +169,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--yes", action="store_true", help="confirm --persistent: the deletion cannot be undone"
     )
+    s.add_argument(
+        "--abandoned",
+        action="store_true",
+        help="free the step's save attempt that a trainer left when it died mid-save (refused "
+        "while its writer runs); `tierckpt inspect` shows it",
+    )
     s = command(
         "export",
         manage.cmd_export,

@@ -9,6 +9,7 @@ import time
 
 from tierckpt_client.cli import _render as r
 from tierckpt_client.cli._tiers import Persistent
+from tierckpt_client.cli.attempts import remove_abandoned
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.errors import (
     InvalidNameError,
@@ -25,8 +26,19 @@ class MissingExtraError(TierCkptError):
 
 def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
     ns, step = validate_namespace(args.namespace), validate_step(args.step)
+    if args.abandoned:
+        freed, size = remove_abandoned(client, ns, step)
+        doc = {"namespace": ns, "step": step, "removed": ["memory"], "attempts": freed}
+        text = (
+            f"freed {r.size(size)} of {ns} step {step}'s abandoned save attempt {', '.join(freed)}"
+        )
+        r.emit(args.json, doc, text)
+        return
     if not args.persistent:
-        client.delete(ns, step)
+        try:
+            client.delete(ns, step)
+        except NotFoundError as e:
+            raise _with_hint(client, ns, step, e) from None
         r.emit(
             args.json,
             {"namespace": ns, "step": step, "removed": ["memory"]},
@@ -52,6 +64,22 @@ def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> 
         raise StepNotFoundError(f"{ns}/step {step} is neither in memory nor in {tier.url}")
     doc = {"namespace": ns, "step": step, "removed": removed}
     r.emit(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
+
+
+def _with_hint(client: DaemonClient, ns: str, step: int, e: NotFoundError) -> NotFoundError:
+    """A step ``rm`` found nothing committed of: say what it could do instead."""
+    try:
+        pending = [a for a in client.attempts(ns, step) if not a.prepared]
+    except NotFoundError:
+        pending = []
+    if pending:
+        e.message = (
+            f"{ns}/step {step} is not committed in memory; it has a save attempt that is not "
+            f"committed ({', '.join(a.attempt for a in pending)}): tierckpt rm {ns} {step} "
+            "--abandoned frees it once its writer is gone"
+        )
+        e.args = (e.message,)
+    return e
 
 
 def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
