@@ -113,12 +113,12 @@ def _ls_namespaces(client: DaemonClient, tier: Persistent, args: argparse.Namesp
     """Namespaces in memory and in the persistent tier. ``steps``/``committed_steps``/``bytes``
     count the memory tier; ``durable_steps`` the persistent tier (None: no persistent tier)."""
     docs: dict[str, dict[str, Any]] = {}
-    for ns in client.namespaces():
+    for ns in [] if tier.offline else client.namespaces():
         docs[ns.namespace] = {**ns.model_dump(mode="json"), "tiers": ["memory"]}
     try:
         persisted = tier.namespaces()
-        unreadable: TierCkptError | None = None
-    except TierCkptError as e:  # show what memory holds, then fail (exit 1)
+        unreadable: Exception | None = None
+    except (TierCkptError, OSError) as e:  # show what memory holds, then fail (exit 1)
         persisted, unreadable = {}, e
     for name, steps in persisted.items():
         doc = docs.setdefault(
@@ -144,20 +144,15 @@ def _ls_namespaces(client: DaemonClient, tier: Persistent, args: argparse.Namesp
 
 
 def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Namespace) -> None:
-    try:
-        steps = client.steps(ns)
-    except NotFoundError:
-        steps = []  # nothing in memory; the persistent tier may still hold steps
-    try:
-        candidates = {c.step: c for c in client.candidates(ns)}
-    except NotFoundError:
-        candidates = {}
-    except TierCkptError:
-        if not steps and tier.url is None:
-            raise  # the daemon's persistent tier is broken and there is nothing else to show
-        candidates = {}  # the memory tier's answer stands on its own
+    unreadable: Exception | None
+    steps, candidates, unreadable = ([], {}, None) if tier.offline else _memory_steps(client, ns)
+    stored: list[int] = []
     if not tier.is_daemons:  # a store the daemon does not use: read it here
-        for step in tier.steps(ns):
+        try:
+            stored = tier.steps(ns)
+        except (TierCkptError, OSError) as e:  # show what memory holds, then fail, as `ls` does
+            unreadable = e
+        for step in stored:
             c = candidates.get(step)
             candidates[step] = StepCandidate(
                 step=step,
@@ -174,6 +169,8 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
     for c in candidates.values():
         if c.step not in held and (c.durable or c.peers):
             docs[(c.step, "")] = _not_in_memory(ns, c)
+    if not docs and unreadable is not None:
+        raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
     if not docs:
         raise NotFoundError(f"namespace {ns!r} has no steps in memory" + _where(tier))
     now = time.time()
@@ -192,6 +189,26 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
     ]
     text = r.table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"), rows)
     r.emit(args.json, ordered, "\n".join([text, *attempts.ls_notes(ns, ordered)]))
+    if unreadable is not None:
+        raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
+
+
+def _memory_steps(
+    client: DaemonClient, ns: str
+) -> tuple[list[StepInfo], dict[int, StepCandidate], TierCkptError | None]:
+    """The steps this node's daemon holds, the candidates it knows of in every tier, and why
+    it could not list its persistent tier (then the memory tier's answer is shown, and the
+    command fails after it, as ``ls`` does)."""
+    try:
+        steps = client.steps(ns)
+    except NotFoundError:
+        steps = []  # nothing in memory; the persistent tier may still hold steps
+    try:
+        return steps, {c.step: c for c in client.candidates(ns)}, None
+    except NotFoundError:
+        return steps, {}, None
+    except TierCkptError as e:
+        return steps, {}, e
 
 
 def _ls_cluster(client: DaemonClient, args: argparse.Namespace) -> None:
@@ -299,9 +316,11 @@ def _manifest_doc(m: StepManifest) -> dict[str, Any]:
 def cmd_inspect(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
     ns, step = validate_namespace(args.namespace), validate_step(args.step)
     try:
+        if tier.offline:
+            raise StepNotFoundError(f"{ns}/step {step}: no daemon")
         info = client.step(ns, step)
     except NotFoundError:
-        pending = _attempts(client, ns, step)
+        pending = [] if tier.offline else _attempts(client, ns, step)
         manifest = tier.manifest(ns, step)
         if manifest is None and pending:  # only a save in progress, or one left by a dead trainer
             writing: dict[str, Any] = {"namespace": ns, "step": step, "state": "writing"}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tierckpt_client.cli import _render as r
 from tierckpt_client.cli._tiers import Persistent
@@ -38,7 +40,7 @@ def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> 
         try:
             client.delete(ns, step)
         except NotFoundError as e:
-            raise _with_hint(client, ns, step, e) from None
+            raise _with_hint(client, tier, ns, step, e) from None
         r.emit(
             args.json,
             {"namespace": ns, "step": step, "removed": ["memory"]},
@@ -66,8 +68,10 @@ def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> 
     r.emit(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
 
 
-def _with_hint(client: DaemonClient, ns: str, step: int, e: NotFoundError) -> NotFoundError:
-    """A step ``rm`` found nothing committed of: say what it could do instead."""
+def _with_hint(
+    client: DaemonClient, tier: Persistent, ns: str, step: int, e: NotFoundError
+) -> NotFoundError:
+    """A step ``rm`` found nothing committed of in memory: say what it could do instead."""
     try:
         pending = [a for a in client.attempts(ns, step) if not a.prepared]
     except NotFoundError:
@@ -78,7 +82,12 @@ def _with_hint(client: DaemonClient, ns: str, step: int, e: NotFoundError) -> No
             f"committed ({', '.join(a.attempt for a in pending)}): tierckpt rm {ns} {step} "
             "--abandoned frees it once its writer is gone"
         )
-        e.args = (e.message,)
+    elif tier.url is not None and tier.manifest(ns, step) is not None:
+        e.message = (
+            f"{ns}/step {step} is not in memory; the persistent tier {tier.url} holds it: "
+            f"tierckpt rm {ns} {step} --persistent --yes deletes it there (cannot be undone)"
+        )
+    e.args = (e.message,)
     return e
 
 
@@ -92,7 +101,14 @@ def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
         ) from None
     ns = validate_namespace(args.namespace)
     step = None if args.step == "latest" else validate_step(parse_step(args.step))
-    written = export_step(ns, step, args.dest, config=client.config)
+    dest = Path(args.dest)
+    created = not dest.exists()
+    try:
+        written = export_step(ns, step, dest, config=client.config)
+    except BaseException:
+        if created:  # a failed export leaves nothing behind that it made
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
     doc = {"namespace": ns, "step": written, "path": str(args.dest)}
     r.emit(
         args.json,
