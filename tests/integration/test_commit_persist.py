@@ -9,12 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_global_commit import NS, TOKEN, _decided_without, _latest, _peer, _prepare, _until
 
 from tierckpt_core.manifest import StepManifest
 
 from helpers import DaemonProcess, ring, running
 from kit import seal_bytes
+from test_global_commit import NS, TOKEN, _decided_without, _latest, _peer, _prepare, _until
 
 
 def _share_up(root: Path, step: int, name: str) -> bool:
