@@ -268,6 +268,8 @@ class StatusResponse(BaseModel):
     namespaces: list[NamespaceInfo]
     persistent: PersistentStatus | None = None
     replication: ReplicationStatus | None = None
+    # Background threads that died (each "thread NAME died of ERROR"): the daemon is unhealthy.
+    failed_threads: list[str] = []
 
 
 # -- daemon-to-daemon (peer) routes, /v1/peer/..., TCP only, Authorization: Bearer <token> -------

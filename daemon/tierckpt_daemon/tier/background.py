@@ -70,7 +70,7 @@ class QueueWorker(Generic[T]):
         self._cv = threading.Condition()
         self._current: T | None = None
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -110,6 +110,18 @@ class QueueWorker(Generic[T]):
 
     def _process(self, item: T) -> bool:
         raise NotImplementedError
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:
+            # The worker is gone for good: let its owner say so in its status, then let the
+            # exception reach threading.excepthook (the log and a metric, :mod:`..failures`).
+            self._died(e)
+            raise
+
+    def _died(self, error: BaseException) -> None:
+        """The worker's thread died of ``error``: subclasses mark their status unhealthy."""
 
     def _run(self) -> None:
         lower_priority(self.nice)

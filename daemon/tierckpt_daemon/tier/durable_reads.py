@@ -135,7 +135,7 @@ class DurableReads:
         try:
             verify_file(got, f, namespace, step, self.store.url)
         except IntegrityError as e:
-            self.service.metrics.verification_failures.inc()
+            self.service.metrics.verification_failures.labels(tier="persistent").inc()
             block = _first_bad_block(path, f)
             if block is None:
                 raise
