@@ -308,11 +308,26 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
+        if not direct and not self.overwrite:
+            self._refuse_early()
         if not direct and self._files.staged is None and self._staged_by is None:
             direct = self._reserve(plan)  # a plain save: nothing was staged
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
         return replace(plan, storage_data=LocalPlanData(direct=direct, daemon=daemon, node=node))
+
+    def _refuse_early(self) -> None:
+        """``overwrite=False`` and the step exists: refuse on every rank, before the plans meet,
+        and give back what stage() leased now. A refusal only the coordinator sees (in
+        prepare_global_plan) reaches the other ranks as DCP's exception, and no writer call
+        follows on them: their staged files would stay leased until the writer is collected or
+        the daemon's ``lease_ttl_s`` (900 s) expires."""
+        namespace, step = self._require_target()
+        try:
+            self._memory.begin(namespace, step)
+        except BaseException:
+            self._files.give_back()
+            raise
 
     def _reserve(self, plan: SavePlan) -> bool:
         """A plain ``save`` (nothing was staged) leases its file now, while the ranks still agree
@@ -346,7 +361,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         data = PlanData(
             attempt_base=attempt_base(), direct=layout.direct, across=layout.rank_nodes is not None
         )
-        self._target(namespace, step, data).begin(namespace, step)
+        try:
+            self._target(namespace, step, data).begin(namespace, step)
+        except BaseException:
+            self._files.give_back()  # the coordinator's own lease, now (others: _refuse_early)
+            raise
         return [replace(p, storage_data=data) for p in plans]
 
     def _target(self, namespace: str, step: int, data: PlanData) -> SaveTarget:
