@@ -75,13 +75,20 @@ class Cluster:
     saves: dict[int, Save] = field(default_factory=dict)
     retired: list[DaemonProcess] = field(default_factory=list)  # replaced (cleaned up too)
     overran: list[str] = field(default_factory=list)  # waits longer than their bound
+    waits: list[str] = field(default_factory=list)  # every bounded wait, as measured
     last_commit: float = 0.0  # when the last save's commit call returned (monotonic)
 
     def bounded(self, what: str, seconds: float, bound: float = SAVE_BOUND_S) -> None:
         """Note a wait longer than ``bound``; :meth:`check_bounds` fails on it at the end of the
         test, after the checks of consistency have run."""
+        self.waits.append(f"{what} {seconds:.2f}s")
         if seconds > bound:
             self.overran.append(f"{what} took {seconds:.1f}s (bound {bound:g}s)")
+
+    def summary(self) -> str:
+        """What a test saw: each save, and each wait over its bound (printed at teardown)."""
+        saves = ", ".join(repr(s) for s in self.saves.values())
+        return f"{self.lab.tag}: {saves}; {self.waits}; overran: {self.overran or 'none'}"
 
     def check_bounds(self) -> None:
         assert not self.overran, "unbounded blocking: " + "; ".join(self.overran)

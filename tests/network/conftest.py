@@ -56,6 +56,7 @@ def make_cluster(network_lab: None, tmp_path: Path) -> Iterator[Callable[..., Cl
         yield make
     finally:
         for c in made:
+            print(f"\n{c.summary()}")
             for d in [*c.nodes, *c.retired]:
                 d.cleanup()
         for lab in labs:
