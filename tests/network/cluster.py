@@ -39,7 +39,7 @@ PEER_TIMEOUT_S = 2.0
 SAVE_BOUND_S = PEER_TIMEOUT_S + 2.5
 # A committed step is durable this long after the network heals (uploads, and the decider's
 # check of every share, retried with backoff).
-DURABLE_AFTER_HEAL_S = 45.0
+DURABLE_AFTER_HEAL_S = 30.0
 SETTLE_S = 45.0  # every node takes the decision this long after the heal (in doubt: asks)
 SIZE = 40_000  # bytes per rank's file
 
@@ -48,6 +48,7 @@ SETTINGS = {
     "keep_last": 16,  # no step leaves memory during a test: a node's outcome is what it lists
     "replicas": 1,
     "peer_timeout_s": PEER_TIMEOUT_S,
+    "peer_list_timeout_s": PEER_TIMEOUT_S,  # "latest"'s wait for the peers' listings
     "lease_ttl_s": 30,
     "log_level": "DEBUG",
 }

@@ -17,13 +17,15 @@ from collections.abc import Callable
 
 import pytest
 
-from cluster import Cluster
+from cluster import SAVE_BOUND_S, Cluster
 from netlab import wait_for
 
 pytestmark = pytest.mark.network
 
 MakeCluster = Callable[..., Cluster]
 SLOW_NODE_MS = 600  # latency in front of node 2, so that a fault lands between two prepares
+# What that latency adds to a save's own work: a prepare's and a decision's round trips.
+SLOW_SAVE_S = 4 * SLOW_NODE_MS / 1000
 
 
 def _healthy(c: Cluster, step: int) -> None:
@@ -69,7 +71,7 @@ def test_a_participant_unreachable_after_its_prepare(make_cluster: MakeCluster) 
     c.lab.blackhole(1)
     s = pending.result(timeout=120)
     assert s.acknowledged, s
-    c.bounded("the save of step 2", s.seconds)
+    c.bounded("the save of step 2", s.seconds, SAVE_BOUND_S + SLOW_SAVE_S)
     assert c.outcome(c.nodes[1], 2) == "undecided"  # in doubt, never guessed
     c.lab.heal(1)
     assert c.settled_alike(2) == "committed"
@@ -112,7 +114,7 @@ def test_the_decider_unreachable_during_the_decision(make_cluster: MakeCluster) 
     c.lab.blackhole(0)
     s = pending.result(timeout=120)
     assert not s.acknowledged, s
-    c.bounded("the save of step 2", s.seconds)
+    c.bounded("the save of step 2", s.seconds, SAVE_BOUND_S + SLOW_SAVE_S)
     wait_for("node 2 to prepare step 2", lambda: c.prepared(2, 2), 30)
     time.sleep(7.5)  # longer than a prepared participant waits before it asks its decider
     assert c.outcome(c.nodes[1], 2) == c.outcome(c.nodes[2], 2) == "undecided"
@@ -135,7 +137,7 @@ def test_a_one_way_partition_during_the_decision(make_cluster: MakeCluster) -> N
     c.lab.deaf_to(1, [0])
     s = pending.result(timeout=120)
     assert s.acknowledged, s
-    c.bounded("the save of step 2", s.seconds)
+    c.bounded("the save of step 2", s.seconds, SAVE_BOUND_S + SLOW_SAVE_S)
     wait_for("node 1 to take the decision from node 2", lambda: c.outcome(c.nodes[1], 2)
              == "committed", 30, every=0.25)  # fmt: skip
     c.lab.heal(1)
