@@ -138,6 +138,13 @@ class DaemonSettings(BaseSettings):
         description="a save attempt prepared here whose decider (another node) has not been a "
         "member of the ring for this long is aborted, unless a member holds it committed",
     )
+    decision_resend_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="a commit across nodes: a decision a participant did not take is sent to it "
+        "again, less and less often (2 s doubling to 60 s), for this long at most; not at all "
+        "once it answers that it cannot take it",
+    )
     commit_fanout: int = Field(
         default=8,
         ge=2,

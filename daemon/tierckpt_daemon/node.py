@@ -166,6 +166,7 @@ def build_node(settings: DaemonSettings) -> Node:
             ),
             node=settings.node_name,
             decider_gone_s=settings.decider_gone_s,
+            resend_for_s=settings.decision_resend_s,
             fanout=settings.commit_fanout,
         )
     fetcher = (

@@ -359,13 +359,17 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
             rec = self.record(namespace, step, owner=owner)
             queue = rec.state == StepState.COMMITTED and not rec.persist_pending
             if queue:
-                rec.persist_pending = True
+                rec.persist = rec.persist_pending = True
                 update_manifest(rec)
             info = rec.info()
         if queue:
-            for listener in self._listeners:
-                listener.persist_requested(rec)
+            self.persist_requested(rec)
         return info
+
+    def persist_requested(self, rec: StepRecord) -> None:
+        """Tell the uploader that ``rec`` (now ``persist_pending``) is to be persisted."""
+        for listener in self._listeners:
+            listener.persist_requested(rec)
 
     # -- reads ------------------------------------------------------------------------------
     def delete_step(self, namespace: str, step: int, *, owner: str | None = None) -> None:
