@@ -17,7 +17,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierckpt_client import ClientConfig, DaemonClient
-from tierckpt_core.protocol import CorruptionReport
 
 from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
 from kit import blank_state, flip_byte, load, save, seeded_state, step_paths
@@ -146,6 +145,8 @@ def test_corruption_a_reader_finds_is_counted_and_logged_by_the_daemon(
 
 
 def test_a_report_to_a_daemon_that_is_gone_does_not_slow_or_fail_anything() -> None:
+    from tierckpt_core.protocol import CorruptionReport  # new with the route
+
     client = DaemonClient(ClientConfig(socket=Path("/nonexistent/daemon.sock")))
     t0 = time.monotonic()
     client.report_corruption("job", 1, CorruptionReport(tier="memory", file="x.data"))
