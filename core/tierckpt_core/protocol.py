@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -140,6 +141,17 @@ class HydrateRequest(BaseModel):
     """Which files of a step the caller's readers need here (none named: the node's own)."""
 
     files: list[str] | None = None
+
+
+class CorruptionReport(BaseModel):
+    """What a reader (a trainer's load, ``tierckpt verify``) found corrupt in a step: which file,
+    which block of it when known, read from which tier. The daemon counts it in
+    ``tierckpt_verification_failures_total{tier}`` and logs it; the reader's own error stands."""
+
+    file: str | None = Field(default=None, max_length=255)
+    block: int | None = Field(default=None, ge=0)
+    tier: Literal["memory", "peer", "persistent"]
+    detail: str = Field(default="", max_length=2000)
 
 
 class RangesRequest(BaseModel):

@@ -251,7 +251,11 @@ class DaemonSettings(BaseSettings):
     @field_validator("socket")
     @classmethod
     def _check_socket(cls, v: Path | None) -> Path | None:
-        return None if v is None else resolved_parents(v)
+        if v is None:
+            return None
+        v = resolved_parents(v)
+        check_socket_length(v, "set TIERCKPT_SOCKET to a shorter path")
+        return v
 
     @field_validator("persist_url")
     @classmethod
@@ -285,8 +289,6 @@ class DaemonSettings(BaseSettings):
             check_socket_length(
                 self.socket, "set TIERCKPT_SOCKET to a shorter path, or shorten TIERCKPT_SHM_DIR"
             )
-        else:
-            check_socket_length(self.socket, "set TIERCKPT_SOCKET to a shorter path")
         self.capacity_bytes = parse_capacity(self.capacity)
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity {self.capacity!r} resolves to {self.capacity_bytes} bytes")

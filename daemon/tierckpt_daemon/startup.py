@@ -67,8 +67,10 @@ def unknown_settings(env: Mapping[str, str]) -> list[str]:
     known = known_settings()
     messages = []
     for name in sorted(n for n in env if n.startswith(PREFIX) and n not in known):
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "no setting has a similar name"
+        # Compared without the prefix, which every name shares.
+        suffixes = [k.removeprefix(PREFIX) for k in known]
+        close = difflib.get_close_matches(name.removeprefix(PREFIX), suffixes, n=1, cutoff=0.6)
+        hint = f"did you mean {PREFIX}{close[0]}?" if close else "no setting has a similar name"
         messages.append(f"{name} is not a tierckpt setting ({hint}); it is ignored")
     return messages
 

@@ -96,8 +96,8 @@ class QueueWorker(Generic[T]):
                 self._queue and (retries or self._queue[0][0] <= time.monotonic())
             ):
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
+                if left <= 0 or (self._thread.ident is not None and not self._thread.is_alive()):
+                    return False  # out of time, or nobody left to work the queue
                 self._cv.wait(min(left, 0.2))
         return True
 

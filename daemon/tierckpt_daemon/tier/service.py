@@ -309,8 +309,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                 self.metrics.evictions.labels(reason="superseded").inc()
             for _ in retired:
                 self.metrics.evictions.labels(reason="retention").inc()
+            # Evictions are logged: the retention's here, with the commit that caused them.
+            left = ", ".join(str(r.step) for r in retired)
             logger.info(
-                "%s/step %d committed: %d files, %d bytes%s%s%s",
+                "%s/step %d committed: %d files, %d bytes%s%s%s%s",
                 namespace,
                 step,
                 len(rec.files),
@@ -318,6 +320,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                 f", a replica from {origin}" if origin else "",
                 ", queued for the persistent tier" if rec.persist_pending else "",
                 ", queued for replication" if rec.replication_pending else "",
+                f"; step(s) {left} of {namespace} leave memory (TIERCKPT_KEEP_LAST "
+                f"{self.keep_last})"
+                if retired
+                else "",
                 extra=step_fields(namespace, step, rec.attempt),
             )
             return rec
@@ -376,3 +382,9 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
         with self.lock:
             self.index.retire(self.record(namespace, step, owner=owner))
             self.metrics.evictions.labels(reason="deleted").inc()
+            logger.info(
+                "%s/step %d deleted from memory",
+                namespace,
+                step,
+                extra=step_fields(namespace, step),
+            )
