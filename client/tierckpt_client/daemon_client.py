@@ -24,6 +24,7 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_core.errors import DaemonUnavailableError, ProtocolError, TierCkptError
 from tierckpt_core.http import decode_body
 from tierckpt_core.protocol import (
+    AttemptInfo,
     ClusterListing,
     CommitRequest,
     CorruptionReport,
@@ -255,9 +256,18 @@ class DaemonClient:
         path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit"
         return StepInfo.model_validate(self._request("POST", path, req.model_dump()))
 
-    def abort(self, namespace: str, step: int, attempt: str) -> None:
-        """Give up an uncommitted save attempt: the daemon frees its sealed files now."""
-        self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}")
+    def abort(self, namespace: str, step: int, attempt: str, *, abandoned: bool = False) -> None:
+        """Give up an uncommitted save attempt: the daemon frees its sealed files now. With
+        ``abandoned`` (an operator freeing a dead trainer's attempt), refused while one of the
+        processes that wrote it still runs."""
+        query = "?abandoned=true" if abandoned else ""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}{query}"
+        self._request("DELETE", path)
+
+    def attempts(self, namespace: str, step: int) -> list[AttemptInfo]:
+        """The step's save attempts not committed: in progress, or left by a dead trainer."""
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/steps/{step}/attempts")
+        return [AttemptInfo.model_validate(x) for x in doc]
 
     def cluster(self, namespace: str | None = None, *, timeout_s: float = 5.0) -> ClusterListing:
         """Every node's committed steps: the daemon asks its peers, each within ``timeout_s``
