@@ -4,7 +4,9 @@
 lays every tensor's bytes out back to back (64-byte aligned) and copies each one into its place. It
 returns a state dict of the same shape whose tensors alias the file; DTensors keep their spec with the
 local tensor replaced, and ShardedTensors are rebuilt around their staged local shards with the same
-global metadata. Non-tensor leaves are deep-copied so that training may change the originals.
+global metadata. Objects that implement torch's checkpointable protocol (Megatron-Core's sharded
+tensors) are staged by their local tensors (:mod:`_checkpointable`). Non-tensor leaves are
+deep-copied so that training may change the originals.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from torch.distributed.tensor import DTensor
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._byte_copy import ByteCopies, plain
+from tierckpt_client.dcp._checkpointable import (
+    is_checkpointable,
+    local_tensors,
+    stage_checkpointable,
+)
 from tierckpt_client.dcp._metadata_codec import copy_tensor, dtype_name
 from tierckpt_core.errors import CheckpointFormatError
 
@@ -57,6 +64,8 @@ def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor], skip: Ski
         else:
             local = on_tensor(obj._local_tensor.detach())
         return DTensor(local, obj._spec, requires_grad=False)
+    if is_checkpointable(obj):  # before Tensor: it may have no storage (detach() raises)
+        return stage_checkpointable(obj, on_tensor)
     if isinstance(obj, torch.Tensor):
         if skip is not None and skip(obj):
             return placeholder(obj)
@@ -94,9 +103,15 @@ def _walk_tensors_only(
     if isinstance(obj, ShardedTensor):
         for shard in obj.local_shards():
             fn(shard.tensor)
-    elif isinstance(obj, torch.Tensor):  # a DTensor too
+    elif isinstance(obj, DTensor):  # before the protocol: a DTensor implements it too
         if skip is None or not skip(obj):
-            fn(obj._local_tensor if isinstance(obj, DTensor) else obj)
+            fn(obj._local_tensor)
+    elif is_checkpointable(obj):  # before Tensor: it may have no storage of its own
+        for _, t in local_tensors(obj):
+            fn(t)
+    elif isinstance(obj, torch.Tensor):
+        if skip is None or not skip(obj):
+            fn(obj)
     elif isinstance(obj, dict):
         for v in obj.values():
             _walk_tensors_only(v, fn, skip)
