@@ -138,13 +138,16 @@ def stage_into(
     A tensor or DTensor for which ``skip`` says so is not copied: a :func:`placeholder` stands in
     for it (a tensor this rank does not write, see ``_assign``).
     With CUDA tensors among them and ``pin_memory``, the mapping is registered as page-locked
-    memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA; one
-    synchronize at the end waits for them all. Host tensors are copied as bytes, all together
+    memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA on
+    the current stream of its device; at the end one synchronize of each such stream waits for
+    them all (of those streams only: an asynchronous stage runs on a side stream of its own, and
+    must not wait for the training's kernels on the others, :mod:`_async_staging`). Host tensors are copied as bytes, all together
     as they are laid out, shared over torch's number of threads (:mod:`_byte_copy`): the helpers
     start on the first tensors while this thread lays out the next, and it joins them at the
     end."""
     offset = 0
     device_copies = 0
+    devices: set[torch.device] = set()
     base = mapping.base if mapping is not None else 0
     host = ByteCopies(torch.get_num_threads(), mapping.size if mapping is not None else 0)
 
@@ -166,6 +169,7 @@ def stage_into(
                 _arena.pin(mapping)
             copy_tensor(dst, t, non_blocking=True)
             device_copies += 1
+            devices.add(t.device)
         return dst
 
     try:
@@ -174,6 +178,9 @@ def stage_into(
         host.cancel()  # no helper writes into the file once this returns
         raise
     host.run()
-    if device_copies and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        else:  # another accelerator: its own device-wide wait
+            torch.accelerator.synchronize(device)
     return StageResult(staged, offset, device_copies)
