@@ -27,6 +27,7 @@ from tierckpt_core.protocol import (
     AttemptInfo,
     ClusterListing,
     CommitRequest,
+    CorruptionReport,
     HydrateRequest,
     LeaseAfter,
     LeaseRequest,
@@ -52,6 +53,7 @@ _SHARED: dict[tuple[int, ClientConfig], UnixHTTP] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
 GIVE_BACK_S = 5.0  # the bound on releasing a pin sent ahead that no load claimed
+REPORT_TIMEOUT_S = 2.0  # the bound on telling the daemon about corruption a reader found
 
 
 @atexit.register
@@ -322,6 +324,16 @@ class DaemonClient:
         """Queue a committed step for upload to the persistent tier now."""
         path = f"/v1/namespaces/{namespace}/steps/{step}/persist"
         return StepInfo.model_validate(self._request("POST", path))
+
+    def report_corruption(self, namespace: str, step: int, report: CorruptionReport) -> None:
+        """Tell the daemon that a reader found part of a step corrupt, for its metrics and log.
+        Best effort: never raises, waits at most ``REPORT_TIMEOUT_S`` for the answer, and says
+        at DEBUG when the daemon cannot be told (the reader's own error or fallback stands)."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/corruption"
+        try:
+            self._request("POST", path, report.model_dump(mode="json"), timeout=REPORT_TIMEOUT_S)
+        except (TierCkptError, OSError) as e:
+            logger.debug("could not report corruption of %s/step %d: %s", namespace, step, e)
 
     def delete(self, namespace: str, step: int) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -169,6 +170,17 @@ class HydrateRequest(BaseModel):
     files: list[str] | None = None
 
 
+class CorruptionReport(BaseModel):
+    """What a reader (a trainer's load, ``tierckpt verify``) found corrupt in a step: which file,
+    which block of it when known, read from which tier. The daemon counts it in
+    ``tierckpt_verification_failures_total{tier}`` and logs it; the reader's own error stands."""
+
+    file: str | None = Field(default=None, max_length=255)
+    block: int | None = Field(default=None, ge=0)
+    tier: Literal["memory", "peer", "persistent"]
+    detail: str = Field(default="", max_length=2000)
+
+
 class RangesRequest(BaseModel):
     """Parts of one file: ``[offset, length]`` pairs."""
 
@@ -295,6 +307,8 @@ class StatusResponse(BaseModel):
     namespaces: list[NamespaceInfo]
     persistent: PersistentStatus | None = None
     replication: ReplicationStatus | None = None
+    # Background threads that died (each "thread NAME died of ERROR"): the daemon is unhealthy.
+    failed_threads: list[str] = []
 
 
 # -- daemon-to-daemon (peer) routes, /v1/peer/..., TCP only, Authorization: Bearer <token> -------

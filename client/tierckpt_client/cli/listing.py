@@ -39,6 +39,8 @@ def cmd_status(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
         f"leased      {r.size(st.leased_bytes)}",
         f"pool        {st.pool_files} files, {r.size(st.pool_bytes)} (recycled for new leases)",
         f"keep last   {st.keep_last} committed steps per namespace",
+        "health      "
+        + (f"UNHEALTHY: {'; '.join(st.failed_threads)}" if st.failed_threads else "ok"),
         f"persistent  {_persistent_line(st.persistent)}",
         f"replication {_replication_line(st.replication)}",
     ]

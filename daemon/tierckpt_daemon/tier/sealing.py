@@ -24,6 +24,7 @@ from tierckpt_core.protocol import (
     validate_step,
 )
 from tierckpt_daemon.logfields import step_fields
+from tierckpt_daemon.tier.arena import round_up
 from tierckpt_daemon.tier.records import MANIFEST
 from tierckpt_daemon.tier.writers import note_writer
 
@@ -104,11 +105,15 @@ class Sealing:
                         f"{namespace}/step {step}: file {f.name}: block checksums without a checksum"
                     )
                 self.leases.take(lease)
-                self.arena.move(lease.path, rec.dir / f.name)
+                path = rec.dir / f.name
+                self.arena.move(lease.path, path)
+                # Only the bytes the save references stay: a writer that staged more than its
+                # rank writes (replicated state, see docs/design.md) seals a shorter length.
+                size = self.arena.shrink(path, round_up(f.length))
                 rec.files[f.name] = FileRecord(
                     name=f.name,
                     rank=req.rank,
-                    size=lease.size,
+                    size=size,
                     length=f.length,
                     segments=f.segments,
                     checksum=f.checksum,

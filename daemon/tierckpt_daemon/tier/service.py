@@ -322,8 +322,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                 self.metrics.evictions.labels(reason="superseded").inc()
             for _ in retired:
                 self.metrics.evictions.labels(reason="retention").inc()
+            # Evictions are logged: the retention's here, with the commit that caused them.
+            left = ", ".join(str(r.step) for r in retired)
             logger.info(
-                "%s/step %d committed: %d files, %d bytes%s%s%s",
+                "%s/step %d committed: %d files, %d bytes%s%s%s%s",
                 namespace,
                 step,
                 len(rec.files),
@@ -331,6 +333,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                 f", a replica from {origin}" if origin else "",
                 ", queued for the persistent tier" if rec.persist_pending else "",
                 ", queued for replication" if rec.replication_pending else "",
+                f"; step(s) {left} of {namespace} leave memory (TIERCKPT_KEEP_LAST "
+                f"{self.keep_last})"
+                if retired
+                else "",
                 extra=step_fields(namespace, step, rec.attempt),
             )
             return rec
@@ -372,16 +378,26 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
             rec = self.record(namespace, step, owner=owner)
             queue = rec.state == StepState.COMMITTED and not rec.persist_pending
             if queue:
-                rec.persist_pending = True
+                rec.persist = rec.persist_pending = True
                 update_manifest(rec)
             info = rec.info()
         if queue:
-            for listener in self._listeners:
-                listener.persist_requested(rec)
+            self.persist_requested(rec)
         return info
+
+    def persist_requested(self, rec: StepRecord) -> None:
+        """Tell the uploader that ``rec`` (now ``persist_pending``) is to be persisted."""
+        for listener in self._listeners:
+            listener.persist_requested(rec)
 
     # -- reads ------------------------------------------------------------------------------
     def delete_step(self, namespace: str, step: int, *, owner: str | None = None) -> None:
         with self.lock:
             self.index.retire(self.record(namespace, step, owner=owner))
             self.metrics.evictions.labels(reason="deleted").inc()
+            logger.info(
+                "%s/step %d deleted from memory",
+                namespace,
+                step,
+                extra=step_fields(namespace, step),
+            )
