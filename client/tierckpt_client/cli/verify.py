@@ -61,7 +61,7 @@ def cmd_verify(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
         raise StepNotFoundError(f"{ns}/step {step} is not in memory{where}")
     bad = [x for x in results if x.result in (CORRUPT, MISSING)]
     for x in bad:
-        if x.result == CORRUPT:  # for the daemon's metrics and log (best effort)
+        if x.result == CORRUPT and not tier.offline:  # for the daemon's metrics and log
             report = CorruptionReport(file=x.file, tier=x.tier, detail=x.detail[:2000])
             client.report_corruption(ns, step, report)
     unchecked = [x for x in results if x.result == UNCHECKED]
