@@ -324,14 +324,10 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
             return stall, done[0]
 
         def torch_save(i: int, st: AsyncStager) -> tuple[float, float]:
+            writer = FileSystemWriter(str(fs / f"torch-{i % 2}"))  # made before the clock, as ours
             sync()
             t = time.perf_counter()
-            out = dcp.async_save(
-                sd,
-                storage_writer=FileSystemWriter(str(fs / f"torch-{i % 2}")),
-                async_stager=st,
-                no_dist=True,
-            )
+            out = dcp.async_save(sd, storage_writer=writer, async_stager=st, no_dist=True)
             stall, done = staged_at(out, t)
             if isinstance(out, AsyncSaveResponse):
                 out.staging_completion.result()
