@@ -9,12 +9,13 @@ configuration turns on, so no part needs a back-pointer to another.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierckpt_core.errors import StepStateError
 from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
 from tierckpt_daemon import __version__
 from tierckpt_daemon.config import DaemonSettings, parse_size
+from tierckpt_daemon.failures import ThreadFailures
 from tierckpt_daemon.metrics import Snapshot
 from tierckpt_daemon.peers.cluster import ClusterLister
 from tierckpt_daemon.peers.commit import GlobalCommitter
@@ -38,9 +39,12 @@ class Node:
     # With peers on plain TCP, once serving: hands trainers connections to peers for restores.
     handoff: HandoffServer | None = None
     metrics_namespace_labels: str = "hashed"  # TIERCKPT_METRICS_NAMESPACE_LABELS
+    # Background threads that died; the threading.excepthook while serving (server.serve).
+    failures: ThreadFailures = field(init=False)
 
     def __post_init__(self) -> None:
         self.service.metrics.attach(self.snapshot, self.metrics_namespace_labels)
+        self.failures = ThreadFailures(self.service.metrics.thread_failures)
 
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
         """A trainer's commit: on this daemon alone, or, when the ranks used several daemons,
@@ -105,6 +109,7 @@ class Node:
                 namespaces=[index.namespace_info(ns) for ns in index.namespaces()],
                 persistent=persistent,
                 replication=replication,
+                failed_threads=self.failures.failed(),
             )
 
 
@@ -166,6 +171,7 @@ def build_node(settings: DaemonSettings) -> Node:
             ),
             node=settings.node_name,
             decider_gone_s=settings.decider_gone_s,
+            resend_for_s=settings.decision_resend_s,
             fanout=settings.commit_fanout,
         )
     fetcher = (

@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena, _async_staging, _items, _prelease
+from tierckpt_client.dcp import _arena, _assign, _async_staging, _items, _prelease
 from tierckpt_client.dcp._attempt import SaveFiles
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._ids import (
@@ -169,6 +169,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._stale: list[_prelease.PreLease] = []  # pre-leases stage() could not use
         self._prelease_key: _prelease.Key | None = None  # what stage() claimed under
         self._mailbox: _prelease.Mailbox | None = None  # PROCESS mode: the trainer's (pre-leases)
+        self._assignment = _assign.SaveAssignment()  # what stage() left out (another rank's)
+        self.last_stage_bytes = 0  # bytes stage() copied
         _arena.install_pickle_reducer()
 
     # -- identity ---------------------------------------------------------------------------
@@ -257,10 +259,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         """Lease a file and copy every tensor into it (the trainer's thread, or with ``marks``
         the asynchronous stager's: then on side streams, and the tensors' versions checked)."""
         self._torn = None
-        size = staging_size(state_dict)
-        if size == 0:
-            return stage_into(state_dict, None).state_dict
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        skip = self._assignment.plan(state_dict, str(self.config.socket), namespace, rank, world)
+        size = staging_size(state_dict, skip)
+        self.last_stage_bytes = size
+        if size == 0:  # nothing this rank writes (or no tensors): no file
+            self._staged_by = os.getpid()
+            return stage_into(state_dict, None, skip=skip).state_dict
         staged = None
         if self.config.prelease and not self._degraded:
             # The file the previous save of this rank pre-leased, if it can be used (no round
@@ -276,7 +282,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 staged = self._degrade(e).new_file(namespace, rank, "", size)
         try:
             with marks.streams() if marks is not None else nullcontext():
-                result = stage_into(state_dict, staged.mapping(), pin_memory=self.config.pin_memory)
+                result = stage_into(
+                    state_dict, staged.mapping(), pin_memory=self.config.pin_memory, skip=skip
+                )
         except BaseException:
             self._files.drop(namespace, staged)
             raise
@@ -344,17 +352,33 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if self._torn is not None:
             self._files.drop_staged()
             raise self._torn
+        self._assignment.check_names(plan, f"{self.checkpoint_id}: rank {self.rank}")
         direct = self._degraded
         if not direct and not self._daemon.ping():
             self._degrade(
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
-        if not direct and self._files.staged is None:
-            direct = self._reserve(plan)
+        if not direct and not self.overwrite:
+            self._refuse_early()
+        if not direct and self._files.staged is None and self._staged_by is None:
+            direct = self._reserve(plan)  # a plain save: nothing was staged
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
         return replace(plan, storage_data=LocalPlanData(direct=direct, daemon=daemon, node=node))
+
+    def _refuse_early(self) -> None:
+        """``overwrite=False`` and the step exists: refuse on every rank, before the plans meet,
+        and give back what stage() leased now. A refusal only the coordinator sees (in
+        prepare_global_plan) reaches the other ranks as DCP's exception, and no writer call
+        follows on them: their staged files would stay leased until the writer is collected or
+        the daemon's ``lease_ttl_s`` (900 s) expires."""
+        namespace, step = self._require_target()
+        try:
+            self._memory.begin(namespace, step)
+        except BaseException:
+            self._files.give_back()
+            raise
 
     def _reserve(self, plan: SavePlan) -> bool:
         """A plain ``save`` (nothing was staged) leases its file now, while the ranks still agree
@@ -388,7 +412,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         data = PlanData(
             attempt_base=attempt_base(), direct=layout.direct, across=layout.rank_nodes is not None
         )
-        self._target(namespace, step, data).begin(namespace, step)
+        try:
+            self._target(namespace, step, data).begin(namespace, step)
+        except BaseException:
+            self._files.give_back()  # the coordinator's own lease, now (others: _refuse_early)
+            raise
         return [replace(p, storage_data=data) for p in plans]
 
     def _target(self, namespace: str, step: int, data: PlanData) -> SaveTarget:
@@ -427,10 +455,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 )
             mapping = staged.mapping() if staged is not None else None
             results, pending = _items.place(plan, planner, mapping, data_name)
+            self._assignment.check_snapshot(pending, f"{namespace}/step {step}: rank {self.rank}")
+            kept = None
             if mapping is not None and results:
                 kept = files.keep_staged(data_name)
-                if data.across:
-                    kept.segments = _items.segments(results, mapping, data_name)
             else:  # nothing staged, or the planner replaced every tensor: nothing to keep of it
                 files.drop_staged()
             extra, extra_results, copied = _items.pack_extra(
@@ -438,6 +466,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
             if extra is not None:
                 files.keep(namespace, extra)
+            if kept is not None and mapping is not None:
+                # Only the items this rank writes stay in the file (stage() may have copied
+                # more: the first save of a layout); the daemon cuts off the rest at the seal.
+                kept.length = _items.compact(results, mapping, data_name)
+                if data.across:
+                    kept.segments = _items.segments(results, mapping, data_name)
             results.extend(extra_results)
             # Sealed; on the coordinator, if the save fails before finish() commits it, the
             # attempt is aborted.
@@ -455,6 +489,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             after, size = (step, attempt), sealed[0].length
             ask = here or to is not None
             _prelease.ask_next(self._daemon, namespace, self.rank, after, size, stale, ask, to)
+        self._assignment.tell(plan)
         self.last_stats = SaveStats(
             staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
             copied_bytes=copied,

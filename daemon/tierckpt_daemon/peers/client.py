@@ -384,13 +384,21 @@ class PeerClient:
         )
         return PrepareResponse.model_validate(doc)
 
-    def decide(self, peer: str, req: DecideRequest, *, timeout_s: float | None = None) -> StepInfo:
+    def decide(
+        self,
+        peer: str,
+        req: DecideRequest,
+        *,
+        timeout_s: float | None = None,
+        attempts: int = RETRIES,
+    ) -> StepInfo:
         m = req.manifest
         assert m.attempt is not None
         doc = self._json(
             peer,
             "POST",
             self._attempt_path(m.namespace, m.step, m.attempt) + "/commit",
+            attempts=attempts,
             timeout_s=timeout_s,
             json=req.model_dump(mode="json"),
         )

@@ -62,6 +62,7 @@ from tierckpt_daemon.peers.fanout import FANOUT, CommitTree, split
 from tierckpt_daemon.peers.in_doubt import (  # noqa: F401  (re-exported: tests use them)
     DECIDER_GONE_S,
     IN_DOUBT_AFTER_S,
+    RESEND_FOR_S,
     RESOLVE_INTERVAL_S,
     Resolver,
 )
@@ -80,6 +81,7 @@ class GlobalCommitter:
         *,
         node: str,
         decider_gone_s: float = DECIDER_GONE_S,
+        resend_for_s: float = RESEND_FOR_S,
         fanout: int = FANOUT,
     ) -> None:
         self.service = service
@@ -88,8 +90,15 @@ class GlobalCommitter:
         self.node = node
         self.fanout = fanout
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="tierckpt-commit")
-        self.resolver = Resolver(service, client, self, node=node, decider_gone_s=decider_gone_s)
-        self.tree = CommitTree(client, fanout, self.resolver.tell_later)
+        self.resolver = Resolver(
+            service,
+            client,
+            self,
+            node=node,
+            decider_gone_s=decider_gone_s,
+            resend_for_s=resend_for_s,
+        )
+        self.tree = CommitTree(client, fanout, self.resolver.tell_later, self.resolver.abandon)
 
     def start(self) -> None:
         self.resolver.start()

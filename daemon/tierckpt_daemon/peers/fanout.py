@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tierckpt_core.errors import ProtocolError, TierCkptError
 from tierckpt_core.protocol import DecideRequest, PreparedShare, PrepareRequest
 from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.in_doubt import abandon_reason
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,13 @@ class CommitTree:
         client: PeerClient,
         fanout: int,
         tell_later: Callable[[str, DecideRequest], None],
+        abandon: Callable[[str, DecideRequest, str, BaseException], None],
     ) -> None:
         split([], fanout)  # refuses a fan-out below 2
         self.client = client
         self.fanout = fanout
         self.tell_later = tell_later
+        self.abandon = abandon
         # A request to a child waits on its whole subtree: a pool of its own.
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="tierckpt-relay")
 
@@ -115,17 +118,23 @@ class CommitTree:
         }
         concurrent.futures.wait([f for _, _, f in futures.values()])
         for node, decision, fut in futures.values():
-            if fut.exception() is not None:
-                m = decision.manifest
-                logger.warning(
-                    "%s/step %d is committed; participant %s did not take the decision yet (%s): "
-                    "it is told again until it does",
-                    m.namespace,
-                    m.step,
-                    node,
-                    fut.exception(),
-                )
-                self.tell_later(node, decision)
+            error = fut.exception()
+            if error is None:
+                continue
+            reason = abandon_reason(error)
+            if reason is not None:  # telling it again cannot change its answer
+                self.abandon(node, decision, reason, error)
+                continue
+            m = decision.manifest
+            logger.warning(
+                "%s/step %d is committed; participant %s did not take the decision yet (%s): "
+                "it is told again",
+                m.namespace,
+                m.step,
+                node,
+                error,
+            )
+            self.tell_later(node, decision)
 
     def _decide_at(self, node: str, decision: DecideRequest) -> None:
         hops = depth(len(decision.relay), self.fanout) + 1

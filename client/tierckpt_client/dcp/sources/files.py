@@ -26,7 +26,7 @@ from tierckpt_client.dcp._device_copy import DeviceCopy, takes_bytes
 from tierckpt_client.dcp._device_copy import land as land_on_device
 from tierckpt_client.dcp._helpers import VERIFY, on_helpers, quiet_openmp
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_core.errors import CheckpointFormatError, IntegrityError
+from tierckpt_core.errors import BlockMismatchError, CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.verified import BlockSums
@@ -35,6 +35,9 @@ from tierckpt_core.verified_copy import PARALLEL_MIN, Copy, copy_all
 _CHANGED = (
     "the copy in this node's memory changed; restore the step from the persistent tier or a peer"
 )
+
+
+MEMORY_SOURCE = "in this node's memory"  # BlockMismatchError.source of a local tier file
 
 
 class LocalFiles:
@@ -293,10 +296,13 @@ class LocalFiles:
         else:
             good = checksum(data) == rec.checksum
         if not good:
-            raise IntegrityError(
+            raise BlockMismatchError(
                 f"{self.where}: {rec.name} does not match the checksum taken when it was written "
                 f"(block {i}, bytes {i * _unit(rec)}+{len(data)}): the copy in "
-                "this node's memory changed; restore the step from the persistent tier or a peer"
+                "this node's memory changed; restore the step from the persistent tier or a peer",
+                file=rec.name,
+                block=i,
+                source=MEMORY_SOURCE,
             )
         self._verified.setdefault(rec.name, set()).add(i)
         self.verified_bytes += len(data)
