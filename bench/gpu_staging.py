@@ -28,10 +28,12 @@ Without CUDA the script writes a JSON that says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -349,13 +351,24 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
         first: list[float] = []
         for _ in range(KEEP_LAST + 1):  # each recycled tier file is registered once
             first.append(tier_save(cfg)[0])
-        try:  # torch's first asynchronous save allocates its pinned buffers
-            torch_save(0, async_stager)
-        except Exception as e:
-            print(f"torch's DefaultStager failed here ({type(e).__name__}: {e}); its replica runs")
-            async_stager.close()
-            async_stager, async_kind = TorchAsyncStager(), "replica"
-            torch_save(0, async_stager)
+
+        def torch_async(i: int) -> tuple[float, float]:
+            """A save with torch's asynchronous stager; where it fails on this torch (2.11's
+            deepcopy table, on the first or a reused stage), its replica from then on."""
+            nonlocal async_stager, async_kind
+            try:
+                return torch_save(i, async_stager)
+            except Exception as e:
+                if async_kind == "replica":
+                    raise
+                print(f"torch's DefaultStager failed ({type(e).__name__}: {e}); its replica runs")
+                with contextlib.suppress(Exception):
+                    async_stager.close()
+                async_stager, async_kind = TorchAsyncStager(), "replica"
+                return torch_save(i, async_stager)
+
+        torch_async(0)  # torch's first asynchronous save allocates its pinned buffers
+        torch_async(1)  # and its first reuse of them
         for i in range(iters):
             res["raw_d2h"].append(timed(raw_d2h))
             res["tier_stall"].append(tier_save(cfg)[0])
@@ -363,7 +376,7 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
             stall, staged = tier_save(cfg, asynchronous=True)
             res["tier_async_stall"].append(stall)
             res["tier_async_staged"].append(staged)
-            stall, staged = torch_save(i, async_stager)
+            stall, staged = torch_async(i)
             res["torch_async_stall"].append(stall)
             res["torch_async_staged"].append(staged)
             res["raw_h2d"].append(timed(raw_h2d))
@@ -479,9 +492,17 @@ def main() -> None:
     if args.no_saves:
         write_results(args.out, info, res)
         return
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="tierckpt-gpu-bench-") as tmp:
         for gib in args.sizes:
-            r = run_size(gib, args.iters, Path(tmp))
+            try:
+                r = run_size(gib, args.iters, Path(tmp))
+            except Exception:  # the next sizes still run; the JSON says what failed
+                failed[str(gib)] = traceback.format_exc()
+                print(f"{gib} GiB failed:\n{failed[str(gib)]}", flush=True)
+                res["failed"] = failed
+                write_results(args.out, info, res)
+                continue
             res[str(gib)] = r
             write_results(args.out, info, res)  # each size as it is done
             q = r["ratios"]
@@ -500,7 +521,7 @@ def main() -> None:
                 flush=True,
             )
     write_results(args.out, info, res)
-    sizes = {k: v for k, v in res.items() if k != "d2h_paths"}
+    sizes = {k: v for k, v in res.items() if k not in ("d2h_paths", "failed")}
     if sizes:
         table = markdown(sizes)
         print(table)
