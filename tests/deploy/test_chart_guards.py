@@ -103,4 +103,4 @@ def test_the_notes_readiness_check_works_with_tls(
     code = command.group(1).replace("/var/run/tierckpt/peer-tls/ca.crt", str(ca.path))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "b'{\"status\":\"ready\"}'"
+    assert proc.stdout.strip() == 'b\'{"status":"ready"}\''
