@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from job import Job
 
 from cluster import SAVE_BOUND_S, Cluster
+from job import Job
 from netlab import PORT, wait_for
 
 pytestmark = pytest.mark.network
