@@ -175,6 +175,7 @@ def build_node(settings: DaemonSettings) -> Node:
             replicator.client,
             replicator,
             durable=persister.manifest if persister is not None else None,
+            list_wait_s=settings.peer_list_timeout_s,
         )
         if replicator is not None
         else None
