@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_core import layout
-from tierckpt_core.errors import TierCkptError
+from tierckpt_core.errors import NamespaceNotFoundError, TierCkptError
 from tierckpt_core.launcher import DaemonProcess
 from tierckpt_core.protocol import CommitRequest
 
@@ -162,8 +162,15 @@ class Cluster:
         and how long it took to answer."""
         start = time.monotonic()
         with DaemonClient(ClientConfig(socket=self.nodes[i].socket, timeout_s=120)) as c:
-            steps = sorted(s.step for s in c.candidates(NS))
+            try:
+                steps = sorted(s.step for s in c.candidates(NS))
+            except NamespaceNotFoundError:  # no whole step to offer
+                steps = []
         return steps, time.monotonic() - start
+
+    def logged(self, i: int, text: str) -> bool:
+        """Whether node ``i``'s daemon has logged ``text``."""
+        return text in self.nodes[i].log_path.read_text(errors="replace")
 
     def replicated(self, step: int, timeout: float = DURABLE_AFTER_HEAL_S) -> None:
         """Wait until every node's share of ``step`` has its replica on a peer."""
