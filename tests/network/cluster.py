@@ -111,12 +111,15 @@ class Cluster:
         decider: int = 0,
         gone: frozenset[int] = frozenset(),
         idle: float | None = None,
+        replicated: bool = False,
     ) -> Save:
         """One save across every node: each rank's file sealed on its node, then committed by
         the ``decider``'s daemon. Returns how it ended and how long the commit took. The ranks
         of the nodes in ``gone`` seal nothing (their node vanished), but the commit still names
         their files on their node. ``idle``: the commit starts this long after the previous
-        save's commit returned (its peer calls then were the last)."""
+        save's commit returned (its peer calls then were the last). ``replicated``: the save
+        counts as done only once every share has its replica (the writer's
+        ``wait="replicated"``)."""
         attempt = f"a{step}"
         written: dict[str, bytes] = {}
         where: dict[str, str] = {}
@@ -137,6 +140,8 @@ class Cluster:
         try:
             with DaemonClient(ClientConfig(socket=self.nodes[decider].socket)) as c:
                 c.commit(NS, step, attempt, req)
+                if replicated:
+                    c.wait_replicated(NS, step, timeout_s=60)
         except TierCkptError as e:
             error = str(e)
         self.last_commit = time.monotonic()

@@ -188,13 +188,14 @@ def test_delay_and_loss(make_cluster: MakeCluster) -> None:
 
 
 def test_a_node_lost_for_good_and_replaced(make_cluster: MakeCluster) -> None:
-    """Node 2 vanishes from the network (blackholed, its daemon and memory gone): the save
-    that touches it fails. A new, empty daemon under the same name takes its place: it restores
-    its share from the replica holder bit-exact, and saving resumes."""
+    """Node 2 vanishes from the network (blackholed, its daemon and memory gone) the moment a
+    save that waited for its replicas returned: the next save, which touches it, fails. A new,
+    empty daemon under the same name takes its place: it restores its share of the first step
+    bit-exact (from the replica holder), and saving resumes."""
     c = make_cluster(3)
-    _healthy(c, 1)
-    c.replicated(1)
-    c.lab.blackhole(2)
+    s = c.save(1, replicated=True)  # done once every share has its replica
+    assert s.acknowledged, s
+    c.lab.blackhole(2)  # at once
     c.nodes[2].lose_node()
     s = c.save(2, gone=frozenset({2}))
     assert not s.acknowledged, s
@@ -207,6 +208,7 @@ def test_a_node_lost_for_good_and_replaced(make_cluster: MakeCluster) -> None:
     c.replace(2)
     c.restored(1, hydrate=True)
     assert c.settled_alike(1) == "committed"
+    c.durable(1)
     assert c.settled_alike(2) == "aborted"
     _healthy(c, 3)
     assert c.latest() == [3, 3, 3]
