@@ -7,7 +7,9 @@ than dead (a dead daemon refuses connections at once; a real node that is cut of
   connects hang in SYN retransmits, as to a blackholed address.
 - :class:`DelayProxy`: forwards one TCP endpoint to another, holding every chunk (and every end
   of a stream) ``delay_s`` in each direction: a link with latency, on which a server's close
-  and a client's next request can cross.
+  and a client's next request can cross. With ``cut_on``, the first request that contains those
+  bytes is dropped and the link with it (a node blackholed from then on: nothing passes either
+  way, connections are accepted and held, never answered).
 
 Every thread here is a daemon thread that ends with :meth:`close`; every wait has a bound.
 """
@@ -75,10 +77,12 @@ class SilentPeer:
 class DelayProxy:
     """``127.0.0.1:<port>`` (``address``) forwarded to ``target`` with ``delay_s`` each way."""
 
-    def __init__(self, target: str, delay_s: float) -> None:
+    def __init__(self, target: str, delay_s: float, *, cut_on: bytes | None = None) -> None:
         host, _, port = target.rpartition(":")
         self._target = (host, int(port))
         self.delay_s = delay_s
+        self.cut_on = cut_on
+        self.cut = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self._closed = threading.Event()
@@ -95,18 +99,21 @@ class DelayProxy:
                 continue
             except OSError:
                 return
+            if self.cut.is_set():
+                self._socks.append(down)  # held, never answered
+                continue
             try:
                 up = socket.create_connection(self._target, timeout=5)
             except OSError:
                 down.close()
                 continue
             self._socks += [down, up]
-            for src, dst in ((down, up), (up, down)):
+            for src, dst, inbound in ((down, up, True), (up, down, False)):
                 threading.Thread(
-                    target=self._pipe, args=(src, dst), daemon=True, name="delay-pipe"
+                    target=self._pipe, args=(src, dst, inbound), daemon=True, name="delay-pipe"
                 ).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, inbound: bool) -> None:
         """Read ``src``; deliver each chunk (b"" = the end) to ``dst`` ``delay_s`` later."""
         queue: deque[tuple[float, bytes]] = deque()
         ready = threading.Condition()
@@ -136,6 +143,12 @@ class DelayProxy:
                 chunk = src.recv(1 << 16)
             except OSError:
                 chunk = b""
+            if inbound and self.cut_on is not None and self.cut_on in chunk:
+                self.cut.set()
+            if self.cut.is_set():  # blackholed: dropped, the end of the stream too
+                if not chunk:
+                    return
+                continue
             with ready:
                 queue.append((time.monotonic() + self.delay_s, chunk))
                 ready.notify()

@@ -28,10 +28,12 @@ from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
     memory_only_warning,
+    replicates,
     wait_durable,
 )
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _async_staging
+from tierckpt_client.dcp.writer import WAITS
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
@@ -151,10 +153,14 @@ class Checkpointer:
         handle_signals: install the handlers (only possible from the main thread).
         preempt_deadline_s: how long a preempted save may take to become durable before the
             process exits anyway (with status 1). A daemon with no persistent tier: the save is
-            done once it is committed in memory (exit 0, with one warning).
+            done once it is committed in memory (exit 0, with one warning). The preemption's
+            save waits for its replicas (``wait="replicated"``) where the daemon replicates.
         async_staging: copy the state into the tier while the loop goes on (default:
             ``config.async_staging``, ``TIERCKPT_ASYNC_STAGING``, on). ``False``: ``save``
             returns once the state is copied.
+        wait: when a save counts as done: ``"committed"`` (default) or ``"replicated"`` (every
+            share of the step also has its replicas on peers); see
+            :class:`TieredStorageWriter`.
 
     ``save(step, state)`` returns at once with ``async_staging``: the copy of the state into
     the node's memory tier runs during the next forward and backward, and every optimizer's
@@ -188,6 +194,7 @@ class Checkpointer:
         handle_signals: bool = True,
         preempt_deadline_s: float = 300.0,
         async_staging: bool | None = None,
+        wait: str = "committed",
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -202,6 +209,9 @@ class Checkpointer:
         self.on_unavailable = on_unavailable
         self.async_staging = self.config.async_staging if async_staging is None else async_staging
         self.preempt_deadline_s = preempt_deadline_s
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+        self.wait_for = wait
         self.process_group, self._flag_group = _groups(process_group)
         _LIVE.add(self)
         self._inflight = SaveInFlight(self.namespace)
@@ -249,7 +259,14 @@ class Checkpointer:
             return None
         return step % self.persist_every == 0
 
-    def _start(self, step: int, state: dict[str, Any], *, persist: bool | None) -> None:
+    def _start(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        persist: bool | None,
+        wait: str | None = None,
+    ) -> None:
         self.wait()
         writer = TieredStorageWriter(
             self.namespace,
@@ -258,6 +275,7 @@ class Checkpointer:
             config=self.config,
             on_unavailable=self.on_unavailable,
             async_staging=self.async_staging,
+            wait=wait or self.wait_for,
         )
         result = dcp.async_save(
             state,
@@ -359,7 +377,10 @@ class Checkpointer:
         code = 0
         try:
             if self.last_saved_step != step:
-                self._start(step, state, persist=True)
+                # Losing this step would hurt: where the daemon replicates, the save counts
+                # once every share has its replicas, not before.
+                wait = "replicated" if replicates(self.config) else "committed"
+                self._start(step, state, persist=True, wait=wait)
             self.wait()
             outcome = wait_durable(
                 self.namespace, step, self.config, self.preempt_deadline_s, self._flag_group

@@ -335,6 +335,12 @@ class DaemonClient:
         except (TierCkptError, OSError) as e:
             logger.debug("could not report corruption of %s/step %d: %s", namespace, step, e)
 
+    def wait_replicated(self, namespace: str, step: int, timeout_s: float = 300.0) -> StepInfo:
+        """Wait until every share of a committed step has its replicas on peers (the daemon
+        answers then); StepStateError when one cannot, or not within ``timeout_s``."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/replicated?timeout_s={timeout_s:g}"
+        return StepInfo.model_validate(self._request("POST", path, timeout=timeout_s + 30.0))
+
     def delete(self, namespace: str, step: int) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")
 

@@ -153,6 +153,14 @@ class DaemonSettings(BaseSettings):
         le=600,
         description="connect timeout, and longest wait for the next bytes, of every peer call",
     )
+    peer_list_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=600,
+        description='how long "latest" (a restore\'s first call) and a restore from peers wait '
+        "for the peers asked to list the steps they hold; a peer that has not answered by then "
+        "is left out (named in a WARNING) and not asked again until its request ends",
+    )
     decider_gone_s: float = Field(
         default=600.0,
         ge=0,

@@ -66,6 +66,9 @@ class SaveStats:
     bytes_items: int
 
 
+WAITS = ("committed", "replicated")  # TieredStorageWriter(wait=...)
+
+
 class TieredStorageWriter(StorageWriter, AsyncStager):
     """Save DCP checkpoints into the node's shared-memory tier.
 
@@ -90,6 +93,16 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             see ``_async_staging``). Off by default here, since it changes what
             ``async_save`` returns (a response, not a future); :class:`Checkpointer` turns it
             on (``TIERCKPT_ASYNC_STAGING``) and does the waiting.
+        wait: when the save counts as done (its future completes, ``dcp.save`` returns):
+            ``"committed"`` (default) once the step is committed in the memory of the nodes its
+            ranks wrote to, which survives a trainer's death, not the loss of such a node until
+            its share is replicated; ``"replicated"`` once every share of the step also has its
+            replicas on ``TIERCKPT_REPLICAS`` peers (so losing any one node keeps it), or fails
+            with ``StepStateError`` (the step stays committed) when that cannot happen within
+            ``replicated_timeout_s``. A save that went straight to the persistent tier is
+            durable when it returns. See docs/operations.md, "What an acknowledged save
+            survives".
+        replicated_timeout_s: the longest wait for the replicas with ``wait="replicated"``.
 
     Call order, as DCP drives it (``async_save`` adds ``stage`` in the trainer first)::
 
@@ -135,6 +148,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         on_unavailable: str = "persist",
         overwrite: bool = True,
         async_staging: bool = False,
+        wait: str = "committed",
+        replicated_timeout_s: float = 300.0,
     ) -> None:
         super().__init__()
         self.async_staging = async_staging
@@ -142,6 +157,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._torn: StagingRaceError | None = None  # the loop changed a tensor while staged
         if on_unavailable not in ("persist", "raise"):
             raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+        if replicated_timeout_s <= 0:
+            raise ValueError(f"replicated_timeout_s must be > 0, got {replicated_timeout_s}")
+        self.wait = wait
+        self.replicated_timeout_s = replicated_timeout_s
         self.on_unavailable = on_unavailable
         # Where this save's files go (see _targets): the memory tier through the daemon, unless
         # this rank cannot use its daemon (``_degraded``) or the coordinator's plan says the save
@@ -526,9 +547,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             nodes=nodes,
             overwrite=self.overwrite,
         )
+        target = self._target(namespace, step, data)
         try:
-            self._target(namespace, step, data).commit(namespace, step, attempt, req)
+            target.commit(namespace, step, attempt, req)
         except BaseException:
             self._files.give_back()  # the attempt's memory is free now, not after lease_ttl_s
             raise
         self._files.committed()
+        if self.wait == "replicated" and target is self._memory:
+            self._daemon.wait_replicated(namespace, step, self.replicated_timeout_s)
