@@ -483,7 +483,13 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             else:  # nothing staged, or the planner replaced every tensor: nothing to keep of it
                 files.drop_staged()
             extra, extra_results, copied = _items.pack_extra(
-                target, namespace, self.rank, pending, files.drop, files.take_reserved()
+                target,
+                namespace,
+                self.rank,
+                pending,
+                files.drop,
+                files.take_reserved(),
+                pin_memory=self.config.pin_memory,
             )
             if extra is not None:
                 files.keep(namespace, extra)
