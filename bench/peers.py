@@ -197,6 +197,10 @@ class DLRover:
         from dlrover.trainer.torch.flash_checkpoint.ddp import DdpCheckpointer
 
         self.memory = StorageType.MEMORY
+        # Its shared-memory segment (one per local shard), which it leaves behind on exit.
+        self.shm = Path("/dev/shm/ckpt_shm_0")
+        if self.shm.exists():
+            raise RuntimeError(f"dlrover: {self.shm} exists (another DLRover job on this host?)")
         self.ckpt = DdpCheckpointer(str(root / "dlrover"))
 
     def save(self, sd: dict[str, torch.Tensor], step: int) -> tuple[float, float]:
@@ -217,6 +221,7 @@ class DLRover:
         if proc is not None and proc.is_alive():
             proc.terminate()
             proc.join(timeout=10)
+        self.shm.unlink(missing_ok=True)
 
 
 class Gemini:
