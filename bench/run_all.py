@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
         "--stall-sizes", default="64,256,1024,4096", help="stall.py --sizes (MiB; 4096 if it fits)"
     )
     p.add_argument("--no-stall", action="store_true", help="skip stall.py (vs torch's stager)")
+    p.add_argument(
+        "--no-peers", action="store_true", help="skip peers.py (DLRover, GEMINI, torch's stager)"
+    )
     p.add_argument("--no-issue24", action="store_true", help="skip issue 24's figures")
     p.add_argument("--issue24-only", action="store_true", help="only issue 24's figures")
     p.add_argument("--out", type=Path, default=Path("bench/results/all.json"))
@@ -343,6 +346,18 @@ def run_scenarios(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict
             res["stall"] = json.loads(out.read_text())["results"]["sizes"]
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             notes.append(f"stall scenario skipped: {str(e).strip().splitlines()[-1][:300]}")
+    if args.no_peers:
+        notes.append("peers skipped (--no-peers)")
+    else:
+        out = tmp / "peers.json"
+        cmd = [*py, str(BENCH / "peers.py"), "--out", str(out)]
+        cmd += ["--smoke"] if args.smoke else []
+        try:
+            run_child(cmd, "beside DLRover, GEMINI and torch's stager")
+            res["peers"] = json.loads(out.read_text())["results"]
+            notes += res["peers"]["skipped"]
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            notes.append(f"peers skipped: {str(e).strip().splitlines()[-1][:300]}")
     out = tmp / "verified_copy.json"
     cmd = [*py, str(BENCH / "verified_copy.py"), "--json", str(out)]
     cmd += ["--size-mb", "64", "--reps", "2"] if args.smoke else []
