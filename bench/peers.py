@@ -278,7 +278,9 @@ def nvrx_reason() -> str:
     try:
         import nvidia_resiliency_ext  # type: ignore[import-not-found]  # noqa: F401
     except Exception:
-        return "nvrx skipped: nvidia-resiliency-ext is not installed (its wheel is cp312 only)"
+        return (
+            "nvrx skipped: nvidia-resiliency-ext is not installed (its local checkpoints need CUDA)"
+        )
     if not torch.cuda.is_available():
         return "nvrx skipped: its local checkpoints need CUDA tensors (no CUDA here)"
     return "nvrx skipped: this CPU benchmark does not run it (CUDA tensors; see gpu_staging.py)"
@@ -291,8 +293,10 @@ def run_size(size_mb: int, args: argparse.Namespace, names: list[str], root: Pat
     peers: list[Any] = []
     rows: list[dict[str, float]] = []
     try:
-        for name in names:
-            peers.append(PEERS[name](root, size_mb))
+        # DLRover forks its saver when built: first, before the others start threads.
+        for n in sorted(names, key=lambda n: n != "dlrover"):
+            peers.append(PEERS[n](root, size_mb))  # (appended as built: closed if one fails)
+        peers.sort(key=lambda p: names.index(p.name))
         for i in range(args.iters):
             if i:
                 time.sleep(args.interval)

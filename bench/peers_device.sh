@@ -68,5 +68,6 @@ log "peers.py $ARGS"
 (cd bench && timeout 240 "$PY" peers.py $ARGS --out "$OUT/peers.json" --md "$OUT/peers.md") \
     >"$OUT/peers.txt" 2>&1
 log "bench: exit $? (a timeout is 124)"
-grep -v -E "\[(INFO|WARNING)\]|^INFO:|^WARNING:" "$OUT/peers.txt" | tail -30 | tee -a "$OUT/run.log"
+# The table and the skipped peers (the peers' own logging stays in peers.txt).
+sed -n '/^Medians/,$p' "$OUT/peers.txt" | tee -a "$OUT/run.log"
 log "done"
