@@ -442,7 +442,7 @@ def run_size(
         async_stager.close()
         summary_: dict[str, Any] = {
             "bytes": nbytes,
-            "torch_async_stager": async_kind,
+            "torch_async_stager": "not run" if restore_only else async_kind,
             "tier_first_pinned_s": first,
             "arena_after": arena_counts(),
             "iters": res,
