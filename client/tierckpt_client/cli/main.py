@@ -32,8 +32,9 @@ EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `cat big | h
 DESCRIPTION = """\
 Look at and manage the checkpoints that this node's tierckpt daemon holds in memory and that the
 persistent tier holds. Talks to the daemon over its Unix socket (TIERCKPT_SOCKET or --socket);
-reads the persistent tier directly (TIERCKPT_PERSIST_URL, else the tier the daemon uses). Tables by
-default, --json for scripts; progress goes to stderr."""
+reads the persistent tier directly (TIERCKPT_PERSIST_URL, else the tier the daemon uses). With
+TIERCKPT_PERSIST_URL set and no daemon reachable, ls, inspect, verify and export read that store
+alone. Tables by default, --json for scripts; progress goes to stderr."""
 
 EPILOG = """\
 exit codes:
@@ -169,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--yes", action="store_true", help="confirm --persistent: the deletion cannot be undone"
     )
+    s.add_argument(
+        "--abandoned",
+        action="store_true",
+        help="free the step's save attempt that a trainer left when it died mid-save (refused "
+        "while its writer runs); `tierckpt inspect` shows it",
+    )
     s = command(
         "export",
         manage.cmd_export,
@@ -212,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with DaemonClient(config) as client:
             tier = Persistent(client)
+            if _daemonless(args, config, client):
+                _render.warn(
+                    f"the daemon at {config.socket} cannot be reached: reading only the "
+                    f"persistent tier {tier.go_offline()} (TIERCKPT_PERSIST_URL)"
+                )
             try:
                 args.func(client, tier, args)
             finally:
@@ -231,6 +243,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TierCkptError, OSError) as e:
         return _fail(EXIT_ERROR, e)
     return EXIT_OK
+
+
+# What a command can do with the persistent tier alone: the operations guide's "look at a store
+# from any machine with access to it" (TIERCKPT_PERSIST_URL), with no daemon on that machine.
+DAEMONLESS = {"ls", "inspect", "verify", "export"}
+
+
+def _daemonless(args: argparse.Namespace, config: ClientConfig, client: DaemonClient) -> bool:
+    if args.command not in DAEMONLESS or not config.persist_url or getattr(args, "cluster", False):
+        return False
+    return not client.ping()
 
 
 def _stdout_closed() -> int:

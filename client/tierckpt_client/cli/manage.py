@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tierckpt_client.cli import _render as r
 from tierckpt_client.cli._tiers import Persistent
+from tierckpt_client.cli.attempts import remove_abandoned
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.errors import (
     InvalidNameError,
@@ -25,8 +28,19 @@ class MissingExtraError(TierCkptError):
 
 def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
     ns, step = validate_namespace(args.namespace), validate_step(args.step)
+    if args.abandoned:
+        freed, size = remove_abandoned(client, ns, step)
+        doc = {"namespace": ns, "step": step, "removed": ["memory"], "attempts": freed}
+        text = (
+            f"freed {r.size(size)} of {ns} step {step}'s abandoned save attempt {', '.join(freed)}"
+        )
+        r.emit(args.json, doc, text)
+        return
     if not args.persistent:
-        client.delete(ns, step)
+        try:
+            client.delete(ns, step)
+        except NotFoundError as e:
+            raise _with_hint(client, tier, ns, step, e) from None
         r.emit(
             args.json,
             {"namespace": ns, "step": step, "removed": ["memory"]},
@@ -54,6 +68,29 @@ def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> 
     r.emit(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
 
 
+def _with_hint(
+    client: DaemonClient, tier: Persistent, ns: str, step: int, e: NotFoundError
+) -> NotFoundError:
+    """A step ``rm`` found nothing committed of in memory: say what it could do instead."""
+    try:
+        pending = [a for a in client.attempts(ns, step) if not a.prepared]
+    except NotFoundError:
+        pending = []
+    if pending:
+        e.message = (
+            f"{ns}/step {step} is not committed in memory; it has a save attempt that is not "
+            f"committed ({', '.join(a.attempt for a in pending)}): tierckpt rm {ns} {step} "
+            "--abandoned frees it once its writer is gone"
+        )
+    elif tier.url is not None and tier.manifest(ns, step) is not None:
+        e.message = (
+            f"{ns}/step {step} is not in memory; the persistent tier {tier.url} holds it: "
+            f"tierckpt rm {ns} {step} --persistent --yes deletes it there (cannot be undone)"
+        )
+    e.args = (e.message,)
+    return e
+
+
 def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
     try:
         from tierckpt_client.dcp.export import export_step  # needs torch, the others do not
@@ -64,7 +101,14 @@ def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
         ) from None
     ns = validate_namespace(args.namespace)
     step = None if args.step == "latest" else validate_step(parse_step(args.step))
-    written = export_step(ns, step, args.dest, config=client.config)
+    dest = Path(args.dest)
+    created = not dest.exists()
+    try:
+        written = export_step(ns, step, dest, config=client.config)
+    except BaseException:
+        if created:  # a failed export leaves nothing behind that it made
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
     doc = {"namespace": ns, "step": written, "path": str(args.dest)}
     r.emit(
         args.json,

@@ -24,7 +24,9 @@ from tierckpt_core.protocol import (
     validate_step,
 )
 from tierckpt_daemon.logfields import step_fields
+from tierckpt_daemon.tier.arena import round_up
 from tierckpt_daemon.tier.records import MANIFEST
+from tierckpt_daemon.tier.writers import note_writer
 
 if TYPE_CHECKING:
     from tierckpt_daemon.tier.arena import Arena
@@ -57,10 +59,12 @@ class Sealing:
         *,
         owner: str | None = None,
         admin: bool = False,
+        pid: int | None = None,
     ) -> StepInfo:
         """Seal a rank's files into a save attempt. ``owner``: the identity the save is for (the
         caller's; a copy's owner), which the namespace's first save here claims; ``admin``
-        saves into a namespace of another owner on its behalf."""
+        saves into a namespace of another owner on its behalf; ``pid``: the sealing process
+        (an operator frees the attempt only once no writer runs: see writers.py)."""
         validate_namespace(namespace)
         validate_step(step)
         validate_file_name(attempt)
@@ -101,11 +105,15 @@ class Sealing:
                         f"{namespace}/step {step}: file {f.name}: block checksums without a checksum"
                     )
                 self.leases.take(lease)
-                self.arena.move(lease.path, rec.dir / f.name)
+                path = rec.dir / f.name
+                self.arena.move(lease.path, path)
+                # Only the bytes the save references stay: a writer that staged more than its
+                # rank writes (replicated state, see docs/design.md) seals a shorter length.
+                size = self.arena.shrink(path, round_up(f.length))
                 rec.files[f.name] = FileRecord(
                     name=f.name,
                     rank=req.rank,
-                    size=lease.size,
+                    size=size,
                     length=f.length,
                     segments=f.segments,
                     checksum=f.checksum,
@@ -113,6 +121,7 @@ class Sealing:
                     blocks=f.blocks,
                 )
             rec.last_activity = time.monotonic()
+            note_writer(rec.writers, pid)
             logger.debug(
                 "%s/step %d attempt %s: rank %d sealed %d files",
                 namespace,
