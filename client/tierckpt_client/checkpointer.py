@@ -155,12 +155,12 @@ class Checkpointer:
             process exits anyway (with status 1). A daemon with no persistent tier: the save is
             done once it is committed in memory (exit 0, with one warning). The preemption's
             save waits for its replicas (``wait="replicated"``) where the daemon replicates.
-        wait: when a save counts as done: ``"committed"`` (default) or ``"replicated"`` (every
-            share of the step also has its replicas on peers); see
-            :class:`TieredStorageWriter`.
         async_staging: copy the state into the tier while the loop goes on (default:
             ``config.async_staging``, ``TIERCKPT_ASYNC_STAGING``, on). ``False``: ``save``
             returns once the state is copied.
+        wait: when a save counts as done: ``"committed"`` (default) or ``"replicated"`` (every
+            share of the step also has its replicas on peers); see
+            :class:`TieredStorageWriter`.
 
     ``save(step, state)`` returns at once with ``async_staging``: the copy of the state into
     the node's memory tier runs during the next forward and backward, and every optimizer's
@@ -193,8 +193,8 @@ class Checkpointer:
         preempt_signal: int | None = None,
         handle_signals: bool = True,
         preempt_deadline_s: float = 300.0,
-        wait: str = "committed",
         async_staging: bool | None = None,
+        wait: str = "committed",
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -274,8 +274,8 @@ class Checkpointer:
             persist=persist,
             config=self.config,
             on_unavailable=self.on_unavailable,
-            wait=wait or self.wait_for,
             async_staging=self.async_staging,
+            wait=wait or self.wait_for,
         )
         result = dcp.async_save(
             state,

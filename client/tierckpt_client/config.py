@@ -43,8 +43,8 @@ class ClientConfig:
             file, put in place when this save commits, so that the next ``stage`` needs no
             daemon round trip (``TIERCKPT_PRELEASE``, default on; ``0`` leases in ``stage``).
         async_staging: where the caller waits for ``staging_completion`` itself
-            (:class:`~tierckpt_client.Checkpointer`, the Lightning integration), stage
-            asynchronously: ``save`` returns before the copy into the tier is done, and the next
+            (:class:`~tierckpt_client.Checkpointer`, and the Hugging Face integration through
+            it), stage asynchronously: ``save`` returns before the copy into the tier is done, and the next
             optimizer step waits for it (``TIERCKPT_ASYNC_STAGING``, default on; ``0`` copies
             before ``save`` returns). A bare ``TieredStorageWriter`` takes its own argument.
     """

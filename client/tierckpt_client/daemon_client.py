@@ -325,12 +325,6 @@ class DaemonClient:
         path = f"/v1/namespaces/{namespace}/steps/{step}/persist"
         return StepInfo.model_validate(self._request("POST", path))
 
-    def wait_replicated(self, namespace: str, step: int, timeout_s: float = 300.0) -> StepInfo:
-        """Wait until every share of a committed step has its replicas on peers (the daemon
-        answers then); StepStateError when one cannot, or not within ``timeout_s``."""
-        path = f"/v1/namespaces/{namespace}/steps/{step}/replicated?timeout_s={timeout_s:g}"
-        return StepInfo.model_validate(self._request("POST", path, timeout=timeout_s + 30.0))
-
     def report_corruption(self, namespace: str, step: int, report: CorruptionReport) -> None:
         """Tell the daemon that a reader found part of a step corrupt, for its metrics and log.
         Best effort: never raises, waits at most ``REPORT_TIMEOUT_S`` for the answer, and says
@@ -340,6 +334,12 @@ class DaemonClient:
             self._request("POST", path, report.model_dump(mode="json"), timeout=REPORT_TIMEOUT_S)
         except (TierCkptError, OSError) as e:
             logger.debug("could not report corruption of %s/step %d: %s", namespace, step, e)
+
+    def wait_replicated(self, namespace: str, step: int, timeout_s: float = 300.0) -> StepInfo:
+        """Wait until every share of a committed step has its replicas on peers (the daemon
+        answers then); StepStateError when one cannot, or not within ``timeout_s``."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/replicated?timeout_s={timeout_s:g}"
+        return StepInfo.model_validate(self._request("POST", path, timeout=timeout_s + 30.0))
 
     def delete(self, namespace: str, step: int) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")

@@ -1,12 +1,14 @@
 """A 2-node DDP job (2 ranks per node, every tensor replicated) saving into the nodes' memory:
 each node holds, and each peer receives, about what torch's ``FileSystemWriter`` stores for the
 whole job, not one copy per rank (issue 38); after node B is lost, the job resumes bit-exact
-from node A's memory and the replica of B's share it holds."""
+from node A's memory and the replica of B's share it holds. The persistent tier (SeaweedFS)
+holds the step's bytes once too."""
 
 from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -14,13 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from seaweed import SeaweedS3
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
-from helpers import DaemonProcess, ring, run_ranks
+from helpers import DaemonProcess, ring, run_ranks, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -75,8 +78,26 @@ def _metric(d: DaemonProcess, name: str) -> float:
     return 0.0
 
 
-def test_ddp_on_two_nodes_stores_one_copy_and_resumes_after_node_loss(tmp_path: Path) -> None:
-    nodes = ring(2, token=TOKEN, replicas=1, prefix="tierckpt-test", capacity="256M")
+def _durable_bytes(s3: SeaweedS3, prefix: str) -> int | None:
+    """Bytes of the step's data files in the persistent tier once it is committed there."""
+    client = s3.boto3_client()
+    try:
+        objs = client.list_objects_v2(Bucket=s3.bucket, Prefix=prefix).get("Contents", [])
+    finally:
+        client.close()
+    names = {o["Key"].rsplit("/", 1)[1]: o["Size"] for o in objs}
+    if "COMMITTED" not in names:
+        return None
+    return sum(n for k, n in names.items() if k.endswith((".data", ".extra")))
+
+
+def test_ddp_on_two_nodes_stores_one_copy_and_resumes_after_node_loss(
+    tmp_path: Path, s3_env: SeaweedS3
+) -> None:
+    url = f"s3://{s3_env.bucket}/ddp-node-loss-{uuid.uuid4().hex[:8]}"
+    nodes = ring(
+        2, token=TOKEN, replicas=1, prefix="tierckpt-test", capacity="256M", persist_url=url
+    )
     b = nodes[1]
     try:
         for d in nodes:
@@ -100,6 +121,9 @@ def test_ddp_on_two_nodes_stores_one_copy_and_resumes_after_node_loss(tmp_path: 
             assert held[name] <= 1.05 * torch_bytes, report
         # Two steps replicated, each node's share of each: the job's bytes twice in all.
         assert 0 < sum(received.values()) <= 1.05 * 2 * torch_bytes, report
+        prefix = url.split("/", 3)[3] + f"/{NS}/step_{2:012d}/"
+        durable = wait_until("step 2 durable in S3", lambda: _durable_bytes(s3_env, prefix))
+        assert durable <= 1.05 * torch_bytes, f"{report}, durable {durable}"
 
         b.lose_node()
         b.start()

@@ -190,3 +190,25 @@ def test_rm_points_at_persistent_and_ls_ns_fails_on_an_unreadable_store(
         assert proc.returncode == 1, (args, proc)
         assert proc.stdout.splitlines()[1].split()[0] in ("mem-only", "1"), args
         assert proc.stderr.startswith("tierckpt: cannot list the persistent tier s3://no-such-")
+
+
+# -- kubectl's habits (issue 33 item 14) --------------------------------------------------------
+@pytest.mark.slow
+def test_output_formats_no_headers_quiet_and_help(client_env: DaemonProcess) -> None:
+    for step in (10, 20):
+        save("habits", step, seeded_state(step, N), staged=False)
+    assert _cli("ls", "-o", "name").stdout.split() == ["habits"]
+    assert _cli("ls", "habits", "-o", "name").stdout.split() == ["habits/10", "habits/20"]
+    rows = _cli("ls", "habits", "--no-headers").stdout.splitlines()
+    assert [row.split()[:2] for row in rows] == [["10", "committed"], ["20", "committed"]]
+    wide = _cli("ls", "habits", "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[-4:] == ["WORLD", "OWNER", "CREATED", "ATTEMPT"]
+    world, owner, created, attempt = wide[1].split()[-4:]
+    assert (world, owner, attempt) == ("1", f"uid:{os.getuid()}", "-") and created.endswith("s")
+    assert json.loads(_cli("-o", "json", "ls", "habits").stdout) == _json("ls", "habits")
+    assert _cli("status", "-o", "name").returncode == 2  # a status has no names
+    quiet = _cli("-q", "rm", "habits", "10")
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
+    helped = _cli("help", "rm")
+    assert helped.returncode == 0 and helped.stdout == _cli("rm", "--help").stdout
+    assert _cli("help", "no-such-command").returncode == 2

@@ -104,14 +104,11 @@ def test_a_kernel_changing_the_state_before_staging_completion_fails_the_save(
     assert isinstance(err, StagingRaceError)
 
 
-def test_a_bad_block_fails_a_cuda_restore_and_latest_falls_back(daemon: DaemonProcess) -> None:
-    cfg = ClientConfig.from_env(socket=daemon.socket)
+def test_a_bad_block_fails_a_cuda_restore_and_latest_falls_back(client_env: DaemonProcess) -> None:
+    cfg = ClientConfig.from_env(socket=client_env.socket)
     old, new = _state(3), _state(4)
     _save("gpu-bad", 1, old, cfg)
     _save("gpu-bad", 2, new, cfg)
-    import os
-
-    os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
     data = next(p for name, p in step_paths("gpu-bad", 2).items() if name.endswith(".data"))
     flip_byte(data, 5 << 20)  # inside tensor "a", whose DMA runs beside the check
     out = _blank()

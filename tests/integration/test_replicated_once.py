@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -25,7 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tierckpt_client import DaemonClient
+from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.dcp.export import export_step
 
 from helpers import run_ranks, started
 
@@ -156,6 +158,15 @@ def _case(rank: int, world: int, out: str, kind: str, mode: str, planner: str) -
         dest = _blank(want)
         dcp.load(dest, storage_reader=TieredStorageReader(kind, step), process_group=group)
         assert _equal(dest, want), (kind, rank, step)
+    if kind in ("ddp", "hsdp"):  # resharded: DDP -> FSDP, HSDP 2x2 -> 1x4 (Shard(0) over all)
+        flat = init_device_mesh("cpu", (world,))
+        want = _state(kind, 3, mesh)
+        dest = _blank(want)
+        dest["model"] = {k: _dt(torch.zeros(128, 256), flat, [Shard(0)]) for k in want["model"]}
+        dcp.load(dest, storage_reader=TieredStorageReader(kind, 3), process_group=group)
+        for k, v in want["model"].items():
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            assert torch.equal(dest["model"][k].full_tensor(), full), (kind, rank, k)
     return staged
 
 
@@ -208,6 +219,13 @@ def test_replicated_state_is_stored_once(tmp_path: Path, world: int) -> None:
                     time.sleep(0.1)
     for kind, _, _ in cases:
         _check(tmp_path, store, kind, memory[kind])
+    if world == 2:  # no daemon now: exported from the persistent tier, read by torch's reader
+        config = ClientConfig(socket=tmp_path / "no-daemon.sock", persist_url=f"file://{store}")
+        assert export_step("ddp", 3, tmp_path / "export", config=config) == 3
+        want = _state("ddp", 3, None)
+        dest = _blank(want)
+        dcp.load(dest, storage_reader=FileSystemReader(tmp_path / "export"), no_dist=True)
+        assert _equal(dest, want)
 
 
 def _check(tmp_path: Path, store: Path, kind: str, memory: dict[int, int]) -> None:

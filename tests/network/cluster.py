@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_core import layout
-from tierckpt_core.errors import TierCkptError
+from tierckpt_core.errors import NamespaceNotFoundError, TierCkptError
 from tierckpt_core.launcher import DaemonProcess
 from tierckpt_core.protocol import CommitRequest
 
@@ -111,12 +111,15 @@ class Cluster:
         decider: int = 0,
         gone: frozenset[int] = frozenset(),
         idle: float | None = None,
+        replicated: bool = False,
     ) -> Save:
         """One save across every node: each rank's file sealed on its node, then committed by
         the ``decider``'s daemon. Returns how it ended and how long the commit took. The ranks
         of the nodes in ``gone`` seal nothing (their node vanished), but the commit still names
         their files on their node. ``idle``: the commit starts this long after the previous
-        save's commit returned (its peer calls then were the last)."""
+        save's commit returned (its peer calls then were the last). ``replicated``: the save
+        counts as done only once every share has its replica (the writer's
+        ``wait="replicated"``)."""
         attempt = f"a{step}"
         written: dict[str, bytes] = {}
         where: dict[str, str] = {}
@@ -137,6 +140,8 @@ class Cluster:
         try:
             with DaemonClient(ClientConfig(socket=self.nodes[decider].socket)) as c:
                 c.commit(NS, step, attempt, req)
+                if replicated:
+                    c.wait_replicated(NS, step, timeout_s=60)
         except TierCkptError as e:
             error = str(e)
         self.last_commit = time.monotonic()
@@ -162,8 +167,15 @@ class Cluster:
         and how long it took to answer."""
         start = time.monotonic()
         with DaemonClient(ClientConfig(socket=self.nodes[i].socket, timeout_s=120)) as c:
-            steps = sorted(s.step for s in c.candidates(NS))
+            try:
+                steps = sorted(s.step for s in c.candidates(NS))
+            except NamespaceNotFoundError:  # no whole step to offer
+                steps = []
         return steps, time.monotonic() - start
+
+    def logged(self, i: int, text: str) -> bool:
+        """Whether node ``i``'s daemon has logged ``text``."""
+        return text in self.nodes[i].log_path.read_text(errors="replace")
 
     def replicated(self, step: int, timeout: float = DURABLE_AFTER_HEAL_S) -> None:
         """Wait until every node's share of ``step`` has its replica on a peer."""

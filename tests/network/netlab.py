@@ -227,9 +227,11 @@ class Lab:
         )
         _run([*self.exec(i), "nft", "-f", "-"], stdin=script)
 
-    def blackhole(self, i: int) -> None:
-        """Node ``i`` alive but unreachable: every packet in and out dropped."""
-        self._rules(i, ["drop"], ["drop"])
+    def blackhole(self, i: int, port: int | None = None) -> None:
+        """Node ``i`` alive but unreachable: every packet in and out dropped (``port``: only
+        those to or from that TCP port, e.g. the daemons' while the trainers' traffic flows)."""
+        rules = ["drop"] if port is None else [f"tcp dport {port} drop", f"tcp sport {port} drop"]
+        self._rules(i, rules, rules)
 
     def deaf_to(self, i: int, others: list[int]) -> None:
         """One way: node ``i`` receives nothing from ``others`` (it still sends to them)."""

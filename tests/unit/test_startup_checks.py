@@ -73,3 +73,24 @@ def test_progress_lines_only_for_long_reads(caplog: pytest.LogCaptureFixture) ->
         "job/step 2: reading in the persistent tier: 1 of 4 MiB read",
         "job/step 2: reading in the persistent tier: all 1 MiB read in 0s",
     ]
+
+
+def test_an_s3_client_that_cannot_be_made_is_a_persistent_tier_error() -> None:
+    """Not a ValueError from deep in boto3: callers that keep the memory tier serving when the
+    persistent tier fails ("latest", the uploader's health) catch PersistentTierError."""
+    from tierckpt_core.errors import PersistentTierError
+    from tierckpt_core.objectstore.s3_clients import new_boto_client
+    from tierckpt_core.objectstore.settings import StoreSettings
+
+    with pytest.raises(PersistentTierError, match="cannot make an S3 client for endpoint"):
+        new_boto_client(
+            region="us-east-1",
+            endpoint="127.0.0.1:9000",
+            force_path_style=True,
+            max_attempts=1,
+            timeout_s=1,
+        )
+    with pytest.raises(PersistentTierError, match="invalid TIERCKPT_S3_ENDPOINT"):
+        StoreSettings.from_env({"TIERCKPT_S3_ENDPOINT": "127.0.0.1:9000"})
+    with pytest.raises(PersistentTierError, match="invalid S3 region 'us east'"):
+        StoreSettings.from_env({"TIERCKPT_S3_REGION": "us east"})

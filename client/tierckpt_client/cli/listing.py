@@ -140,7 +140,8 @@ def _ls_namespaces(client: DaemonClient, tier: Persistent, args: argparse.Namesp
     for doc in docs.values():
         doc.setdefault("durable_steps", 0 if tier.url and unreadable is None else None)
     ordered = [docs[k] for k in sorted(docs)]
-    r.emit(args.json, ordered, _namespaces_table(ordered))
+    names = [d["namespace"] for d in ordered]
+    r.emit(args.json, ordered, _namespaces_table(ordered), names=names)
     if unreadable is not None:
         raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}")
 
@@ -189,8 +190,23 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
         )
         for d in ordered
     ]
-    text = r.table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"), rows)
-    r.emit(args.json, ordered, "\n".join([text, *attempts.ls_notes(ns, ordered)]))
+    wide = [
+        (
+            r.opt(d["world_size"]),
+            r.opt(d.get("owner")),
+            r.age(d["created_at"], now),
+            r.opt(d.get("attempt")),
+        )
+        for d in ordered
+    ]
+    text = r.table(
+        ("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"),
+        rows,
+        wide=(("WORLD", "OWNER", "CREATED", "ATTEMPT"), wide),
+    )
+    names = [f"{ns}/{d['step']}" for d in ordered if d["state"] != "writing"]
+    notes = [] if r.OPTIONS.no_headers else attempts.ls_notes(ns, ordered)
+    r.emit(args.json, ordered, "\n".join([text, *notes]), names=names)
     if unreadable is not None:
         raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
 
@@ -243,7 +259,8 @@ def _ls_cluster(client: DaemonClient, args: argparse.Namespace) -> None:
     text = r.table(("NODE", "NAMESPACE", "STEP", "STATE", "SIZE", "FILES", "AGE", "REPLICAS"), rows)
     if listing.node is None:
         notes.append("this daemon has no peers (TIERCKPT_PEERS): only this node is listed")
-    r.emit(args.json, listing.model_dump(mode="json"), "\n".join([text, *notes]))
+    names = [f"{node.node}/{s.namespace}/{s.step}" for node in listing.nodes for s in node.steps]
+    r.emit(args.json, listing.model_dump(mode="json"), "\n".join([text, *notes]), names=names)
 
 
 def _where(tier: Persistent) -> str:
@@ -344,7 +361,7 @@ def cmd_inspect(client: DaemonClient, tier: Persistent, args: argparse.Namespace
     text = _step_text(doc)
     if pending:
         text += "\n\n" + attempts.attempts_text(ns, step, pending)
-    r.emit(args.json, doc, text)
+    r.emit(args.json, doc, text, names=[f"{ns}/{step}"])
 
 
 def _attempts(client: DaemonClient, ns: str, step: int) -> list[AttemptInfo]:

@@ -76,7 +76,28 @@ def _parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         default=argparse.SUPPRESS,
-        help="print the result as JSON on stdout (for scripts)",
+        help="print the result as JSON on stdout (for scripts; the same as -o json)",
+    )
+    common.add_argument(
+        "-o",
+        "--output",
+        choices=_render.OUTPUTS,
+        default=argparse.SUPPRESS,
+        help="table (default), json, wide (a table with more columns) or name (one name per "
+        "line: NAMESPACE, NAMESPACE/STEP, NODE/NAMESPACE/STEP)",
+    )
+    common.add_argument(
+        "--no-headers",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print tables without their header row (and without the notes below them)",
+    )
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no progress bars, warnings or confirmation lines; errors are still printed",
     )
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
@@ -114,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("step", type=int, metavar="STEP", help="the step number")
 
+    s = command("help", _no_command, "show the help of a command: tierckpt help COMMAND")
+    s.add_argument("topic", nargs="?", metavar="COMMAND", help="the command (default: tierckpt)")
     command(
         "status",
         listing.cmd_status,
@@ -209,9 +232,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The commands whose results have names (-o name): namespaces, steps, a node's steps.
+NAMED = {"ls", "inspect"}
+
+
+def _no_command(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    raise AssertionError("tierckpt help is answered before any daemon is reached")
+
+
+def _help(parser: argparse.ArgumentParser, topic: str | None) -> int:
+    """``tierckpt help [COMMAND]``: what ``tierckpt [COMMAND] --help`` prints."""
+    if topic is None:
+        parser.print_help()
+        return EXIT_OK
+    try:
+        parser.parse_args([topic, "--help"])
+    except SystemExit as e:  # argparse exits after printing the help, or on an unknown command
+        return EXIT_OK if e.code == 0 else EXIT_USAGE
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)  # (argparse itself ignores a closed stdout for --help)
-    args.socket, args.json = getattr(args, "socket", None), getattr(args, "json", False)
+    parser = _parser()
+    args = parser.parse_args(argv)  # (argparse itself ignores a closed stdout for --help)
+    if args.command == "help":
+        return _help(parser, args.topic)
+    args.socket = getattr(args, "socket", None)
+    output = getattr(args, "output", "json" if getattr(args, "json", False) else "table")
+    args.json = output == "json"
+    if output == "name" and args.command not in NAMED:
+        return _fail(EXIT_USAGE, f"-o name: {args.command} has no names to print; use -o json")
+    _render.OPTIONS = _render.Options(
+        output=output,
+        no_headers=getattr(args, "no_headers", False),
+        quiet=getattr(args, "quiet", False),
+    )
     try:
         config = ClientConfig.from_env(socket=args.socket)
     except ValueError as e:  # a malformed TIERCKPT_* variable
@@ -230,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tier.close()
     except _render.StdoutClosed:
         return _stdout_closed()
-    except InvalidNameError as e:
+    except (InvalidNameError, _render.NoNamesError) as e:
         return _fail(EXIT_USAGE, e)
     except NotFoundError as e:
         return _fail(EXIT_NOT_FOUND, e)
@@ -262,6 +317,6 @@ def _stdout_closed() -> int:
     return EXIT_STDOUT_CLOSED
 
 
-def _fail(code: int, error: BaseException) -> int:
+def _fail(code: int, error: BaseException | str) -> int:
     print(f"tierckpt: {error}", file=sys.stderr)
     return code

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -34,14 +33,14 @@ def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> 
         text = (
             f"freed {r.size(size)} of {ns} step {step}'s abandoned save attempt {', '.join(freed)}"
         )
-        r.emit(args.json, doc, text)
+        r.done(args.json, doc, text)
         return
     if not args.persistent:
         try:
             client.delete(ns, step)
         except NotFoundError as e:
             raise _with_hint(client, tier, ns, step, e) from None
-        r.emit(
+        r.done(
             args.json,
             {"namespace": ns, "step": step, "removed": ["memory"]},
             f"removed {ns} step {step}",
@@ -65,7 +64,7 @@ def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> 
     if not removed:
         raise StepNotFoundError(f"{ns}/step {step} is neither in memory nor in {tier.url}")
     doc = {"namespace": ns, "step": step, "removed": removed}
-    r.emit(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
+    r.done(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
 
 
 def _with_hint(
@@ -110,7 +109,7 @@ def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
             shutil.rmtree(dest, ignore_errors=True)
         raise
     doc = {"namespace": ns, "step": written, "path": str(args.dest)}
-    r.emit(
+    r.done(
         args.json,
         doc,
         f"exported {ns} step {written} to {args.dest} (torch FileSystemReader format)",
@@ -126,7 +125,7 @@ def cmd_persist(client: DaemonClient, tier: Persistent, args: argparse.Namespace
         text = f"{ns} step {step} is durable"
     else:
         text = f"{ns} step {step} queued for upload (tierckpt ls {ns} shows when it is durable)"
-    r.emit(args.json, info.model_dump(mode="json"), text)
+    r.done(args.json, info.model_dump(mode="json"), text)
 
 
 def _wait_durable(client: DaemonClient, info: StepInfo, timeout_s: float) -> StepInfo:
@@ -156,10 +155,7 @@ def _wait_durable(client: DaemonClient, info: StepInfo, timeout_s: float) -> Ste
                 raise TierCkptError(f"{ns} step {step} is not durable after {timeout_s:.0f}s{why}")
             time.sleep(0.2)
     rate = total / elapsed / 1e6 if elapsed > 0 else 0.0
-    print(
-        f"{ns} step {step}: durable after {elapsed:.1f}s ({r.size(total)}, {rate:.0f} MB/s)",
-        file=sys.stderr,
-    )
+    r.note(f"{ns} step {step}: durable after {elapsed:.1f}s ({r.size(total)}, {rate:.0f} MB/s)")
     return info
 
 
@@ -181,7 +177,7 @@ def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespac
             failure.append(e)
 
     worker = threading.Thread(target=hydrate, name="tierckpt-prefetch", daemon=True)
-    print(f"prefetch {ns} step {step}: starting", file=sys.stderr)
+    r.note(f"prefetch {ns} step {step}: starting")
     t0 = time.monotonic()
     with r.byte_progress() as bar:
         task = bar.add_task(f"prefetch {ns} step {step}", total=None)
@@ -202,12 +198,11 @@ def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespac
         raise failure[0]
     info = result[0]
     total = sum(f.length for f in info.files)
-    print(
-        f"prefetch {ns} step {step}: {r.size(total)} in memory after {time.monotonic() - t0:.1f}s",
-        file=sys.stderr,
+    r.note(
+        f"prefetch {ns} step {step}: {r.size(total)} in memory after {time.monotonic() - t0:.1f}s"
     )
     text = f"{ns} step {step} is in memory ({info.state.value}, {r.size(info.bytes)})"
-    r.emit(args.json, info.model_dump(mode="json"), text)
+    r.done(args.json, info.model_dump(mode="json"), text)
 
 
 def parse_step(text: str) -> int:

@@ -86,6 +86,13 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             already committed replaces it. ``False``: such a save fails with ``StepStateError``
             before any rank writes, and the committed step stays (the daemon checks again in the
             commit itself, so two racing saves cannot both replace it).
+        async_staging: with ``async_save``, ``stage`` returns a future and the copy into the
+            tier runs while the loop goes on; ``async_save`` then returns an
+            ``AsyncSaveResponse`` at once, and the loop must wait for its
+            ``staging_completion`` before it changes the state (before ``optimizer.step()``;
+            see ``_async_staging``). Off by default here, since it changes what
+            ``async_save`` returns (a response, not a future); :class:`Checkpointer` turns it
+            on (``TIERCKPT_ASYNC_STAGING``) and does the waiting.
         wait: when the save counts as done (its future completes, ``dcp.save`` returns):
             ``"committed"`` (default) once the step is committed in the memory of the nodes its
             ranks wrote to, which survives a trainer's death, not the loss of such a node until
@@ -96,13 +103,6 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             durable when it returns. See docs/operations.md, "What an acknowledged save
             survives".
         replicated_timeout_s: the longest wait for the replicas with ``wait="replicated"``.
-        async_staging: with ``async_save``, ``stage`` returns a future and the copy into the
-            tier runs while the loop goes on; ``async_save`` then returns an
-            ``AsyncSaveResponse`` at once, and the loop must wait for its
-            ``staging_completion`` before it changes the state (before ``optimizer.step()``;
-            see ``_async_staging``). Off by default here, since it changes what
-            ``async_save`` returns (a response, not a future); :class:`Checkpointer` turns it
-            on (``TIERCKPT_ASYNC_STAGING``) and does the waiting.
 
     Call order, as DCP drives it (``async_save`` adds ``stage`` in the trainer first)::
 
@@ -147,9 +147,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         config: ClientConfig | None = None,
         on_unavailable: str = "persist",
         overwrite: bool = True,
+        async_staging: bool = False,
         wait: str = "committed",
         replicated_timeout_s: float = 300.0,
-        async_staging: bool = False,
     ) -> None:
         super().__init__()
         self.async_staging = async_staging

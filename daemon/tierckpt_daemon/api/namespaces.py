@@ -94,15 +94,6 @@ def persist(namespace: str, step: int, service: Service, owner: Owner) -> StepIn
     return service.persist_now(namespace, step, owner=owner)
 
 
-@router.post("/{namespace}/steps/{step}/replicated")
-def wait_replicated(
-    namespace: str, step: int, node: NodeDep, owner: Owner, timeout_s: float = 300.0
-) -> StepInfo:
-    """Answers once every share of the committed step has its replicas on peers (a save made
-    with ``wait="replicated"``); 409 when one cannot, or not within ``timeout_s``."""
-    return node.wait_replicated(namespace, step, timeout_s, owner=owner)
-
-
 @router.post("/{namespace}/steps/{step}/corruption", status_code=204)
 def report_corruption(
     namespace: str, step: int, req: CorruptionReport, service: Service, owner: Owner
@@ -111,6 +102,15 @@ def report_corruption(
     ``tierckpt_verification_failures_total{tier}`` and logged, for the alerts and the operator."""
     corruption_reported(service.metrics, namespace, step, req)
     return Response(status_code=204)
+
+
+@router.post("/{namespace}/steps/{step}/replicated")
+def wait_replicated(
+    namespace: str, step: int, node: NodeDep, owner: Owner, timeout_s: float = 300.0
+) -> StepInfo:
+    """Answers once every share of the committed step has its replicas on peers (a save made
+    with ``wait="replicated"``); 409 when one cannot, or not within ``timeout_s``."""
+    return node.wait_replicated(namespace, step, timeout_s, owner=owner)
 
 
 @router.get("/{namespace}/steps/{step}")

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+CUT_BELOW = 20  # a sealed file is cut to its length when that frees more than 1/20 of it
+
 
 class _Service(Protocol):
     """What sealing uses of the service it is mixed into."""
@@ -108,8 +110,12 @@ class Sealing:
                 path = rec.dir / f.name
                 self.arena.move(lease.path, path)
                 # Only the bytes the save references stay: a writer that staged more than its
-                # rank writes (replicated state, see docs/design.md) seals a shorter length.
-                size = self.arena.shrink(path, round_up(f.length))
+                # rank writes (replicated state, see docs/design.md) seals a shorter length. A
+                # tail under 1/20 stays: the file then still fits the next lease of its size
+                # when it is recycled (a plain save leases a little more than it fills).
+                size = lease.size
+                if round_up(f.length) < size - size // CUT_BELOW:
+                    size = self.arena.shrink(path, round_up(f.length))
                 rec.files[f.name] = FileRecord(
                     name=f.name,
                     rank=req.rank,
