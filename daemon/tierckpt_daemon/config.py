@@ -13,6 +13,11 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tierckpt_daemon.paths import (
+    check_socket_length,
+    resolved_parents,
+    tier_dir,
+)
 from tierckpt_daemon.peers.tls import PeerTLS
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
@@ -28,6 +33,22 @@ def parse_size(text: str) -> int:
         )
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I") or ""
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Below this a tier holds no real checkpoint: a bare number under it is most likely a unit left out
+# (TIERCKPT_CAPACITY=40 is 40 bytes), so it is refused; with a unit it is taken as meant.
+CAPACITY_FLOOR = 64 << 20
+
+
+def check_capacity_floor(text: str) -> None:
+    """Refuse a capacity that is a bare number of bytes below :data:`CAPACITY_FLOOR`."""
+    t = text.strip()
+    if t.replace(".", "", 1).isdigit() and parse_size(t) < CAPACITY_FLOOR:
+        raise ValueError(
+            f"{t!r} is {parse_size(t)} bytes, below the {CAPACITY_FLOOR >> 20} MiB a memory tier "
+            f"needs: did you mean '{t}G'? Write the unit ('{t}M', '{t}B') to mean a small tier"
+        )
 
 
 def node_memory_bytes() -> int:
@@ -204,6 +225,12 @@ class DaemonSettings(BaseSettings):
     )
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING, ERROR")
     log_json: bool = Field(default=False, description="one JSON object per log line")
+    strict_settings: bool = Field(
+        default=False,
+        description="refuse to start (exit 2) on a TIERCKPT_* variable that is no setting of the "
+        "daemon, the S3 tier or the trainers (a misspelt one); unset: a WARNING naming the "
+        "closest setting",
+    )
 
     capacity_bytes: int = Field(default=0, exclude=True)
     peer_secret: SecretStr | None = Field(default=None, exclude=True)  # from token or file
@@ -213,6 +240,29 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _check_capacity(cls, v: str) -> str:
         parse_capacity(v, node_bytes=1 << 30)  # syntax check only
+        check_capacity_floor(v)
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, v: str) -> str:
+        level = v.strip().upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"{v!r} is not one of {', '.join(LOG_LEVELS)}")
+        return level
+
+    @field_validator("shm_dir")
+    @classmethod
+    def _check_shm_dir(cls, v: Path) -> Path:
+        return tier_dir("TIERCKPT_SHM_DIR", v)
+
+    @field_validator("socket")
+    @classmethod
+    def _check_socket(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        v = resolved_parents(v)
+        check_socket_length(v, "set TIERCKPT_SOCKET to a shorter path")
         return v
 
     @field_validator("persist_url")
@@ -244,6 +294,9 @@ class DaemonSettings(BaseSettings):
     def _derive(self) -> DaemonSettings:
         if self.socket is None:
             self.socket = self.shm_dir / "daemon.sock"
+            check_socket_length(
+                self.socket, "set TIERCKPT_SOCKET to a shorter path, or shorten TIERCKPT_SHM_DIR"
+            )
         self.capacity_bytes = parse_capacity(self.capacity)
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity {self.capacity!r} resolves to {self.capacity_bytes} bytes")

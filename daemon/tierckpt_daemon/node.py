@@ -9,12 +9,13 @@ configuration turns on, so no part needs a back-pointer to another.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierckpt_core.errors import StepStateError
 from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
 from tierckpt_daemon import __version__
 from tierckpt_daemon.config import DaemonSettings, parse_size
+from tierckpt_daemon.failures import ThreadFailures
 from tierckpt_daemon.metrics import Snapshot
 from tierckpt_daemon.peers.cluster import ClusterLister
 from tierckpt_daemon.peers.commit import GlobalCommitter
@@ -41,9 +42,12 @@ class Node:
     # With peers: waits until every share of a step has its replicas (wait="replicated" saves).
     replica_wait: ReplicaWait | None = None
     metrics_namespace_labels: str = "hashed"  # TIERCKPT_METRICS_NAMESPACE_LABELS
+    # Background threads that died; the threading.excepthook while serving (server.serve).
+    failures: ThreadFailures = field(init=False)
 
     def __post_init__(self) -> None:
         self.service.metrics.attach(self.snapshot, self.metrics_namespace_labels)
+        self.failures = ThreadFailures(self.service.metrics.thread_failures)
 
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
         """A trainer's commit: on this daemon alone, or, when the ranks used several daemons,
@@ -119,6 +123,7 @@ class Node:
                 namespaces=[index.namespace_info(ns) for ns in index.namespaces()],
                 persistent=persistent,
                 replication=replication,
+                failed_threads=self.failures.failed(),
             )
 
 

@@ -38,6 +38,11 @@ class DaemonStartError(RuntimeError):
     """The daemon cannot start (another one runs on the same tier, a port is taken, ...)."""
 
 
+class SettingError(DaemonStartError):
+    """A setting the daemon cannot work with, found only when it is used (``__main__``: exit 2,
+    the message names the setting)."""
+
+
 def _lock_tier(shm_dir: Path) -> int:
     try:
         fd = os.open(shm_dir / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o640)
@@ -47,7 +52,9 @@ def _lock_tier(shm_dir: Path) -> int:
                 f"{shm_dir / 'daemon.lock'} is a symbolic link; the daemon does not follow links "
                 "in its tier directory: remove it"
             ) from None
-        raise
+        raise SettingError(
+            f"TIERCKPT_SHM_DIR: cannot create files in {shm_dir}: {e.strerror or e}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -155,13 +162,25 @@ class _Server(uvicorn.Server):
 
 
 def serve(settings: DaemonSettings) -> None:
-    make_dir(settings.shm_dir)
+    try:
+        make_dir(settings.shm_dir)
+    except OSError as e:
+        raise SettingError(
+            f"TIERCKPT_SHM_DIR: cannot create {settings.shm_dir}: {e.strerror or e}"
+        ) from None
     lock_fd = _lock_tier(settings.shm_dir)
     node: Node | None = None
+    restore_hook = None
     try:
         node = build_node(settings)
+        restore_hook = node.failures.install()
         app = create_app(node, settings)
-        sockets = [_bind_unix(settings.socket_path)]
+        try:
+            sockets = [_bind_unix(settings.socket_path)]
+        except OSError as e:
+            raise SettingError(
+                f"TIERCKPT_SOCKET: cannot listen on {settings.socket_path}: {e.strerror or e}"
+            ) from None
         tcp = [_bind_tcp(settings.host, settings.port)] if settings.port else []
         tls = settings.peer_tls.server_context() if settings.peer_tls is not None else None
         if tls is None:
@@ -196,6 +215,8 @@ def serve(settings: DaemonSettings) -> None:
         )
         asyncio.run(server.serve(sockets=sockets))
     finally:
+        if restore_hook is not None:
+            restore_hook()
         if node is not None and node.handoff is not None:
             node.handoff.close()
         with contextlib.suppress(FileNotFoundError):

@@ -235,7 +235,7 @@ class PeerFetcher(Shares):
             try:
                 rec = self.replicator.copy_from(peer, manifest)
             except CheckpointFormatError as e:
-                self.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.labels(tier="peer").inc()
                 logger.warning(
                     "%s/step %d: the replica on peer %s is unusable, trying the next source: %s",
                     namespace,
@@ -378,7 +378,7 @@ class PeerFetcher(Shares):
             try:
                 check_blocks(data, replace(sums, where=where, source=f"in peer {peer}"), start)
             except BlockMismatchError as e:
-                self.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.labels(tier="peer").inc()
                 errors.append(str(e))
                 continue
             self.service.metrics.peer_hydrated_bytes.inc(len(data))

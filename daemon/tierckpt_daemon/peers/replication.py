@@ -187,6 +187,13 @@ class Replicator(QueueWorker[StepRecord]):
         self.service.metrics.replication_skips.labels(reason=reason).inc()
         self.service.end_replication(rec)
 
+    def _died(self, error: BaseException) -> None:
+        with self._cv:
+            self._last_error = (
+                f"the replication thread ({self.name}) died of {type(error).__name__}: {error}; "
+                "no step is pushed to peers until the daemon restarts (see the log)"
+            )
+
     def _record_failure(self, rec: StepRecord, message: str) -> None:
         self.service.metrics.replication_failures.inc()
         with self._cv:

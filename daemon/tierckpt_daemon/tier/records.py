@@ -65,6 +65,8 @@ class StepRecord:
     # (RingRecord). ``files`` are the ones held here: no record of another node's file is kept
     # (it is fetched from its holders, checked against its share's digest).
     ring: RingRecord | None = None
+    # A save attempt: the processes that sealed into it, pid -> start time (see writers.py).
+    writers: dict[int, int] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:
