@@ -135,6 +135,33 @@ class StepInfo(BaseModel):
     replication_pending: bool = False  # fewer than the configured replicas exist yet
     origin: str | None = None  # set on a replica: the peer that committed the step
     owner: str | None = None  # the identity its namespace belongs to (``uid:<n>``)
+    # A save attempt in progress (state "writing") only: its id, whether a process that sealed
+    # into it still runs (None: not known here), and in how many seconds the daemon reclaims it
+    # if it is not committed (None: prepared for a commit across nodes; its decider ends it).
+    attempt: str | None = None
+    writer_alive: bool | None = None
+    reclaim_in_s: float | None = None
+
+
+class AttemptInfo(BaseModel):
+    """A save attempt of a step that is not committed: written by a trainer now, or left behind
+    by one that died mid-save (``tierckpt inspect`` shows it, ``tierckpt rm --abandoned`` frees
+    it)."""
+
+    namespace: str
+    step: int
+    attempt: str
+    prepared: bool  # prepared for a commit across nodes: its decider ends it, not the sweep
+    bytes: int
+    files: list[FileRecord]
+    owner: str | None = None
+    created_at: float
+    idle_s: float  # since a rank last sealed into it
+    reclaim_in_s: float | None  # None: prepared (waits for its decider)
+    # The processes that sealed into it (pids as the daemon sees them; none where the kernel
+    # gave no pid, e.g. another pid namespace), and whether any of them still runs.
+    writers: list[int] = []
+    writer_alive: bool | None = None
 
 
 class HydrateRequest(BaseModel):

@@ -153,11 +153,26 @@ class DaemonSettings(BaseSettings):
         le=600,
         description="connect timeout, and longest wait for the next bytes, of every peer call",
     )
+    peer_list_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=600,
+        description='how long "latest" (a restore\'s first call) and a restore from peers wait '
+        "for the peers asked to list the steps they hold; a peer that has not answered by then "
+        "is left out (named in a WARNING) and not asked again until its request ends",
+    )
     decider_gone_s: float = Field(
         default=600.0,
         ge=0,
         description="a save attempt prepared here whose decider (another node) has not been a "
         "member of the ring for this long is aborted, unless a member holds it committed",
+    )
+    decision_resend_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="a commit across nodes: a decision a participant did not take is sent to it "
+        "again, less and less often (2 s doubling to 60 s), for this long at most; not at all "
+        "once it answers that it cannot take it",
     )
     commit_fanout: int = Field(
         default=8,

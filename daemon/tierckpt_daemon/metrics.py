@@ -129,6 +129,14 @@ class Metrics:
             registry=r,
         )
 
+        self.decision_deliveries_abandoned = Counter(
+            "tierckpt_decision_deliveries_abandoned",
+            "Decisions of commits across nodes no longer sent to a participant that did not "
+            "take them",
+            ["reason"],
+            registry=r,
+        )
+
     @staticmethod
     def total(counter: Counter) -> int:
         """A counter's value, summed over its labels (one source of truth for the status API

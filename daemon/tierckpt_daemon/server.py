@@ -26,6 +26,14 @@ from tierckpt_daemon.tier.tenants import CallerH11Protocol
 logger = logging.getLogger(__name__)
 
 
+# How long the daemon keeps an idle HTTP connection open. Its peers' clients let one go after
+# KEEPALIVE_EXPIRY_S (peers/transport.py), well before: a request sent on a connection the server
+# is closing meets a closed socket ("Server disconnected without sending a response") once the
+# two ends' clocks are within the link's latency of each other (issue 32: certain at 4.95 s idle
+# over a 25 ms link when both were uvicorn's and httpx's default of 5 s).
+KEEPALIVE_S = 30
+
+
 class DaemonStartError(RuntimeError):
     """The daemon cannot start (another one runs on the same tier, a port is taken, ...)."""
 
@@ -182,6 +190,7 @@ def serve(settings: DaemonSettings) -> None:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=30,
+            timeout_keep_alive=KEEPALIVE_S,
             lifespan="on",
             # Peers' file bytes by sendfile on plain TCP; local callers' uid on the Unix socket.
             http=CallerH11Protocol,

@@ -48,7 +48,7 @@ def cmd_verify(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
     results: list[Result] = []
     tiers: list[str] = []
     with r.byte_progress() as bar:
-        memory = _verify_memory(client, ns, step, bar)
+        memory = None if tier.offline else _verify_memory(client, ns, step, bar)
         if memory is not None:
             tiers.append("memory")
             results += memory

@@ -104,6 +104,15 @@ def report_corruption(
     return Response(status_code=204)
 
 
+@router.post("/{namespace}/steps/{step}/replicated")
+def wait_replicated(
+    namespace: str, step: int, node: NodeDep, owner: Owner, timeout_s: float = 300.0
+) -> StepInfo:
+    """Answers once every share of the committed step has its replicas on peers (a save made
+    with ``wait="replicated"``); 409 when one cannot, or not within ``timeout_s``."""
+    return node.wait_replicated(namespace, step, timeout_s, owner=owner)
+
+
 @router.get("/{namespace}/steps/{step}")
 def get_step(namespace: str, step: int, service: Service, owner: Owner) -> StepInfo:
     return service.get_step(namespace, step, owner=owner)
