@@ -143,10 +143,13 @@ def pack_extra(
     pending: list[tuple[MetadataIndex, Any]],
     discard: Any,
     reserved: OutFile | None = None,
+    pin_memory: bool = False,
 ) -> tuple[OutFile | None, list[WriteResult], int]:
     """Copy bytes items and unstaged tensors into one more file of the target: ``reserved``
     (leased when the save was planned) if it is large enough, else a new one. Returns the file
-    (its length the bytes used), the write results and the tensor bytes copied."""
+    (its length the bytes used), the write results and the tensor bytes copied. With
+    ``pin_memory``, a file that takes a CUDA tensor is registered as page-locked first (a plain
+    ``dcp.save`` of GPU state: DMA into the tier instead of a copy through pageable memory)."""
     name = f"r{rank:05d}.extra"
     sizes = [
         v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v) for _, v in pending
@@ -170,6 +173,8 @@ def pack_extra(
             dst = mapping.view(offset, n)
             if isinstance(value, torch.Tensor):
                 ref = ShardRef(name, offset, n, dtype_name(value.dtype), tuple(value.shape))
+                if n and pin_memory and value.device.type == "cuda":
+                    _arena.pin(mapping)  # registers the file once; a no-op after
                 if n:
                     copy_tensor(dst.view(value.dtype).view(value.shape), value)
                 copied += n

@@ -4,7 +4,9 @@
 lays every tensor's bytes out back to back (64-byte aligned) and copies each one into its place. It
 returns a state dict of the same shape whose tensors alias the file; DTensors keep their spec with the
 local tensor replaced, and ShardedTensors are rebuilt around their staged local shards with the same
-global metadata. Non-tensor leaves are deep-copied so that training may change the originals.
+global metadata. Objects that implement torch's checkpointable protocol (Megatron-Core's sharded
+tensors) are staged by their local tensors (:mod:`_checkpointable`). Non-tensor leaves are
+deep-copied so that training may change the originals.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from torch.distributed.tensor import DTensor
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._byte_copy import ByteCopies, plain
+from tierckpt_client.dcp._checkpointable import (
+    is_checkpointable,
+    local_tensors,
+    stage_checkpointable,
+)
 from tierckpt_client.dcp._metadata_codec import copy_tensor, dtype_name
 from tierckpt_core.errors import CheckpointFormatError
 
@@ -57,6 +64,8 @@ def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor], skip: Ski
         else:
             local = on_tensor(obj._local_tensor.detach())
         return DTensor(local, obj._spec, requires_grad=False)
+    if is_checkpointable(obj):  # before Tensor: it may have no storage (detach() raises)
+        return stage_checkpointable(obj, on_tensor)
     if isinstance(obj, torch.Tensor):
         if skip is not None and skip(obj):
             return placeholder(obj)
@@ -94,9 +103,15 @@ def _walk_tensors_only(
     if isinstance(obj, ShardedTensor):
         for shard in obj.local_shards():
             fn(shard.tensor)
-    elif isinstance(obj, torch.Tensor):  # a DTensor too
+    elif isinstance(obj, DTensor):  # before the protocol: a DTensor implements it too
         if skip is None or not skip(obj):
-            fn(obj._local_tensor if isinstance(obj, DTensor) else obj)
+            fn(obj._local_tensor)
+    elif is_checkpointable(obj):  # before Tensor: it may have no storage of its own
+        for _, t in local_tensors(obj):
+            fn(t)
+    elif isinstance(obj, torch.Tensor):
+        if skip is None or not skip(obj):
+            fn(obj)
     elif isinstance(obj, dict):
         for v in obj.values():
             _walk_tensors_only(v, fn, skip)
@@ -123,13 +138,16 @@ def stage_into(
     A tensor or DTensor for which ``skip`` says so is not copied: a :func:`placeholder` stands in
     for it (a tensor this rank does not write, see ``_assign``).
     With CUDA tensors among them and ``pin_memory``, the mapping is registered as page-locked
-    memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA; one
-    synchronize at the end waits for them all. Host tensors are copied as bytes, all together
+    memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA on
+    the current stream of its device; at the end one synchronize of each such stream waits for
+    them all (of those streams only: an asynchronous stage runs on a side stream of its own, and
+    must not wait for the training's kernels on the others, :mod:`_async_staging`). Host tensors are copied as bytes, all together
     as they are laid out, shared over torch's number of threads (:mod:`_byte_copy`): the helpers
     start on the first tensors while this thread lays out the next, and it joins them at the
     end."""
     offset = 0
     device_copies = 0
+    devices: set[torch.device] = set()
     base = mapping.base if mapping is not None else 0
     host = ByteCopies(torch.get_num_threads(), mapping.size if mapping is not None else 0)
 
@@ -151,6 +169,7 @@ def stage_into(
                 _arena.pin(mapping)
             copy_tensor(dst, t, non_blocking=True)
             device_copies += 1
+            devices.add(t.device)
         return dst
 
     try:
@@ -159,6 +178,9 @@ def stage_into(
         host.cancel()  # no helper writes into the file once this returns
         raise
     host.run()
-    if device_copies and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        else:  # another accelerator: its own device-wide wait
+            torch.accelerator.synchronize(device)
     return StageResult(staged, offset, device_copies)

@@ -26,6 +26,7 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.tier.arena import round_up
 from tierckpt_daemon.tier.records import MANIFEST
+from tierckpt_daemon.tier.writers import note_writer
 
 if TYPE_CHECKING:
     from tierckpt_daemon.tier.arena import Arena
@@ -60,10 +61,12 @@ class Sealing:
         *,
         owner: str | None = None,
         admin: bool = False,
+        pid: int | None = None,
     ) -> StepInfo:
         """Seal a rank's files into a save attempt. ``owner``: the identity the save is for (the
         caller's; a copy's owner), which the namespace's first save here claims; ``admin``
-        saves into a namespace of another owner on its behalf."""
+        saves into a namespace of another owner on its behalf; ``pid``: the sealing process
+        (an operator frees the attempt only once no writer runs: see writers.py)."""
         validate_namespace(namespace)
         validate_step(step)
         validate_file_name(attempt)
@@ -124,6 +127,7 @@ class Sealing:
                     blocks=f.blocks,
                 )
             rec.last_activity = time.monotonic()
+            note_writer(rec.writers, pid)
             logger.debug(
                 "%s/step %d attempt %s: rank %d sealed %d files",
                 namespace,
