@@ -28,10 +28,13 @@ Without CUDA the script writes a JSON that says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
 import tempfile
 import time
+import traceback
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _common import machine_info, write_results
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tierckpt_client import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
@@ -207,10 +211,73 @@ def arena_counts() -> dict[str, int]:
         }
 
 
+class TorchAsyncStager(AsyncStager):
+    """What ``DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+    use_async_staging=True, use_non_blocking_copy=True))`` runs, line for line (one executor
+    thread, a staging stream made here, its ``StateDictStager`` with pinned memory under that
+    stream, then the stream synchronized): used only where the real one fails on this torch
+    (torch 2.11's deepcopy table, see :class:`PinnedStager`); which one ran is in the JSON."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+        self.inner = StateDictStager(pin_memory=True, share_memory=False)
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.stream = torch.cuda.Stream()
+
+    def _stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        with torch.cuda.stream(self.stream):
+            out: dict[str, Any] = self.inner.stage(dict(state_dict), non_blocking=True)
+        self.stream.synchronize()
+        return out
+
+    def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]]:
+        return self.pool.submit(self._stage, state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def torch_async_stager() -> AsyncStager:
+    """torch's own asynchronous stager, as torchtitan's zero-overhead mode makes it (less the
+    shared memory, which only DCP's helper process needs)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=True,
+        )
+    )
+
+
+def staged_at(res: Any, t0: float) -> tuple[float, list[float]]:
+    """The stall (``async_save`` returned) and a cell that gets the time until staged."""
+    stall = time.perf_counter() - t0
+    done: list[float] = []
+    if isinstance(res, AsyncSaveResponse):
+        res.staging_completion.add_done_callback(lambda _: done.append(time.perf_counter() - t0))
+    else:
+        done.append(stall)
+    return stall, done
+
+
 def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemWriter
 
     shm = Path(tempfile.mkdtemp(prefix="tierckpt-gpu-", dir="/dev/shm"))
+    # torch's files: in memory too where it has room (its upload is not measured, only waited for)
+    room = shutil.disk_usage("/dev/shm").free > (KEEP_LAST + 5) * gib * (1 << 30)
+    fs = Path(tempfile.mkdtemp(prefix="tierckpt-gpu-torch-", dir="/dev/shm" if room else tmp))
     d = DaemonProcess(
         shm,
         log_path=tmp / f"daemon-{gib}.log",
@@ -225,30 +292,51 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
         cfg = ClientConfig.from_env(socket=d.socket)
         unpinned_cfg = ClientConfig.from_env(socket=d.socket, pin_memory=False)
         stager = PinnedStager()
-        res: dict[str, list[float]] = {
-            k: []
-            for k in (
-                "raw_d2h",
-                "torch_stall",
-                "tier_stall",
-                "tier_stall_unpinned",
-                "raw_h2d",
-                "tier_restore",
-            )
-        }
+        async_stager: AsyncStager = torch_async_stager()
+        async_kind = "DefaultStager"
+        keys = (
+            "raw_d2h",
+            "torch_stall",
+            "tier_stall",
+            "tier_stall_unpinned",
+            "tier_async_stall",
+            "tier_async_staged",
+            "torch_async_stall",
+            "torch_async_staged",
+            "raw_h2d",
+            "tier_restore",
+        )
+        res: dict[str, list[float]] = {k: [] for k in keys}
         step = 0
 
-        def tier_save(config: ClientConfig) -> float:
+        def tier_save(config: ClientConfig, *, asynchronous: bool = False) -> tuple[float, float]:
             nonlocal step
             step += 1
             sd["extra"]["step"] = step
+            writer = TieredStorageWriter("gpu", step, config=config, async_staging=asynchronous)
+            sync()
             t = time.perf_counter()
-            fut = dcp.async_save(
-                sd, storage_writer=TieredStorageWriter("gpu", step, config=config), no_dist=True
-            )
-            stall = time.perf_counter() - t
-            fut.result()
-            return stall
+            out = dcp.async_save(sd, storage_writer=writer, no_dist=True)
+            stall, done = staged_at(out, t)
+            if isinstance(out, AsyncSaveResponse):
+                out.staging_completion.result()
+                out.upload_completion.result()
+            else:
+                out.result()
+            return stall, done[0]
+
+        def torch_save(i: int, st: AsyncStager) -> tuple[float, float]:
+            writer = FileSystemWriter(str(fs / f"torch-{i % 2}"))  # made before the clock, as ours
+            sync()
+            t = time.perf_counter()
+            out = dcp.async_save(sd, storage_writer=writer, async_stager=st, no_dist=True)
+            stall, done = staged_at(out, t)
+            if isinstance(out, AsyncSaveResponse):
+                out.staging_completion.result()
+                out.upload_completion.result()
+            else:
+                out.result()
+            return stall, done[0]
 
         def raw_d2h() -> None:
             for dst, src in zip(pinned, gpu_tensors(sd), strict=True):
@@ -259,22 +347,45 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
                 dst.copy_(src, non_blocking=True)
 
         for _ in range(iters):  # unpinned first: a pinned file stays pinned for the process
-            res["tier_stall_unpinned"].append(tier_save(unpinned_cfg))
+            res["tier_stall_unpinned"].append(tier_save(unpinned_cfg)[0])
         first: list[float] = []
         for _ in range(KEEP_LAST + 1):  # each recycled tier file is registered once
-            first.append(tier_save(cfg))
+            first.append(tier_save(cfg)[0])
+
+        def torch_async(i: int) -> tuple[float, float]:
+            """A save with torch's asynchronous stager; where it fails on this torch (2.11's
+            deepcopy table, on the first or a reused stage), its replica from then on."""
+            nonlocal async_stager, async_kind
+            try:
+                return torch_save(i, async_stager)
+            except Exception as e:
+                if async_kind == "replica":
+                    raise
+                print(f"torch's DefaultStager failed ({type(e).__name__}: {e}); its replica runs")
+                with contextlib.suppress(Exception):
+                    async_stager.close()
+                async_stager, async_kind = TorchAsyncStager(), "replica"
+                return torch_save(i, async_stager)
+
+        torch_async(0)  # torch's first asynchronous save allocates its pinned buffers
+        torch_async(1)  # and its first reuse of them
+        try:  # the asynchronous stage once before the clock; a torch without it: rows left out
+            tier_save(cfg, asynchronous=True)
+            tier_async = True
+        except Exception:
+            tier_async = False
+            print(f"tierckpt's asynchronous stage failed here:\n{traceback.format_exc()}")
         for i in range(iters):
             res["raw_d2h"].append(timed(raw_d2h))
-            res["tier_stall"].append(tier_save(cfg))
-            t = time.perf_counter()
-            fut = dcp.async_save(
-                sd,
-                storage_writer=FileSystemWriter(str(tmp / f"torch-{gib}-{i % 2}")),
-                async_stager=stager,
-                no_dist=True,
-            )
-            res["torch_stall"].append(time.perf_counter() - t)
-            fut.result()
+            res["tier_stall"].append(tier_save(cfg)[0])
+            res["torch_stall"].append(torch_save(i, stager)[0])
+            if tier_async:
+                stall, staged = tier_save(cfg, asynchronous=True)
+                res["tier_async_stall"].append(stall)
+                res["tier_async_staged"].append(staged)
+            stall, staged = torch_async(i)
+            res["torch_async_stall"].append(stall)
+            res["torch_async_staged"].append(staged)
             res["raw_h2d"].append(timed(raw_h2d))
             out = {k: torch.empty_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
             out["extra"] = {"step": -1}
@@ -288,29 +399,79 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
                 )
             )
             assert all(torch.equal(out[k], sd[k]) for k in out if k != "extra"), "restore differs"
+            assert out["extra"]["step"] == step
         stager.close()
+        async_stager.close()
         summary: dict[str, Any] = {
             "bytes": nbytes,
+            "torch_async_stager": async_kind,
             "tier_first_pinned_s": first,
             "arena_after": arena_counts(),
             "iters": res,
         }
         for k, v in res.items():
-            med = statistics.median(v)
-            summary[k] = {"median_s": med, "best_s": min(v), "gbps": nbytes / med / 1e9}
-        raw = summary["raw_d2h"]["median_s"]
+            if v:
+                med = statistics.median(v)
+                summary[k] = {"median_s": med, "best_s": min(v), "gbps": nbytes / med / 1e9}
+
+        def m(key: str) -> float:
+            return float(summary[key]["median_s"]) if key in summary else float("nan")
+
         summary["ratios"] = {
-            "tier_d2h_over_raw": raw / summary["tier_stall"]["median_s"],
-            "tier_over_torch_stall": summary["tier_stall"]["median_s"]
-            / summary["torch_stall"]["median_s"],
-            "unpinned_over_pinned_stall": summary["tier_stall_unpinned"]["median_s"]
-            / summary["tier_stall"]["median_s"],
-            "tier_restore_h2d_over_raw": summary["raw_h2d"]["median_s"]
-            / summary["tier_restore"]["median_s"],
+            "tier_d2h_over_raw": m("raw_d2h") / m("tier_stall"),
+            "tier_over_torch_stall": m("tier_stall") / m("torch_stall"),
+            "unpinned_over_pinned_stall": m("tier_stall_unpinned") / m("tier_stall"),
+            "tier_async_over_torch_async_stall": m("tier_async_stall") / m("torch_async_stall"),
+            "tier_async_staged_over_raw_d2h": m("tier_async_staged") / m("raw_d2h"),
+            "torch_async_staged_over_raw_d2h": m("torch_async_staged") / m("raw_d2h"),
+            "tier_restore_h2d_over_raw": m("raw_h2d") / m("tier_restore"),
         }
         return summary
     finally:
         d.cleanup()
+        shutil.rmtree(fs, ignore_errors=True)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The table docs/benchmarks.md takes (medians, ms; targets of issue 36)."""
+    lines = [
+        "| | "
+        + " | ".join(
+            f"{float(s) * 1024:g} MiB" if float(s) < 1 else f"{float(s):g} GiB" for s in res
+        )
+        + " |",
+        "|---|" + "---:|" * len(res),
+    ]
+
+    def row(name: str, fn: Any) -> None:
+        lines.append(f"| {name} | " + " | ".join(fn(r) for r in res.values()) + " |")
+
+    def ms(key: str) -> Any:
+        return lambda r: f"{r[key]['median_s'] * 1e3:.2f}" if key in r else "-"
+
+    row("raw D2H into a pinned buffer (ms)", ms("raw_d2h"))
+    row("tierckpt stall, synchronous stage (ms)", ms("tier_stall"))
+    row("torch stall, reused pinned stager, synchronous (ms)", ms("torch_stall"))
+    row("**tierckpt stall, asynchronous stage** (ms)", ms("tier_async_stall"))
+    row("torch stall, `DefaultStager` asynchronous (ms)", ms("torch_async_stall"))
+    row(
+        "tierckpt async / torch async stall (target <= 1)",
+        lambda r: f"{r['ratios']['tier_async_over_torch_async_stall']:.2f}",
+    )
+    row("**tierckpt time until staged** (ms)", ms("tier_async_staged"))
+    row("torch time until staged (ms)", ms("torch_async_staged"))
+    row(
+        "tierckpt staged / raw D2H (target <= 1.1)",
+        lambda r: f"{r['ratios']['tier_async_staged_over_raw_d2h']:.2f}",
+    )
+    row("raw pinned H2D (ms)", ms("raw_h2d"))
+    row("**tierckpt restore into CUDA tensors, verified** (ms)", ms("tier_restore"))
+    row(
+        "restore / raw H2D as rates (target >= 0.8)",
+        lambda r: f"{r['ratios']['tier_restore_h2d_over_raw']:.2f}",
+    )
+    row("torch's asynchronous stager", lambda r: str(r["torch_async_stager"]))
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -339,10 +500,19 @@ def main() -> None:
     if args.no_saves:
         write_results(args.out, info, res)
         return
+    failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="tierckpt-gpu-bench-") as tmp:
         for gib in args.sizes:
-            r = run_size(gib, args.iters, Path(tmp))
+            try:
+                r = run_size(gib, args.iters, Path(tmp))
+            except Exception:  # the next sizes still run; the JSON says what failed
+                failed[str(gib)] = traceback.format_exc()
+                print(f"{gib} GiB failed:\n{failed[str(gib)]}", flush=True)
+                res["failed"] = failed
+                write_results(args.out, info, res)
+                continue
             res[str(gib)] = r
+            write_results(args.out, info, res)  # each size as it is done
             q = r["ratios"]
             print(
                 f"{gib} GiB: raw D2H {r['raw_d2h']['gbps']:.1f} GB/s, tierckpt stall "
@@ -350,11 +520,20 @@ def main() -> None:
                 f"target >= 0.9), torch best stager {r['torch_stall']['median_s'] * 1e3:.0f} ms "
                 f"(tierckpt/torch {q['tier_over_torch_stall']:.2f}; target <= 1), unpinned "
                 f"{q['unpinned_over_pinned_stall']:.1f}x slower, first pinned saves "
-                f"{', '.join(f'{s:.2f}' for s in r['tier_first_pinned_s'])} s; restore H2D "
-                f"{q['tier_restore_h2d_over_raw']:.2f}x raw; arena after {r['arena_after']}",
+                f"{', '.join(f'{s:.2f}' for s in r['tier_first_pinned_s'])} s; asynchronous: "
+                f"stall {r.get('tier_async_stall', {}).get('median_s', float('nan')) * 1e3:.2f} ms "
+                f"({q['tier_async_over_torch_async_stall']:.2f}x torch's; target <= 1), staged "
+                f"{q['tier_async_staged_over_raw_d2h']:.2f}x raw D2H (target <= 1.1); restore "
+                f"H2D {q['tier_restore_h2d_over_raw']:.2f}x raw (target >= 0.8); arena after "
+                f"{r['arena_after']}",
                 flush=True,
             )
     write_results(args.out, info, res)
+    sizes = {k: v for k, v in res.items() if k not in ("d2h_paths", "failed")}
+    if sizes:
+        table = markdown(sizes)
+        print(table)
+        args.out.with_suffix(".md").write_text(table)
 
 
 if __name__ == "__main__":

@@ -904,6 +904,21 @@ def gpu_rows(g: dict[str, Any]) -> list[Row]:
                 f"{yes(q['tier_d2h_over_raw'] >= 0.9)}; {yes(q['tier_over_torch_stall'] <= 1)}",
             )
         )
+        if "tier_async_stall" in r:
+            rows.append(
+                (
+                    gib,
+                    "GPU: tierckpt stall with asynchronous staging",
+                    ms("tier_async_stall"),
+                    "",
+                    f"{q['tier_async_over_torch_async_stall']:.2f}x torch's asynchronous "
+                    f"DefaultStager; staged after {ms('tier_async_staged')} "
+                    f"({q['tier_async_staged_over_raw_d2h']:.2f}x raw D2H)",
+                    "<= 1; <= 1.1",
+                    f"{yes(q['tier_async_over_torch_async_stall'] <= 1)}; "
+                    f"{yes(q['tier_async_staged_over_raw_d2h'] <= 1.1)}",
+                )
+            )
         rows.append(
             (
                 gib,
@@ -911,8 +926,8 @@ def gpu_rows(g: dict[str, Any]) -> list[Row]:
                 ms("tier_restore"),
                 f"{r['tier_restore']['gbps']:.1f}",
                 f"{q['tier_restore_h2d_over_raw']:.2f}x raw H2D GB/s",
-                "",
-                "",
+                ">= 0.8",
+                yes(q["tier_restore_h2d_over_raw"] >= 0.8),
             )
         )
     return rows

@@ -38,6 +38,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -619,9 +620,16 @@ def plot(series: list[Series], path: Path) -> None:
         ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
-    a.legend(fontsize=7, loc="upper left")
+    a.legend(fontsize=7, loc="upper left", title="run (what it measured, commit)")
     # Circles: the decider; squares, dashed: the median participant.
-    b.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+    b.legend(
+        fontsize=6,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.15),
+        ncol=2,
+        title="circles: the decider; squares, dashed: the median participant",
+        title_fontsize=6,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -658,6 +666,25 @@ def _svg(series: list[Series]) -> str:
     return f'<svg xmlns="http://www.w3.org/2000/svg" width="640" height="310">\n{body}\n</svg>\n'
 
 
+def _run_label(doc: dict[str, Any], path: Path) -> str:
+    """A run's legend entry without --labels: what it ran (its tag) and at which commit, so a
+    reader of the plot can tell the runs apart ("before" alone says nothing)."""
+    machine = doc.get("machine", {})
+    tag = machine.get("args", {}).get("tag") or path.stem
+    commit = machine.get("commit")
+    return f"{tag} (commit {commit[:7]})" if commit else tag
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
 def main() -> None:
     args = parse_args()
     if args.replot:
@@ -665,8 +692,8 @@ def main() -> None:
         labels = args.labels.split(";") if args.labels else []
         for i, path in enumerate(args.replot):
             doc = json.loads(path.read_text())
-            label = labels[i] if i < len(labels) else doc["machine"]["args"].get("tag")
-            series.append((label or path.stem, doc["results"]))
+            label = labels[i] if i < len(labels) else _run_label(doc, path)
+            series.append((label, doc["results"]))
         plot(series, args.plot or Path("scale.png"))
         return
     rows: list[dict[str, Any]] = []
@@ -681,6 +708,7 @@ def main() -> None:
     md = table(rows, args.tag)
     print(md)
     info = {
+        "commit": _commit(),  # the legend names each run by it (--replot)
         "cores": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
         "platform": platform.platform(),

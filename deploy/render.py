@@ -7,12 +7,16 @@ render. Helm itself comes from the `helm-python-sdk` package (Helm's Go library,
 binary and no cluster are needed.
 
     python deploy/render.py --write      # regenerate deploy/kubernetes/ from the chart
-    python deploy/render.py --set replication.enabled=true ...   # print a render
+    python deploy/render.py -f my-values.yaml --set daemon.keepLast=3   # print a render
+
+Values are built as `helm template` builds them (see build_values): -f files deep-merged, then
+--set and --set-string parsed into the result by Helm's own parser.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,36 +99,136 @@ def write_plain() -> list[str]:
     return changed
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
+# -- values as `helm template -f ... --set ...` builds them ----------------------------------------
+# Helm's order (pkg/cli/values.Options.MergeValues): the -f files, each deep-merged over the ones
+# before it (maps merge key by key, anything else is replaced); then every --set, then every
+# --set-string, each parsed into the result (strvals.ParseInto): `a.b=x` sets one key of the map
+# `a` and keeps its siblings, `a[1]=x` and `a[0].b=y` set one element of an existing list. Each
+# assignment is parsed by Helm's own parser (helm-python-sdk's parse_set_string), so its types
+# are Helm's: true/false, integers and null are typed, `{x,y}` is a list, anything else a string.
+
+
+def merge_maps(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """``b`` over ``a`` as Helm merges two -f files."""
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_maps(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _split(expression: str) -> list[str]:
+    """The comma-separated assignments of one --set (commas inside `{...}` or escaped stay)."""
+    parts, current, depth, escaped = [], "", 0, False
+    for ch in expression:
+        if escaped:
+            current, escaped = current + ch, False
+            continue
+        if ch == "\\":
+            escaped = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        current += ch
+    return [p for p in [*parts, current] if p]
+
+
+def _depth(assignment: str) -> int:
+    """How many keys and list indices the assignment's path has (`a.b[0].c=x`: 4)."""
+    key, escaped = "", False
+    for ch in assignment:
+        if escaped:
+            escaped = False
+            continue
+        if ch == "\\":
+            escaped = True
+            continue
+        if ch == "=":
+            break
+        key += ch
+    return key.count(".") + 1 + key.count("[")
+
+
+def _set_into(base: Any, parsed: Any, depth: int) -> None:
+    """Set the one path of ``parsed`` (one assignment, parsed) in ``base``, as ParseInto does."""
+    if isinstance(parsed, dict):
+        ((slot, value),) = parsed.items()
+        container: Any = base
+    else:  # a list index: the parsed list holds None up to the index set
+        slot, value = len(parsed) - 1, parsed[-1]
+        container = base
+        container.extend([None] * (slot + 1 - len(container)))
+    if depth == 1:
+        container[slot] = copy.deepcopy(value)
+        return
+    kind = dict if isinstance(value, dict) else list
+    current = container[slot] if isinstance(container, list) else container.get(slot)
+    if current is not None and not isinstance(current, kind):
+        # Helm refuses this too ("interface conversion: ... not map[string]interface {}").
+        raise helm_python.HelmValuesError(f"unable to parse key: {slot!r} is not a {kind.__name__}")
+    if not isinstance(current, kind):
+        current = kind()
+        container[slot] = current
+    _set_into(current, value, depth - 1)
+
+
+def apply_sets(values: dict[str, Any], expressions: list[str], *, strings: bool = False) -> None:
+    """Apply ``--set`` (or, with ``strings``, ``--set-string``) expressions to ``values``."""
+    parse = helm_python.parse_set_string_values if strings else helm_python.parse_set_string
+    for expression in expressions:
+        for assignment in _split(expression):
+            _set_into(values, parse(assignment), _depth(assignment))
+
+
+def build_values(
+    files: list[Path], sets: list[str], set_strings: list[str] | None = None
+) -> dict[str, Any]:
+    """The values ``helm template -f FILE... --set X... --set-string Y...`` renders with."""
     values: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected key=value")
-        node = values
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(raw)
+    for path in files:
+        values = merge_maps(values, helm_python.values_from_yaml(path.read_text()) or {})
+    apply_sets(values, sets)
+    apply_sets(values, set_strings or [], strings=True)
     return values
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="regenerate deploy/kubernetes/")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("-f", "--values", type=Path, help="a values file")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="as helm's --set: a.b=x, a[0].b=y, list={x,y}; true/false/integers/null typed",
+    )
+    parser.add_argument(
+        "--set-string", action="append", default=[], metavar="KEY=VALUE", help="values stay strings"
+    )
+    parser.add_argument(
+        "-f",
+        "--values",
+        type=Path,
+        action="append",
+        default=[],
+        help="a values file (repeatable; later files win, maps merge key by key)",
+    )
     args = parser.parse_args(argv)
     if args.write:
         for line in write_plain() or ["deploy/kubernetes/ is up to date"]:
             print(line)
         return 0
-    values = yaml.safe_load(args.values.read_text()) if args.values else {}
-    for key, value in _parse_set(args.set).items():
-        values[key] = value
     try:
+        values = build_values(args.values, args.set, args.set_string)
         rendered = render(values)
-    except helm_python.HelmError as e:
+    except (helm_python.HelmError, OSError) as e:
         print(f"render.py: {e}", file=sys.stderr)
         return 2
     for name, text in rendered.items():

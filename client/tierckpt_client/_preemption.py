@@ -170,6 +170,16 @@ def _memory_only(client: DaemonClient, namespace: str, step: int, config: Client
     return Outcome.FAILED
 
 
+def replicates(config: ClientConfig) -> bool:
+    """Whether this rank's daemon replicates committed steps to a peer (a save can wait for
+    its replicas); False when it cannot say (unreachable: the save degrades anyway)."""
+    try:
+        rep = DaemonClient.shared(config).status().replication
+    except DaemonUnavailableError:
+        return False
+    return rep is not None and rep.replicas > 0 and len(rep.peers) > 1
+
+
 def memory_only_warning(namespace: str, step: int) -> str:
     """The one warning a preempted job logs when its last save could not leave the node."""
     return (

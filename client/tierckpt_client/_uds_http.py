@@ -32,8 +32,8 @@ import time
 from collections.abc import Callable
 from urllib.parse import quote
 
-# Below uvicorn's default keep-alive timeout (5 s) with a margin: a connection the server may be
-# about to close is never reused.
+# Below the daemon's keep-alive timeout (30 s; uvicorn's default of 5 s on daemons before it) with
+# a margin: a connection the server may be about to close is never reused.
 IDLE_EXPIRY_S = 2.0
 _LINE_MAX = 65536
 _URL_SAFE = "/?&=%:@+,;~!$'()*"

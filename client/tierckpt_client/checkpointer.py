@@ -28,10 +28,12 @@ from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
     memory_only_warning,
+    replicates,
     wait_durable,
 )
 from tierckpt_client.config import ClientConfig
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _async_staging
+from tierckpt_client.dcp.writer import WAITS
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
@@ -66,20 +68,36 @@ def check_save_options(persist_every: int | None, async_mode: str) -> None:
 class SaveInFlight:
     """The one asynchronous save a loop has in flight (the :class:`Checkpointer`, the framework
     integrations): its step, and its error raised once, as :class:`SaveFailedError`, by
-    :meth:`wait` rather than dropped."""
+    :meth:`wait` rather than dropped.
+
+    A save staged asynchronously (``async_save`` returned an ``AsyncSaveResponse``) is waited
+    for by the loop's next optimizer step, whichever optimizer (a global pre-step hook,
+    ``dcp._async_staging``), and by :meth:`wait_staged`."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self.step: int | None = None
         self._future: Future[Any] | None = None
+        self._staging: Future[Any] | None = None
 
     def start(self, step: int, result: Any) -> None:
         """Track what ``dcp.async_save`` returned for ``step`` (a future or a response)."""
-        self._future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+        if isinstance(result, AsyncSaveResponse):
+            self._future, self._staging = result.upload_completion, result.staging_completion
+            _async_staging.wait_before_optimizer_steps(result.staging_completion)
+        else:
+            self._future, self._staging = result, None
         self.step = step
+
+    def wait_staged(self) -> None:
+        """Return once the save in flight no longer reads the state: from then on the loop may
+        change it. A failed stage is raised by :meth:`wait`."""
+        fut, self._staging = self._staging, None
+        _async_staging.wait_staged(fut, f"{self.namespace}/step {self.step}")
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
+        self.wait_staged()
         step, fut = self.step, self._future
         if fut is None:
             return
@@ -135,10 +153,24 @@ class Checkpointer:
         handle_signals: install the handlers (only possible from the main thread).
         preempt_deadline_s: how long a preempted save may take to become durable before the
             process exits anyway (with status 1). A daemon with no persistent tier: the save is
-            done once it is committed in memory (exit 0, with one warning).
+            done once it is committed in memory (exit 0, with one warning). The preemption's
+            save waits for its replicas (``wait="replicated"``) where the daemon replicates.
+        async_staging: copy the state into the tier while the loop goes on (default:
+            ``config.async_staging``, ``TIERCKPT_ASYNC_STAGING``, on). ``False``: ``save``
+            returns once the state is copied.
+        wait: when a save counts as done: ``"committed"`` (default) or ``"replicated"`` (every
+            share of the step also has its replicas on peers); see
+            :class:`TieredStorageWriter`.
 
-    ``save(step, state)`` returns once the state is copied into the node's memory tier; the rest
-    of the save runs in the background. The next save first waits for it and raises its error
+    ``save(step, state)`` returns at once with ``async_staging``: the copy of the state into
+    the node's memory tier runs during the next forward and backward, and every optimizer's
+    next ``step()`` waits for it before it changes the parameters (a global pre-step hook), as
+    does :meth:`wait_staged`. Anything else that changes the state in place before then (a
+    tensor changed by hand, BatchNorm's running statistics in a forward in training mode) must
+    come after ``wait_staged()``: a change the copy sees fails that save with
+    ``StagingRaceError`` (raised by the next ``save`` as :class:`SaveFailedError`), never a
+    torn step. Without it, ``save`` returns once the state is copied. The rest of the save runs
+    in the background. The next save first waits for it and raises its error
     (:class:`SaveFailedError`) rather than dropping it; that call does not start its own save (call
     it again to save that step). ``state`` maps names to tensors, dicts,
     or ``Stateful`` objects (their ``state_dict``/``load_state_dict`` are called), as DCP takes it.
@@ -161,6 +193,8 @@ class Checkpointer:
         preempt_signal: int | None = None,
         handle_signals: bool = True,
         preempt_deadline_s: float = 300.0,
+        async_staging: bool | None = None,
+        wait: str = "committed",
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
@@ -173,7 +207,11 @@ class Checkpointer:
         self.async_mode = async_mode
         self.config = config or ClientConfig.from_env()
         self.on_unavailable = on_unavailable
+        self.async_staging = self.config.async_staging if async_staging is None else async_staging
         self.preempt_deadline_s = preempt_deadline_s
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+        self.wait_for = wait
         self.process_group, self._flag_group = _groups(process_group)
         _LIVE.add(self)
         self._inflight = SaveInFlight(self.namespace)
@@ -221,7 +259,14 @@ class Checkpointer:
             return None
         return step % self.persist_every == 0
 
-    def _start(self, step: int, state: dict[str, Any], *, persist: bool | None) -> None:
+    def _start(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        persist: bool | None,
+        wait: str | None = None,
+    ) -> None:
         self.wait()
         writer = TieredStorageWriter(
             self.namespace,
@@ -229,6 +274,8 @@ class Checkpointer:
             persist=persist,
             config=self.config,
             on_unavailable=self.on_unavailable,
+            async_staging=self.async_staging,
+            wait=wait or self.wait_for,
         )
         result = dcp.async_save(
             state,
@@ -239,6 +286,12 @@ class Checkpointer:
         )
         self._inflight.start(step, result)
         self.last_saved_step = step
+
+    def wait_staged(self) -> None:
+        """Return once the save in flight has copied the state (at once without one, or when
+        it was staged synchronously): call it before changing the state in place outside an
+        optimizer's ``step()``, which waits by itself. Its failure is raised by :meth:`wait`."""
+        self._inflight.wait_staged()
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
@@ -324,7 +377,10 @@ class Checkpointer:
         code = 0
         try:
             if self.last_saved_step != step:
-                self._start(step, state, persist=True)
+                # Losing this step would hurt: where the daemon replicates, the save counts
+                # once every share has its replicas, not before.
+                wait = "replicated" if replicates(self.config) else "committed"
+                self._start(step, state, persist=True, wait=wait)
             self.wait()
             outcome = wait_durable(
                 self.namespace, step, self.config, self.preempt_deadline_s, self._flag_group

@@ -42,6 +42,11 @@ class ClientConfig:
         prelease: after each ``async_save`` (THREAD mode) ask the daemon for the next save's
             file, put in place when this save commits, so that the next ``stage`` needs no
             daemon round trip (``TIERCKPT_PRELEASE``, default on; ``0`` leases in ``stage``).
+        async_staging: where the caller waits for ``staging_completion`` itself
+            (:class:`~tierckpt_client.Checkpointer`, and the Hugging Face integration through
+            it), stage asynchronously: ``save`` returns before the copy into the tier is done, and the next
+            optimizer step waits for it (``TIERCKPT_ASYNC_STAGING``, default on; ``0`` copies
+            before ``save`` returns). A bare ``TieredStorageWriter`` takes its own argument.
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
@@ -53,6 +58,7 @@ class ClientConfig:
     pin_memory: bool = True
     restore_direct: str = "auto"
     prelease: bool = True
+    async_staging: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -68,6 +74,7 @@ class ClientConfig:
             ("verify_reads", "TIERCKPT_VERIFY_READS"),
             ("prelease", "TIERCKPT_PRELEASE"),
             ("pin_memory", "TIERCKPT_PIN_MEMORY"),
+            ("async_staging", "TIERCKPT_ASYNC_STAGING"),
         ):
             flag = _flag(env, var)
             if flag is not None:

@@ -24,8 +24,10 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_core.errors import DaemonUnavailableError, ProtocolError, TierCkptError
 from tierckpt_core.http import decode_body
 from tierckpt_core.protocol import (
+    AttemptInfo,
     ClusterListing,
     CommitRequest,
+    CorruptionReport,
     HydrateRequest,
     LeaseAfter,
     LeaseRequest,
@@ -51,6 +53,7 @@ _SHARED: dict[tuple[int, ClientConfig], UnixHTTP] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
 GIVE_BACK_S = 5.0  # the bound on releasing a pin sent ahead that no load claimed
+REPORT_TIMEOUT_S = 2.0  # the bound on telling the daemon about corruption a reader found
 
 
 @atexit.register
@@ -253,9 +256,18 @@ class DaemonClient:
         path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}/commit"
         return StepInfo.model_validate(self._request("POST", path, req.model_dump()))
 
-    def abort(self, namespace: str, step: int, attempt: str) -> None:
-        """Give up an uncommitted save attempt: the daemon frees its sealed files now."""
-        self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}")
+    def abort(self, namespace: str, step: int, attempt: str, *, abandoned: bool = False) -> None:
+        """Give up an uncommitted save attempt: the daemon frees its sealed files now. With
+        ``abandoned`` (an operator freeing a dead trainer's attempt), refused while one of the
+        processes that wrote it still runs."""
+        query = "?abandoned=true" if abandoned else ""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/attempts/{attempt}{query}"
+        self._request("DELETE", path)
+
+    def attempts(self, namespace: str, step: int) -> list[AttemptInfo]:
+        """The step's save attempts not committed: in progress, or left by a dead trainer."""
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/steps/{step}/attempts")
+        return [AttemptInfo.model_validate(x) for x in doc]
 
     def cluster(self, namespace: str | None = None, *, timeout_s: float = 5.0) -> ClusterListing:
         """Every node's committed steps: the daemon asks its peers, each within ``timeout_s``
@@ -312,6 +324,22 @@ class DaemonClient:
         """Queue a committed step for upload to the persistent tier now."""
         path = f"/v1/namespaces/{namespace}/steps/{step}/persist"
         return StepInfo.model_validate(self._request("POST", path))
+
+    def report_corruption(self, namespace: str, step: int, report: CorruptionReport) -> None:
+        """Tell the daemon that a reader found part of a step corrupt, for its metrics and log.
+        Best effort: never raises, waits at most ``REPORT_TIMEOUT_S`` for the answer, and says
+        at DEBUG when the daemon cannot be told (the reader's own error or fallback stands)."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/corruption"
+        try:
+            self._request("POST", path, report.model_dump(mode="json"), timeout=REPORT_TIMEOUT_S)
+        except (TierCkptError, OSError) as e:
+            logger.debug("could not report corruption of %s/step %d: %s", namespace, step, e)
+
+    def wait_replicated(self, namespace: str, step: int, timeout_s: float = 300.0) -> StepInfo:
+        """Wait until every share of a committed step has its replicas on peers (the daemon
+        answers then); StepStateError when one cannot, or not within ``timeout_s``."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/replicated?timeout_s={timeout_s:g}"
+        return StepInfo.model_validate(self._request("POST", path, timeout=timeout_s + 30.0))
 
     def delete(self, namespace: str, step: int) -> None:
         self._request("DELETE", f"/v1/namespaces/{namespace}/steps/{step}")

@@ -15,6 +15,8 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     │   └── LeaseNotFoundError      the lease expired or was never granted
     ├── CapacityExceededError       the memory tier cannot fit the request even after safe eviction
     ├── StepStateError              the step is in the wrong state (commit with missing files, ...)
+    │   └── StagingRaceError        a tensor changed while an asynchronous stage copied it (the
+    │                               loop did not wait for ``staging_completion``): that save fails
     ├── CheckpointFormatError       stored metadata or layout is malformed or does not match the load
     │   └── IntegrityError          stored bytes do not match their recorded checksum
     │       └── BlockMismatchError  a block received or copied did not match the checksum taken
@@ -95,6 +97,14 @@ class CapacityExceededError(TierCkptError):
 class StepStateError(TierCkptError):
     code = "step_state"
     http_status = 409
+
+
+class StagingRaceError(StepStateError):
+    """A tensor of the state was changed in place (its version counter moved) between
+    ``stage()`` and the end of its asynchronous copy: the training loop changed it before
+    waiting for ``staging_completion``. The save fails rather than commit a torn step."""
+
+    code = "staging_race"
 
 
 class CheckpointFormatError(TierCkptError):
@@ -187,6 +197,7 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         LeaseNotFoundError,
         CapacityExceededError,
         StepStateError,
+        StagingRaceError,
         CheckpointFormatError,
         ProtocolError,
         NotAMemberError,

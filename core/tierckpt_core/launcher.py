@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +97,13 @@ class DaemonProcess:
         *,
         log_path: Path | None = None,
         extra_env: Mapping[str, str] | None = None,
+        wrap: Sequence[str] = (),
         **settings: Any,
     ) -> None:
         self.shm_dir = shm_dir
+        # A command prefix that execs the daemon, e.g. ``ip netns exec <ns>`` (the network tests
+        # run each node's daemon in its own network namespace); the pid stays the daemon's.
+        self.wrap = list(wrap)
         self.socket = shm_dir / "daemon.sock"
         self.settings: dict[str, Any] = {"capacity": "2G", "port": 0, **settings}
         self.extra_env = dict(extra_env or {})
@@ -137,7 +141,10 @@ class DaemonProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tierckpt_daemon"], env=env, stdout=log, stderr=log
+                [*self.wrap, sys.executable, "-m", "tierckpt_daemon"],
+                env=env,
+                stdout=log,
+                stderr=log,
             )
         deadline = time.monotonic() + timeout
         while True:

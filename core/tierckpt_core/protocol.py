@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -134,12 +135,50 @@ class StepInfo(BaseModel):
     replication_pending: bool = False  # fewer than the configured replicas exist yet
     origin: str | None = None  # set on a replica: the peer that committed the step
     owner: str | None = None  # the identity its namespace belongs to (``uid:<n>``)
+    # A save attempt in progress (state "writing") only: its id, whether a process that sealed
+    # into it still runs (None: not known here), and in how many seconds the daemon reclaims it
+    # if it is not committed (None: prepared for a commit across nodes; its decider ends it).
+    attempt: str | None = None
+    writer_alive: bool | None = None
+    reclaim_in_s: float | None = None
+
+
+class AttemptInfo(BaseModel):
+    """A save attempt of a step that is not committed: written by a trainer now, or left behind
+    by one that died mid-save (``tierckpt inspect`` shows it, ``tierckpt rm --abandoned`` frees
+    it)."""
+
+    namespace: str
+    step: int
+    attempt: str
+    prepared: bool  # prepared for a commit across nodes: its decider ends it, not the sweep
+    bytes: int
+    files: list[FileRecord]
+    owner: str | None = None
+    created_at: float
+    idle_s: float  # since a rank last sealed into it
+    reclaim_in_s: float | None  # None: prepared (waits for its decider)
+    # The processes that sealed into it (pids as the daemon sees them; none where the kernel
+    # gave no pid, e.g. another pid namespace), and whether any of them still runs.
+    writers: list[int] = []
+    writer_alive: bool | None = None
 
 
 class HydrateRequest(BaseModel):
     """Which files of a step the caller's readers need here (none named: the node's own)."""
 
     files: list[str] | None = None
+
+
+class CorruptionReport(BaseModel):
+    """What a reader (a trainer's load, ``tierckpt verify``) found corrupt in a step: which file,
+    which block of it when known, read from which tier. The daemon counts it in
+    ``tierckpt_verification_failures_total{tier}`` and logs it; the reader's own error stands."""
+
+    file: str | None = Field(default=None, max_length=255)
+    block: int | None = Field(default=None, ge=0)
+    tier: Literal["memory", "peer", "persistent"]
+    detail: str = Field(default="", max_length=2000)
 
 
 class RangesRequest(BaseModel):
@@ -268,6 +307,8 @@ class StatusResponse(BaseModel):
     namespaces: list[NamespaceInfo]
     persistent: PersistentStatus | None = None
     replication: ReplicationStatus | None = None
+    # Background threads that died (each "thread NAME died of ERROR"): the daemon is unhealthy.
+    failed_threads: list[str] = []
 
 
 # -- daemon-to-daemon (peer) routes, /v1/peer/..., TCP only, Authorization: Bearer <token> -------

@@ -4,6 +4,8 @@ destination right after it landed, the whole blocks of many copies shared by sev
 
 - :class:`Copy`: one file's bytes to land in one destination.
 - :func:`copy_all`: many of them, checked; :func:`copy_verified`: one copy from a buffer.
+- :func:`check_all`: blocks of buffers checked in place, over several threads (the bytes a
+  device copy reads while they are checked).
 """
 
 from __future__ import annotations
@@ -224,6 +226,66 @@ class _Landing:
                 if got != digests[block]:
                     raise sums.mismatch(block)
         return end - start
+
+
+def check_all(
+    blocks: Sequence[tuple[Any, BlockSums, int]],
+    *,
+    threads: int = 1,
+    spawn: Spawn | None = None,
+) -> int:
+    """Check each ``(src, sums, block)``: the bytes of ``block`` in ``src`` (a buffer holding
+    the file from ``sums.origin``: a tier file's mapping) against its checksum, the blocks shared
+    by up to ``threads`` workers in runs of about :data:`PARALLEL_MIN` bytes, as
+    :func:`copy_all` shares its copies. For a copy that reads ``src`` itself while the blocks
+    are checked (a DMA to a device, ``dcp/_device_copy``): what is checked is ``src``, not the
+    destination. Every worker that started is waited for. The bytes checked;
+    BlockMismatchError (a bad block)."""
+    runs: list[list[tuple[memoryview, BlockSums, int]]] = []
+    size = 0
+    for src, sums, block in blocks:
+        if not runs or size >= PARALLEL_MIN:
+            runs.append([])
+            size = 0
+        lo, hi = sums.bounds(block)
+        runs[-1].append((_bytes(src), sums, block))
+        size += hi - lo
+    if not runs:
+        return 0
+    todo = iter(runs)
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def work() -> int:
+        done = 0
+        while not failed.is_set():
+            with lock:
+                run = next(todo, None)
+            if run is None:
+                break
+            try:
+                for view, sums, block in run:
+                    lo, hi = sums.bounds(block)
+                    got = xxhash.xxh3_128_hexdigest(view[lo - sums.origin : hi - sums.origin])
+                    if got != sums.digests[block]:
+                        raise sums.mismatch(block)
+                    done += hi - lo
+            except BaseException:
+                failed.set()
+                raise
+        return done
+
+    workers = min(threads, len(runs))
+    if workers <= 1:
+        return work()
+    futures = (spawn or _on_pool)(workers - 1, work)
+    checked = 0
+    try:
+        checked = work()
+    finally:
+        running = [f for f in futures if not f.cancel()]
+        concurrent.futures.wait(running)
+    return checked + sum(f.result() for f in running)
 
 
 Spawn = Callable[[int, Callable[[], int]], Sequence["concurrent.futures.Future[int]"]]

@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -69,18 +71,37 @@ def main(argv: list[str] | None = None) -> int:
         settings = DaemonSettings(**overrides)
     except ValidationError as e:
         for err in e.errors():
-            field = ".".join(str(x) for x in err["loc"]) or "settings"
-            print(f"tierckpt-daemon: invalid setting {field}: {err['msg']}", file=sys.stderr)
+            print(f"tierckpt-daemon: {_setting_error(err)}", file=sys.stderr)
         return 2
     _configure_logging(settings.log_level, settings.log_json)
     from tierckpt_core.errors import TierCkptError
+    from tierckpt_daemon.server import SettingError
+    from tierckpt_daemon.startup import check_environment
 
+    unknown = check_environment(settings, os.environ)
+    if unknown and settings.strict_settings:
+        for message in unknown:
+            print(f"tierckpt-daemon: {message} (TIERCKPT_STRICT_SETTINGS is on)", file=sys.stderr)
+        return 2
     try:
         serve(settings)
+    except SettingError as e:
+        print(f"tierckpt-daemon: invalid setting {e}", file=sys.stderr)
+        return 2
     except (DaemonStartError, TierCkptError) as e:
         logging.getLogger("tierckpt_daemon").error("%s", e)
         return 1
     return 0
+
+
+def _setting_error(err: Any) -> str:
+    """One line for a refused setting, naming its variable (``TIERCKPT_CAPACITY``); errors of
+    several settings together name theirs in the message."""
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    loc = [str(x) for x in err["loc"]]
+    if not loc:
+        return f"invalid setting: {msg}"
+    return f"invalid setting TIERCKPT_{'_'.join(loc).upper()}: {msg}"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tierckpt_daemon.paths import (
+    check_socket_length,
+    resolved_parents,
+    tier_dir,
+)
 from tierckpt_daemon.peers.tls import PeerTLS
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
@@ -28,6 +33,22 @@ def parse_size(text: str) -> int:
         )
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I") or ""
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Below this a tier holds no real checkpoint: a bare number under it is most likely a unit left out
+# (TIERCKPT_CAPACITY=40 is 40 bytes), so it is refused; with a unit it is taken as meant.
+CAPACITY_FLOOR = 64 << 20
+
+
+def check_capacity_floor(text: str) -> None:
+    """Refuse a capacity that is a bare number of bytes below :data:`CAPACITY_FLOOR`."""
+    t = text.strip()
+    if t.replace(".", "", 1).isdigit() and parse_size(t) < CAPACITY_FLOOR:
+        raise ValueError(
+            f"{t!r} is {parse_size(t)} bytes, below the {CAPACITY_FLOOR >> 20} MiB a memory tier "
+            f"needs: did you mean '{t}G'? Write the unit ('{t}M', '{t}B') to mean a small tier"
+        )
 
 
 def node_memory_bytes() -> int:
@@ -132,11 +153,26 @@ class DaemonSettings(BaseSettings):
         le=600,
         description="connect timeout, and longest wait for the next bytes, of every peer call",
     )
+    peer_list_timeout_s: float = Field(
+        default=3.0,
+        gt=0,
+        le=600,
+        description='how long "latest" (a restore\'s first call) and a restore from peers wait '
+        "for the peers asked to list the steps they hold; a peer that has not answered by then "
+        "is left out (named in a WARNING) and not asked again until its request ends",
+    )
     decider_gone_s: float = Field(
         default=600.0,
         ge=0,
         description="a save attempt prepared here whose decider (another node) has not been a "
         "member of the ring for this long is aborted, unless a member holds it committed",
+    )
+    decision_resend_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="a commit across nodes: a decision a participant did not take is sent to it "
+        "again, less and less often (2 s doubling to 60 s), for this long at most; not at all "
+        "once it answers that it cannot take it",
     )
     commit_fanout: int = Field(
         default=8,
@@ -189,6 +225,12 @@ class DaemonSettings(BaseSettings):
     )
     log_level: str = Field(default="INFO", description="DEBUG, INFO, WARNING, ERROR")
     log_json: bool = Field(default=False, description="one JSON object per log line")
+    strict_settings: bool = Field(
+        default=False,
+        description="refuse to start (exit 2) on a TIERCKPT_* variable that is no setting of the "
+        "daemon, the S3 tier or the trainers (a misspelt one); unset: a WARNING naming the "
+        "closest setting",
+    )
 
     capacity_bytes: int = Field(default=0, exclude=True)
     peer_secret: SecretStr | None = Field(default=None, exclude=True)  # from token or file
@@ -198,6 +240,29 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _check_capacity(cls, v: str) -> str:
         parse_capacity(v, node_bytes=1 << 30)  # syntax check only
+        check_capacity_floor(v)
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, v: str) -> str:
+        level = v.strip().upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"{v!r} is not one of {', '.join(LOG_LEVELS)}")
+        return level
+
+    @field_validator("shm_dir")
+    @classmethod
+    def _check_shm_dir(cls, v: Path) -> Path:
+        return tier_dir("TIERCKPT_SHM_DIR", v)
+
+    @field_validator("socket")
+    @classmethod
+    def _check_socket(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        v = resolved_parents(v)
+        check_socket_length(v, "set TIERCKPT_SOCKET to a shorter path")
         return v
 
     @field_validator("persist_url")
@@ -229,6 +294,9 @@ class DaemonSettings(BaseSettings):
     def _derive(self) -> DaemonSettings:
         if self.socket is None:
             self.socket = self.shm_dir / "daemon.sock"
+            check_socket_length(
+                self.socket, "set TIERCKPT_SOCKET to a shorter path, or shorten TIERCKPT_SHM_DIR"
+            )
         self.capacity_bytes = parse_capacity(self.capacity)
         if self.capacity_bytes <= 0:
             raise ValueError(f"capacity {self.capacity!r} resolves to {self.capacity_bytes} bytes")

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-FIELDS = ("namespace", "step", "rank", "attempt")
+# thread_name: a background thread that died (:mod:`.failures`); file, block, tier: corruption a
+# reader reported (api/corruption.py).
+FIELDS = ("namespace", "step", "rank", "attempt", "thread_name", "file", "block", "tier")
 
 
 def step_fields(

@@ -22,16 +22,29 @@ import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+# Where a block that failed its checksum came from: this node's memory (found by a trainer), a
+# peer's replica, the persistent tier.
+VERIFIED_TIERS = ("memory", "peer", "persistent")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TRANSFER_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
 class Metrics:
     def __init__(self) -> None:
+        # No `_created` series beside each counter and histogram: Prometheus does not use them,
+        # and they doubled the number of series. (A process-wide switch; the daemon's metrics are
+        # the only ones in its process.)
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.lease_seconds = Histogram(
@@ -73,9 +86,21 @@ class Metrics:
         )
         self.verification_failures = Counter(
             "tierckpt_verification_failures",
-            "Files whose checksum did not match when read back",
+            "Blocks whose checksum did not match when read back, by the tier they came from "
+            "(found by this daemon, or reported by a reader on the node)",
+            ["tier"],
             registry=r,
         )
+        for tier in VERIFIED_TIERS:  # every series from 0, so that increase() sees the first
+            self.verification_failures.labels(tier=tier)
+        self.thread_failures = Counter(
+            "tierckpt_background_thread_failures",
+            "Background threads of the daemon that died of an unexpected error",
+            ["thread"],
+            registry=r,
+        )
+        # RSS, open file descriptors, CPU seconds, start time (process_*; Linux only).
+        ProcessCollector(registry=r)
 
         self.replicated_bytes = Counter(
             "tierckpt_replicated_bytes", "Bytes pushed to peers as replicas", registry=r
@@ -100,6 +125,14 @@ class Metrics:
         self.replication_skips = Counter(
             "tierckpt_replication_skips",
             "Committed steps never replicated: they left memory first, or no peer was a member",
+            ["reason"],
+            registry=r,
+        )
+
+        self.decision_deliveries_abandoned = Counter(
+            "tierckpt_decision_deliveries_abandoned",
+            "Decisions of commits across nodes no longer sent to a participant that did not "
+            "take them",
             ["reason"],
             registry=r,
         )

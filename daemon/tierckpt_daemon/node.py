@@ -9,17 +9,19 @@ configuration turns on, so no part needs a back-pointer to another.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierckpt_core.errors import StepStateError
 from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
 from tierckpt_daemon import __version__
 from tierckpt_daemon.config import DaemonSettings, parse_size
+from tierckpt_daemon.failures import ThreadFailures
 from tierckpt_daemon.metrics import Snapshot
 from tierckpt_daemon.peers.cluster import ClusterLister
 from tierckpt_daemon.peers.commit import GlobalCommitter
 from tierckpt_daemon.peers.fetch import PeerFetcher
 from tierckpt_daemon.peers.handoff import HandoffServer
+from tierckpt_daemon.peers.replica_wait import ReplicaWait
 from tierckpt_daemon.peers.replication import Replicator
 from tierckpt_daemon.tier.arena import Arena
 from tierckpt_daemon.tier.persist import Persister
@@ -37,10 +39,15 @@ class Node:
     cluster: ClusterLister | None = None  # with peers: asks them what they hold
     # With peers on plain TCP, once serving: hands trainers connections to peers for restores.
     handoff: HandoffServer | None = None
+    # With peers: waits until every share of a step has its replicas (wait="replicated" saves).
+    replica_wait: ReplicaWait | None = None
     metrics_namespace_labels: str = "hashed"  # TIERCKPT_METRICS_NAMESPACE_LABELS
+    # Background threads that died; the threading.excepthook while serving (server.serve).
+    failures: ThreadFailures = field(init=False)
 
     def __post_init__(self) -> None:
         self.service.metrics.attach(self.snapshot, self.metrics_namespace_labels)
+        self.failures = ThreadFailures(self.service.metrics.thread_failures)
 
     def commit(self, namespace: str, step: int, attempt: str, req: CommitRequest) -> StepInfo:
         """A trainer's commit: on this daemon alone, or, when the ranks used several daemons,
@@ -60,6 +67,17 @@ class Node:
             self.service.freshness.committed(namespace, info.committed_at)
             return info
         return self.committer.commit(namespace, step, attempt, req)
+
+    def wait_replicated(
+        self, namespace: str, step: int, timeout_s: float, *, owner: str | None = None
+    ) -> StepInfo:
+        """The step, once every share of it has its replicas (:mod:`.peers.replica_wait`)."""
+        if self.replica_wait is None:
+            raise StepStateError(
+                f"{namespace}/step {step}: a save that waits for its replicas needs peers, and "
+                "this daemon has none (TIERCKPT_PEERS)"
+            )
+        return self.replica_wait.wait(namespace, step, timeout_s, owner=owner)
 
     def snapshot(self) -> Snapshot:
         """The state gauges of /metrics."""
@@ -105,6 +123,7 @@ class Node:
                 namespaces=[index.namespace_info(ns) for ns in index.namespaces()],
                 persistent=persistent,
                 replication=replication,
+                failed_threads=self.failures.failed(),
             )
 
 
@@ -166,6 +185,7 @@ def build_node(settings: DaemonSettings) -> Node:
             ),
             node=settings.node_name,
             decider_gone_s=settings.decider_gone_s,
+            resend_for_s=settings.decision_resend_s,
             fanout=settings.commit_fanout,
         )
     fetcher = (
@@ -174,6 +194,7 @@ def build_node(settings: DaemonSettings) -> Node:
             replicator.client,
             replicator,
             durable=persister.manifest if persister is not None else None,
+            list_wait_s=settings.peer_list_timeout_s,
         )
         if replicator is not None
         else None
@@ -186,5 +207,8 @@ def build_node(settings: DaemonSettings) -> Node:
         replicator,
         committer,
         lister,
+        replica_wait=ReplicaWait(service, replicator.client, node=replicator.node)
+        if replicator is not None
+        else None,
         metrics_namespace_labels=settings.metrics_namespace_labels,
     )

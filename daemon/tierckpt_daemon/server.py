@@ -26,8 +26,21 @@ from tierckpt_daemon.tier.tenants import CallerH11Protocol
 logger = logging.getLogger(__name__)
 
 
+# How long the daemon keeps an idle HTTP connection open. Its peers' clients let one go after
+# KEEPALIVE_EXPIRY_S (peers/transport.py), well before: a request sent on a connection the server
+# is closing meets a closed socket ("Server disconnected without sending a response") once the
+# two ends' clocks are within the link's latency of each other (issue 32: certain at 4.95 s idle
+# over a 25 ms link when both were uvicorn's and httpx's default of 5 s).
+KEEPALIVE_S = 30
+
+
 class DaemonStartError(RuntimeError):
     """The daemon cannot start (another one runs on the same tier, a port is taken, ...)."""
+
+
+class SettingError(DaemonStartError):
+    """A setting the daemon cannot work with, found only when it is used (``__main__``: exit 2,
+    the message names the setting)."""
 
 
 def _lock_tier(shm_dir: Path) -> int:
@@ -39,7 +52,9 @@ def _lock_tier(shm_dir: Path) -> int:
                 f"{shm_dir / 'daemon.lock'} is a symbolic link; the daemon does not follow links "
                 "in its tier directory: remove it"
             ) from None
-        raise
+        raise SettingError(
+            f"TIERCKPT_SHM_DIR: cannot create files in {shm_dir}: {e.strerror or e}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -147,13 +162,25 @@ class _Server(uvicorn.Server):
 
 
 def serve(settings: DaemonSettings) -> None:
-    make_dir(settings.shm_dir)
+    try:
+        make_dir(settings.shm_dir)
+    except OSError as e:
+        raise SettingError(
+            f"TIERCKPT_SHM_DIR: cannot create {settings.shm_dir}: {e.strerror or e}"
+        ) from None
     lock_fd = _lock_tier(settings.shm_dir)
     node: Node | None = None
+    restore_hook = None
     try:
         node = build_node(settings)
+        restore_hook = node.failures.install()
         app = create_app(node, settings)
-        sockets = [_bind_unix(settings.socket_path)]
+        try:
+            sockets = [_bind_unix(settings.socket_path)]
+        except OSError as e:
+            raise SettingError(
+                f"TIERCKPT_SOCKET: cannot listen on {settings.socket_path}: {e.strerror or e}"
+            ) from None
         tcp = [_bind_tcp(settings.host, settings.port)] if settings.port else []
         tls = settings.peer_tls.server_context() if settings.peer_tls is not None else None
         if tls is None:
@@ -163,6 +190,7 @@ def serve(settings: DaemonSettings) -> None:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=30,
+            timeout_keep_alive=KEEPALIVE_S,
             lifespan="on",
             # Peers' file bytes by sendfile on plain TCP; local callers' uid on the Unix socket.
             http=CallerH11Protocol,
@@ -187,6 +215,8 @@ def serve(settings: DaemonSettings) -> None:
         )
         asyncio.run(server.serve(sockets=sockets))
     finally:
+        if restore_hook is not None:
+            restore_hook()
         if node is not None and node.handoff is not None:
             node.handoff.close()
         with contextlib.suppress(FileNotFoundError):

@@ -155,6 +155,35 @@ def test_overwrite_false_keeps_the_committed_step(client_env: DaemonProcess) -> 
     assert torch.equal(dest["w"], second["w"])
 
 
+def _refused_worker(rank: int, world: int, socket: str) -> None:
+    os.environ["TIERCKPT_SOCKET"] = socket
+    group = dist.new_group(backend="gloo")
+    sd = {f"r{rank}": torch.ones(1 << 18) * rank}
+    dcp.save(sd, storage_writer=TieredStorageWriter("refused", 1), process_group=group)
+    # The writers stay referenced, as a trainer's do: nothing is given back by the collector.
+    writers = [TieredStorageWriter("refused", 1, overwrite=False) for _ in range(2)]
+    with pytest.raises(CheckpointException, match="overwrite=False"):
+        dcp.async_save(sd, storage_writer=writers[0], process_group=group).result()
+    with pytest.raises(CheckpointException, match="overwrite=False"):
+        dcp.save(sd, storage_writer=writers[1], process_group=group)
+    dist.barrier(group)
+    if rank == 0:
+        # Right after the refusals, on every rank: nothing leased, no save in progress (the
+        # files went back at the refusal, not after TIERCKPT_LEASE_TTL_S).
+        status = DaemonClient.from_socket(socket).status()
+        assert status.leased_bytes == 0, status
+        assert [(n.namespace, n.steps) for n in status.namespaces] == [("refused", 1)]
+    dist.barrier(group)
+    del writers
+
+
+@pytest.mark.slow
+def test_a_save_refused_by_overwrite_false_gives_its_memory_back_on_every_rank(
+    daemon: DaemonProcess,
+) -> None:
+    run_ranks(_refused_worker, WORLD, str(daemon.socket))
+
+
 def test_a_checkpoint_id_names_the_step_with_our_writer_and_reader(
     client_env: DaemonProcess,
 ) -> None:

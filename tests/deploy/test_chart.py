@@ -337,6 +337,8 @@ def test_prometheus_rule_alerts_use_exported_metrics() -> None:
         "TierckptNoDurableStep",
         "TierckptCapacityNearlyFull",
         "TierckptPeersUnreachable",
+        "TierckptVerificationFailures",
+        "TierckptBackgroundThreadDied",
     } <= alerts.keys()
     assert "[30m]" in alerts["TierckptNoDurableStep"]
     exported = _exported_metrics()

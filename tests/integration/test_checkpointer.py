@@ -36,6 +36,7 @@ def test_cadence_restore_and_stateful(client_env: DaemonProcess) -> None:
     with Checkpointer("ck", every=2, persist_every=4) as ckpt:
         assert ckpt.restore({"w": w, "counter": counter}) is None  # fresh start
         for step in range(1, 6):
+            ckpt.wait_staged()  # the last save's stage is done: the loop may change w
             w += step
             counter.n = step
             ckpt.save(step, {"w": w, "counter": counter})
@@ -98,6 +99,7 @@ def test_extra_signal_saves_durable_step_and_exits_0(
     w = torch.arange(1000.0)
     ckpt.save(1, {"w": w})
     os.kill(os.getpid(), signal.SIGUSR1)  # would end the process without the handler
+    ckpt.wait_staged()
     w += 1
     with pytest.raises(SystemExit) as exited:
         ckpt.save(2, {"w": w})

@@ -281,7 +281,9 @@ def four() -> Iterator[list[DaemonProcess]]:
         yield sorted(ds, key=lambda d: d.name)
 
 
-def _decided_without(four: list[DaemonProcess], away: DaemonProcess) -> dict[str, bytes]:
+def _decided_without(
+    four: list[DaemonProcess], away: DaemonProcess, *, persist: bool = False
+) -> dict[str, bytes]:
     """Step 1 over ``four``, each node one rank's file, prepared everywhere and then decided by
     the third node (the holders of its share table and metadata: it and the fourth) while
     ``away`` is down: it learns the decision only by asking, once back. Returns the files."""
@@ -313,7 +315,7 @@ def _decided_without(four: list[DaemonProcess], away: DaemonProcess) -> dict[str
     with _peer(decider) as http:  # the decider decides; the others ask it (in doubt)
         resp = http.post(
             f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit",
-            json={"manifest": manifest.model_dump(mode="json"), "persist": False},
+            json={"manifest": manifest.model_dump(mode="json"), "persist": persist},
         )
     assert resp.status_code == 200, resp.text
     for d in four:

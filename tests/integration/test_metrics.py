@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -229,3 +230,38 @@ def test_a_step_with_no_peer_to_go_to_is_counted_as_skipped(
     assert got
     # Said once, at WARNING, not once per step.
     assert d.log().count("is not replicated: no other daemon is a member") == 1
+
+
+def _documented_metrics() -> set[str]:
+    """The metric names in docs/operations.md's table under "Metrics and dashboards"."""
+    doc = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    table = doc.split("| metric | type | what |", 1)[1].split("\n\n", 1)[0]
+    return {
+        re.sub(r"\{.*", "", name)
+        for row in table.splitlines()
+        if row.startswith("|")
+        for name in re.findall(
+            r"`((?:tierckpt|process)_[a-z_*]+(?:\{[a-z_,]*\})?)`", row.split("|")[1]
+        )
+    }
+
+
+@pytest.mark.daemon_settings(port=PORT, host="127.0.0.1", capacity="64M")
+def test_every_exported_metric_is_in_the_docs_table_and_no_created_series(
+    client_env: DaemonProcess,
+) -> None:
+    text = httpx.get(f"http://127.0.0.1:{PORT}/metrics", timeout=10).text
+    families = list(text_string_to_metric_families(text))
+    exported = {
+        f.name + ("_total" if f.type == "counter" else "")
+        for f in families
+        if f.name.startswith("tierckpt_")
+    }
+    documented = _documented_metrics()
+    assert exported - documented == set(), "exported but not in docs/operations.md's table"
+    assert documented - exported - {"process_*"} == set(), "documented but not exported"
+    assert not [s.name for f in families for s in f.samples if s.name.endswith("_created")]
+    # The process's own: resident memory, open descriptors, CPU seconds.
+    names = {f.name for f in families}
+    assert {"process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds"} <= names
+    assert "process_*" in documented

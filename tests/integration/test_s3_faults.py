@@ -73,12 +73,12 @@ def _stalled_at(proxy: S3FaultProxy) -> float:
 
 def _scrape(port: int) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    return {
-        s.name: s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if not s.labels
-    }
+    # Labelled series summed under their name (tierckpt_verification_failures_total{tier}).
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
 
 
 @pytest.fixture

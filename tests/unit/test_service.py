@@ -169,7 +169,31 @@ def test_rebuild_keeps_committed_and_reclaims_partial(root: Path) -> None:
     assert [(s.step, s.state.value) for s in svc2.list_steps("job")] == [(1, "committed")]
     assert svc2.arena.pool_files == 2
     assert unpack_metadata(svc2.metadata("job", 1), where="test") == {"step": 1}
-    assert svc2.arena.used_bytes == 3 * MiB
+    # The partial attempt's file was cut to its sealed length (one page) at the seal.
+    assert svc2.arena.used_bytes == 2 * MiB + 4096
+
+
+def test_a_sealed_file_keeps_only_its_length(root: Path) -> None:
+    """A rank that staged more than it writes (replicated state, issue 38) seals a shorter
+    length: the file is cut to it (a page at most more), and the memory is free for others; a
+    tail under 1/20 of the file stays (the file then still fits the next lease of its size)."""
+    svc = make(root, capacity=4 * MiB)
+    cut = svc.lease("job", 0, 2 * MiB)
+    kept = svc.lease("job", 1, MiB)
+    files = [
+        SealFile(lease_id=cut.lease_id, name="r0", length=MiB // 2 + 1),
+        SealFile(lease_id=kept.lease_id, name="r1", length=MiB - 4096),
+    ]
+    svc.seal("job", 1, "a", SealRequest(rank=0, files=files))
+    svc.commit("job", 1, "a", CommitRequest(files=["r0", "r1"], metadata={}, world_size=2))
+    sizes = {f.name: f.size for f in svc.get_step("job", 1).files}
+    assert sizes == {"r0": MiB // 2 + 4096, "r1": MiB}
+    step_dir = next((root / "ns" / "job").iterdir())
+    assert (step_dir / "r0").stat().st_size == MiB // 2 + 4096
+    assert svc.arena.used_bytes == MiB // 2 + 4096 + MiB
+    assert svc.get_step("job", 1).bytes == MiB // 2 + 4096 + MiB
+    svc.lease("job", 0, 2 * MiB)  # fits now: the cut tail went back to the budget
+    assert make(root).get_step("job", 1).bytes == MiB // 2 + 4096 + MiB  # and after a restart
 
 
 def test_rebuild_discards_a_step_with_a_missing_file(root: Path) -> None:

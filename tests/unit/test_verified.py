@@ -364,3 +364,22 @@ def test_copy_all_does_not_wait_for_a_worker_that_never_starts() -> None:
             f.result(timeout=60)
     pool.submit(lambda: None).result(timeout=60)  # every worker idle again
     assert dest == data
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_check_all_checks_blocks_in_place_over_threads(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocks a device copy reads, checked in the source beside it: all good blocks pass
+    (the bytes counted), one flipped byte fails naming its block, whichever thread finds it."""
+    monkeypatch.setattr(verified_copy, "PARALLEL_MIN", 2 * BLOCK)  # several runs
+    data, sums = _file()
+    blocks = [(data, sums, b) for b in range(len(sums.digests))]
+    assert verified_copy.check_all(blocks, threads=threads) == LENGTH
+    bad = _flipped(data, 7 * BLOCK + 5)
+    with pytest.raises(BlockMismatchError) as e:
+        verified_copy.check_all([(bad, sums, b) for b in range(11)], threads=threads)
+    assert e.value.block == 7 and "r0.data" in str(e.value)
+    assert verified_copy.check_all([(bad, sums, b) for b in (0, 1, 8, 10)], threads=threads) == (
+        3 * BLOCK + 1234
+    )

@@ -11,6 +11,7 @@ import io
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -25,10 +26,29 @@ from rich.progress import (
 from rich.table import Table
 
 WIDE = 250  # columns for a table written to a pipe: a script wants whole lines, not wrapped cells
+OUTPUTS = ("table", "json", "wide", "name")
+
+
+@dataclass
+class Options:
+    """How results are shown (kubectl's habits): ``-o table|json|wide|name``, ``--no-headers``,
+    ``-q`` (no progress, warnings or confirmation lines on stderr/stdout; errors still go to
+    stderr). Set once by main() before a command runs."""
+
+    output: str = "table"
+    no_headers: bool = False
+    quiet: bool = False
+
+
+OPTIONS = Options()
 
 
 class StdoutClosed(Exception):
     """The reader of stdout went away (EPIPE); main() exits quietly."""
+
+
+class NoNamesError(ValueError):
+    """``-o name`` asked of a command whose result has no names (a usage error, exit 2)."""
 
 
 def size(n: int) -> str:
@@ -54,9 +74,24 @@ def opt(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A borderless table as text: header row, then one line per row, columns aligned."""
-    t = Table(box=None, pad_edge=False, header_style=None, show_edge=False)
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    *,
+    wide: tuple[Sequence[str], Sequence[Sequence[object]]] | None = None,
+) -> str:
+    """A borderless table as text: header row (unless ``--no-headers``), then one line per row,
+    columns aligned. ``wide``: more columns (headers, one tuple per row) for ``-o wide``."""
+    if wide is not None and OPTIONS.output == "wide":
+        headers = [*headers, *wide[0]]
+        rows = [[*row, *more] for row, more in zip(rows, wide[1], strict=True)]
+    t = Table(
+        box=None,
+        pad_edge=False,
+        header_style=None,
+        show_edge=False,
+        show_header=not OPTIONS.no_headers,
+    )
     for h in headers:
         t.add_column(h, no_wrap=True)
     for row in rows:
@@ -74,12 +109,35 @@ def write_stdout(text: str) -> None:
         raise StdoutClosed from None
 
 
-def emit(json_mode: bool, doc: Any, text: str) -> None:
-    write_stdout(json.dumps(doc, indent=2) if json_mode else text)
+def emit(json_mode: bool, doc: Any, text: str, *, names: Sequence[str] | None = None) -> None:
+    """The command's result: JSON (``--json``, ``-o json``), its ``names`` one per line (``-o
+    name``), or ``text`` (a table, ``-o wide`` with more columns)."""
+    if json_mode or OPTIONS.output == "json":
+        write_stdout(json.dumps(doc, indent=2))
+    elif OPTIONS.output == "name":
+        if names is None:
+            raise NoNamesError("-o name: this command's result has no names; use -o json")
+        if names:
+            write_stdout("\n".join(names))
+    else:
+        write_stdout(text)
+
+
+def done(json_mode: bool, doc: Any, text: str) -> None:
+    """The result of a command that changes something: a confirmation line (none with ``-q``)."""
+    if json_mode or OPTIONS.output == "json" or not OPTIONS.quiet:
+        emit(json_mode, doc, text, names=[])
 
 
 def warn(message: str) -> None:
-    print(f"tierckpt: warning: {message}", file=sys.stderr)
+    if not OPTIONS.quiet:
+        print(f"tierckpt: warning: {message}", file=sys.stderr)
+
+
+def note(message: str) -> None:
+    """A progress line on stderr (none with ``-q``)."""
+    if not OPTIONS.quiet:
+        print(message, file=sys.stderr)
 
 
 def byte_progress() -> Progress:
@@ -93,4 +151,5 @@ def byte_progress() -> Progress:
         TimeRemainingColumn(),
         console=Console(stderr=True, highlight=False),
         transient=False,
+        disable=OPTIONS.quiet,
     )

@@ -36,6 +36,15 @@ class Persistent:
     _url: str | None = None
     _resolved: bool = False
     daemon_url: str | None = field(default=None, init=False)
+    # No daemon answers: the commands that can (ls, inspect, verify, export) read the store of
+    # TIERCKPT_PERSIST_URL alone (see main.DAEMONLESS).
+    offline: bool = field(default=False, init=False)
+
+    def go_offline(self) -> str | None:
+        """Read ``TIERCKPT_PERSIST_URL`` alone, without the daemon; returns it."""
+        self.offline, self._resolved = True, True
+        self.daemon_url, self._url = None, self.client.config.persist_url
+        return self._url
 
     @property
     def url(self) -> str | None:

@@ -11,11 +11,13 @@ import time
 from typing import Any
 
 from tierckpt_client.cli import _render as r
+from tierckpt_client.cli import attempts
 from tierckpt_client.cli._tiers import Persistent
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.errors import NotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.layout import StepManifest
 from tierckpt_core.protocol import (
+    AttemptInfo,
     PersistentStatus,
     ReplicationStatus,
     StepCandidate,
@@ -37,6 +39,8 @@ def cmd_status(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
         f"leased      {r.size(st.leased_bytes)}",
         f"pool        {st.pool_files} files, {r.size(st.pool_bytes)} (recycled for new leases)",
         f"keep last   {st.keep_last} committed steps per namespace",
+        "health      "
+        + (f"UNHEALTHY: {'; '.join(st.failed_threads)}" if st.failed_threads else "ok"),
         f"persistent  {_persistent_line(st.persistent)}",
         f"replication {_replication_line(st.replication)}",
     ]
@@ -111,12 +115,12 @@ def _ls_namespaces(client: DaemonClient, tier: Persistent, args: argparse.Namesp
     """Namespaces in memory and in the persistent tier. ``steps``/``committed_steps``/``bytes``
     count the memory tier; ``durable_steps`` the persistent tier (None: no persistent tier)."""
     docs: dict[str, dict[str, Any]] = {}
-    for ns in client.namespaces():
+    for ns in [] if tier.offline else client.namespaces():
         docs[ns.namespace] = {**ns.model_dump(mode="json"), "tiers": ["memory"]}
     try:
         persisted = tier.namespaces()
-        unreadable: TierCkptError | None = None
-    except TierCkptError as e:  # show what memory holds, then fail (exit 1)
+        unreadable: Exception | None = None
+    except (TierCkptError, OSError) as e:  # show what memory holds, then fail (exit 1)
         persisted, unreadable = {}, e
     for name, steps in persisted.items():
         doc = docs.setdefault(
@@ -136,26 +140,22 @@ def _ls_namespaces(client: DaemonClient, tier: Persistent, args: argparse.Namesp
     for doc in docs.values():
         doc.setdefault("durable_steps", 0 if tier.url and unreadable is None else None)
     ordered = [docs[k] for k in sorted(docs)]
-    r.emit(args.json, ordered, _namespaces_table(ordered))
+    names = [d["namespace"] for d in ordered]
+    r.emit(args.json, ordered, _namespaces_table(ordered), names=names)
     if unreadable is not None:
         raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}")
 
 
 def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Namespace) -> None:
-    try:
-        steps = client.steps(ns)
-    except NotFoundError:
-        steps = []  # nothing in memory; the persistent tier may still hold steps
-    try:
-        candidates = {c.step: c for c in client.candidates(ns)}
-    except NotFoundError:
-        candidates = {}
-    except TierCkptError:
-        if not steps and tier.url is None:
-            raise  # the daemon's persistent tier is broken and there is nothing else to show
-        candidates = {}  # the memory tier's answer stands on its own
+    unreadable: Exception | None
+    steps, candidates, unreadable = ([], {}, None) if tier.offline else _memory_steps(client, ns)
+    stored: list[int] = []
     if not tier.is_daemons:  # a store the daemon does not use: read it here
-        for step in tier.steps(ns):
+        try:
+            stored = tier.steps(ns)
+        except (TierCkptError, OSError) as e:  # show what memory holds, then fail, as `ls` does
+            unreadable = e
+        for step in stored:
             c = candidates.get(step)
             candidates[step] = StepCandidate(
                 step=step,
@@ -163,15 +163,21 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
                 durable=True,
                 peers=c.peers if c else [],
             )
-    docs: dict[int, dict[str, Any]] = {}
+    # A step may be committed and have a save attempt in progress too: one row each.
+    docs: dict[tuple[int, str], dict[str, Any]] = {}
     for s in steps:
-        docs[s.step] = {**s.model_dump(mode="json"), "tiers": _tiers(s, candidates.get(s.step))}
+        doc = {**s.model_dump(mode="json"), "tiers": _tiers(s, candidates.get(s.step))}
+        docs[(s.step, s.attempt or "")] = doc
+    held = {step for step, _ in docs}
     for c in candidates.values():
-        if c.step not in docs and (c.durable or c.peers):
-            docs[c.step] = _not_in_memory(ns, c)
+        if c.step not in held and (c.durable or c.peers):
+            docs[(c.step, "")] = _not_in_memory(ns, c)
+    if not docs and unreadable is not None:
+        raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
     if not docs:
         raise NotFoundError(f"namespace {ns!r} has no steps in memory" + _where(tier))
     now = time.time()
+    ordered = [d for _, d in sorted(docs.items())]
     rows = [
         (
             d["step"],
@@ -182,10 +188,45 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
             ",".join(d["tiers"]),
             _replicas_cell(d),
         )
-        for _, d in sorted(docs.items())
+        for d in ordered
     ]
-    text = r.table(("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"), rows)
-    r.emit(args.json, [d for _, d in sorted(docs.items())], text)
+    wide = [
+        (
+            r.opt(d["world_size"]),
+            r.opt(d.get("owner")),
+            r.age(d["created_at"], now),
+            r.opt(d.get("attempt")),
+        )
+        for d in ordered
+    ]
+    text = r.table(
+        ("STEP", "STATE", "SIZE", "FILES", "AGE", "TIERS", "REPLICAS"),
+        rows,
+        wide=(("WORLD", "OWNER", "CREATED", "ATTEMPT"), wide),
+    )
+    names = [f"{ns}/{d['step']}" for d in ordered if d["state"] != "writing"]
+    notes = [] if r.OPTIONS.no_headers else attempts.ls_notes(ns, ordered)
+    r.emit(args.json, ordered, "\n".join([text, *notes]), names=names)
+    if unreadable is not None:
+        raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
+
+
+def _memory_steps(
+    client: DaemonClient, ns: str
+) -> tuple[list[StepInfo], dict[int, StepCandidate], TierCkptError | None]:
+    """The steps this node's daemon holds, the candidates it knows of in every tier, and why
+    it could not list its persistent tier (then the memory tier's answer is shown, and the
+    command fails after it, as ``ls`` does)."""
+    try:
+        steps = client.steps(ns)
+    except NotFoundError:
+        steps = []  # nothing in memory; the persistent tier may still hold steps
+    try:
+        return steps, {c.step: c for c in client.candidates(ns)}, None
+    except NotFoundError:
+        return steps, {}, None
+    except TierCkptError as e:
+        return steps, {}, e
 
 
 def _ls_cluster(client: DaemonClient, args: argparse.Namespace) -> None:
@@ -218,7 +259,8 @@ def _ls_cluster(client: DaemonClient, args: argparse.Namespace) -> None:
     text = r.table(("NODE", "NAMESPACE", "STEP", "STATE", "SIZE", "FILES", "AGE", "REPLICAS"), rows)
     if listing.node is None:
         notes.append("this daemon has no peers (TIERCKPT_PEERS): only this node is listed")
-    r.emit(args.json, listing.model_dump(mode="json"), "\n".join([text, *notes]))
+    names = [f"{node.node}/{s.namespace}/{s.step}" for node in listing.nodes for s in node.steps]
+    r.emit(args.json, listing.model_dump(mode="json"), "\n".join([text, *notes]), names=names)
 
 
 def _where(tier: Persistent) -> str:
@@ -293,9 +335,17 @@ def _manifest_doc(m: StepManifest) -> dict[str, Any]:
 def cmd_inspect(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
     ns, step = validate_namespace(args.namespace), validate_step(args.step)
     try:
+        if tier.offline:
+            raise StepNotFoundError(f"{ns}/step {step}: no daemon")
         info = client.step(ns, step)
     except NotFoundError:
+        pending = [] if tier.offline else _attempts(client, ns, step)
         manifest = tier.manifest(ns, step)
+        if manifest is None and pending:  # only a save in progress, or one left by a dead trainer
+            writing: dict[str, Any] = {"namespace": ns, "step": step, "state": "writing"}
+            writing["attempts"] = [a.model_dump(mode="json") for a in pending]
+            r.emit(args.json, writing, attempts.attempts_text(ns, step, pending))
+            return
         if manifest is None:
             raise StepNotFoundError(f"{ns}/step {step} is not in memory{_where(tier)}") from None
         doc = _manifest_doc(manifest)
@@ -304,9 +354,21 @@ def cmd_inspect(client: DaemonClient, tier: Persistent, args: argparse.Namespace
         if not durable and tier.url is not None and not tier.is_daemons:
             durable = tier.manifest(ns, step) is not None
         doc = {**info.model_dump(mode="json")}
-        doc["tiers"] = ["memory"] + (["peers"] if info.replicated_to else [])
-        doc["tiers"] += ["persistent"] if durable else []
-    r.emit(args.json, doc, _step_text(doc))
+        tiers = ["memory"] + (["peers"] if info.replicated_to else [])
+        doc["tiers"] = tiers + (["persistent"] if durable else [])
+        pending = _attempts(client, ns, step)
+    doc["attempts"] = [a.model_dump(mode="json") for a in pending]
+    text = _step_text(doc)
+    if pending:
+        text += "\n\n" + attempts.attempts_text(ns, step, pending)
+    r.emit(args.json, doc, text, names=[f"{ns}/{step}"])
+
+
+def _attempts(client: DaemonClient, ns: str, step: int) -> list[AttemptInfo]:
+    try:
+        return client.attempts(ns, step)
+    except NotFoundError:  # the namespace is not on this node
+        return []
 
 
 def _step_text(d: dict[str, Any]) -> str:

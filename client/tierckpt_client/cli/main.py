@@ -32,8 +32,9 @@ EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE, what a shell reports for `cat big | h
 DESCRIPTION = """\
 Look at and manage the checkpoints that this node's tierckpt daemon holds in memory and that the
 persistent tier holds. Talks to the daemon over its Unix socket (TIERCKPT_SOCKET or --socket);
-reads the persistent tier directly (TIERCKPT_PERSIST_URL, else the tier the daemon uses). Tables by
-default, --json for scripts; progress goes to stderr."""
+reads the persistent tier directly (TIERCKPT_PERSIST_URL, else the tier the daemon uses). With
+TIERCKPT_PERSIST_URL set and no daemon reachable, ls, inspect, verify and export read that store
+alone. Tables by default, --json for scripts; progress goes to stderr."""
 
 EPILOG = """\
 exit codes:
@@ -75,7 +76,28 @@ def _parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         default=argparse.SUPPRESS,
-        help="print the result as JSON on stdout (for scripts)",
+        help="print the result as JSON on stdout (for scripts; the same as -o json)",
+    )
+    common.add_argument(
+        "-o",
+        "--output",
+        choices=_render.OUTPUTS,
+        default=argparse.SUPPRESS,
+        help="table (default), json, wide (a table with more columns) or name (one name per "
+        "line: NAMESPACE, NAMESPACE/STEP, NODE/NAMESPACE/STEP)",
+    )
+    common.add_argument(
+        "--no-headers",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print tables without their header row (and without the notes below them)",
+    )
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="no progress bars, warnings or confirmation lines; errors are still printed",
     )
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
@@ -113,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("step", type=int, metavar="STEP", help="the step number")
 
+    s = command("help", _no_command, "show the help of a command: tierckpt help COMMAND")
+    s.add_argument("topic", nargs="?", metavar="COMMAND", help="the command (default: tierckpt)")
     command(
         "status",
         listing.cmd_status,
@@ -169,6 +193,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--yes", action="store_true", help="confirm --persistent: the deletion cannot be undone"
     )
+    s.add_argument(
+        "--abandoned",
+        action="store_true",
+        help="free the step's save attempt that a trainer left when it died mid-save (refused "
+        "while its writer runs); `tierckpt inspect` shows it",
+    )
     s = command(
         "export",
         manage.cmd_export,
@@ -202,9 +232,41 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The commands whose results have names (-o name): namespaces, steps, a node's steps.
+NAMED = {"ls", "inspect"}
+
+
+def _no_command(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
+    raise AssertionError("tierckpt help is answered before any daemon is reached")
+
+
+def _help(parser: argparse.ArgumentParser, topic: str | None) -> int:
+    """``tierckpt help [COMMAND]``: what ``tierckpt [COMMAND] --help`` prints."""
+    if topic is None:
+        parser.print_help()
+        return EXIT_OK
+    try:
+        parser.parse_args([topic, "--help"])
+    except SystemExit as e:  # argparse exits after printing the help, or on an unknown command
+        return EXIT_OK if e.code == 0 else EXIT_USAGE
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)  # (argparse itself ignores a closed stdout for --help)
-    args.socket, args.json = getattr(args, "socket", None), getattr(args, "json", False)
+    parser = _parser()
+    args = parser.parse_args(argv)  # (argparse itself ignores a closed stdout for --help)
+    if args.command == "help":
+        return _help(parser, args.topic)
+    args.socket = getattr(args, "socket", None)
+    output = getattr(args, "output", "json" if getattr(args, "json", False) else "table")
+    args.json = output == "json"
+    if output == "name" and args.command not in NAMED:
+        return _fail(EXIT_USAGE, f"-o name: {args.command} has no names to print; use -o json")
+    _render.OPTIONS = _render.Options(
+        output=output,
+        no_headers=getattr(args, "no_headers", False),
+        quiet=getattr(args, "quiet", False),
+    )
     try:
         config = ClientConfig.from_env(socket=args.socket)
     except ValueError as e:  # a malformed TIERCKPT_* variable
@@ -212,13 +274,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with DaemonClient(config) as client:
             tier = Persistent(client)
+            if _daemonless(args, config, client):
+                _render.warn(
+                    f"the daemon at {config.socket} cannot be reached: reading only the "
+                    f"persistent tier {tier.go_offline()} (TIERCKPT_PERSIST_URL)"
+                )
             try:
                 args.func(client, tier, args)
             finally:
                 tier.close()
     except _render.StdoutClosed:
         return _stdout_closed()
-    except InvalidNameError as e:
+    except (InvalidNameError, _render.NoNamesError) as e:
         return _fail(EXIT_USAGE, e)
     except NotFoundError as e:
         return _fail(EXIT_NOT_FOUND, e)
@@ -233,12 +300,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_OK
 
 
+# What a command can do with the persistent tier alone: the operations guide's "look at a store
+# from any machine with access to it" (TIERCKPT_PERSIST_URL), with no daemon on that machine.
+DAEMONLESS = {"ls", "inspect", "verify", "export"}
+
+
+def _daemonless(args: argparse.Namespace, config: ClientConfig, client: DaemonClient) -> bool:
+    if args.command not in DAEMONLESS or not config.persist_url or getattr(args, "cluster", False):
+        return False
+    return not client.ping()
+
+
 def _stdout_closed() -> int:
     # Point stdout at /dev/null so that the interpreter's final flush does not fail again.
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_STDOUT_CLOSED
 
 
-def _fail(code: int, error: BaseException) -> int:
+def _fail(code: int, error: BaseException | str) -> int:
     print(f"tierckpt: {error}", file=sys.stderr)
     return code

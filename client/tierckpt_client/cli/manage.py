@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import shutil
 import threading
 import time
+from pathlib import Path
 
 from tierckpt_client.cli import _render as r
 from tierckpt_client.cli._tiers import Persistent
+from tierckpt_client.cli.attempts import remove_abandoned
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.errors import (
     InvalidNameError,
@@ -25,9 +27,20 @@ class MissingExtraError(TierCkptError):
 
 def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
     ns, step = validate_namespace(args.namespace), validate_step(args.step)
+    if args.abandoned:
+        freed, size = remove_abandoned(client, ns, step)
+        doc = {"namespace": ns, "step": step, "removed": ["memory"], "attempts": freed}
+        text = (
+            f"freed {r.size(size)} of {ns} step {step}'s abandoned save attempt {', '.join(freed)}"
+        )
+        r.done(args.json, doc, text)
+        return
     if not args.persistent:
-        client.delete(ns, step)
-        r.emit(
+        try:
+            client.delete(ns, step)
+        except NotFoundError as e:
+            raise _with_hint(client, tier, ns, step, e) from None
+        r.done(
             args.json,
             {"namespace": ns, "step": step, "removed": ["memory"]},
             f"removed {ns} step {step}",
@@ -51,7 +64,30 @@ def cmd_rm(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> 
     if not removed:
         raise StepNotFoundError(f"{ns}/step {step} is neither in memory nor in {tier.url}")
     doc = {"namespace": ns, "step": step, "removed": removed}
-    r.emit(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
+    r.done(args.json, doc, f"removed {ns} step {step} from {' and '.join(removed)}")
+
+
+def _with_hint(
+    client: DaemonClient, tier: Persistent, ns: str, step: int, e: NotFoundError
+) -> NotFoundError:
+    """A step ``rm`` found nothing committed of in memory: say what it could do instead."""
+    try:
+        pending = [a for a in client.attempts(ns, step) if not a.prepared]
+    except NotFoundError:
+        pending = []
+    if pending:
+        e.message = (
+            f"{ns}/step {step} is not committed in memory; it has a save attempt that is not "
+            f"committed ({', '.join(a.attempt for a in pending)}): tierckpt rm {ns} {step} "
+            "--abandoned frees it once its writer is gone"
+        )
+    elif tier.url is not None and tier.manifest(ns, step) is not None:
+        e.message = (
+            f"{ns}/step {step} is not in memory; the persistent tier {tier.url} holds it: "
+            f"tierckpt rm {ns} {step} --persistent --yes deletes it there (cannot be undone)"
+        )
+    e.args = (e.message,)
+    return e
 
 
 def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
@@ -64,9 +100,16 @@ def cmd_export(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
         ) from None
     ns = validate_namespace(args.namespace)
     step = None if args.step == "latest" else validate_step(parse_step(args.step))
-    written = export_step(ns, step, args.dest, config=client.config)
+    dest = Path(args.dest)
+    created = not dest.exists()
+    try:
+        written = export_step(ns, step, dest, config=client.config)
+    except BaseException:
+        if created:  # a failed export leaves nothing behind that it made
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
     doc = {"namespace": ns, "step": written, "path": str(args.dest)}
-    r.emit(
+    r.done(
         args.json,
         doc,
         f"exported {ns} step {written} to {args.dest} (torch FileSystemReader format)",
@@ -82,7 +125,7 @@ def cmd_persist(client: DaemonClient, tier: Persistent, args: argparse.Namespace
         text = f"{ns} step {step} is durable"
     else:
         text = f"{ns} step {step} queued for upload (tierckpt ls {ns} shows when it is durable)"
-    r.emit(args.json, info.model_dump(mode="json"), text)
+    r.done(args.json, info.model_dump(mode="json"), text)
 
 
 def _wait_durable(client: DaemonClient, info: StepInfo, timeout_s: float) -> StepInfo:
@@ -112,10 +155,7 @@ def _wait_durable(client: DaemonClient, info: StepInfo, timeout_s: float) -> Ste
                 raise TierCkptError(f"{ns} step {step} is not durable after {timeout_s:.0f}s{why}")
             time.sleep(0.2)
     rate = total / elapsed / 1e6 if elapsed > 0 else 0.0
-    print(
-        f"{ns} step {step}: durable after {elapsed:.1f}s ({r.size(total)}, {rate:.0f} MB/s)",
-        file=sys.stderr,
-    )
+    r.note(f"{ns} step {step}: durable after {elapsed:.1f}s ({r.size(total)}, {rate:.0f} MB/s)")
     return info
 
 
@@ -137,7 +177,7 @@ def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespac
             failure.append(e)
 
     worker = threading.Thread(target=hydrate, name="tierckpt-prefetch", daemon=True)
-    print(f"prefetch {ns} step {step}: starting", file=sys.stderr)
+    r.note(f"prefetch {ns} step {step}: starting")
     t0 = time.monotonic()
     with r.byte_progress() as bar:
         task = bar.add_task(f"prefetch {ns} step {step}", total=None)
@@ -158,12 +198,11 @@ def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespac
         raise failure[0]
     info = result[0]
     total = sum(f.length for f in info.files)
-    print(
-        f"prefetch {ns} step {step}: {r.size(total)} in memory after {time.monotonic() - t0:.1f}s",
-        file=sys.stderr,
+    r.note(
+        f"prefetch {ns} step {step}: {r.size(total)} in memory after {time.monotonic() - t0:.1f}s"
     )
     text = f"{ns} step {step} is in memory ({info.state.value}, {r.size(info.bytes)})"
-    r.emit(args.json, info.model_dump(mode="json"), text)
+    r.done(args.json, info.model_dump(mode="json"), text)
 
 
 def parse_step(text: str) -> int:

@@ -20,7 +20,7 @@ from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.errors import IntegrityError, NotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.integrity import checksum_file
 from tierckpt_core.layout import file_key
-from tierckpt_core.protocol import validate_namespace, validate_step
+from tierckpt_core.protocol import CorruptionReport, validate_namespace, validate_step
 
 OK, CORRUPT, MISSING, UNCHECKED = "ok", "CORRUPT", "MISSING", "not yet checksummed"
 
@@ -48,7 +48,7 @@ def cmd_verify(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
     results: list[Result] = []
     tiers: list[str] = []
     with r.byte_progress() as bar:
-        memory = _verify_memory(client, ns, step, bar)
+        memory = None if tier.offline else _verify_memory(client, ns, step, bar)
         if memory is not None:
             tiers.append("memory")
             results += memory
@@ -60,6 +60,10 @@ def cmd_verify(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
         where = f" or in {tier.url}" if tier.url else ""
         raise StepNotFoundError(f"{ns}/step {step} is not in memory{where}")
     bad = [x for x in results if x.result in (CORRUPT, MISSING)]
+    for x in bad:
+        if x.result == CORRUPT and not tier.offline:  # for the daemon's metrics and log
+            report = CorruptionReport(file=x.file, tier=x.tier, detail=x.detail[:2000])
+            client.report_corruption(ns, step, report)
     unchecked = [x for x in results if x.result == UNCHECKED]
     doc = {
         "namespace": ns,

@@ -7,7 +7,9 @@ byte layout (64-byte aligned, raw tensor bytes with dtype and shape in the ``Sha
 
 from __future__ import annotations
 
+import ctypes
 import io
+import itertools
 import math
 from dataclasses import replace
 from typing import Any
@@ -90,6 +92,32 @@ def place(
     return results, pending
 
 
+def compact(results: list[WriteResult], mapping: _arena.FileMapping, name: str) -> int:
+    """Move the items of the staged file ``name`` that the save references to its front, back to
+    back (64-byte aligned, in file order), update their ``ShardRef`` offsets, and return the bytes
+    used: the length to seal. Whatever else ``stage()`` copied (an item DCP gave another rank to
+    write) is left behind the length, and the daemon cuts it off when the file is sealed (see
+    docs/design.md, "Replicated state is stored once"). Call it after every item that reads
+    from the staged file (``pack_extra``) has been copied: moved bytes overwrite others.
+
+    Items whose bytes overlap (two items over one staged tensor) are not moved: the length is
+    then the end of the last referenced byte."""
+    mine = sorted(
+        (i for i, r in enumerate(results) if r.storage_data.file == name),
+        key=lambda i: results[i].storage_data.offset,
+    )
+    refs = [results[i].storage_data for i in mine]
+    if any(a.offset + a.length > b.offset for a, b in itertools.pairwise(refs)):
+        return max(r.offset + r.length for r in refs)
+    at = 0
+    for i, ref in zip(mine, refs, strict=True):
+        if ref.offset != at:
+            ctypes.memmove(mapping.base + at, mapping.base + ref.offset, ref.length)
+            results[i] = replace(results[i], storage_data=replace(ref, offset=at))
+        at += align(ref.length)
+    return at
+
+
 BYTES_ITEM_ROOM = 4096  # what planned_size allows for each bytes item (its size is not known yet)
 
 
@@ -115,10 +143,13 @@ def pack_extra(
     pending: list[tuple[MetadataIndex, Any]],
     discard: Any,
     reserved: OutFile | None = None,
+    pin_memory: bool = False,
 ) -> tuple[OutFile | None, list[WriteResult], int]:
     """Copy bytes items and unstaged tensors into one more file of the target: ``reserved``
     (leased when the save was planned) if it is large enough, else a new one. Returns the file
-    (its length the bytes used), the write results and the tensor bytes copied."""
+    (its length the bytes used), the write results and the tensor bytes copied. With
+    ``pin_memory``, a file that takes a CUDA tensor is registered as page-locked first (a plain
+    ``dcp.save`` of GPU state: DMA into the tier instead of a copy through pageable memory)."""
     name = f"r{rank:05d}.extra"
     sizes = [
         v.numel() * v.element_size() if isinstance(v, torch.Tensor) else len(v) for _, v in pending
@@ -142,6 +173,8 @@ def pack_extra(
             dst = mapping.view(offset, n)
             if isinstance(value, torch.Tensor):
                 ref = ShardRef(name, offset, n, dtype_name(value.dtype), tuple(value.shape))
+                if n and pin_memory and value.device.type == "cuda":
+                    _arena.pin(mapping)  # registers the file once; a no-op after
                 if n:
                     copy_tensor(dst.view(value.dtype).view(value.shape), value)
                 copied += n

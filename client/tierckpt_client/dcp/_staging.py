@@ -42,7 +42,16 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+Skip = Callable[[torch.Tensor], bool] | None  # a leaf this rank will not write (see _assign)
+
+
+def placeholder(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape and dtype without bytes: the planner builds the same plan from
+    it, and a save that had to write it fails loudly (``meta``) instead of writing garbage."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor], skip: Skip = None) -> Any:
     if isinstance(obj, ShardedTensor):
         # Before Tensor: a ShardedTensor is a tensor subclass with no storage of its own.
         shards = [Shard(on_tensor(s.tensor.detach()), s.metadata) for s in obj.local_shards()]
@@ -50,16 +59,21 @@ def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             shards, obj.metadata(), process_group=obj._process_group
         )
     if isinstance(obj, DTensor):
-        local = on_tensor(obj._local_tensor.detach())
+        if skip is not None and skip(obj):
+            local = placeholder(obj._local_tensor)
+        else:
+            local = on_tensor(obj._local_tensor.detach())
         return DTensor(local, obj._spec, requires_grad=False)
     if is_checkpointable(obj):  # before Tensor: it may have no storage (detach() raises)
         return stage_checkpointable(obj, on_tensor)
     if isinstance(obj, torch.Tensor):
+        if skip is not None and skip(obj):
+            return placeholder(obj)
         return on_tensor(obj.detach())
     if isinstance(obj, dict):
-        return {k: _walk(v, on_tensor) for k, v in obj.items()}
+        return {k: _walk(v, on_tensor, skip) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_walk(v, on_tensor) for v in obj]
+        return [_walk(v, on_tensor, skip) for v in obj]
     return copy.deepcopy(obj)
 
 
@@ -69,8 +83,8 @@ def _check(t: torch.Tensor) -> None:
     dtype_name(t.dtype)  # a dtype tierckpt cannot store fails here, before anything is copied
 
 
-def staging_size(state_dict: dict[str, Any]) -> int:
-    """Bytes of the file that :func:`stage_into` needs for ``state_dict``."""
+def staging_size(state_dict: dict[str, Any], skip: Skip = None) -> int:
+    """Bytes of the file that :func:`stage_into` needs for ``state_dict`` (without ``skip``)."""
     total = 0
 
     def count(t: torch.Tensor) -> torch.Tensor:
@@ -79,27 +93,31 @@ def staging_size(state_dict: dict[str, Any]) -> int:
         total += align(_nbytes(t))
         return t
 
-    _walk_tensors_only(state_dict, count)
+    _walk_tensors_only(state_dict, count, skip)
     return total
 
 
-def _walk_tensors_only(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _walk_tensors_only(
+    obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], skip: Skip = None
+) -> None:
     if isinstance(obj, ShardedTensor):
         for shard in obj.local_shards():
             fn(shard.tensor)
-    elif isinstance(obj, DTensor):
-        fn(obj._local_tensor)
-    elif is_checkpointable(obj):
+    elif isinstance(obj, DTensor):  # before the protocol: a DTensor implements it too
+        if skip is None or not skip(obj):
+            fn(obj._local_tensor)
+    elif is_checkpointable(obj):  # before Tensor: it may have no storage of its own
         for _, t in local_tensors(obj):
             fn(t)
     elif isinstance(obj, torch.Tensor):
-        fn(obj)
+        if skip is None or not skip(obj):
+            fn(obj)
     elif isinstance(obj, dict):
         for v in obj.values():
-            _walk_tensors_only(v, fn)
+            _walk_tensors_only(v, fn, skip)
     elif isinstance(obj, list):
         for v in obj:
-            _walk_tensors_only(v, fn)
+            _walk_tensors_only(v, fn, skip)
 
 
 @dataclass
@@ -110,17 +128,26 @@ class StageResult:
 
 
 def stage_into(
-    state_dict: dict[str, Any], mapping: FileMapping | None, *, pin_memory: bool = True
+    state_dict: dict[str, Any],
+    mapping: FileMapping | None,
+    *,
+    pin_memory: bool = True,
+    skip: Skip = None,
 ) -> StageResult:
     """Copy every tensor of ``state_dict`` into ``mapping``; return the aliasing state dict.
+    A tensor or DTensor for which ``skip`` says so is not copied: a :func:`placeholder` stands in
+    for it (a tensor this rank does not write, see ``_assign``).
     With CUDA tensors among them and ``pin_memory``, the mapping is registered as page-locked
-    memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA; one
-    synchronize at the end waits for them all. Host tensors are copied as bytes, all together
+    memory (:func:`_arena.pin`) before the first device copy, so each is an asynchronous DMA on
+    the current stream of its device; at the end one synchronize of each such stream waits for
+    them all (of those streams only: an asynchronous stage runs on a side stream of its own, and
+    must not wait for the training's kernels on the others, :mod:`_async_staging`). Host tensors are copied as bytes, all together
     as they are laid out, shared over torch's number of threads (:mod:`_byte_copy`): the helpers
     start on the first tensors while this thread lays out the next, and it joins them at the
     end."""
     offset = 0
     device_copies = 0
+    devices: set[torch.device] = set()
     base = mapping.base if mapping is not None else 0
     host = ByteCopies(torch.get_num_threads(), mapping.size if mapping is not None else 0)
 
@@ -142,14 +169,18 @@ def stage_into(
                 _arena.pin(mapping)
             copy_tensor(dst, t, non_blocking=True)
             device_copies += 1
+            devices.add(t.device)
         return dst
 
     try:
-        staged = _walk(state_dict, place)
+        staged = _walk(state_dict, place, skip)
     except BaseException:
         host.cancel()  # no helper writes into the file once this returns
         raise
     host.run()
-    if device_copies and torch.cuda.is_available():
-        torch.cuda.synchronize()
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        else:  # another accelerator: its own device-wide wait
+            torch.accelerator.synchronize(device)
     return StageResult(staged, offset, device_copies)

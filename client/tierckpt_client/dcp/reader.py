@@ -24,6 +24,7 @@ from torch.futures import Future
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._corruption import report
 from tierckpt_client.dcp._fallback import (
     FAILED,
     OK,
@@ -313,6 +314,8 @@ class TieredStorageReader(StorageReader):
             with self.open_files(refs) as files:
                 self._copy_items(plan, planner, files)
         except (IntegrityError, PeerUnavailableError) as e:
+            source = self._plan.source if self._plan is not None else None
+            report(self._daemon, self.namespace, self._resolved, e, source)
             instead = self._plan.instead() if self._plan is not None else None
             if instead is None:
                 raise
@@ -325,8 +328,12 @@ class TieredStorageReader(StorageReader):
                 self._resolved,
                 e,
             )
-            with self.open_files(refs, instead) as files:
-                self._copy_items(plan, planner, files)
+            try:
+                with self.open_files(refs, instead) as files:
+                    self._copy_items(plan, planner, files)
+            except IntegrityError as again:
+                report(self._daemon, self.namespace, self._resolved, again, instead)
+                raise
         self.read_bytes = sum(ref.length for ref in refs)
         self.fetched_bytes = sum(ref.length for ref in refs if ref.file in self._fetched)
 

@@ -7,6 +7,8 @@ import os
 import socket
 import uuid
 import weakref
+from concurrent.futures import Future as StagingFuture
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,7 +22,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena, _items, _prelease
+from tierckpt_client.dcp import _arena, _assign, _async_staging, _items, _prelease
 from tierckpt_client.dcp._attempt import SaveFiles
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._ids import (
@@ -38,6 +40,7 @@ from tierckpt_core.errors import (
     CapacityExceededError,
     DaemonUnavailableError,
     InvalidNameError,
+    StagingRaceError,
     StepStateError,
     TierCkptError,
 )
@@ -63,6 +66,9 @@ class SaveStats:
     bytes_items: int
 
 
+WAITS = ("committed", "replicated")  # TieredStorageWriter(wait=...)
+
+
 class TieredStorageWriter(StorageWriter, AsyncStager):
     """Save DCP checkpoints into the node's shared-memory tier.
 
@@ -80,6 +86,23 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             already committed replaces it. ``False``: such a save fails with ``StepStateError``
             before any rank writes, and the committed step stays (the daemon checks again in the
             commit itself, so two racing saves cannot both replace it).
+        async_staging: with ``async_save``, ``stage`` returns a future and the copy into the
+            tier runs while the loop goes on; ``async_save`` then returns an
+            ``AsyncSaveResponse`` at once, and the loop must wait for its
+            ``staging_completion`` before it changes the state (before ``optimizer.step()``;
+            see ``_async_staging``). Off by default here, since it changes what
+            ``async_save`` returns (a response, not a future); :class:`Checkpointer` turns it
+            on (``TIERCKPT_ASYNC_STAGING``) and does the waiting.
+        wait: when the save counts as done (its future completes, ``dcp.save`` returns):
+            ``"committed"`` (default) once the step is committed in the memory of the nodes its
+            ranks wrote to, which survives a trainer's death, not the loss of such a node until
+            its share is replicated; ``"replicated"`` once every share of the step also has its
+            replicas on ``TIERCKPT_REPLICAS`` peers (so losing any one node keeps it), or fails
+            with ``StepStateError`` (the step stays committed) when that cannot happen within
+            ``replicated_timeout_s``. A save that went straight to the persistent tier is
+            durable when it returns. See docs/operations.md, "What an acknowledged save
+            survives".
+        replicated_timeout_s: the longest wait for the replicas with ``wait="replicated"``.
 
     Call order, as DCP drives it (``async_save`` adds ``stage`` in the trainer first)::
 
@@ -103,10 +126,17 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     writer and the staged state dict are pickled into DCP's helper process; the staged tensors travel
     as references to the file (see ``_arena``), and the daemon connection is re-created there.
 
+    With ``async_staging`` the same copy runs on a helper thread (a side CUDA stream for device
+    tensors) and ``stage`` returns at once; a tensor the loop changes in place before the copy is
+    done fails the save with ``StagingRaceError`` in ``prepare_local_plan`` (on every rank, as
+    DCP fails a plan), never a torn step.
+
     One writer serves one save at a time; use a new writer (or wait for the previous save) per save.
     """
 
-    _synchronize_after_execute = False  # stage() is synchronous
+    # async_save never calls synchronize_staging: a synchronous stage has nothing to wait for,
+    # and an asynchronous one is waited for through its future (staging_completion).
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -117,10 +147,22 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         config: ClientConfig | None = None,
         on_unavailable: str = "persist",
         overwrite: bool = True,
+        async_staging: bool = False,
+        wait: str = "committed",
+        replicated_timeout_s: float = 300.0,
     ) -> None:
         super().__init__()
+        self.async_staging = async_staging
+        self._staging: StagingFuture[dict[str, Any]] | None = None
+        self._torn: StagingRaceError | None = None  # the loop changed a tensor while staged
         if on_unavailable not in ("persist", "raise"):
             raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+        if replicated_timeout_s <= 0:
+            raise ValueError(f"replicated_timeout_s must be > 0, got {replicated_timeout_s}")
+        self.wait = wait
+        self.replicated_timeout_s = replicated_timeout_s
         self.on_unavailable = on_unavailable
         # Where this save's files go (see _targets): the memory tier through the daemon, unless
         # this rank cannot use its daemon (``_degraded``) or the coordinator's plan says the save
@@ -148,6 +190,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._stale: list[_prelease.PreLease] = []  # pre-leases stage() could not use
         self._prelease_key: _prelease.Key | None = None  # what stage() claimed under
         self._mailbox: _prelease.Mailbox | None = None  # PROCESS mode: the trainer's (pre-leases)
+        self._assignment = _assign.SaveAssignment()  # what stage() left out (another rank's)
+        self.last_stage_bytes = 0  # bytes stage() copied
         _arena.install_pickle_reducer()
 
     # -- identity ---------------------------------------------------------------------------
@@ -203,6 +247,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         # helper process: the staged file belongs to that copy from now on, so this one can stage
         # the next save.
         state["_files"] = self._files.hand_over(daemon)
+        state["_staging"] = None  # done by now: DCP pickles the writer after staging_completion
         if self.config.prelease and self._prelease_key is not None:
             state["_mailbox"] = _prelease.mailbox(self._prelease_key)
         self._stale = []  # the copy gives them back
@@ -213,17 +258,36 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._track_files()
 
     # -- AsyncStager ------------------------------------------------------------------------
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | StagingFuture[dict[str, Any]]:
         namespace = self._require_namespace()
-        if self._files.staged is not None:
+        if self._files.staged is not None or (
+            self._staging is not None and not self._staging.done()
+        ):
             raise StepStateError(
                 f"{namespace}: stage() called again before the previous save was written; use one "
                 "TieredStorageWriter per save, or wait for the previous save's future"
             )
-        size = staging_size(state_dict)
-        if size == 0:
-            return stage_into(state_dict, None).state_dict
+        if not self.async_staging:
+            return self._stage_now(namespace, state_dict, None)
+        # Here, before the loop changes anything: the versions, and the non-tensor values.
+        marks, skeleton = _async_staging.Marks.take(state_dict)
+        self._staging = _async_staging.submit(lambda: self._stage_now(namespace, skeleton, marks))
+        return self._staging
+
+    def _stage_now(
+        self, namespace: str, state_dict: dict[str, Any], marks: _async_staging.Marks | None
+    ) -> dict[str, Any]:
+        """Lease a file and copy every tensor into it (the trainer's thread, or with ``marks``
+        the asynchronous stager's: then on side streams, and the tensors' versions checked)."""
+        self._torn = None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        skip = self._assignment.plan(state_dict, str(self.config.socket), namespace, rank, world)
+        size = staging_size(state_dict, skip)
+        self.last_stage_bytes = size
+        if size == 0:  # nothing this rank writes (or no tensors): no file
+            self._staged_by = os.getpid()
+            return stage_into(state_dict, None, skip=skip).state_dict
         staged = None
         if self.config.prelease and not self._degraded:
             # The file the previous save of this rank pre-leased, if it can be used (no round
@@ -238,12 +302,22 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             except (DaemonUnavailableError, CapacityExceededError) as e:
                 staged = self._degrade(e).new_file(namespace, rank, "", size)
         try:
-            result = stage_into(state_dict, staged.mapping(), pin_memory=self.config.pin_memory)
+            with marks.streams() if marks is not None else nullcontext():
+                result = stage_into(
+                    state_dict, staged.mapping(), pin_memory=self.config.pin_memory, skip=skip
+                )
         except BaseException:
             self._files.drop(namespace, staged)
             raise
         self._files.hold_staged(namespace, staged)
         self._staged_by = os.getpid()
+        if marks is not None:
+            try:
+                marks.check(f"{namespace}/step {self.step} (rank {rank})")
+            except StagingRaceError as e:
+                # Not raised here: this rank would leave DCP's save on the others waiting in
+                # its first collective; prepare_local_plan fails the save on every rank.
+                self._torn = e
         return result.state_dict
 
     def _degrade(self, cause: TierCkptError) -> PersistentTier:
@@ -269,7 +343,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         return self._persistent
 
     def synchronize_staging(self) -> None:
-        """Staging is synchronous: nothing to wait for."""
+        """Wait for an asynchronous stage (torch's older protocol; ``async_save`` waits through
+        the future ``stage`` returned)."""
+        if self._staging is not None:
+            self._staging.exception()
 
     def close(self) -> None:
         """Give back what a failed save left: a staged file that was never written, a save
@@ -293,17 +370,36 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self._torn is not None:
+            self._files.drop_staged()
+            raise self._torn
+        self._assignment.check_names(plan, f"{self.checkpoint_id}: rank {self.rank}")
         direct = self._degraded
         if not direct and not self._daemon.ping():
             self._degrade(
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
-        if not direct and self._files.staged is None:
-            direct = self._reserve(plan)
+        if not direct and not self.overwrite:
+            self._refuse_early()
+        if not direct and self._files.staged is None and self._staged_by is None:
+            direct = self._reserve(plan)  # a plain save: nothing was staged
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
         return replace(plan, storage_data=LocalPlanData(direct=direct, daemon=daemon, node=node))
+
+    def _refuse_early(self) -> None:
+        """``overwrite=False`` and the step exists: refuse on every rank, before the plans meet,
+        and give back what stage() leased now. A refusal only the coordinator sees (in
+        prepare_global_plan) reaches the other ranks as DCP's exception, and no writer call
+        follows on them: their staged files would stay leased until the writer is collected or
+        the daemon's ``lease_ttl_s`` (900 s) expires."""
+        namespace, step = self._require_target()
+        try:
+            self._memory.begin(namespace, step)
+        except BaseException:
+            self._files.give_back()
+            raise
 
     def _reserve(self, plan: SavePlan) -> bool:
         """A plain ``save`` (nothing was staged) leases its file now, while the ranks still agree
@@ -337,7 +433,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         data = PlanData(
             attempt_base=attempt_base(), direct=layout.direct, across=layout.rank_nodes is not None
         )
-        self._target(namespace, step, data).begin(namespace, step)
+        try:
+            self._target(namespace, step, data).begin(namespace, step)
+        except BaseException:
+            self._files.give_back()  # the coordinator's own lease, now (others: _refuse_early)
+            raise
         return [replace(p, storage_data=data) for p in plans]
 
     def _target(self, namespace: str, step: int, data: PlanData) -> SaveTarget:
@@ -376,17 +476,29 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 )
             mapping = staged.mapping() if staged is not None else None
             results, pending = _items.place(plan, planner, mapping, data_name)
+            self._assignment.check_snapshot(pending, f"{namespace}/step {step}: rank {self.rank}")
+            kept = None
             if mapping is not None and results:
                 kept = files.keep_staged(data_name)
-                if data.across:
-                    kept.segments = _items.segments(results, mapping, data_name)
             else:  # nothing staged, or the planner replaced every tensor: nothing to keep of it
                 files.drop_staged()
             extra, extra_results, copied = _items.pack_extra(
-                target, namespace, self.rank, pending, files.drop, files.take_reserved()
+                target,
+                namespace,
+                self.rank,
+                pending,
+                files.drop,
+                files.take_reserved(),
+                pin_memory=self.config.pin_memory,
             )
             if extra is not None:
                 files.keep(namespace, extra)
+            if kept is not None and mapping is not None:
+                # Only the items this rank writes stay in the file (stage() may have copied
+                # more: the first save of a layout); the daemon cuts off the rest at the seal.
+                kept.length = _items.compact(results, mapping, data_name)
+                if data.across:
+                    kept.segments = _items.segments(results, mapping, data_name)
             results.extend(extra_results)
             # Sealed; on the coordinator, if the save fails before finish() commits it, the
             # attempt is aborted.
@@ -404,6 +516,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             after, size = (step, attempt), sealed[0].length
             ask = here or to is not None
             _prelease.ask_next(self._daemon, namespace, self.rank, after, size, stale, ask, to)
+        self._assignment.tell(plan)
         self.last_stats = SaveStats(
             staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
             copied_bytes=copied,
@@ -440,9 +553,12 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             nodes=nodes,
             overwrite=self.overwrite,
         )
+        target = self._target(namespace, step, data)
         try:
-            self._target(namespace, step, data).commit(namespace, step, attempt, req)
+            target.commit(namespace, step, attempt, req)
         except BaseException:
             self._files.give_back()  # the attempt's memory is free now, not after lease_ttl_s
             raise
         self._files.committed()
+        if self.wait == "replicated" and target is self._memory:
+            self._daemon.wait_replicated(namespace, step, self.replicated_timeout_s)

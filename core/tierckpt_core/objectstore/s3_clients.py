@@ -28,14 +28,17 @@ def new_crt_client(
     """A CRT client for the data path (uploads and downloads in ``CHUNK_SIZE`` parts)."""
     from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
 
-    return MountpointS3Client(
-        region=region,
-        user_agent_prefix="tierckpt",
-        part_size=CHUNK_SIZE,
-        endpoint=endpoint,
-        force_path_style=force_path_style,
-        max_attempts=max_attempts,
-    )
+    try:
+        return MountpointS3Client(
+            region=region,
+            user_agent_prefix="tierckpt",
+            part_size=CHUNK_SIZE,
+            endpoint=endpoint,
+            force_path_style=force_path_style,
+            max_attempts=max_attempts,
+        )
+    except ValueError as e:
+        raise _unusable(endpoint, region, e) from e
 
 
 def new_boto_client(
@@ -62,7 +65,20 @@ def new_boto_client(
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+    try:
+        return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+    except ValueError as e:  # botocore's refusals of an endpoint or region are ValueErrors
+        raise _unusable(endpoint, region, e) from e
+
+
+def _unusable(endpoint: str | None, region: str, e: Exception) -> PersistentTierError:
+    """A typed error for an S3 client that cannot be made: callers that keep the memory tier
+    working when the persistent tier fails (``latest``, the uploader) see a persistent-tier
+    failure, not an internal error."""
+    return PersistentTierError(
+        f"cannot make an S3 client for endpoint {endpoint or '(default)'}, region {region} "
+        f"(TIERCKPT_S3_ENDPOINT, TIERCKPT_S3_REGION): {e}"
+    )
 
 
 class RetryableS3Error(PersistentTierUnavailableError):

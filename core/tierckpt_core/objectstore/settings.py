@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from tierckpt_core.errors import PersistentTierError
 
@@ -53,14 +54,62 @@ class StoreSettings:
                 "TIERCKPT_S3_TIMEOUT must be > 0 and TIERCKPT_S3_MAX_ATTEMPTS >= 1, got "
                 f"{timeout_s} and {max_attempts}"
             )
+        endpoint = env.get("TIERCKPT_S3_ENDPOINT") or None
+        if endpoint is not None:
+            check_endpoint(endpoint)
+        check_region(region)
         return cls(
-            endpoint=env.get("TIERCKPT_S3_ENDPOINT") or None,
+            endpoint=endpoint,
             region=region,
             force_path_style=path_style in ("1", "true", "yes", "on"),
             timeout_s=timeout_s,
             max_attempts=max_attempts,
             min_rate=min_rate,
         )
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Refuse an endpoint that the S3 clients would refuse only on their first call (in a
+    background thread): it needs a scheme, ``http://`` or ``https://``, and a host."""
+    why = None
+    try:
+        parsed = urlparse(endpoint)
+        parsed.port  # noqa: B018 (raises on a port that is not a number in range)
+    except ValueError as e:
+        why = str(e)
+    else:
+        if parsed.scheme not in ("http", "https"):
+            why = "it needs the scheme, http:// or https://"
+        elif not parsed.hostname:
+            why = "it names no host"
+        else:
+            try:
+                from botocore.utils import is_valid_endpoint_url, is_valid_ipv6_endpoint_url
+            except ImportError:  # no boto3 here (a trainer): the syntax check above is all
+                pass
+            else:
+                if not (is_valid_endpoint_url(endpoint) or is_valid_ipv6_endpoint_url(endpoint)):
+                    why = "boto3 refuses it"
+    if why is not None:
+        raise PersistentTierError(
+            f"invalid TIERCKPT_S3_ENDPOINT {endpoint!r}: {why}; e.g. 'http://127.0.0.1:9000' "
+            "or 'https://s3.us-east-1.amazonaws.com'"
+        )
+
+
+def check_region(region: str) -> None:
+    """Refuse a region name boto3 would refuse on its first call."""
+    try:
+        from botocore.utils import validate_region_name
+    except ImportError:
+        return
+    try:
+        validate_region_name(region)
+    except ValueError:
+        raise PersistentTierError(
+            f"invalid S3 region {region!r} (TIERCKPT_S3_REGION, else AWS_REGION or "
+            "AWS_DEFAULT_REGION): e.g. 'us-east-1'"
+        ) from None
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import (
+    CorruptionReport,
     HydrateRequest,
     NamespaceInfo,
     PeerSources,
@@ -35,6 +36,7 @@ from tierckpt_daemon.api.deps import (
     under_lock,
 )
 from tierckpt_daemon.node import Node
+from tierckpt_daemon.tier.corruption import corruption_reported
 from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
 from tierckpt_daemon.tier.tenants import Caller
@@ -90,6 +92,25 @@ def peer_sources(namespace: str, step: int, node: NodeDep, owner: Owner) -> Peer
 @router.post("/{namespace}/steps/{step}/persist")
 def persist(namespace: str, step: int, service: Service, owner: Owner) -> StepInfo:
     return service.persist_now(namespace, step, owner=owner)
+
+
+@router.post("/{namespace}/steps/{step}/corruption", status_code=204)
+def report_corruption(
+    namespace: str, step: int, req: CorruptionReport, service: Service, owner: Owner
+) -> Response:
+    """A reader found part of the step corrupt (its own load fell back, or failed): counted in
+    ``tierckpt_verification_failures_total{tier}`` and logged, for the alerts and the operator."""
+    corruption_reported(service.metrics, namespace, step, req)
+    return Response(status_code=204)
+
+
+@router.post("/{namespace}/steps/{step}/replicated")
+def wait_replicated(
+    namespace: str, step: int, node: NodeDep, owner: Owner, timeout_s: float = 300.0
+) -> StepInfo:
+    """Answers once every share of the committed step has its replicas on peers (a save made
+    with ``wait="replicated"``); 409 when one cannot, or not within ``timeout_s``."""
+    return node.wait_replicated(namespace, step, timeout_s, owner=owner)
 
 
 @router.get("/{namespace}/steps/{step}")

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Response
 
 from tierckpt_core.protocol import (
+    AttemptInfo,
     CommitRequest,
     LeaseRequest,
     LeaseResponse,
@@ -43,13 +44,24 @@ def release(namespace: str, lease_id: str, service: Service, caller: CallerDep) 
 def seal(
     namespace: str, step: int, attempt: str, req: SealRequest, service: Service, caller: CallerDep
 ) -> StepInfo:
-    return service.seal(namespace, step, attempt, req, owner=caller.identity, admin=caller.admin)
+    return service.seal(
+        namespace, step, attempt, req, owner=caller.identity, admin=caller.admin, pid=caller.pid
+    )
+
+
+@router.get("/steps/{step}/attempts")
+def attempts(namespace: str, step: int, service: Service) -> list[AttemptInfo]:
+    """The step's save attempts not committed (in progress, or left by a dead trainer)."""
+    return service.attempts(namespace, step)
 
 
 @router.delete("/steps/{step}/attempts/{attempt}", status_code=204)
-def abort(namespace: str, step: int, attempt: str, service: Service) -> Response:
-    """A writer gives up a save attempt that failed: its sealed files are freed now."""
-    service.abort(namespace, step, attempt)
+def abort(
+    namespace: str, step: int, attempt: str, service: Service, abandoned: bool = False
+) -> Response:
+    """A writer gives up a save attempt that failed: its sealed files are freed now. With
+    ``abandoned`` (an operator's ``tierckpt rm --abandoned``): refused while a writer runs."""
+    service.abort(namespace, step, attempt, abandoned=abandoned)
     return Response(status_code=204)
 
 

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
+
 from tierckpt_core.errors import PeerUnavailableError, ProtocolError
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import pwriter
@@ -104,7 +106,9 @@ class PeerClient:
                 resp = self._t.http.request(
                     method,
                     self._t.url(peer, path),
-                    timeout=timeout_s or self.timeout_s,
+                    # A longer wait (a request relayed down a tree, a pull) is for the answer: a
+                    # connect takes one peer timeout at most, whatever the request.
+                    timeout=httpx.Timeout(timeout_s or self.timeout_s, connect=self.timeout_s),
                     extensions=self._t.extensions(),
                     **kwargs,
                 )
@@ -384,13 +388,21 @@ class PeerClient:
         )
         return PrepareResponse.model_validate(doc)
 
-    def decide(self, peer: str, req: DecideRequest, *, timeout_s: float | None = None) -> StepInfo:
+    def decide(
+        self,
+        peer: str,
+        req: DecideRequest,
+        *,
+        timeout_s: float | None = None,
+        attempts: int = RETRIES,
+    ) -> StepInfo:
         m = req.manifest
         assert m.attempt is not None
         doc = self._json(
             peer,
             "POST",
             self._attempt_path(m.namespace, m.step, m.attempt) + "/commit",
+            attempts=attempts,
             timeout_s=timeout_s,
             json=req.model_dump(mode="json"),
         )

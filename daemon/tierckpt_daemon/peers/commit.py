@@ -27,6 +27,7 @@ to relay to a node outside the attempt, is refused.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,7 @@ from tierckpt_daemon.peers.fanout import FANOUT, CommitTree, split
 from tierckpt_daemon.peers.in_doubt import (  # noqa: F401  (re-exported: tests use them)
     DECIDER_GONE_S,
     IN_DOUBT_AFTER_S,
+    RESEND_FOR_S,
     RESOLVE_INTERVAL_S,
     Resolver,
 )
@@ -80,6 +82,7 @@ class GlobalCommitter:
         *,
         node: str,
         decider_gone_s: float = DECIDER_GONE_S,
+        resend_for_s: float = RESEND_FOR_S,
         fanout: int = FANOUT,
     ) -> None:
         self.service = service
@@ -88,8 +91,15 @@ class GlobalCommitter:
         self.node = node
         self.fanout = fanout
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="tierckpt-commit")
-        self.resolver = Resolver(service, client, self, node=node, decider_gone_s=decider_gone_s)
-        self.tree = CommitTree(client, fanout, self.resolver.tell_later)
+        self.resolver = Resolver(
+            service,
+            client,
+            self,
+            node=node,
+            decider_gone_s=decider_gone_s,
+            resend_for_s=resend_for_s,
+        )
+        self.tree = CommitTree(client, fanout, self.resolver.tell_later, self.resolver.abandon)
 
     def start(self) -> None:
         self.resolver.start()
@@ -225,24 +235,29 @@ class GlobalCommitter:
     def _abort_everywhere(
         self, namespace: str, step: int, attempt: str, participants: list[str]
     ) -> None:
-        def abort(node: str) -> None:
-            if node == self.node:
-                self.abort(namespace, step, attempt)
-            else:
-                self.client.abort(node, namespace, step, attempt)
+        """End the attempt here now, and tell the other participants in the background: the
+        save fails at once, however long a participant takes to answer (one that never hears
+        it aborts by itself once it asks, in doubt)."""
 
-        for node, fut in [(n, self._pool.submit(abort, n)) for n in participants]:
-            try:
-                fut.result()
-            except TierCkptError as e:  # it aborts by itself once it asks (in doubt)
+        def told(node: str, fut: concurrent.futures.Future[None]) -> None:
+            error = None if fut.cancelled() else fut.exception()
+            if error is not None:
                 logger.warning(
                     "%s/step %d: could not tell %s to abort attempt %s: %s",
                     namespace,
                     step,
                     node,
                     attempt,
-                    e,
+                    error,
                 )
+
+        for node in participants:
+            if node == self.node:
+                continue
+            fut = self._pool.submit(self.client.abort, node, namespace, step, attempt)
+            fut.add_done_callback(functools.partial(told, node))
+        if self.node in participants:
+            self.abort(namespace, step, attempt)
 
     # -- a participant (the decider is one too) --------------------------------------------
     def prepare(

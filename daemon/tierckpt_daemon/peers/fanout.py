@@ -9,6 +9,7 @@ handed exactly as the decider would have.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tierckpt_core.errors import ProtocolError, TierCkptError
 from tierckpt_core.protocol import DecideRequest, PreparedShare, PrepareRequest
 from tierckpt_daemon.peers.client import PeerClient
+from tierckpt_daemon.peers.in_doubt import abandon_reason
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +59,13 @@ class CommitTree:
         client: PeerClient,
         fanout: int,
         tell_later: Callable[[str, DecideRequest], None],
+        abandon: Callable[[str, DecideRequest, str, BaseException], None],
     ) -> None:
         split([], fanout)  # refuses a fan-out below 2
         self.client = client
         self.fanout = fanout
         self.tell_later = tell_later
+        self.abandon = abandon
         # A request to a child waits on its whole subtree: a pool of its own.
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="tierckpt-relay")
 
@@ -107,25 +111,51 @@ class CommitTree:
         return prepared
 
     def deliver(self, sends: list[tuple[str, DecideRequest]]) -> None:
-        """Send each decision (with the nodes it relays to); tell again those that did not take
-        it (a relay that did tells its own subtree again)."""
-        futures = {
-            (node, id(d)): (node, d, self._pool.submit(self._decide_at, node, d))
-            for node, d in sends
-        }
-        concurrent.futures.wait([f for _, _, f in futures.values()])
-        for node, decision, fut in futures.values():
-            if fut.exception() is not None:
-                m = decision.manifest
-                logger.warning(
-                    "%s/step %d is committed; participant %s did not take the decision yet (%s): "
-                    "it is told again until it does",
-                    m.namespace,
-                    m.step,
-                    node,
-                    fut.exception(),
-                )
-                self.tell_later(node, decision)
+        """Send each decision (with the nodes it relays to), and wait for the answers at most
+        one peer timeout: the step is committed already, and a save must not wait longer on a
+        participant that does not answer. A send still under way then goes on in the
+        background; one that fails is told again later (:meth:`_sent`)."""
+        futures = []
+        for node, d in sends:
+            fut = self._pool.submit(self._decide_at, node, d)
+            fut.add_done_callback(functools.partial(self._sent, node, d))
+            futures.append((node, fut))
+        _, late = concurrent.futures.wait([f for _, f in futures], timeout=self.client.timeout_s)
+        if late:
+            m = sends[0][1].manifest
+            logger.warning(
+                "%s/step %d is committed; %s did not answer the decision within %.0f s: it is "
+                "delivered in the background",
+                m.namespace,
+                m.step,
+                ", ".join(node for node, f in futures if f in late),
+                self.client.timeout_s,
+            )
+
+    def _sent(
+        self, node: str, decision: DecideRequest, fut: concurrent.futures.Future[None]
+    ) -> None:
+        """A decision's send ended: if it failed, told again later, or not at all when telling
+        it again cannot change the answer."""
+        if fut.cancelled():  # the daemon stops
+            return
+        error = fut.exception()
+        if error is None:
+            return
+        reason = abandon_reason(error)
+        if reason is not None:
+            self.abandon(node, decision, reason, error)
+            return
+        m = decision.manifest
+        logger.warning(
+            "%s/step %d is committed; participant %s did not take the decision yet (%s): "
+            "it is told again",
+            m.namespace,
+            m.step,
+            node,
+            error,
+        )
+        self.tell_later(node, decision)
 
     def _decide_at(self, node: str, decision: DecideRequest) -> None:
         hops = depth(len(decision.relay), self.fanout) + 1

@@ -11,11 +11,12 @@ replicator's ring, its record of peers' health and its copy path (:meth:`Replica
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from tierckpt_core.errors import (
@@ -42,6 +43,8 @@ from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 
+LIST_WAIT_S = 3.0  # how long "latest" and a restore wait for peers to list their steps
+
 
 class PeerFetcher(Shares):
     def __init__(
@@ -51,6 +54,7 @@ class PeerFetcher(Shares):
         replicator: Replicator,
         *,
         durable: DurableManifest | None = None,
+        list_wait_s: float = LIST_WAIT_S,
     ) -> None:
         self.service = service
         self.client = client
@@ -60,7 +64,15 @@ class PeerFetcher(Shares):
         self._tables: OrderedDict[tuple[str, int, str], RingRecord] = OrderedDict()
         self._tables_guard = threading.Lock()
         self._table_locks = KeyedLocks()
-        self._ask_pool = ThreadPoolExecutor(8, thread_name_prefix="tierckpt-peer-list")
+        self.list_wait_s = list_wait_s
+        # One thread per peer that does not answer stays busy until the peer timeout: room for
+        # several of those besides the peers that do.
+        self._ask_pool = ThreadPoolExecutor(32, thread_name_prefix="tierckpt-peer-list")
+        # Per peer, the last listing asked of it and when (monotonic): one still unanswered
+        # after ``list_wait_s`` means the peer does not answer now, and it is not asked again
+        # (nor waited for) until that request ends.
+        self._asked: dict[str, tuple[Future[list[PeerStep]], float]] = {}
+        self._asked_lock = threading.Lock()
         # Full records of other nodes' shares, fetched and checked against RingRecord.shares.
         self._shares: OrderedDict[tuple[str, int, str, str], dict[str, FileRecord]] = OrderedDict()
         self._shares_lock = threading.Lock()
@@ -110,10 +122,30 @@ class PeerFetcher(Shares):
 
     def _listings(self, namespace: str, peers: list[str]) -> dict[str, list[PeerStep]]:
         """Each peer's committed steps of ``namespace``, asked in parallel (in ``peers``'
-        order; a peer that does not know it, or does not answer in time, left out)."""
-        futures = {p: self._ask_pool.submit(self.client.list_steps, p, namespace) for p in peers}
+        order; a peer that does not know it, or does not answer within ``list_wait_s``, left
+        out: the caller decides on what answered, and a WARNING names the peers that did
+        not). A peer still silent on an earlier request past that wait is not asked again."""
+        now = time.monotonic()
+        futures: dict[str, Future[list[PeerStep]]] = {}
+        silent: list[str] = []
+        with self._asked_lock:
+            for p in peers:
+                before = self._asked.get(p)
+                if (
+                    before is not None
+                    and not before[0].done()
+                    and now - before[1] > self.list_wait_s
+                ):
+                    silent.append(p)
+                    continue
+                futures[p] = self._ask_pool.submit(self.client.list_steps, p, namespace)
+                self._asked[p] = (futures[p], now)
+        concurrent.futures.wait(futures.values(), timeout=self.list_wait_s)
         listed: dict[str, list[PeerStep]] = {}
         for peer, fut in futures.items():
+            if not fut.done():
+                silent.append(peer)
+                continue
             try:
                 listed[peer] = fut.result()
             except NotFoundError:
@@ -122,7 +154,19 @@ class PeerFetcher(Shares):
                 self.replicator.peer_failed(peer, e)
                 continue
             self.replicator.peer_ok(peer)
-        return listed
+        if silent:
+            logger.warning(
+                "%s: peers %s did not answer within %.1f s: deciding without them",
+                namespace,
+                ", ".join(sorted(silent)),
+                self.list_wait_s,
+            )
+            for peer in silent:
+                self.replicator.peer_failed(
+                    peer,
+                    PeerUnavailableError(f"no answer to a listing within {self.list_wait_s} s"),
+                )
+        return {p: listed[p] for p in peers if p in listed}
 
     def hydrate(
         self,
@@ -191,7 +235,7 @@ class PeerFetcher(Shares):
             try:
                 rec = self.replicator.copy_from(peer, manifest)
             except CheckpointFormatError as e:
-                self.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.labels(tier="peer").inc()
                 logger.warning(
                     "%s/step %d: the replica on peer %s is unusable, trying the next source: %s",
                     namespace,
@@ -334,7 +378,7 @@ class PeerFetcher(Shares):
             try:
                 check_blocks(data, replace(sums, where=where, source=f"in peer {peer}"), start)
             except BlockMismatchError as e:
-                self.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.labels(tier="peer").inc()
                 errors.append(str(e))
                 continue
             self.service.metrics.peer_hydrated_bytes.inc(len(data))

@@ -8,6 +8,13 @@ guesses while the decider cannot be reached. The decider aborts its own prepared
 restart: it never decided them. A prepared attempt whose decider has left the ring is asked about
 of every member (the decider's node may be back under another address, holding the decision) once
 it has been gone for ``decider_gone_s``, and aborted if none holds it committed.
+
+A decision is told again less and less often (from ``RESOLVE_INTERVAL_S`` doubling up to
+``RESEND_MAX_S``), and no longer once the participant answers that it cannot take it (it has no
+such attempt prepared: a replacement node, an attempt it aborted or superseded; or it left the
+ring) or after ``resend_for_s``: each such end is a WARNING and counts in
+``tierckpt_decision_deliveries_abandoned_total{reason}``. A participant that still holds the
+attempt prepared settles it itself by asking (above), so nothing waits on a re-send.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 from tierckpt_core.errors import (
@@ -37,6 +45,30 @@ logger = logging.getLogger(__name__)
 RESOLVE_INTERVAL_S = 2.0  # how often undelivered decisions and prepared attempts are looked at
 IN_DOUBT_AFTER_S = 5.0  # a prepared attempt older than this asks its decider
 DECIDER_GONE_S = 600.0  # a decider not a member this long: its prepared attempts are swept
+RESEND_FOR_S = 900.0  # a decision not delivered this long is no longer told again
+RESEND_MAX_S = 60.0  # the longest wait between two re-sends of one decision
+
+# A participant's answers that a decision sent again cannot change: it holds no such attempt
+# prepared (StepNotFoundError: "no save in progress"), or one that does not match the decision
+# (StepStateError), or it is no longer a member (NotAMemberError: nothing is sent).
+PERMANENT = (StepNotFoundError, StepStateError, NotAMemberError)
+
+
+def abandon_reason(e: BaseException) -> str | None:
+    """The ``reason`` label when ``e`` says a decision can never be delivered, else None."""
+    if isinstance(e, NotAMemberError):
+        return "not_member"
+    if isinstance(e, PERMANENT):
+        return "refused"
+    return None
+
+
+@dataclass
+class _Resend:
+    decision: DecideRequest
+    since: float  # monotonic: when it was first left to the re-send
+    due: float  # monotonic: when it is sent next
+    tries: int = 0
 
 
 class Settle(Protocol):
@@ -56,6 +88,7 @@ class Resolver:
         *,
         node: str,
         decider_gone_s: float = DECIDER_GONE_S,
+        resend_for_s: float = RESEND_FOR_S,
     ) -> None:
         self.service = service
         self.client = client
@@ -63,11 +96,12 @@ class Resolver:
         self.settle = settle
         self.node = node
         self.decider_gone_s = decider_gone_s
+        self.resend_for_s = resend_for_s
         # (namespace, step, attempt) of a prepared attempt -> when its decider was first seen
         # not to be a member (monotonic); only the resolver thread touches it.
         self._gone: dict[tuple[str, int, str], float] = {}
         self._cv = threading.Condition()
-        self._undelivered: dict[tuple[str, str, int, str], DecideRequest] = {}
+        self._undelivered: dict[tuple[str, str, int, str], _Resend] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="tierckpt-resolver", daemon=True)
 
@@ -82,10 +116,32 @@ class Resolver:
             self._thread.join(timeout=5)
 
     def tell_later(self, node: str, decision: DecideRequest) -> None:
-        """``node`` did not take ``decision`` (with what it relays): tell it again each round."""
+        """``node`` did not take ``decision`` (with what it relays): tell it again later."""
         m = decision.manifest
+        now = time.monotonic()
         with self._cv:
-            self._undelivered[(node, m.namespace, m.step, m.attempt or "")] = decision
+            key = (node, m.namespace, m.step, m.attempt or "")
+            if key not in self._undelivered:
+                self._undelivered[key] = _Resend(decision, now, now + RESOLVE_INTERVAL_S)
+
+    def abandon(self, node: str, decision: DecideRequest, reason: str, e: BaseException) -> None:
+        """Stop telling ``node`` ``decision``: a WARNING and the metric."""
+        m = decision.manifest
+        logger.warning(
+            "%s/step %d: the decision on attempt %s is no longer sent to %s (%s: %s); if it "
+            "still holds the attempt prepared it settles it by asking",
+            m.namespace,
+            m.step,
+            m.attempt,
+            node,
+            reason,
+            e,
+        )
+        self.service.metrics.decision_deliveries_abandoned.labels(reason=reason).inc()
+
+    def pending_deliveries(self) -> int:
+        with self._cv:
+            return len(self._undelivered)
 
     def _run(self) -> None:
         while True:
@@ -93,22 +149,32 @@ class Resolver:
                 self._cv.wait(RESOLVE_INTERVAL_S)
                 if self._stop:
                     return
-                undelivered = dict(self._undelivered)
-            for key, decision in undelivered.items():
-                try:
-                    self.client.decide(key[0], decision)
-                except NotAMemberError as e:
-                    # It left the ring: if it comes back it asks (in doubt) how the attempt ended.
-                    logger.warning("decision for %s not delivered: %s", key, e)
-                except TierCkptError as e:
-                    logger.debug("decision for %s not delivered yet: %s", key, e)
-                    continue
-                with self._cv:
-                    self._undelivered.pop(key, None)
+                now = time.monotonic()
+                due = {k: r for k, r in self._undelivered.items() if r.due <= now}
+            for key, resend in due.items():
+                self._resend(key, resend)
             try:
                 self.resolve_in_doubt()
             except Exception:  # never kill the resolver: say so and try again next round
                 logger.exception("resolving prepared attempts failed")
+
+    def _resend(self, key: tuple[str, str, int, str], resend: _Resend) -> None:
+        node = key[0]
+        try:
+            # One try (bounded by the peer timeout): the next is rounds away anyway.
+            self.client.decide(node, resend.decision, attempts=1)
+        except TierCkptError as e:
+            reason = abandon_reason(e)
+            now = time.monotonic()
+            if reason is None and now - resend.since < self.resend_for_s:
+                resend.tries += 1
+                wait = min(RESOLVE_INTERVAL_S * 2**resend.tries, RESEND_MAX_S)
+                resend.due = now + wait
+                logger.info("decision for %s not delivered yet (next in %.0f s): %s", key, wait, e)
+                return
+            self.abandon(node, resend.decision, reason or "expired", e)
+        with self._cv:
+            self._undelivered.pop(key, None)
 
     def resolve_in_doubt(self) -> None:
         doubtful = self.service.prepared_attempts(older_than_s=IN_DOUBT_AFTER_S)

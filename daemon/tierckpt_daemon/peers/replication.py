@@ -7,8 +7,10 @@ pending replica on the peer, hashed on the way, and the peer checks every byte a
 checksums in the final commit. A successor that cannot be reached is skipped for the next one on
 the ring, so k replicas still exist when k peers are up; a step short of replicas is retried with
 backoff while newer steps go ahead. A step is held in memory until its replication is done or moot
-(superseded, deleted or retired by retention), so losing this node right after a commit still
-leaves the step on a peer.
+(superseded, deleted or retired by retention). Replication starts at the commit, in the
+background: until it is done, the step is on this node only, and losing the node then loses it
+(a save made with ``wait="replicated"`` returns only once every share has its replicas:
+:mod:`tierckpt_daemon.peers.replica_wait`).
 
 Restores ask the ring successors first (where this node's replicas went) and verify every file
 before the step is committed locally; a corrupt replica is skipped for the next source.
@@ -184,6 +186,13 @@ class Replicator(QueueWorker[StepRecord]):
         )
         self.service.metrics.replication_skips.labels(reason=reason).inc()
         self.service.end_replication(rec)
+
+    def _died(self, error: BaseException) -> None:
+        with self._cv:
+            self._last_error = (
+                f"the replication thread ({self.name}) died of {type(error).__name__}: {error}; "
+                "no step is pushed to peers until the daemon restarts (see the log)"
+            )
 
     def _record_failure(self, rec: StepRecord, message: str) -> None:
         self.service.metrics.replication_failures.inc()

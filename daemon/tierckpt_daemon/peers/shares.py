@@ -155,7 +155,7 @@ class Shares(RingTables):
                 errors.append(f"{peer} does not hold them")
                 continue
             if share_digest(found) != share.digest:
-                self.service.metrics.verification_failures.inc()
+                self.service.metrics.verification_failures.labels(tier="peer").inc()
                 errors.append(f"{peer}: they do not match the step's digest of them")
                 continue
             records = {f.name: f.model_copy(update={"size": None}) for f in found}

@@ -39,6 +39,12 @@ from tierckpt_daemon.peers.tls import PeerTLS, describe_tls_error
 
 logger = logging.getLogger(__name__)
 
+# A pooled connection idle this long is not used again. Well below the time a peer's server keeps
+# an idle one (server.KEEPALIVE_S, 30 s; 5 s on daemons before it, uvicorn's default): a request
+# must never be sent on a connection its server is closing (the two cross on the wire, and the
+# request fails with no answer, as a dead peer's would).
+KEEPALIVE_EXPIRY_S = 4.0
+
 # What can go wrong on the way to a peer and back, on any of the three stacks.
 TRANSPORT_ERRORS = (httpx.HTTPError, OSError, http.client.HTTPException)
 
@@ -76,7 +82,11 @@ class Transport:
         self.http = httpx.Client(
             timeout=httpx.Timeout(timeout_s),
             headers={"Authorization": self.auth},
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            limits=httpx.Limits(
+                max_connections=64,
+                max_keepalive_connections=16,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            ),
             verify=self._ssl if self._ssl is not None else True,
             trust_env=False,  # peers are dialed directly, never through a proxy from the env
         )

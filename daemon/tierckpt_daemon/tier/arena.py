@@ -187,6 +187,20 @@ class Arena:
         os.rename(src, dst)
         self._sizes[dst] = self._sizes.pop(src)
 
+    def shrink(self, path: Path, size: int) -> int:
+        """Cut ``path`` to ``size`` bytes if it is larger (its tail pages go back to the tmpfs);
+        returns its size now. A sealed file holds only the bytes its save references (a staged
+        file of a replicated state is mostly items another rank writes; see docs/design.md)."""
+        if size >= self._sizes[path]:
+            return self._sizes[path]
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self._sizes[path] = size
+        return size
+
     def delete(self, path: Path) -> None:
         _remove(path)
         self._sizes.pop(path, None)

@@ -16,7 +16,12 @@ from tierckpt_core.errors import ProtocolError, StepStateError
 from tierckpt_core.integrity import checksum_file_blocks
 from tierckpt_core.manifest import FileRecord, StepManifest, ring_of
 from tierckpt_core.protocol import OutcomeResponse, StepState
-from tierckpt_daemon.tier.records import StepRecord, read_manifest, write_prepared
+from tierckpt_daemon.tier.records import (
+    StepRecord,
+    read_manifest,
+    update_manifest,
+    write_prepared,
+)
 
 if TYPE_CHECKING:
     from tierckpt_daemon.tier.freshness import Freshness
@@ -50,6 +55,10 @@ class _Service(Protocol):
     ) -> StepRecord: ...
 
     def notify_committed(self, rec: StepRecord) -> None: ...
+
+    def persist_requested(self, rec: StepRecord) -> None: ...
+
+    def _take_share(self, m: StepManifest, *, persist: bool, as_prepared: bool) -> StepRecord: ...
 
     def _prepared_again(
         self, rec: StepRecord, files: list[str], coordinator: str, participants: list[str]
@@ -152,44 +161,61 @@ class Attempts:
             raise ProtocolError(f"{m.namespace}/step {m.step}: a decision without attempt/decider")
         with svc.lock:
             current = svc.index.committed.get(m.namespace, {}).get(m.step)
-            if current is not None and current.attempt == m.attempt:
-                return current
-            rec = svc.writing_record(m.namespace, m.step, m.attempt)
-            if rec.prepared_at is None:
-                raise StepStateError(
-                    f"{m.namespace}/step {m.step}: attempt {m.attempt} was never prepared here"
+            same = current is not None and current.attempt == m.attempt
+            queue = current is not None and same and _upgrade_persist(current, persist)
+            if not same:
+                rec = self._take_share(m, persist=persist, as_prepared=as_prepared)
+        if current is not None and same:
+            if queue:
+                logger.info(
+                    "%s/step %d: its decision says to persist it: queued for the persistent tier",
+                    m.namespace,
+                    m.step,
                 )
-            # Only the decision of the decider that prepared the attempt, over its participants.
-            ring = ring_of(m)
-            blind = as_prepared and ring is not None and not ring.has_table
-            strangers = [] if blind else sorted(set(m.nodes()) - set(rec.participants))
-            if m.coordinator != rec.coordinator or (rec.participants and strangers):
-                raise StepStateError(
-                    f"{m.namespace}/step {m.step}: a decision for attempt {m.attempt} by "
-                    f"{m.coordinator} (files on {', '.join(strangers) or 'its participants'}) "
-                    f"does not match its prepare by decider {rec.coordinator} with participants "
-                    f"{', '.join(rec.participants)}: refused"
-                )
-            mine = set(rec.files) if blind else m.share_names(self.node or "")
-            if mine != set(rec.files):
-                raise StepStateError(
-                    f"{m.namespace}/step {m.step}: the decision lists {sorted(mine)} on "
-                    f"{self.node}, which prepared {sorted(rec.files)}"
-                )
-            # Of the other nodes' files only their shares' entries are kept (RingRecord), and
-            # those only on the step's holders: any other node keeps the table's digest.
-            rec.ring = ring.kept_by(self.node) if ring is not None else None
-            rec.coordinator = m.coordinator
-            rec.participants = []
-            rec.prepared_at = None
-            rec.world_size = m.world_size
-            rec.learn_checksums(
-                {f.name: f.checksum for f in m.files if f.checksum and f.name in mine}
-            )
-            rec = svc.install(rec, m.metadata, persist=persist, replicate=True)
+                svc.persist_requested(current)
+            return current
         svc.freshness.committed(m.namespace, rec.committed_at)
         svc.notify_committed(rec)
         return rec
+
+    def _take_share(
+        self: _Service, m: StepManifest, *, persist: bool, as_prepared: bool
+    ) -> StepRecord:
+        """:meth:`take_decision` of an attempt not committed here yet (caller holds the lock)."""
+        svc = self
+        assert m.attempt is not None  # take_decision checked it
+        rec = svc.writing_record(m.namespace, m.step, m.attempt)
+        if rec.prepared_at is None:
+            raise StepStateError(
+                f"{m.namespace}/step {m.step}: attempt {m.attempt} was never prepared here"
+            )
+        # Only the decision of the decider that prepared the attempt, over its participants.
+        ring = ring_of(m)
+        blind = as_prepared and ring is not None and not ring.has_table
+        strangers = [] if blind else sorted(set(m.nodes()) - set(rec.participants))
+        if m.coordinator != rec.coordinator or (rec.participants and strangers):
+            raise StepStateError(
+                f"{m.namespace}/step {m.step}: a decision for attempt {m.attempt} by "
+                f"{m.coordinator} (files on {', '.join(strangers) or 'its participants'}) "
+                f"does not match its prepare by decider {rec.coordinator} with participants "
+                f"{', '.join(rec.participants)}: refused"
+            )
+        mine = set(rec.files) if blind else m.share_names(self.node or "")
+        if mine != set(rec.files):
+            raise StepStateError(
+                f"{m.namespace}/step {m.step}: the decision lists {sorted(mine)} on "
+                f"{self.node}, which prepared {sorted(rec.files)}"
+            )
+        # Of the other nodes' files only their shares' entries are kept (RingRecord), and
+        # those only on the step's holders: any other node keeps the table's digest.
+        rec.ring = ring.kept_by(self.node) if ring is not None else None
+        rec.coordinator = m.coordinator
+        rec.participants = []
+        rec.prepared_at = None
+        rec.world_size = m.world_size
+        rec.persist = persist  # the decision, which a participant in doubt may ask for
+        rec.learn_checksums({f.name: f.checksum for f in m.files if f.checksum and f.name in mine})
+        return svc.install(rec, m.metadata, persist=persist, replicate=True)
 
     def abort_attempt(self: _Service, namespace: str, step: int, attempt: str) -> None:
         """End an attempt of a commit across nodes (the decider says so, or never decided it)."""
@@ -214,9 +240,32 @@ class Attempts:
                     metadata = read_manifest(rec.manifest_path()).metadata
                     manifest = rec.manifest(metadata).portable()
                     return OutcomeResponse(
-                        outcome="committed", manifest=manifest, persist=rec.persist_pending
+                        outcome="committed", manifest=manifest, persist=decided_persist(rec)
                     )
             writing = svc.index.writing.get((namespace, step, attempt))
         if writing is None:
             return OutcomeResponse(outcome="unknown")
         return OutcomeResponse(outcome="prepared" if writing.prepared_at is not None else "writing")
+
+
+def decided_persist(rec: StepRecord) -> bool:
+    """Whether a committed step is to be persisted, as its decision said: the flag taken with
+    the decision (a record from before it was kept: what this node's upload work shows). Never
+    this node's *remaining* upload work alone: once its own share is up that is False, and a
+    participant told so would never upload its share (the step never becomes durable)."""
+    if rec.persist is not None:
+        return rec.persist
+    return rec.persist_pending or rec.state == StepState.DURABLE
+
+
+def _upgrade_persist(rec: StepRecord, persist: bool) -> bool:
+    """A decision taken again for a committed step (caller holds the lock): one that says to
+    persist it wins over an earlier ``persist=False`` (taken from a node whose answer was wrong):
+    else the step never becomes durable. True when ``rec`` is now to be uploaded."""
+    if not persist or rec.persist:
+        return False
+    rec.persist = True
+    if rec.state != StepState.DURABLE:
+        rec.persist_pending = True
+    update_manifest(rec)
+    return rec.persist_pending

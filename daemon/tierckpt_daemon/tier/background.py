@@ -70,7 +70,7 @@ class QueueWorker(Generic[T]):
         self._cv = threading.Condition()
         self._current: T | None = None
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -96,8 +96,8 @@ class QueueWorker(Generic[T]):
                 self._queue and (retries or self._queue[0][0] <= time.monotonic())
             ):
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
+                if left <= 0 or (self._thread.ident is not None and not self._thread.is_alive()):
+                    return False  # out of time, or nobody left to work the queue
                 self._cv.wait(min(left, 0.2))
         return True
 
@@ -110,6 +110,18 @@ class QueueWorker(Generic[T]):
 
     def _process(self, item: T) -> bool:
         raise NotImplementedError
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:
+            # The worker is gone for good: let its owner say so in its status, then let the
+            # exception reach threading.excepthook (the log and a metric, :mod:`..failures`).
+            self._died(e)
+            raise
+
+    def _died(self, error: BaseException) -> None:
+        """The worker's thread died of ``error``: subclasses mark their status unhealthy."""
 
     def _run(self) -> None:
         lower_priority(self.nice)

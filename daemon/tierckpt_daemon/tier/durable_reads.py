@@ -20,11 +20,14 @@ from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.objectstore import ObjectStore
 from tierckpt_core.protocol import StepInfo
 from tierckpt_daemon.locks import KeyedLocks
+from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.tier.hydration import fill_step
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 10.0  # between INFO lines of a hydration still running
 
 
 class DurableReads:
@@ -80,10 +83,25 @@ class DurableReads:
         with self._cv:
             self._hydrating[(namespace, step)] = progress
 
+        said = [time.monotonic()]  # when progress was last logged (a long hydration: minutes)
+
         def fetch(f: FileRecord, path: str) -> None:
             self._download(namespace, step, f, path)
             with self._cv:
                 progress[0] += f.length
+                done, now = progress[0], time.monotonic()
+                if now - said[0] < PROGRESS_INTERVAL_S:
+                    return
+                said[0] = now
+            logger.info(
+                "%s/step %d: hydrating from %s: %.0f of %.0f MiB",
+                namespace,
+                step,
+                self.store.url,
+                done / (1 << 20),
+                progress[1] / (1 << 20),
+                extra=step_fields(namespace, step),
+            )
 
         try:
             # Files download in parallel, like uploads.
@@ -135,7 +153,7 @@ class DurableReads:
         try:
             verify_file(got, f, namespace, step, self.store.url)
         except IntegrityError as e:
-            self.service.metrics.verification_failures.inc()
+            self.service.metrics.verification_failures.labels(tier="persistent").inc()
             block = _first_bad_block(path, f)
             if block is None:
                 raise

@@ -150,6 +150,12 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             self._healthy = False
             self._last_error = message
 
+    def _died(self, error: BaseException) -> None:
+        self._record_error(
+            f"the uploader thread ({self.name}) died of {type(error).__name__}: {error}; no step "
+            "is uploaded until the daemon restarts (the memory tier keeps serving; see the log)"
+        )
+
     # -- uploads ----------------------------------------------------------------------------
     def _run(self) -> None:
         self.check_health()

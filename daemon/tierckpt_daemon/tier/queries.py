@@ -19,10 +19,19 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.manifest import StepManifest
-from tierckpt_core.protocol import NamespaceInfo, PinResponse, StepInfo, validate_namespace
+from tierckpt_core.protocol import (
+    AttemptInfo,
+    NamespaceInfo,
+    PinResponse,
+    StepInfo,
+    StepState,
+    validate_namespace,
+    validate_step,
+)
 from tierckpt_daemon.tier.index import StepIndex
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord, read_manifest
+from tierckpt_daemon.tier.writers import any_alive
 
 PIN_TTL_S = 600.0  # a pin a reader never released lapses after this
 
@@ -30,6 +39,7 @@ PIN_TTL_S = 600.0  # a pin a reader never released lapses after this
 class Queries:
     lock: threading.RLock
     index: StepIndex
+    lease_ttl_s: float
 
     # ``owner`` (the reader's identity, see Ownership.acting_owner; None: anyone's): a
     # namespace no trainer of this node saved into yet may hold replicas of several owners'
@@ -114,7 +124,51 @@ class Queries:
             recs = [r for r in recs if owned_by(r.owner, owner)]
             if not recs:
                 raise NamespaceNotFoundError(f"namespace {namespace} is unknown to this daemon")
-            return [r.info() for r in sorted(recs, key=lambda r: (r.step, r.state.value))]
+            now = time.monotonic()
+            return [
+                self._writing_info(r, now) if r.state == StepState.WRITING else r.info()
+                for r in sorted(recs, key=lambda r: (r.step, r.state.value))
+            ]
+
+    # -- save attempts not committed (in progress, or left by a trainer that died mid-save) --
+    def _reclaim_in(self, rec: StepRecord, now: float) -> float | None:
+        if rec.prepared_at is not None:
+            return None  # its decider ends it (peers/commit.py), not the sweep
+        return max(0.0, rec.last_activity + self.lease_ttl_s - now)
+
+    def _writing_info(self, rec: StepRecord, now: float) -> StepInfo:
+        return rec.info().model_copy(
+            update={
+                "attempt": rec.attempt,
+                "writer_alive": any_alive(rec.writers),
+                "reclaim_in_s": self._reclaim_in(rec, now),
+            }
+        )
+
+    def attempts(self, namespace: str, step: int) -> list[AttemptInfo]:
+        """The save attempts of a step not committed yet, oldest first."""
+        validate_namespace(namespace)
+        validate_step(step)
+        now = time.monotonic()
+        with self.lock:
+            recs = [r for k, r in self.index.writing.items() if k[:2] == (namespace, step)]
+            return [
+                AttemptInfo(
+                    namespace=namespace,
+                    step=step,
+                    attempt=r.attempt,
+                    prepared=r.prepared_at is not None,
+                    bytes=r.bytes,
+                    files=r.sorted_files(),
+                    owner=r.owner,
+                    created_at=r.created_at,
+                    idle_s=now - r.last_activity,
+                    reclaim_in_s=self._reclaim_in(r, now),
+                    writers=sorted(r.writers),
+                    writer_alive=any_alive(r.writers),
+                )
+                for r in sorted(recs, key=lambda r: r.created_at)
+            ]
 
     # -- a reader's pins: the step stays in memory while its reader copies out of it --------
     def pin(

@@ -42,7 +42,9 @@ class StepRecord:
     committed_at: float | None = None
     durable_at: float | None = None  # when this node's upload made it durable (not a hydration)
     world_size: int | None = None
-    persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
+    # What the writer asked for (None: the daemon's policy); of a step spanning nodes, the
+    # decider's decision (what a participant in doubt is told); True once persisted on request.
+    persist: bool | None = None
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
     origin: str | None = None  # a replica: the peer (host:port) that committed it
     replicated_to: list[str] = field(default_factory=list)  # peers holding a verified copy
@@ -63,6 +65,8 @@ class StepRecord:
     # (RingRecord). ``files`` are the ones held here: no record of another node's file is kept
     # (it is fetched from its holders, checked against its share's digest).
     ring: RingRecord | None = None
+    # A save attempt: the processes that sealed into it, pid -> start time (see writers.py).
+    writers: dict[int, int] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:

@@ -33,6 +33,7 @@ from tierckpt_core.protocol import (
 )
 from tierckpt_daemon.locks import KeyedLocks
 from tierckpt_daemon.tier.ownership import owned_by
+from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
@@ -221,6 +222,16 @@ class Restorer:
             theirs, where=f"the persistent tier's manifest of {namespace}/step {step}"
         )
 
+    def _own_share(self, rec: StepRecord) -> set[str]:
+        """With no files named, the files of the step this node's ranks wrote: none to name for
+        a step of one node, or when a file of its own is held (its share came whole); else
+        (it holds only a replica of another node's share) its share in the step's table."""
+        me = self.service.node
+        if rec.ring is None or me is None or any(f.node == me for f in rec.files.values()):
+            return set()
+        share = self._table(rec.namespace, rec.step, rec.ring).table.get(me)
+        return set(share.names) if share is not None else set()
+
     def candidates(self, namespace: str, *, owner: str | None = None) -> list[StepCandidate]:
         """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
         durable; of peers' copies, only ``owner``'s (None: anyone's). Unreachable peers are
@@ -402,7 +413,8 @@ class Restorer:
             except NotFoundError as e:
                 missing: NotFoundError = e
             else:
-                need = set(files or ()) - set(rec.files)
+                named = set(files) if files is not None else self._own_share(rec)
+                need = named - set(rec.files)
                 if not need:
                     return rec.info()
                 ring = self._table(namespace, step, rec.ring) if rec.ring is not None else None

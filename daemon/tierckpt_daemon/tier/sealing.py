@@ -24,7 +24,9 @@ from tierckpt_core.protocol import (
     validate_step,
 )
 from tierckpt_daemon.logfields import step_fields
+from tierckpt_daemon.tier.arena import round_up
 from tierckpt_daemon.tier.records import MANIFEST
+from tierckpt_daemon.tier.writers import note_writer
 
 if TYPE_CHECKING:
     from tierckpt_daemon.tier.arena import Arena
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from tierckpt_daemon.tier.leases import Leases
 
 logger = logging.getLogger(__name__)
+
+CUT_BELOW = 20  # a sealed file is cut to its length when that frees more than 1/20 of it
 
 
 class _Service(Protocol):
@@ -57,10 +61,12 @@ class Sealing:
         *,
         owner: str | None = None,
         admin: bool = False,
+        pid: int | None = None,
     ) -> StepInfo:
         """Seal a rank's files into a save attempt. ``owner``: the identity the save is for (the
         caller's; a copy's owner), which the namespace's first save here claims; ``admin``
-        saves into a namespace of another owner on its behalf."""
+        saves into a namespace of another owner on its behalf; ``pid``: the sealing process
+        (an operator frees the attempt only once no writer runs: see writers.py)."""
         validate_namespace(namespace)
         validate_step(step)
         validate_file_name(attempt)
@@ -101,11 +107,19 @@ class Sealing:
                         f"{namespace}/step {step}: file {f.name}: block checksums without a checksum"
                     )
                 self.leases.take(lease)
-                self.arena.move(lease.path, rec.dir / f.name)
+                path = rec.dir / f.name
+                self.arena.move(lease.path, path)
+                # Only the bytes the save references stay: a writer that staged more than its
+                # rank writes (replicated state, see docs/design.md) seals a shorter length. A
+                # tail under 1/20 stays: the file then still fits the next lease of its size
+                # when it is recycled (a plain save leases a little more than it fills).
+                size = lease.size
+                if round_up(f.length) < size - size // CUT_BELOW:
+                    size = self.arena.shrink(path, round_up(f.length))
                 rec.files[f.name] = FileRecord(
                     name=f.name,
                     rank=req.rank,
-                    size=lease.size,
+                    size=size,
                     length=f.length,
                     segments=f.segments,
                     checksum=f.checksum,
@@ -113,6 +127,7 @@ class Sealing:
                     blocks=f.blocks,
                 )
             rec.last_activity = time.monotonic()
+            note_writer(rec.writers, pid)
             logger.debug(
                 "%s/step %d attempt %s: rank %d sealed %d files",
                 namespace,

@@ -57,6 +57,7 @@ from tierckpt_daemon.tier.records import (
 )
 from tierckpt_daemon.tier.sealing import Sealing
 from tierckpt_daemon.tier.worker_reports import WorkerReports
+from tierckpt_daemon.tier.writers import any_alive
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +198,11 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                 checksums=checksums,
             )
 
-    def abort(self, namespace: str, step: int, attempt: str) -> None:
+    def abort(self, namespace: str, step: int, attempt: str, *, abandoned: bool = False) -> None:
         """Give up a save attempt its writer saw fail: its sealed files go back to the pool now,
         not when the attempt stalls (``lease_ttl_s``). An attempt prepared for a commit across
-        nodes is left to its coordinator's decision."""
+        nodes is left to its coordinator's decision. ``abandoned``: an operator frees the
+        attempt of a trainer that died mid-save; refused while a process that wrote it runs."""
         with self.lock:
             rec = self.writing_record(namespace, step, attempt)
             if rec.prepared_at is not None:
@@ -208,8 +210,19 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                     f"{namespace}/step {step}: attempt {attempt} is prepared for a commit across "
                     "nodes; its coordinator decides how it ends"
                 )
+            if abandoned and any_alive(rec.writers):
+                raise StepStateError(
+                    f"{namespace}/step {step}: attempt {attempt} is not abandoned: its writer "
+                    f"(pid {', '.join(map(str, sorted(rec.writers)))}) still runs; stop it first, "
+                    "or let it finish or fail the save"
+                )
             logger.info(
-                "%s/step %d: save attempt %s aborted by its writer", namespace, step, attempt
+                "%s/step %d: save attempt %s %s",
+                namespace,
+                step,
+                attempt,
+                "freed by an operator (abandoned)" if abandoned else "aborted by its writer",
+                extra=step_fields(namespace, step, attempt),
             )
             self.index.abandon(rec)
 
@@ -309,8 +322,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                 self.metrics.evictions.labels(reason="superseded").inc()
             for _ in retired:
                 self.metrics.evictions.labels(reason="retention").inc()
+            # Evictions are logged: the retention's here, with the commit that caused them.
+            left = ", ".join(str(r.step) for r in retired)
             logger.info(
-                "%s/step %d committed: %d files, %d bytes%s%s%s",
+                "%s/step %d committed: %d files, %d bytes%s%s%s%s",
                 namespace,
                 step,
                 len(rec.files),
@@ -318,6 +333,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
                 f", a replica from {origin}" if origin else "",
                 ", queued for the persistent tier" if rec.persist_pending else "",
                 ", queued for replication" if rec.replication_pending else "",
+                f"; step(s) {left} of {namespace} leave memory (TIERCKPT_KEEP_LAST "
+                f"{self.keep_last})"
+                if retired
+                else "",
                 extra=step_fields(namespace, step, rec.attempt),
             )
             return rec
@@ -359,16 +378,26 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
             rec = self.record(namespace, step, owner=owner)
             queue = rec.state == StepState.COMMITTED and not rec.persist_pending
             if queue:
-                rec.persist_pending = True
+                rec.persist = rec.persist_pending = True
                 update_manifest(rec)
             info = rec.info()
         if queue:
-            for listener in self._listeners:
-                listener.persist_requested(rec)
+            self.persist_requested(rec)
         return info
+
+    def persist_requested(self, rec: StepRecord) -> None:
+        """Tell the uploader that ``rec`` (now ``persist_pending``) is to be persisted."""
+        for listener in self._listeners:
+            listener.persist_requested(rec)
 
     # -- reads ------------------------------------------------------------------------------
     def delete_step(self, namespace: str, step: int, *, owner: str | None = None) -> None:
         with self.lock:
             self.index.retire(self.record(namespace, step, owner=owner))
             self.metrics.evictions.labels(reason="deleted").inc()
+            logger.info(
+                "%s/step %d deleted from memory",
+                namespace,
+                step,
+                extra=step_fields(namespace, step),
+            )

@@ -22,9 +22,11 @@ from typing import Any
 import torch
 
 from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp._device_copy import DeviceCopy, takes_bytes
+from tierckpt_client.dcp._device_copy import land as land_on_device
 from tierckpt_client.dcp._helpers import VERIFY, on_helpers, quiet_openmp
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_core.errors import CheckpointFormatError, IntegrityError
+from tierckpt_core.errors import BlockMismatchError, CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.verified import BlockSums
@@ -33,6 +35,9 @@ from tierckpt_core.verified_copy import PARALLEL_MIN, Copy, copy_all
 _CHANGED = (
     "the copy in this node's memory changed; restore the step from the persistent tier or a peer"
 )
+
+
+MEMORY_SOURCE = "in this node's memory"  # BlockMismatchError.source of a local tier file
 
 
 class LocalFiles:
@@ -53,6 +58,7 @@ class LocalFiles:
         ranged: dict[str, dict[tuple[int, int], bytes]] | None = None,
         records: dict[str, FileRecord] | None = None,
         verify_tensors: bool = True,
+        pin_memory: bool = False,
     ) -> None:
         self.where = where
         self._load = load
@@ -62,6 +68,7 @@ class LocalFiles:
         self._fds: dict[str, int] = {}
         self._records = records or {}  # the local files' checksums (required when _paths is set)
         self._verify_tensors = verify_tensors
+        self._pin_memory = pin_memory  # register tier files a CUDA destination reads from
         self._verified: dict[str, set[int]] = {}  # blocks of each file checked so far
         # Whole tensors landed and verified: (file, offset, length, the target's data_ptr).
         self._filled: set[tuple[str, int, int, int]] = set()
@@ -79,15 +86,54 @@ class LocalFiles:
         if not self._verify_tensors:
             return  # DCP's copy out of the mapping, or one preadv per tensor, as asked
         jobs = []
+        device: list[DeviceCopy] = []
         for ref, target in wants:
-            if target is None or not self._direct(ref.file, ref.length, target):
+            if (
+                target is None
+                or (ref.file, ref.offset, ref.length, target.data_ptr()) in self._filled
+            ):
                 continue
-            if (ref.file, ref.offset, ref.length, target.data_ptr()) in self._filled:
+            if self._on_device(ref.file, ref.length, target):
+                device.append(self._device_copy(ref.file, ref.offset, ref.length, target))
+                continue
+            if not self._direct(ref.file, ref.length, target):
                 continue
             job = self._copy(ref.file, ref.offset, ref.length, target)
             if job is not None:
                 jobs.append(job)
+        self._land_on_device(device)
         self._land(jobs)
+
+    def _on_device(self, name: str, length: int, target: torch.Tensor) -> bool:
+        """Whether CUDA tensor ``target`` takes ``length`` bytes of local file ``name`` as
+        they are (a DMA out of its mapping, checked beside it: ``_device_copy``)."""
+        return (
+            bool(length)
+            and takes_bytes(target, length)
+            and name in self._paths
+            and name not in self._ranged
+        )
+
+    def _device_copy(self, name: str, offset: int, length: int, target: torch.Tensor) -> DeviceCopy:
+        buf = self.buffer(name)  # mapped: a device copy reads host memory
+        if offset + length > buf.numel():
+            raise CheckpointFormatError(f"{self.where}: a tensor lies beyond the end of {name}")
+        rec = self._record(name, offset, length, "a tensor")
+        sums = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
+        done = self._verified.get(name, set())
+        lo, hi = sums.block_of(offset), sums.block_of(offset + length - 1)
+        blocks = [b for b in range(lo, hi + 1) if b not in done]
+        return DeviceCopy(buf, sums, offset, target, blocks)
+
+    def _land_on_device(self, copies: list[DeviceCopy]) -> None:
+        """Run the device copies, every block they read checked before this returns."""
+        if not copies:
+            return
+        self.verified_bytes += land_on_device(copies, pin=self._pin_memory)
+        for c in copies:
+            n = c.target.numel() * c.target.element_size()
+            self._filled.add((c.sums.name, c.offset, n, c.target.data_ptr()))
+            self._verified.setdefault(c.sums.name, set()).update(c.blocks)
 
     def buffer(self, name: str) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -145,6 +191,9 @@ class LocalFiles:
         the mapping.
         """
         if (name, offset, length, target.data_ptr()) in self._filled:
+            return True
+        if self._verify_tensors and self._on_device(name, length, target):
+            self._land_on_device([self._device_copy(name, offset, length, target)])
             return True
         if not self._direct(name, length, target):
             return False
@@ -247,10 +296,13 @@ class LocalFiles:
         else:
             good = checksum(data) == rec.checksum
         if not good:
-            raise IntegrityError(
+            raise BlockMismatchError(
                 f"{self.where}: {rec.name} does not match the checksum taken when it was written "
                 f"(block {i}, bytes {i * _unit(rec)}+{len(data)}): the copy in "
-                "this node's memory changed; restore the step from the persistent tier or a peer"
+                "this node's memory changed; restore the step from the persistent tier or a peer",
+                file=rec.name,
+                block=i,
+                source=MEMORY_SOURCE,
             )
         self._verified.setdefault(rec.name, set()).add(i)
         self.verified_bytes += len(data)

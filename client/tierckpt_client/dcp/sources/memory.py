@@ -195,6 +195,7 @@ class MemorySource:
             ranged,
             records={n: f for n, f in pin.known.records.items() if n in pin.paths},
             verify_tensors=self.config.verify_reads,
+            pin_memory=self.config.pin_memory,
         )
         # Needed in bulk and held elsewhere: from the nodes that hold them, into the tensors.
         files: StepFiles = local if remote is None else remote.files(where, whole, local)

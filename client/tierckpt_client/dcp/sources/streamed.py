@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from tierckpt_client.dcp._metadata_codec import ShardRef
+from tierckpt_client.dcp.sources._progress import Progress
 from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.manifest import FileRecord
@@ -118,6 +119,7 @@ class StreamedFiles:
         self.verified_bytes = 0  # bytes of blocks checked
         self.direct_bytes = 0  # bytes that landed straight in a destination tensor
         self._lock = threading.Lock()
+        self._progress = Progress(where, 0)  # of the current prefetch
 
     prefetches = True  # the reader announces everything it reads, then copies
 
@@ -199,9 +201,12 @@ class StreamedFiles:
         runs = [run for name, found in sinks.items() for run in self._runs(name, found)]
         if not runs:
             return
+        total = sum(run.hi - run.lo for run in runs)
+        self._progress = Progress(f"{self.where}: reading {self._source}", total)
         if len(runs) == 1 or self._concurrency == 1:
             for run in runs:
                 self._fetch(run)
+            self._progress.finish()
             return
         with concurrent.futures.ThreadPoolExecutor(
             min(self._concurrency, len(runs)), thread_name_prefix="tierckpt-get"
@@ -213,6 +218,7 @@ class StreamedFiles:
             for fut in futures:
                 if not fut.cancelled():
                     fut.result()
+        self._progress.finish()
 
     def _runs(self, name: str, sinks: list[_Sink]) -> list[_Run]:
         """Whole-block spans around ``sinks``, those close together merged into one GET."""
@@ -260,6 +266,7 @@ class StreamedFiles:
         state: dict[str, Any] = {}
 
         def put(view: memoryview, off: int) -> None:
+            self._progress.add(len(view))
             if off == run.lo:  # the first chunk (again, when the store retried the GET)
                 stream.restart()
                 state.update(next=0, active=[])

@@ -70,3 +70,24 @@ nothing. randAlphaNum would change on every render, and `lookup` returns nothing
 {{- define "tierckpt.peerTlsServerName" -}}
 {{- .Values.replication.tls.serverName | default (printf "%s-peers.%s.svc" (include "tierckpt.fullname" .) .Release.Namespace) }}
 {{- end }}
+
+{{/*
+The pod's securityContext: podSecurityContext with the chart's user and group. Those come from
+the top-level runAsUser/runAsGroup only (the init container chowns the tier directory to them, the
+webhook gives trainers the group): setting them in podSecurityContext or securityContext is
+refused, rather than silently replaced (sprig's merge drops a 0) or left to disagree with them.
+*/}}
+{{- define "tierckpt.podSecurityContext" -}}
+{{- range $k := list "runAsUser" "runAsGroup" "fsGroup" }}
+{{- if hasKey $.Values.podSecurityContext $k }}
+{{- fail (printf "podSecurityContext.%s is set by the chart: set the top-level runAsUser/runAsGroup instead (the daemon runs as non-root: runAsUser >= 1)" $k) }}
+{{- end }}
+{{- end }}
+{{- range $k := list "runAsUser" "runAsGroup" }}
+{{- if hasKey $.Values.securityContext $k }}
+{{- fail (printf "securityContext.%s is set by the chart: set the top-level runAsUser/runAsGroup instead (the daemon runs as non-root: runAsUser >= 1)" $k) }}
+{{- end }}
+{{- end }}
+{{- $ids := dict "runAsUser" .Values.runAsUser "runAsGroup" .Values.runAsGroup "fsGroup" .Values.runAsGroup }}
+{{- merge $ids (deepCopy .Values.podSecurityContext) | toYaml }}
+{{- end }}

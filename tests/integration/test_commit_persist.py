@@ -1,0 +1,108 @@
+"""A step committed across nodes with ``persist=True`` becomes durable however its participants
+learnt the decision: from the decider, from another participant while in doubt, or first
+without the flag and then again with it (issue 32, item 1). Real daemons on a ring with a
+``file://`` persistent tier."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tierckpt_core.manifest import StepManifest
+
+from helpers import DaemonProcess, ring, running
+from kit import seal_bytes
+from test_global_commit import NS, TOKEN, _decided_without, _latest, _peer, _prepare, _until
+
+
+def _share_up(root: Path, step: int, name: str) -> bool:
+    """A node's share file is in the persistent tier, with the record its uploader writes."""
+    where = root / NS / f"step_{step:012d}"
+    return (where / name).is_file() and (where / f"{name}.sum.json").is_file()
+
+
+def _durable(root: Path, step: int) -> bool:
+    return (root / NS / f"step_{step:012d}" / "COMMITTED").is_file()
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Path:
+    return tmp_path / "tier"
+
+
+@pytest.fixture
+def four(tier: Path) -> Iterator[list[DaemonProcess]]:
+    nodes = ring(
+        4,
+        token=TOKEN,
+        replicas=0,
+        prefix="tierckpt-test",
+        capacity="256M",
+        log_level="INFO",
+        persist_url=f"file://{tier}",
+    )
+    with running(nodes) as ds:
+        yield sorted(ds, key=lambda d: d.name)
+
+
+def test_a_participant_that_learns_the_decision_from_another_one_uploads_its_share(
+    four: list[DaemonProcess], tier: Path
+) -> None:
+    """The decider says persist; d1 is down and learns the decision, once back, from d0 (the
+    decider is down then), whose own share is already up. d1 must be told the step's flag
+    (persist), not d0's remaining upload work (none): else d1's share never reaches the
+    persistent tier and the step never becomes durable."""
+    d0, d1, decider, _ = four
+    _decided_without(four, d1, persist=True)
+    _until("d0's share in the persistent tier", lambda: _share_up(tier, 1, "r00000.data"), 30)
+    decider.kill()
+    d1.start()  # asks the decider (down), then d0
+    _until("node d1 to take the decision", lambda: _latest(d1) == 1, 90)
+    assert f"attempt s1 was committed (as {d0.name} says)" in d1.log()
+    _until("d1's share in the persistent tier", lambda: _share_up(tier, 1, "r00001.data"), 30)
+    decider.start()  # it writes the step's manifest and marker once every share is up
+    _until("step 1 durable", lambda: _durable(tier, 1), 60)
+
+
+@pytest.fixture
+def two(tier: Path) -> Iterator[list[DaemonProcess]]:
+    nodes = ring(2, token=TOKEN, replicas=0, prefix="tierckpt-test", persist_url=f"file://{tier}")
+    with running(nodes) as ds:
+        yield ds
+
+
+def test_a_decision_sent_again_with_persist_upgrades_a_step_taken_without_it(
+    two: list[DaemonProcess], tier: Path
+) -> None:
+    """A participant took the decision with persist=False (a wrong answer in doubt); the
+    decider's re-send says persist: the participant uploads its share."""
+
+    a, b = two
+    assert a.name and b.name
+    seal_bytes(a, NS, 2, "s2", 0, 40_000)
+    seal_bytes(b, NS, 2, "s2", 1, 40_000)
+    both = [a.name, b.name]
+    files = [
+        f.model_copy(update={"node": a.name}) for f in _prepare(a, a, 2, "s2", "r00000.data", both)
+    ] + [
+        f.model_copy(update={"node": b.name}) for f in _prepare(a, b, 2, "s2", "r00001.data", both)
+    ]
+    manifest = StepManifest(
+        namespace=NS,
+        step=2,
+        attempt="s2",
+        world_size=2,
+        files=files,
+        metadata={"what": "test"},
+        coordinator=a.name,
+    )
+    url = f"/v1/peer/namespaces/{NS}/steps/2/attempts/s2/commit"
+    with _peer(b) as http:
+        for persist in (False, True):
+            body = {"manifest": manifest.model_dump(mode="json"), "persist": persist}
+            resp = http.post(url, json=body)
+            assert resp.status_code == 200, resp.text
+    assert _latest(b) == 2
+    _until("b's share in the persistent tier", lambda: _share_up(tier, 2, "r00001.data"), 30)

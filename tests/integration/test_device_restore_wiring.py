@@ -1,0 +1,89 @@
+"""The restore into CUDA tensors (``dcp/_device_copy``) on a machine without CUDA: the streams are
+recorded instead of made, and host tensors stand in for device ones, so the load goes the device
+path through a real daemon and reader (tests/integration/test_cuda_paths.py runs it on a GPU).
+What a user would see: the bytes land exact, every block read is checked before the load
+returns, the copies' streams are synchronized whatever happened, and a bad block fails the load
+or, for "latest", falls back to the older step."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _device_copy
+from tierckpt_client.dcp.sources import files
+from tierckpt_core.errors import BlockMismatchError
+
+from helpers import DaemonProcess
+from kit import flip_byte, step_paths
+
+N = 3 << 20
+
+
+class _Stream:
+    def __init__(self, device: int | None = None) -> None:
+        self.waited: list[Any] = []
+        self.synced = 0
+
+    def wait_stream(self, other: Any) -> None:
+        self.waited.append(other)
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+
+@pytest.fixture
+def device_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int, _Stream]]:
+    """Host tensors taken as device destinations; CUDA's stream calls recorded."""
+    streams: dict[int, _Stream] = {}
+    monkeypatch.setattr(_device_copy, "_STREAMS", streams)
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "current")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(
+        files,
+        "takes_bytes",
+        lambda t, n: t.is_contiguous() and t.numel() * t.element_size() == n,
+    )
+    yield streams
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(N, generator=g), "b": torch.randn(999, generator=g), "n": seed}
+
+
+def _blank() -> dict[str, Any]:
+    return {"a": torch.zeros(N), "b": torch.zeros(999), "n": -1}
+
+
+def test_device_restore_lands_exact_checks_and_falls_back(
+    client_env: DaemonProcess, device_path: dict[int, _Stream]
+) -> None:
+    old, new = _state(1), _state(2)
+    for step, sd in ((1, old), (2, new)):
+        dcp.async_save(sd, storage_writer=TieredStorageWriter("dev", step), no_dist=True).result()
+    out = _blank()
+    dcp.load(out, storage_reader=TieredStorageReader("dev", 2), no_dist=True)
+    assert torch.equal(out["a"], new["a"]) and torch.equal(out["b"], new["b"]) and out["n"] == 2
+    (side,) = device_path.values()
+    assert side.waited == ["current"] and side.synced == 1  # after the loop's work; done before
+
+    data = next(p for name, p in step_paths("dev", 2).items() if name.endswith(".data"))
+    flip_byte(data, 5 << 20)
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(_blank(), storage_reader=TieredStorageReader("dev", 2), no_dist=True)
+    ((err, _),) = e.value.failures.values()
+    assert isinstance(err, BlockMismatchError) and err.file is not None
+    assert side.synced == 2  # synchronized on the way out of the failure too
+    out = _blank()
+    r = TieredStorageReader("dev")
+    dcp.load(out, storage_reader=r, no_dist=True)
+    assert r.resolved_step == 1
+    assert torch.equal(out["a"], old["a"]) and torch.equal(out["b"], old["b"]) and out["n"] == 1

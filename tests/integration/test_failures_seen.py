@@ -1,0 +1,153 @@
+"""Failures that used to be silent reach the operator (issue 33): a background thread that dies,
+and corruption a reader finds. Each shows in ``tierckpt status``, in ``/metrics`` (where the
+chart's alerts look) and in the daemon's log, while the memory tier keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tierckpt_client import ClientConfig, DaemonClient
+
+from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
+from kit import blank_state, flip_byte, load, save, seeded_state, step_paths
+
+N = 1 << 16
+
+# A daemon whose uploader meets an error nobody foresaw: its first health check raises.
+_BROKEN_UPLOADER = """
+import sys
+from tierckpt_core.objectstore.file import FileStore
+
+def health(self):
+    raise RuntimeError("injected: an error no handler expects")
+
+FileStore.health = health
+from tierckpt_daemon.__main__ import main
+sys.exit(main())
+"""
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def _cli(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TIERCKPT_SOCKET": str(socket)}
+    return subprocess.run(
+        [sys.executable, "-m", "tierckpt_client.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_background_thread_that_dies_is_seen_and_latest_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm, port = new_shm_dir(), free_port()
+    log = tmp_path / "daemon.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCKPT_")}
+    env.update(
+        TIERCKPT_SHM_DIR=str(shm),
+        TIERCKPT_PORT=str(port),
+        TIERCKPT_CAPACITY="256M",
+        TIERCKPT_PERSIST_URL=f"file://{tmp_path}/store",
+        TIERCKPT_LOG_JSON="1",
+    )
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _BROKEN_UPLOADER], env=env, stdout=out, stderr=out
+        )
+    socket = shm / "daemon.sock"
+    try:
+        client = DaemonClient(ClientConfig(socket=socket, connect_timeout_s=1.0))
+        wait_until(
+            "the daemon reports its dead uploader",
+            lambda: client.ping() and client.status().failed_threads,
+            describe=log.read_text,
+        )
+        st = client.status()
+        assert st.persistent is not None and st.persistent.healthy is False
+        assert "uploader thread" in (st.persistent.last_error or "")
+        assert "RuntimeError: injected" in st.failed_threads[0]
+        status = _cli("status", socket=socket)
+        assert "UNHEALTHY" in status.stdout and "injected" in status.stdout, status.stdout
+
+        metrics = _scrape(port)
+        assert metrics[("tierckpt_persistent_healthy", ())] == 0
+        died = ("tierckpt_background_thread_failures_total", (("thread", "tierckpt-persister"),))
+        assert metrics[died] == 1
+        # The traceback is one JSON log line, not raw text on stderr.
+        records = [json.loads(ln) for ln in log.read_text().splitlines() if ln.startswith("{")]
+        dead = [r for r in records if r.get("thread_name") == "tierckpt-persister"]
+        assert dead and dead[0]["level"] == "ERROR" and "Traceback" in dead[0]["exc"]
+        assert not any(ln.startswith("Traceback") for ln in log.read_text().splitlines())
+
+        # The memory tier serves on: a save, and "latest" loaded from memory.
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(socket))
+        save("job", 1, seeded_state(1, N), staged=False)
+        step, out = load("job", blank_state(N))
+        assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        subprocess.run(["rm", "-rf", str(shm)], check=True)
+
+
+def test_corruption_a_reader_finds_is_counted_and_logged_by_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    d = DaemonProcess(new_shm_dir(), port=port, capacity="256M", log_json=1)
+    try:
+        d.start()
+        monkeypatch.setenv("TIERCKPT_SOCKET", str(d.socket))
+        save("job", 1, seeded_state(1, N), staged=False)
+        save("job", 2, seeded_state(2, N), staged=False)
+        failures = ("tierckpt_verification_failures_total", (("tier", "memory"),))
+        assert _scrape(port)[failures] == 0  # the series exists before the first: increase() works
+        data = max(step_paths("job", 2).values(), key=os.path.getsize)  # the tensor's file
+        flip_byte(data, 5000)
+
+        # A trainer's load of "latest" falls back past step 2; the daemon hears of it.
+        step, out = load("job", blank_state(N))
+        assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
+        assert _scrape(port)[failures] == 1
+        records = [json.loads(ln) for ln in d.log_path.read_text().splitlines() if ln[:1] == "{"]
+        found = [r for r in records if r.get("tier") == "memory" and r.get("step") == 2]
+        assert found, d.log()
+        assert found[0]["level"] == "ERROR" and found[0]["namespace"] == "job"
+        assert found[0]["file"] == Path(data).name and found[0]["block"] == 0
+
+        # tierckpt verify finds it too, and says so to the daemon.
+        verify = _cli("verify", "job", "2", socket=d.socket)
+        assert verify.returncode != 0 and "CORRUPT" in verify.stdout, verify.stdout
+        assert _scrape(port)[failures] == 2
+    finally:
+        d.lose_node()
+        d.log_path.unlink(missing_ok=True)
+
+
+def test_a_report_to_a_daemon_that_is_gone_does_not_slow_or_fail_anything() -> None:
+    from tierckpt_core.protocol import CorruptionReport  # new with the route
+
+    client = DaemonClient(ClientConfig(socket=Path("/nonexistent/daemon.sock")))
+    t0 = time.monotonic()
+    client.report_corruption("job", 1, CorruptionReport(tier="memory", file="x.data"))
+    assert time.monotonic() - t0 < 1.0
