@@ -41,6 +41,7 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.membership import Membership, successors
+from tierckpt_daemon.peers.pacing import TokenBucket
 from tierckpt_daemon.tier.background import QueueWorker, background_pool
 from tierckpt_daemon.tier.hydration import fill_step
 from tierckpt_daemon.tier.records import StepRecord
@@ -76,6 +77,8 @@ class Replicator(QueueWorker[StepRecord]):
         replicas: int = 1,
         concurrency: int = 4,
         nice: int = 0,
+        replication_pace: TokenBucket | None = None,
+        fetch_pace: TokenBucket | None = None,
     ) -> None:
         super().__init__(
             "tierckpt-replicator", nice=nice, retry_base_s=RETRY_BASE_S, retry_max_s=RETRY_MAX_S
@@ -86,6 +89,9 @@ class Replicator(QueueWorker[StepRecord]):
         self.node = node
         self.replicas = replicas
         self._pool = background_pool(concurrency, "tierckpt-push", nice)
+        # Shared by every replica pulled here / every file a restore fetches (pacing.py).
+        self.replication_pace = replication_pace
+        self.fetch_pace = fetch_pace
         self._members: list[str] = [] if membership.dns else sorted(membership.static)
         self._unreachable: set[str] = set()
         self._last_error: str | None = None
@@ -350,15 +356,26 @@ class Replicator(QueueWorker[StepRecord]):
                 f"{where}: the manifest has no checksum for {', '.join(unchecked[:8])}"
             )
 
+        pace = self.replication_pace if replica else self.fetch_pace
+
         def fetch(f: FileRecord, path: str) -> None:
             if f.block_size and f.blocks is not None:
                 # Several streams at once for a large file, each block checked as it arrives
                 # against the writer's block checksums (taken with the whole-file one).
                 self.client.get_file_blocks(
-                    peer, ns, step, attempt, f.name, path, f.length, f.block_size, f.blocks
+                    peer,
+                    ns,
+                    step,
+                    attempt,
+                    f.name,
+                    path,
+                    f.length,
+                    f.block_size,
+                    f.blocks,
+                    pace=pace,
                 )
                 return
-            got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length)
+            got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length, pace=pace)
             verify_file(got, f, ns, step, where)
 
         rec = fill_step(
