@@ -5,8 +5,8 @@ Pushes run in the daemon's background, never in the trainer. One worker takes co
 commit order; each step's files stream in parallel (``TIERCKPT_REPLICATION_CONCURRENCY``) into a
 pending replica on the peer, hashed on the way, and the peer checks every byte against the
 checksums in the final commit; the replica's daemon reads them no faster than its
-``TIERCKPT_REPLICATION_MAX_RATE`` (:mod:`tierckpt_daemon.peers.pacing`). A successor that cannot be reached is skipped for the next one on
-the ring, so k replicas still exist when k peers are up; a step short of replicas is retried with
+``TIERCKPT_REPLICATION_MAX_RATE`` (:mod:`tierckpt_daemon.peers.pacing`). A successor that cannot
+be reached is skipped for the next one on the ring, so k replicas still exist when k peers are up; a step short of replicas is retried with
 backoff while newer steps go ahead. A step is held in memory until its replication is done or moot
 (superseded, deleted or retired by retention). Replication starts at the commit, in the
 background: until it is done, the step is on this node only, and losing the node then loses it
