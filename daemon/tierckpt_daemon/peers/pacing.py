@@ -6,8 +6,8 @@ pulls for its ring predecessors (a "push" is the replica pulling, so the pushed 
 where they land, and TCP's flow control holds the sender to the same rate) and the files a restore
 fetches from peers (a limit of its own: see docs/operations.md "Pacing replication"). A reader
 reads at most the bucket's depth, then takes tokens for what it got, sleeping for any deficit:
-over any interval the daemon takes in at most ``rate * t + depth`` bytes per bucket, and no
-reader holds more than ``depth`` bytes that the rate has not yet paid for.
+over any interval t the daemon takes in at most ``rate * t + depth`` bytes per bucket, plus one
+read (at most ``depth``) per stream reading at that moment, whose tokens it has yet to take.
 """
 
 from __future__ import annotations
