@@ -68,6 +68,7 @@ def timed_save(sd: dict[str, Any], **kw: Any) -> float:
 
 def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, root: str, out: str):
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

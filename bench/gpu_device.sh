@@ -9,6 +9,9 @@
 #
 #   bash bench/gpu_device.sh              # ~4-5 min on an H100/H200; bounded at ~7.5 min
 #   SMOKE=1 bash bench/gpu_device.sh      # 64 MiB only, 3 iterations (a check of the script)
+#   RESTORE_ONLY=1 bash bench/gpu_device.sh  # ~2 min: the CUDA tests, then only the restore into
+#                                         # CUDA tensors (phases, verify threads 16 and 4) and the
+#                                         # asynchronous staging, at 64 MiB and 1 GiB
 #   CUDA_VISIBLE_DEVICES= bash bench/gpu_device.sh   # no GPU: CUDA tests skip, bench says so
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,11 +49,16 @@ if grep -q "Error" "$OUT/env.txt"; then
     log "an import failed (see env.txt)"
 fi
 
+EXTRA=()
 if [ "${SMOKE:-0}" = 1 ]; then
     SIZES=0.0625 ITERS=3
+elif [ "${RESTORE_ONLY:-0}" = 1 ]; then
+    SIZES=${SIZES:-0.0625,1} ITERS=${ITERS:-7}
+    EXTRA=(--restore-only --verify-threads "${VERIFY_THREADS:-0,4}")
 else
     SIZES=${SIZES:-0.0625,1,4} ITERS=${ITERS:-5}
 fi
+BENCH_TIMEOUT=$([ "${RESTORE_ONLY:-0}" = 1 ] && echo 120 || echo 300)
 
 log "CUDA tests"
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -o timeout=120 \
@@ -61,9 +69,10 @@ timeout 150 "$PY" -m pytest -q -p no:cacheprovider -o timeout=120 \
     >"$OUT/tests.txt" 2>&1
 log "tests: exit $? ($(tail -1 "$OUT/tests.txt"))"
 
-log "gpu_staging.py --sizes-gib $SIZES --iters $ITERS"
-timeout 300 "$PY" bench/gpu_staging.py --sizes-gib "$SIZES" --iters "$ITERS" \
-    --out "$OUT/gpu_staging.json" >"$OUT/gpu_staging.txt" 2>&1
+log "gpu_staging.py --sizes-gib $SIZES --iters $ITERS ${EXTRA[*]}"
+timeout "$BENCH_TIMEOUT" "$PY" bench/gpu_staging.py --sizes-gib "$SIZES" --iters "$ITERS" \
+    "${EXTRA[@]}" --out "$OUT/gpu_staging.json" >"$OUT/gpu_staging.txt" 2>&1
 log "bench: exit $? (a timeout is 124; the sizes done are in the JSON)"
+grep -E "GiB (tier_restore|:)" "$OUT/gpu_staging.txt" | tee -a "$OUT/run.log"
 tail -25 "$OUT/gpu_staging.txt" | tee -a "$OUT/run.log"
 log "done"

@@ -41,11 +41,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from _common import machine_info, write_results
+from _restore_phases import RestorePhases, line, summary
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tierckpt_client import ClientConfig
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _device_copy
 from tierckpt_core.launcher import DaemonProcess
 
 N_TENSORS = 16
@@ -61,11 +62,24 @@ def parse_args() -> argparse.Namespace:
         "--paths", action="store_true", help="also time the device->host copy per destination"
     )
     p.add_argument("--no-saves", action="store_true", help="only --paths (no daemon)")
+    p.add_argument(
+        "--restore-only",
+        action="store_true",
+        help="only the restore and the asynchronous staging (with raw H2D and D2H), no torch "
+        "contenders nor synchronous or unpinned saves: a short run",
+    )
+    p.add_argument(
+        "--verify-threads",
+        default="0",
+        help="comma-separated threads checking a restore's blocks (0: torch's intra-op "
+        "threads, the default); each other count is one more contender, tier_restore_t<N>",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/gpu_staging.json"))
     args = p.parse_args()
     if args.smoke:
         args.sizes_gib, args.iters = "0.25", 4
     args.sizes = [float(s) for s in args.sizes_gib.split(",")]
+    args.verify = [int(t) for t in args.verify_threads.split(",")]
     return args
 
 
@@ -271,7 +285,15 @@ def staged_at(res: Any, t0: float) -> tuple[float, list[float]]:
     return stall, done
 
 
-def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
+def run_size(
+    gib: float,
+    iters: int,
+    tmp: Path,
+    *,
+    phases: RestorePhases,
+    restore_only: bool = False,
+    verify_threads: tuple[int, ...] = (0,),
+) -> dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemWriter
 
     shm = Path(tempfile.mkdtemp(prefix="tierckpt-gpu-", dir="/dev/shm"))
@@ -304,9 +326,11 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
             "torch_async_stall",
             "torch_async_staged",
             "raw_h2d",
-            "tier_restore",
         )
+        restores = {t: "tier_restore" if not t else f"tier_restore_t{t}" for t in verify_threads}
+        keys += tuple(restores.values())
         res: dict[str, list[float]] = {k: [] for k in keys}
+        phase_runs: dict[str, list[dict[str, float]]] = {k: [] for k in restores.values()}
         step = 0
 
         def tier_save(config: ClientConfig, *, asynchronous: bool = False) -> tuple[float, float]:
@@ -346,7 +370,7 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
             for dst, src in zip(gpu_tensors(sd), pinned, strict=True):
                 dst.copy_(src, non_blocking=True)
 
-        for _ in range(iters):  # unpinned first: a pinned file stays pinned for the process
+        for _ in range(0 if restore_only else iters):  # unpinned first: a pinned file stays pinned
             res["tier_stall_unpinned"].append(tier_save(unpinned_cfg)[0])
         first: list[float] = []
         for _ in range(KEEP_LAST + 1):  # each recycled tier file is registered once
@@ -367,8 +391,9 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
                 async_stager, async_kind = TorchAsyncStager(), "replica"
                 return torch_save(i, async_stager)
 
-        torch_async(0)  # torch's first asynchronous save allocates its pinned buffers
-        torch_async(1)  # and its first reuse of them
+        if not restore_only:
+            torch_async(0)  # torch's first asynchronous save allocates its pinned buffers
+            torch_async(1)  # and its first reuse of them
         try:  # the asynchronous stage once before the clock; a torch without it: rows left out
             tier_save(cfg, asynchronous=True)
             tier_async = True
@@ -377,47 +402,62 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
             print(f"tierckpt's asynchronous stage failed here:\n{traceback.format_exc()}")
         for i in range(iters):
             res["raw_d2h"].append(timed(raw_d2h))
-            res["tier_stall"].append(tier_save(cfg)[0])
-            res["torch_stall"].append(torch_save(i, stager)[0])
+            if not restore_only:
+                res["tier_stall"].append(tier_save(cfg)[0])
+                res["torch_stall"].append(torch_save(i, stager)[0])
             if tier_async:
                 stall, staged = tier_save(cfg, asynchronous=True)
                 res["tier_async_stall"].append(stall)
                 res["tier_async_staged"].append(staged)
-            stall, staged = torch_async(i)
-            res["torch_async_stall"].append(stall)
-            res["torch_async_staged"].append(staged)
+            if not restore_only:
+                stall, staged = torch_async(i)
+                res["torch_async_stall"].append(stall)
+                res["torch_async_staged"].append(staged)
             res["raw_h2d"].append(timed(raw_h2d))
-            out = {k: torch.empty_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
-            out["extra"] = {"step": -1}
-            res["tier_restore"].append(
-                timed(
-                    lambda out=out: dcp.load(  # type: ignore[misc]
-                        out,
-                        storage_reader=TieredStorageReader("gpu", step, config=cfg),
-                        no_dist=True,
-                    )
+            for threads, key in restores.items():  # each a step not loaded before, as a resume
+                if threads and key != "tier_restore":
+                    tier_save(cfg)
+                _device_copy.VERIFY_THREADS = threads or None
+                out = {k: torch.empty_like(v) for k, v in sd.items() if isinstance(v, torch.Tensor)}
+                out["extra"] = {"step": -1}
+
+                def load(out: dict[str, Any] = out, key: str = key) -> None:
+                    with phases.measure() as ph:
+                        dcp.load(
+                            out,
+                            storage_reader=TieredStorageReader("gpu", step, config=cfg),
+                            no_dist=True,
+                        )
+                    phase_runs[key].append(ph)
+
+                try:
+                    res[key].append(timed(load))
+                finally:
+                    _device_copy.VERIFY_THREADS = None
+                assert all(torch.equal(out[k], sd[k]) for k in out if k != "extra"), (
+                    "restore differs"
                 )
-            )
-            assert all(torch.equal(out[k], sd[k]) for k in out if k != "extra"), "restore differs"
-            assert out["extra"]["step"] == step
+                assert out["extra"]["step"] == step
         stager.close()
         async_stager.close()
-        summary: dict[str, Any] = {
+        summary_: dict[str, Any] = {
             "bytes": nbytes,
-            "torch_async_stager": async_kind,
+            "torch_async_stager": "not run" if restore_only else async_kind,
             "tier_first_pinned_s": first,
             "arena_after": arena_counts(),
             "iters": res,
         }
+        for key, runs in phase_runs.items():
+            summary_[f"{key}_phases"] = summary(runs)
         for k, v in res.items():
             if v:
                 med = statistics.median(v)
-                summary[k] = {"median_s": med, "best_s": min(v), "gbps": nbytes / med / 1e9}
+                summary_[k] = {"median_s": med, "best_s": min(v), "gbps": nbytes / med / 1e9}
 
         def m(key: str) -> float:
-            return float(summary[key]["median_s"]) if key in summary else float("nan")
+            return float(summary_[key]["median_s"]) if key in summary_ else float("nan")
 
-        summary["ratios"] = {
+        summary_["ratios"] = {
             "tier_d2h_over_raw": m("raw_d2h") / m("tier_stall"),
             "tier_over_torch_stall": m("tier_stall") / m("torch_stall"),
             "unpinned_over_pinned_stall": m("tier_stall_unpinned") / m("tier_stall"),
@@ -425,8 +465,13 @@ def run_size(gib: float, iters: int, tmp: Path) -> dict[str, Any]:
             "tier_async_staged_over_raw_d2h": m("tier_async_staged") / m("raw_d2h"),
             "torch_async_staged_over_raw_d2h": m("torch_async_staged") / m("raw_d2h"),
             "tier_restore_h2d_over_raw": m("raw_h2d") / m("tier_restore"),
+            **{
+                f"{key}_h2d_over_raw": m("raw_h2d") / m(key)
+                for key in restores.values()
+                if key != "tier_restore"
+            },
         }
-        return summary
+        return summary_
     finally:
         d.cleanup()
         shutil.rmtree(fs, ignore_errors=True)
@@ -501,10 +546,18 @@ def main() -> None:
         write_results(args.out, info, res)
         return
     failed: dict[str, str] = {}
+    phases = RestorePhases().install()
     with tempfile.TemporaryDirectory(prefix="tierckpt-gpu-bench-") as tmp:
         for gib in args.sizes:
             try:
-                r = run_size(gib, args.iters, Path(tmp))
+                r = run_size(
+                    gib,
+                    args.iters,
+                    Path(tmp),
+                    phases=phases,
+                    restore_only=args.restore_only,
+                    verify_threads=tuple(args.verify),
+                )
             except Exception:  # the next sizes still run; the JSON says what failed
                 failed[str(gib)] = traceback.format_exc()
                 print(f"{gib} GiB failed:\n{failed[str(gib)]}", flush=True)
@@ -513,21 +566,25 @@ def main() -> None:
                 continue
             res[str(gib)] = r
             write_results(args.out, info, res)  # each size as it is done
-            q = r["ratios"]
+            q, nan = r["ratios"], float("nan")
             print(
                 f"{gib} GiB: raw D2H {r['raw_d2h']['gbps']:.1f} GB/s, tierckpt stall "
-                f"{r['tier_stall']['median_s'] * 1e3:.0f} ms ({q['tier_d2h_over_raw']:.2f}x raw; "
-                f"target >= 0.9), torch best stager {r['torch_stall']['median_s'] * 1e3:.0f} ms "
+                f"{r.get('tier_stall', {}).get('median_s', nan) * 1e3:.0f} ms "
+                f"({q['tier_d2h_over_raw']:.2f}x raw; target >= 0.9), torch best stager "
+                f"{r.get('torch_stall', {}).get('median_s', nan) * 1e3:.0f} ms "
                 f"(tierckpt/torch {q['tier_over_torch_stall']:.2f}; target <= 1), unpinned "
                 f"{q['unpinned_over_pinned_stall']:.1f}x slower, first pinned saves "
                 f"{', '.join(f'{s:.2f}' for s in r['tier_first_pinned_s'])} s; asynchronous: "
-                f"stall {r.get('tier_async_stall', {}).get('median_s', float('nan')) * 1e3:.2f} ms "
+                f"stall {r.get('tier_async_stall', {}).get('median_s', nan) * 1e3:.2f} ms "
                 f"({q['tier_async_over_torch_async_stall']:.2f}x torch's; target <= 1), staged "
                 f"{q['tier_async_staged_over_raw_d2h']:.2f}x raw D2H (target <= 1.1); restore "
                 f"H2D {q['tier_restore_h2d_over_raw']:.2f}x raw (target >= 0.8); arena after "
                 f"{r['arena_after']}",
                 flush=True,
             )
+            for key in sorted(k for k in r if k.endswith("_phases")):
+                ratio = q.get(key.replace("_phases", "_h2d_over_raw"), float("nan"))
+                print(f"{gib} GiB {key} ({ratio:.2f}x raw H2D): {line(r[key])}", flush=True)
     write_results(args.out, info, res)
     sizes = {k: v for k, v in res.items() if k not in ("d2h_paths", "failed")}
     if sizes:

@@ -239,8 +239,9 @@ def check_all(
     by up to ``threads`` workers in runs of about :data:`PARALLEL_MIN` bytes, as
     :func:`copy_all` shares its copies. For a copy that reads ``src`` itself while the blocks
     are checked (a DMA to a device, ``dcp/_device_copy``): what is checked is ``src``, not the
-    destination. Every worker that started is waited for. The bytes checked;
-    BlockMismatchError (a bad block)."""
+    destination. Blocks of at most :data:`GIL_HELD_MAX` bytes are checked on the caller's thread
+    alone. Every worker that started is waited for. The bytes checked; BlockMismatchError (a
+    bad block)."""
     runs: list[list[tuple[memoryview, BlockSums, int]]] = []
     size = 0
     for src, sums, block in blocks:
@@ -252,6 +253,8 @@ def check_all(
         size += hi - lo
     if not runs:
         return 0
+    if all(sums.size <= GIL_HELD_MAX for _, sums, _ in blocks):
+        threads = 1  # the hashes hold the GIL: no thread would hash beside another
     todo = iter(runs)
     lock = threading.Lock()
     failed = threading.Event()
@@ -299,6 +302,13 @@ def _on_pool(n: int, work: Callable[[], int]) -> list[concurrent.futures.Future[
 PARALLEL_MIN = 8 << 20
 """Bytes of whole blocks one worker takes at a time; and below which a copy is not split over
 threads (handing a run over costs ~50 us)."""
+
+GIL_HELD_MAX: int = getattr(getattr(xxhash, "_xxhash", None), "_GIL_MINSIZE", 65536)
+"""xxhash hashes an input of at most this many bytes without releasing the GIL (python-xxhash:
+``len > _GIL_MINSIZE`` releases it): blocks no larger (every file of up to 64 MiB: 1024 blocks
+of at most 64 KiB) are hashed one thread at a time however many threads take them, so
+:func:`check_all` checks them on the caller's thread alone (more threads would only add GIL
+hand-overs and helper wake-ups)."""
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()

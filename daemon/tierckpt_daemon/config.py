@@ -184,6 +184,23 @@ class DaemonSettings(BaseSettings):
     replication_concurrency: int = Field(
         default=4, ge=1, le=64, description="files pushed to peers at once"
     )
+    replication_max_rate: str | None = Field(
+        default=None,
+        description="cap on the bytes this daemon takes in as replicas of its peers' steps, all "
+        "at once, bytes per second with K/M/G suffix: leave the training job's network its share "
+        "(unset: none)",
+    )
+    replication_inflight_bytes: int = Field(
+        default=4 << 20,
+        gt=0,
+        description="a paced transfer's most bytes at once ahead of its rate (the token bucket's "
+        "depth, and the largest single read), bytes with K/M/G suffix",
+    )
+    peer_fetch_max_rate: str | None = Field(
+        default=None,
+        description="cap on the bytes a restore fetches from peers, bytes per second with K/M/G "
+        "suffix (unset: none; a restore is what the job waits for)",
+    )
     peer_tls_cert: Path | None = Field(
         default=None,
         description="PEM certificate (chain) this daemon presents on its TCP port and to peers; "
@@ -278,12 +295,17 @@ class DaemonSettings(BaseSettings):
                 raise ValueError(str(e)) from None
         return v
 
-    @field_validator("peer_max_record_bytes", "peer_max_body_bytes", mode="before")
+    @field_validator(
+        "peer_max_record_bytes",
+        "peer_max_body_bytes",
+        "replication_inflight_bytes",
+        mode="before",
+    )
     @classmethod
     def _parse_byte_size(cls, v: object) -> object:
         return parse_size(v) if isinstance(v, str) else v
 
-    @field_validator("upload_max_rate")
+    @field_validator("upload_max_rate", "replication_max_rate", "peer_fetch_max_rate")
     @classmethod
     def _check_rate(cls, v: str | None) -> str | None:
         if v:

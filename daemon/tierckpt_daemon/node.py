@@ -21,6 +21,7 @@ from tierckpt_daemon.peers.cluster import ClusterLister
 from tierckpt_daemon.peers.commit import GlobalCommitter
 from tierckpt_daemon.peers.fetch import PeerFetcher
 from tierckpt_daemon.peers.handoff import HandoffServer
+from tierckpt_daemon.peers.pacing import TokenBucket
 from tierckpt_daemon.peers.replica_wait import ReplicaWait
 from tierckpt_daemon.peers.replication import Replicator
 from tierckpt_daemon.tier.arena import Arena
@@ -168,6 +169,8 @@ def build_node(settings: DaemonSettings) -> Node:
             replicas=settings.replicas,
             concurrency=settings.replication_concurrency,
             nice=settings.background_nice,
+            replication_pace=_bucket(settings.replication_max_rate, settings),
+            fetch_pace=_bucket(settings.peer_fetch_max_rate, settings),
         )
         service.replicas = settings.replicas
         service.node = settings.node_name
@@ -212,3 +215,10 @@ def build_node(settings: DaemonSettings) -> Node:
         else None,
         metrics_namespace_labels=settings.metrics_namespace_labels,
     )
+
+
+def _bucket(rate: str | None, settings: DaemonSettings) -> TokenBucket | None:
+    """The daemon's one token bucket for a ``*_max_rate`` setting (None: unpaced)."""
+    if not rate:
+        return None
+    return TokenBucket(parse_size(rate), settings.replication_inflight_bytes)

@@ -206,6 +206,26 @@ def test_multi_node_settings() -> None:
     assert names.index("POD_IP") < names.index("TIERCKPT_NODE_NAME")  # $(POD_IP) expands
     (service,) = [o for o in objs if o["metadata"]["name"] == "tierckpt-peers"]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert "TIERCKPT_REPLICATION_MAX_RATE" not in env  # unpaced unless asked
+
+
+def test_replication_pacing_values_map_to_the_daemon_settings() -> None:
+    values = {
+        "replication": {
+            "enabled": True,
+            "tokenSeed": SEED,
+            "maxRate": "1G",
+            "inflightBytes": "8M",
+            "fetchMaxRate": "4G",
+        }
+    }
+    _, container = _daemon(_objects(values))
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TIERCKPT_REPLICATION_MAX_RATE"] == "1G"
+    assert env["TIERCKPT_REPLICATION_INFLIGHT_BYTES"] == "8M"
+    assert env["TIERCKPT_PEER_FETCH_MAX_RATE"] == "4G"
+    with pytest.raises(helm_python.HelmValuesError, match="maxRate"):
+        render_mod.render({"replication": {"enabled": True, "tokenSeed": SEED, "maxRate": "fast"}})
 
 
 def test_peer_tls_mounts_the_secret_and_switches_probes_and_scrapes_to_https() -> None:

@@ -8,6 +8,7 @@ weights changed right after ``async_save`` returned never reaching the step."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -125,3 +126,33 @@ def test_sync_and_async_saves_of_checkpointable_shards_load_bit_exact(
     daemon: DaemonProcess,
 ) -> None:
     run_ranks(_worker, 2, str(daemon.socket))
+
+
+def test_asynchronous_staging_sees_a_change_to_a_wrapped_shard(client_env: DaemonProcess) -> None:
+    """With ``async_staging=True`` the trainer's thread notes the version of each tensor the save
+    will copy: for a wrapper, its shards' (the wrapper's own never changes). A shard changed in
+    place before ``staging_completion`` fails the save instead of committing a torn step."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierckpt_client.dcp import _async_staging
+    from tierckpt_client.dcp._helpers import on_helpers
+    from tierckpt_core.errors import StagingRaceError
+
+    sd = _rank_state(1, rank=0, world=1)
+    go, started = threading.Event(), threading.Event()
+    on_helpers(_async_staging.ASYNC, 1, lambda: (started.set(), go.wait(60)))
+    assert started.wait(10)  # the stager's thread is busy: the copy has not started
+    try:
+        res = dcp.async_save(
+            sd,
+            storage_writer=TieredStorageWriter("wrapped-race", 1, async_staging=True),
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            no_dist=True,
+        )
+        sd["model"]["w"].shards[0][1].add_(1)  # the loop did not wait for staging_completion
+    finally:
+        go.set()
+    with pytest.raises(CheckpointException) as e:
+        res.upload_completion.result(timeout=120)
+    ((err, _),) = e.value.failures.values()
+    assert isinstance(err, StagingRaceError), err

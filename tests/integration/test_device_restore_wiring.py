@@ -8,7 +8,9 @@ or, for "latest", falls back to the older step."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _device_copy
 from tierckpt_client.dcp.sources import files
+from tierckpt_core import verified_copy
 from tierckpt_core.errors import BlockMismatchError
 
 from helpers import DaemonProcess
@@ -87,3 +90,64 @@ def test_device_restore_lands_exact_checks_and_falls_back(
     dcp.load(out, storage_reader=r, no_dist=True)
     assert r.resolved_step == 1
     assert torch.equal(out["a"], old["a"]) and torch.equal(out["b"], old["b"]) and out["n"] == 1
+
+
+def test_small_blocks_are_checked_on_the_loads_thread(
+    client_env: DaemonProcess, device_path: dict[int, _Stream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of blocks no larger than xxhash hashes under the GIL (every file of up to 64 MiB)
+    is checked on the load's thread alone: helpers could not hash beside it, only hand the GIL
+    around (a 64 MiB restore into CUDA tensors paid ~25 ms over its 1.4 ms copy on an H200).
+    Every block is still checked: a flipped byte still fails the load."""
+    woken: list[int] = []
+    real = _device_copy.on_helpers
+    monkeypatch.setattr(
+        _device_copy, "on_helpers", lambda kind, n, fn: woken.append(n) or real(kind, n, fn)
+    )
+    monkeypatch.setattr(verified_copy, "PARALLEL_MIN", 1 << 20)  # several runs of blocks
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    sd = _state(3)
+    dcp.async_save(sd, storage_writer=TieredStorageWriter("small", 1), no_dist=True).result()
+    out = _blank()
+    dcp.load(out, storage_reader=TieredStorageReader("small", 1), no_dist=True)
+    assert torch.equal(out["a"], sd["a"]) and woken == []
+    data = next(p for name, p in step_paths("small", 1).items() if name.endswith(".data"))
+    flip_byte(data, 5 << 20)
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(_blank(), storage_reader=TieredStorageReader("small", 1), no_dist=True)
+    ((err, _),) = e.value.failures.values()
+    assert isinstance(err, BlockMismatchError) and woken == []
+    # Blocks the hash releases the GIL for are still shared with the helpers.
+    monkeypatch.setattr(verified_copy, "GIL_HELD_MAX", 0)
+    dcp.async_save(sd, storage_writer=TieredStorageWriter("small", 2), no_dist=True).result()
+    dcp.load(_blank(), storage_reader=TieredStorageReader("small", 2), no_dist=True)
+    assert woken == [3]
+
+
+def test_the_benchmarks_restore_phases_add_up(
+    client_env: DaemonProcess, device_path: dict[int, _Stream]
+) -> None:
+    """bench/gpu_staging.py's phase breakdown of a restore (run on a GPU only) measures this
+    path: the load's mapping is the writer's (no new mapping, no registration), and the phases
+    are there and within the load's time."""
+    spec = importlib.util.spec_from_file_location(
+        "_restore_phases", Path(__file__).parents[2] / "bench" / "_restore_phases.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    dcp.async_save(_state(4), storage_writer=TieredStorageWriter("ph", 1), no_dist=True).result()
+    phases = module.RestorePhases().install()
+    try:
+        with phases.measure() as ph:
+            dcp.load(_blank(), storage_reader=TieredStorageReader("ph", 1), no_dist=True)
+    finally:
+        phases.uninstall()
+    assert ph["new_mappings"] == 0 and ph["registrations"] == 0
+    assert ph["metadata"] > 0 and ph["open"] > 0 and ph["verify"] > 0 and ph["close"] > 0
+    assert ph["device"] >= ph["verify"] + ph["sync"]
+    parts = ("metadata", "open", "map", "device", "close", "rest")
+    assert sum(ph[k] for k in parts) == pytest.approx(ph["total"])
+    assert TieredStorageReader.read_metadata.__name__ == "read_metadata"  # unwrapped again
+    s = module.summary([ph, ph])
+    assert s["new_mappings"] == [0, 0] and "verify" in module.line(s)

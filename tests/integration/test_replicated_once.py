@@ -178,6 +178,53 @@ def _worker(rank: int, world: int, socket: str, out: str, cases: list[tuple[str,
         dist.all_gather_object(everyone, staged)
         if rank == 0:
             Path(out, kind, "staged.json").write_text(json.dumps(everyone))
+    if world == 2:
+        _planner_switch(rank, world)
+
+
+def _planner_switch(rank: int, world: int) -> None:
+    """The dedup option changes between two saves of one layout: the save that finds an item
+    it did not copy fails with a clear error on every rank and commits nothing; the next save
+    copies everything and succeeds, the one after copies only its share again."""
+    mesh = init_device_mesh("cpu", (world,))
+    group = dist.new_group(backend="gloo")
+
+    def save(step: int, planner: str) -> int:
+        sd = _state("ddp", step, mesh)
+        writer = TieredStorageWriter("switch", step)
+        fut = dcp.async_save(
+            sd,
+            storage_writer=writer,
+            planner=_planner(planner),
+            process_group=group,
+            async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        )
+        _spoil(sd)
+        fut.result()
+        return writer.last_stage_bytes
+
+    full = save(1, "balanced")
+    assert 0 < save(2, "balanced") < full  # only this rank's share
+    try:
+        save(3, "lowest")  # rank 0 now writes everything, but copied only its share
+    except BaseException as e:  # DCP's CheckpointException (a BaseException), on every rank
+        failed = str(e)
+    else:
+        failed = ""
+    assert "which stage() did not copy" in failed, (rank, failed)
+    assert "the next one copies everything" in failed
+    # Rank 0 forgot and copies everything; rank 1 wrote its (empty) share of save 3.
+    assert save(4, "lowest") == (full if rank == 0 else 0)
+    assert save(5, "lowest") == (full if rank == 0 else 0)
+    with DaemonClient.from_socket(os.environ["TIERCKPT_SOCKET"]) as c:
+        states = {s.step: s.state.value for s in c.steps("switch")}
+    assert states.get(3) in (None, "writing"), states  # 3 was never committed
+    assert states[4] != "writing" and states[5] != "writing", states
+    for step in (4, 5):
+        want = _state("ddp", step, mesh)
+        dest = _blank(want)
+        dcp.load(dest, storage_reader=TieredStorageReader("switch", step), process_group=group)
+        assert _equal(dest, want), (rank, step)
 
 
 def _data_bytes(root: Path, suffix: str) -> int:

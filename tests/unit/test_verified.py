@@ -373,6 +373,7 @@ def test_check_all_checks_blocks_in_place_over_threads(
     """The blocks a device copy reads, checked in the source beside it: all good blocks pass
     (the bytes counted), one flipped byte fails naming its block, whichever thread finds it."""
     monkeypatch.setattr(verified_copy, "PARALLEL_MIN", 2 * BLOCK)  # several runs
+    monkeypatch.setattr(verified_copy, "GIL_HELD_MAX", 0)  # threads, for blocks this small
     data, sums = _file()
     blocks = [(data, sums, b) for b in range(len(sums.digests))]
     assert verified_copy.check_all(blocks, threads=threads) == LENGTH

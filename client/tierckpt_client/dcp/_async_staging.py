@@ -44,6 +44,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from tierckpt_client.dcp._checkpointable import is_checkpointable, local_tensors
 from tierckpt_client.dcp._helpers import on_helpers
 from tierckpt_core.errors import StagingRaceError
 
@@ -74,6 +75,9 @@ def _skeleton(obj: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> Any:
         return obj
     if isinstance(obj, DTensor):
         out.append((path, obj._local_tensor))
+        return obj
+    if is_checkpointable(obj):  # a wrapper's own version and device say nothing of its shards
+        out.extend((path, t) for _, t in local_tensors(obj))
         return obj
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))

@@ -37,6 +37,10 @@ from tierckpt_client.dcp._helpers import VERIFY, on_helpers
 from tierckpt_core.verified import BlockSums
 from tierckpt_core.verified_copy import check_all
 
+VERIFY_THREADS: int | None = None
+"""Threads that check a load's blocks beside the DMA, the caller's included (None: torch's
+intra-op threads). A knob for ``bench/gpu_staging.py``'s sweep, not a setting."""
+
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 _STREAMS_LOCK = threading.Lock()
 
@@ -101,7 +105,7 @@ def land(copies: list[DeviceCopy], *, pin: bool) -> int:
                     blocks.append((view, c.sums, b))
         return check_all(
             blocks,
-            threads=torch.get_num_threads(),
+            threads=VERIFY_THREADS or torch.get_num_threads(),
             spawn=functools.partial(on_helpers, VERIFY),
         )
     finally:

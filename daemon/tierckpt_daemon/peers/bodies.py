@@ -17,6 +17,7 @@ from tierckpt_core.errors import PeerUnavailableError, ProtocolError
 from tierckpt_core.integrity import Hasher
 from tierckpt_core.objectstore import pwriter
 from tierckpt_core.verified import CHUNK
+from tierckpt_daemon.peers.pacing import TokenBucket, paced_readinto
 from tierckpt_daemon.peers.transport import decode
 
 MAX_HEAD = 64 << 10  # bytes of a response's status line and headers
@@ -51,20 +52,28 @@ class RangeStream:
         self._conn.close()
 
 
-def receive(resp: http.client.HTTPResponse, fd: int, length: int, what: str) -> str:
+def receive(
+    resp: http.client.HTTPResponse,
+    fd: int,
+    length: int,
+    what: str,
+    pace: TokenBucket | None = None,
+) -> str:
     """Read the ``length`` bytes of ``resp``'s body into the file ``fd`` (pwrite from one reused
     buffer, each piece checksummed while it is in the cache); their checksum.
 
     Not through a shared mapping of the file: on recycled pages that saved a fifth of this side's
     CPU time, but a file truncated under the mapping would kill the daemon with SIGBUS, and fresh
     tmpfs pages cost more by faults (zeroed first) than by pwrite (allocated as written).
+    With ``pace``, read no faster than its rate (:mod:`tierckpt_daemon.peers.pacing`).
     """
+    readinto = paced_readinto(resp.readinto, pace)
     h = Hasher()
     buf = memoryview(bytearray(min(CHUNK, max(length, 1))))
     put = pwriter(fd)
     off = 0
     while off < length:
-        n = resp.readinto(buf[: min(len(buf), length - off)])
+        n = readinto(buf[: min(len(buf), length - off)])
         if not n:
             break
         h.update(buf[:n])

@@ -58,6 +58,7 @@ from tierckpt_daemon.peers.bodies import (
     recv_exact,
 )
 from tierckpt_daemon.peers.membership import Members
+from tierckpt_daemon.peers.pacing import TokenBucket, paced_readinto
 from tierckpt_daemon.peers.tls import PeerTLS
 from tierckpt_daemon.peers.transport import PeerTLSError, Transport, decode
 
@@ -158,10 +159,20 @@ class PeerClient:
         return StepManifest.model_validate(doc)
 
     def get_file(
-        self, peer: str, namespace: str, step: int, attempt: str, name: str, path: str, length: int
+        self,
+        peer: str,
+        namespace: str,
+        step: int,
+        attempt: str,
+        name: str,
+        path: str,
+        length: int,
+        *,
+        pace: TokenBucket | None = None,
     ) -> str:
         """Stream one file of ``peer``'s step into the local file ``path`` (written in place, no
-        second buffer); return the checksum of the bytes received. The caller verifies it."""
+        second buffer); return the checksum of the bytes received. The caller verifies it.
+        ``pace``: no faster than that bucket allows (shared with the daemon's other transfers)."""
         url = _file_url(namespace, step, attempt, name)
 
         def once() -> str:
@@ -172,7 +183,7 @@ class PeerClient:
                 with self._t.failures(peer, "GET", url):
                     resp = self._get(conn, url)
                     check_whole(peer, url, resp, length)
-                    return receive(resp, fd, length, f"peer {peer}: {url}")
+                    return receive(resp, fd, length, f"peer {peer}: {url}", pace)
             finally:
                 if resp is not None:  # a body left unread keeps the socket open until closed
                     resp.close()
@@ -192,12 +203,15 @@ class PeerClient:
         length: int,
         block_size: int,
         blocks: list[str],
+        *,
+        pace: TokenBucket | None = None,
     ) -> None:
         """Fetch one file of ``peer``'s step into the local file ``path`` in up to
         ``RANGE_STREAMS`` ranges at once (one connection each, whole blocks), checking every
         block against ``blocks`` (the writer's checksums) as it arrives, while it is in the cache.
         BlockMismatchError (an IntegrityError) names the first block that does not match. A peer
-        that does not answer ranges sends the whole file in one stream, checked the same way."""
+        that does not answer ranges sends the whole file in one stream, checked the same way.
+        ``pace``: all streams together no faster than that bucket allows."""
         if block_size <= 0 or len(blocks) != -(-length // block_size):
             raise ProtocolError(
                 f"peer {peer}: {name} has {len(blocks)} block checksums of {block_size} bytes "
@@ -243,8 +257,9 @@ class PeerClient:
                                 resp.getheader,
                                 resp.read,
                             )
+                        readinto = paced_readinto(resp.readinto, pace)
                         receive_to(
-                            lambda view, _at: resp.readinto(view),
+                            lambda view, _at: readinto(view),
                             pwriter(fd),
                             sums,
                             start,

@@ -4,8 +4,9 @@ back from a peer's replica when this node lost it.
 Pushes run in the daemon's background, never in the trainer. One worker takes committed steps in
 commit order; each step's files stream in parallel (``TIERCKPT_REPLICATION_CONCURRENCY``) into a
 pending replica on the peer, hashed on the way, and the peer checks every byte against the
-checksums in the final commit. A successor that cannot be reached is skipped for the next one on
-the ring, so k replicas still exist when k peers are up; a step short of replicas is retried with
+checksums in the final commit; the replica's daemon reads them no faster than its
+``TIERCKPT_REPLICATION_MAX_RATE`` (:mod:`tierckpt_daemon.peers.pacing`). A successor that cannot
+be reached is skipped for the next one on the ring, so k replicas still exist when k peers are up; a step short of replicas is retried with
 backoff while newer steps go ahead. A step is held in memory until its replication is done or moot
 (superseded, deleted or retired by retention). Replication starts at the commit, in the
 background: until it is done, the step is on this node only, and losing the node then loses it
@@ -41,6 +42,7 @@ from tierckpt_core.protocol import (
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.membership import Membership, successors
+from tierckpt_daemon.peers.pacing import TokenBucket
 from tierckpt_daemon.tier.background import QueueWorker, background_pool
 from tierckpt_daemon.tier.hydration import fill_step
 from tierckpt_daemon.tier.records import StepRecord
@@ -76,6 +78,8 @@ class Replicator(QueueWorker[StepRecord]):
         replicas: int = 1,
         concurrency: int = 4,
         nice: int = 0,
+        replication_pace: TokenBucket | None = None,
+        fetch_pace: TokenBucket | None = None,
     ) -> None:
         super().__init__(
             "tierckpt-replicator", nice=nice, retry_base_s=RETRY_BASE_S, retry_max_s=RETRY_MAX_S
@@ -86,6 +90,9 @@ class Replicator(QueueWorker[StepRecord]):
         self.node = node
         self.replicas = replicas
         self._pool = background_pool(concurrency, "tierckpt-push", nice)
+        # Shared by every replica pulled here / every file a restore fetches (pacing.py).
+        self.replication_pace = replication_pace
+        self.fetch_pace = fetch_pace
         self._members: list[str] = [] if membership.dns else sorted(membership.static)
         self._unreachable: set[str] = set()
         self._last_error: str | None = None
@@ -350,15 +357,26 @@ class Replicator(QueueWorker[StepRecord]):
                 f"{where}: the manifest has no checksum for {', '.join(unchecked[:8])}"
             )
 
+        pace = self.replication_pace if replica else self.fetch_pace
+
         def fetch(f: FileRecord, path: str) -> None:
             if f.block_size and f.blocks is not None:
                 # Several streams at once for a large file, each block checked as it arrives
                 # against the writer's block checksums (taken with the whole-file one).
                 self.client.get_file_blocks(
-                    peer, ns, step, attempt, f.name, path, f.length, f.block_size, f.blocks
+                    peer,
+                    ns,
+                    step,
+                    attempt,
+                    f.name,
+                    path,
+                    f.length,
+                    f.block_size,
+                    f.blocks,
+                    pace=pace,
                 )
                 return
-            got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length)
+            got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length, pace=pace)
             verify_file(got, f, ns, step, where)
 
         rec = fill_step(

@@ -64,6 +64,18 @@
   value: {{ .Values.replication.timeoutSeconds | quote }}
 - name: TIERCKPT_REPLICATION_CONCURRENCY
   value: {{ .Values.replication.concurrency | quote }}
+{{- with .Values.replication.maxRate }}
+- name: TIERCKPT_REPLICATION_MAX_RATE
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.replication.inflightBytes }}
+- name: TIERCKPT_REPLICATION_INFLIGHT_BYTES
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.replication.fetchMaxRate }}
+- name: TIERCKPT_PEER_FETCH_MAX_RATE
+  value: {{ . | quote }}
+{{- end }}
 - name: TIERCKPT_PEER_TOKEN_FILE
   value: /var/run/tierckpt/peer-token/token
 {{- end }}
