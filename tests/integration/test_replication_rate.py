@@ -1,19 +1,20 @@
 """Pacing of replication (issue 32): with TIERCKPT_REPLICATION_MAX_RATE, a push of N bytes between
-two real daemons on loopback takes at least about N / rate (a lower bound only: the box may be
-slow, never fast)."""
+two real daemons on loopback takes at least about N / rate, and with TIERCKPT_PEER_FETCH_MAX_RATE
+so does a restore from a peer (lower bounds only: the box may be slow, never fast)."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from tierckpt_client import DaemonClient
+from tierckpt_client import ClientConfig, DaemonClient
 
 from helpers import DaemonProcess, wait_until
-from kit import save
+from kit import load, save
 
 RATE = 8_000_000  # bytes/s
 DEPTH = 1 << 20
@@ -45,3 +46,26 @@ def test_a_push_at_a_rate_limit_takes_at_least_its_size_over_the_rate(
     with DaemonClient.from_socket(b.socket) as c:
         got = {s.step: s for s in c.steps("job")}
     assert 1 in got and sum(f.length for f in got[1].files) >= NBYTES
+
+
+@pytest.mark.slow
+def test_a_restore_from_a_peer_at_its_fetch_limit_takes_at_least_its_size_over_the_rate(
+    make_ring: Callable[..., list[DaemonProcess]],
+) -> None:
+    """TIERCKPT_PEER_FETCH_MAX_RATE paces what a restore fetches (the push itself is unpaced)."""
+    nbytes = 16 << 20
+    a, _b = make_ring(2, peer_fetch_max_rate=str(RATE), replication_inflight_bytes=str(DEPTH))
+    state = {"w": torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(2))}
+    save("job", 1, state, node=a)
+    wait_until("step 1 replicated to B", lambda: _replicated(a, "job", 1), 120)
+    a.kill()  # a replacement node: its memory tier is gone
+    shutil.rmtree(a.shm_dir)
+    a.start()
+    # The daemon fetches the step from B into its memory first (no direct read by the trainer).
+    config = ClientConfig.from_env(socket=a.socket, restore_direct="off")
+    t0 = time.monotonic()
+    step, out = load("job", {"w": torch.zeros(nbytes // 4)}, node=a, config=config)
+    took = time.monotonic() - t0
+    assert step == 1 and torch.equal(out["w"], state["w"])
+    floor = 0.9 * (nbytes - DEPTH) / RATE  # 1.77 s
+    assert took >= floor, f"a {nbytes}-byte restore at {RATE} B/s took {took:.2f}s < {floor:.2f}s"
