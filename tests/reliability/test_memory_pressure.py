@@ -124,7 +124,7 @@ def _size_of(st: os.stat_result) -> int:
 def tier(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Path]]:
     store = tmp_path / "persistent"
     with started(
-        capacity=str(CAPACITY),
+        capacity=f"{CAPACITY}B",  # a unit: a tier this small is meant
         keep_last=KEEP_LAST,
         persist_url=f"file://{store}",
         upload_max_rate="1M",

@@ -198,6 +198,8 @@ class FakePeerClient:
         length: int,
         block_size: int,
         blocks: list[str],
+        *,
+        pace: Any = None,
     ) -> None:
         served = self._server(peer).open_file(namespace, step, attempt, name)
         try:

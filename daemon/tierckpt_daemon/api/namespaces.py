@@ -10,7 +10,7 @@ import hashlib
 import os
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Query, Response
 from starlette.concurrency import run_in_threadpool
 
 from tierckpt_core.metadata_blob import unpack_metadata
@@ -36,6 +36,7 @@ from tierckpt_daemon.api.deps import (
     under_lock,
 )
 from tierckpt_daemon.node import Node
+from tierckpt_daemon.peers.replica_wait import MAX_WAIT_S
 from tierckpt_daemon.tier.corruption import corruption_reported
 from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
@@ -106,7 +107,11 @@ def report_corruption(
 
 @router.post("/{namespace}/steps/{step}/replicated")
 def wait_replicated(
-    namespace: str, step: int, node: NodeDep, owner: Owner, timeout_s: float = 300.0
+    namespace: str,
+    step: int,
+    node: NodeDep,
+    owner: Owner,
+    timeout_s: Annotated[float, Query(gt=0, le=MAX_WAIT_S)] = 300.0,
 ) -> StepInfo:
     """Answers once every share of the committed step has its replicas on peers (a save made
     with ``wait="replicated"``); 409 when one cannot, or not within ``timeout_s``."""
