@@ -23,7 +23,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp import _arena, _dcp_log
 from tierckpt_client.dcp._corruption import report
 from tierckpt_client.dcp._fallback import (
     FAILED,
@@ -144,6 +144,7 @@ class TieredStorageReader(StorageReader):
         self.config = config or ClientConfig.from_env()
         self.process_group = process_group
         self._daemon = DaemonClient.shared(self.config)
+        _dcp_log.drop_discarded_debug_records()  # DCP's, dropped unseen: ~20 per save
         # Which step this load reads, and from where (see read_plan): chosen once, in
         # read_metadata (and again below a step found corrupt while it is read).
         self._planner = Planner(self._daemon, self.config)

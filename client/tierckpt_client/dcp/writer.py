@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena, _assign, _async_staging, _items, _prelease
+from tierckpt_client.dcp import _arena, _assign, _async_staging, _dcp_log, _items, _prelease
 from tierckpt_client.dcp._attempt import SaveFiles
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._ids import (
@@ -176,6 +176,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient.shared(self.config)
         self._memory = MemoryTier(self._daemon, overwrite=overwrite)
+        _dcp_log.drop_discarded_debug_records()  # DCP's, dropped unseen: ~20 per save
         # What this save holds on the daemon, from stage()'s lease to finish()'s commit; given
         # back by a failed write_data or finish, by close(), or when the writer is collected.
         self._files = SaveFiles(self._daemon)
