@@ -20,8 +20,9 @@ from tierckpt_daemon.api import create_app
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node, build_node
 from tierckpt_daemon.peers.handoff import HandoffServer
+from tierckpt_daemon.peers.zerocopy import SendfileH11Protocol
 from tierckpt_daemon.tier.arena import make_dir
-from tierckpt_daemon.tier.tenants import CallerH11Protocol
+from tierckpt_daemon.tier.tenants import STATE_KEY, caller_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,18 @@ logger = logging.getLogger(__name__)
 # two ends' clocks are within the link's latency of each other (issue 32: certain at 4.95 s idle
 # over a 25 ms link when both were uvicorn's and httpx's default of 5 s).
 KEEPALIVE_S = 30
+
+
+class CallerH11Protocol(SendfileH11Protocol):
+    """The daemon's HTTP protocol: peers' file bytes by sendfile on plain TCP
+    (:mod:`.peers.zerocopy`); on a Unix socket, each request carries its caller
+    (:mod:`.tier.tenants`)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        caller = caller_of(transport.get_extra_info("socket"))
+        if caller is not None:
+            self.app_state = {**self.app_state, STATE_KEY: caller}
 
 
 class DaemonStartError(RuntimeError):
