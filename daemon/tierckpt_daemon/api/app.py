@@ -98,35 +98,15 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(_sweeper(service))
-        persister = node.persister
-        replicator = node.replicator
-        if persister is not None:
-            persister.start()
-        if replicator is not None:
-            replicator.start()
-        if node.committer is not None:
-            node.committer.start()
+        node.start()
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if node.committer is not None:
-                await asyncio.to_thread(node.committer.stop)
-            if replicator is not None:
-                # Pending pushes resume after the next start (replication_pending in the manifest).
-                await asyncio.to_thread(replicator.stop)
-            if persister is not None:
-                # SIGTERM: give queued uploads the grace period, then stop; what is left resumes
-                # after the next start (the steps are still committed in the tier directory).
-                done = await asyncio.to_thread(persister.drain, settings.drain_timeout_s)
-                if not done:
-                    logger.warning(
-                        "uploads not finished after %.0fs; they resume when the daemon restarts",
-                        settings.drain_timeout_s,
-                    )
-                persister.stop()
+            # SIGTERM: the workers stop, queued uploads get the grace period (node.close).
+            await asyncio.to_thread(node.close)
 
     app = FastAPI(
         title="tierckpt daemon",

@@ -88,6 +88,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
         lease_ttl_s: float = 900.0,
         policy: EvictionPolicy | None = None,
         spares: bool = True,
+        persistent: bool = False,
+        persist_every: int = 1,
+        replicas: int = 0,
+        node: str | None = None,
     ) -> None:
         self.arena = arena
         self.keep_last = keep_last
@@ -105,11 +109,11 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
             ttl_s=lease_ttl_s,
             spares=spares,
         )
-        # Set by the daemon's wiring when a persistent tier / peers are configured.
-        self.persistent = False
-        self.persist_every = 1
-        self.replicas = 0
-        self.node: str | None = None  # this daemon's name among its peers
+        # With a persistent tier: upload every ``persist_every``-th commit (TIERCKPT_PERSIST_*).
+        self.persistent = persistent
+        self.persist_every = persist_every
+        self.replicas = replicas  # with peers: replicas of each step (TIERCKPT_REPLICAS)
+        self.node = node  # this daemon's name among its peers (TIERCKPT_NODE_NAME)
         self._preparing: set[tuple[str, int, str]] = set()  # attempts checksummed for a prepare
         self._commits_since_persist: dict[str, int] = {}
         self._listeners: list[StepListener] = []
