@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tierckpt_core.errors import StepStateError
-from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo, StepState
+from tierckpt_core.protocol import API_VERSION, CommitRequest, StatusResponse, StepInfo
 from tierckpt_daemon import __version__
 from tierckpt_daemon.config import DaemonSettings, parse_size
 from tierckpt_daemon.failures import ThreadFailures
@@ -138,24 +138,13 @@ class Node:
 
     def snapshot(self) -> Snapshot:
         """The state gauges of /metrics."""
-        svc, index = self.service, self.service.index
+        svc = self.service
         persistent = self.persister.status() if self.persister is not None else None
-        with svc.lock:
-            by_state: dict[str, int] = {st.value: 0 for st in StepState}
-            steps: dict[str, int] = {st.value: 0 for st in StepState}
-            for rec in index.all_committed():
-                by_state[rec.state.value] += rec.bytes
-                steps[rec.state.value] += 1
-            for rec in index.writing.values():
-                by_state[StepState.WRITING.value] += rec.bytes
-                steps[StepState.WRITING.value] += 1
-            by_state["retiring"] = sum(r.bytes for r in index.retiring)
-            by_state["pool"] = svc.arena.pool_bytes
-            by_state["leased"] = svc.leases.held_bytes
+        usage = svc.usage()
         return Snapshot(
-            capacity_bytes=svc.arena.capacity_bytes,
-            bytes_by_state=by_state,
-            steps_by_state=steps,
+            capacity_bytes=usage.capacity_bytes,
+            bytes_by_state=usage.bytes_by_state,
+            steps_by_state=usage.steps_by_state,
             upload_queue=persistent.queued_steps if persistent else 0,
             persistent_healthy=persistent.healthy if persistent else None,
             replication_queue=self.replicator.queued() if self.replicator is not None else 0,
@@ -163,25 +152,24 @@ class Node:
         )
 
     def status(self, shm_dir: str) -> StatusResponse:
-        svc, index = self.service, self.service.index
         persistent = self.persister.status() if self.persister is not None else None
         replication = self.replicator.status() if self.replicator is not None else None
-        with svc.lock:
-            return StatusResponse(
-                version=__version__,
-                api_version=API_VERSION,
-                shm_dir=shm_dir,
-                capacity_bytes=svc.arena.capacity_bytes,
-                used_bytes=svc.arena.used_bytes,
-                pool_bytes=svc.arena.pool_bytes,
-                pool_files=svc.arena.pool_files,
-                leased_bytes=svc.leases.held_bytes,
-                keep_last=svc.keep_last,
-                namespaces=[index.namespace_info(ns) for ns in index.namespaces()],
-                persistent=persistent,
-                replication=replication,
-                failed_threads=self.failures.failed(),
-            )
+        usage = self.service.usage()
+        return StatusResponse(
+            version=__version__,
+            api_version=API_VERSION,
+            shm_dir=shm_dir,
+            capacity_bytes=usage.capacity_bytes,
+            used_bytes=usage.used_bytes,
+            pool_bytes=usage.pool_bytes,
+            pool_files=usage.pool_files,
+            leased_bytes=usage.leased_bytes,
+            keep_last=self.service.keep_last,
+            namespaces=usage.namespaces,
+            persistent=persistent,
+            replication=replication,
+            failed_threads=self.failures.failed(),
+        )
 
 
 def build_node(settings: DaemonSettings) -> Node:

@@ -26,7 +26,6 @@ from tierckpt_daemon.api.writes import router as writes_router
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.peers.server import PeerServer
-from tierckpt_daemon.tier import housekeeping
 from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
@@ -186,6 +185,6 @@ async def _sweeper(service: TierService) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         try:
-            await asyncio.to_thread(housekeeping.sweep, service)
+            await asyncio.to_thread(service.sweep)
         except OSError:
             logger.exception("housekeeping sweep failed; retrying in %.0fs", SWEEP_INTERVAL_S)
