@@ -3,7 +3,9 @@
 that report on all of them.
 
 Nothing here holds state of its own; :func:`build_node` is the one place that knows which parts a
-configuration turns on, so no part needs a back-pointer to another.
+configuration turns on and builds each once (one peer client, one ring, one copier, handed to every
+part that uses them), so no part needs a back-pointer to another; :class:`Node` starts and closes
+them all.
 """
 
 from __future__ import annotations
