@@ -31,8 +31,7 @@ from tierckpt_core.manifest import RingRecord, StepManifest, ring_of
 from tierckpt_core.protocol import PeerStep, StepInfo
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.copier import Copier
-from tierckpt_daemon.peers.membership import Ring
-from tierckpt_daemon.peers.replication import PEER_ERRORS
+from tierckpt_daemon.peers.membership import PEER_ERRORS, Ring
 from tierckpt_daemon.peers.ring_table import DurableManifest, RingTables
 from tierckpt_daemon.peers.shares import Shares
 from tierckpt_daemon.tier.ownership import owned_by

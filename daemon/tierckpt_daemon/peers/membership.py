@@ -20,11 +20,29 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierckpt_core.errors import NotAMemberError, PeerUnavailableError
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    NotAMemberError,
+    NotFoundError,
+    PeerUnavailableError,
+    ProtocolError,
+    StepStateError,
+    UnauthorizedError,
+)
 
 logger = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:"
+
+# Errors that make one peer a bad source or target for now; the next peer on the ring may do.
+PEER_ERRORS = (
+    PeerUnavailableError,
+    UnauthorizedError,
+    NotFoundError,
+    StepStateError,
+    ProtocolError,
+    CheckpointFormatError,
+)
 
 
 def format_member(host: str, port: int) -> str:

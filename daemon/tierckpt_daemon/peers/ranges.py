@@ -16,7 +16,7 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.verified import BlockSums, check_blocks
 from tierckpt_daemon.peers.client import PeerClient
-from tierckpt_daemon.peers.replication import PEER_ERRORS
+from tierckpt_daemon.peers.membership import PEER_ERRORS
 from tierckpt_daemon.peers.ring_table import RingTables
 from tierckpt_daemon.peers.shares import Shares
 from tierckpt_daemon.tier.service import TierService

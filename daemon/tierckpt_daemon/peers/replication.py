@@ -23,15 +23,12 @@ import logging
 import time
 
 from tierckpt_core.errors import (
-    CheckpointFormatError,
     ForbiddenError,
     NamespaceOwnerError,
     NotFoundError,
     PeerUnavailableError,
     ProtocolError,
-    StepStateError,
     TierCkptError,
-    UnauthorizedError,
 )
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import (
@@ -50,16 +47,6 @@ logger = logging.getLogger(__name__)
 
 RETRY_BASE_S = 1.0
 RETRY_MAX_S = 60.0
-
-# Errors that make one peer a bad source or target for now; the next peer may do.
-PEER_ERRORS = (
-    PeerUnavailableError,
-    UnauthorizedError,
-    NotFoundError,
-    StepStateError,
-    ProtocolError,
-    CheckpointFormatError,
-)
 
 
 class Replicator(QueueWorker[StepRecord]):
