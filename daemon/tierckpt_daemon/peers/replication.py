@@ -1,5 +1,6 @@
-"""Replication to peers: push committed steps to the next k daemons on the ring, and bring a step
-back from a peer's replica when this node lost it.
+"""Replication to peers: push committed steps to the next k daemons on the ring (the
+:class:`~tierckpt_daemon.peers.membership.Ring`), and answer a peer's pull of its step (copied by
+the :class:`~tierckpt_daemon.peers.copier.Copier`).
 
 Pushes run in the daemon's background, never in the trainer. One worker takes committed steps in
 commit order; each step's files stream in parallel (``TIERCKPT_REPLICATION_CONCURRENCY``) into a
@@ -13,8 +14,9 @@ background: until it is done, the step is on this node only, and losing the node
 (a save made with ``wait="replicated"`` returns only once every share has its replicas:
 :mod:`tierckpt_daemon.peers.replica_wait`).
 
-Restores ask the ring successors first (where this node's replicas went) and verify every file
-before the step is committed locally; a corrupt replica is skipped for the next source.
+Restores (:mod:`tierckpt_daemon.peers.fetch`) ask the ring successors first (where this node's
+replicas went) and verify every file before the step is committed locally; a corrupt replica is
+skipped for the next source.
 """
 
 from __future__ import annotations
