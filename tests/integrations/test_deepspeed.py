@@ -9,11 +9,14 @@ without it."""
 
 from __future__ import annotations
 
+import pickle
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the 'deepspeed' extra)")
 
@@ -21,10 +24,12 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.config import ClientConfig
-from tierckpt_client.integrations.deepspeed import join, materialize, split, tag_step
+from tierckpt_client.dcp import TieredStorageWriter, _arena
+from tierckpt_client.integrations.deepspeed import join, materialize, read_file, split, tag_step
 from tierckpt_core.errors import CheckpointFormatError
 
 from helpers import DaemonProcess, run_loop
+from kit import step_paths
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_zero.py"
 
@@ -42,8 +47,8 @@ def test_a_file_comes_back_with_its_exact_structure() -> None:
         "ds_version": "0.19.8",
     }
     entries = split("f.pt", sd)
-    assert entries["f.pt/skeleton"].dtype == torch.uint8
-    back = join("f.pt", {k: v.clone() for k, v in entries.items()})
+    assert isinstance(entries["f.pt/skeleton"], bytes)  # a bytes item: verified on every read
+    back = join("f.pt", {k: v.clone() if torch.is_tensor(v) else v for k, v in entries.items()})
     assert list(back["optimizer_state_dict"]["state"]) == [0, 1]  # int keys stay ints
     assert back["optimizer_state_dict"]["state"][1] == {}
     assert back["empty"] == {} and back["none"] is None
@@ -52,6 +57,45 @@ def test_a_file_comes_back_with_its_exact_structure() -> None:
     assert isinstance(back["module"]["a.weight"], torch.nn.Parameter)
     assert torch.equal(back["module"]["same"], w)
     assert back["optimizer_state_dict"]["state"][0]["exp_avg"] is back["module"]["same"]
+
+
+class _Planted:
+    """Unpickling this creates a file: the proof that a replaced skeleton was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def test_a_replaced_skeleton_is_never_unpickled_with_tensor_checks_off(
+    client_env: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone who can write into the tier directory replaces a file's skeleton in place with a
+    pickle; with ``TIERCKPT_VERIFY_READS=0`` (tensor checks off) the read
+    still fails on the checksum and nothing is unpickled."""
+    entries = split("f.pt", {"w": torch.randn(4096), "note": "x" * 200, "n": {0: 1}})
+    dcp.save(entries, storage_writer=TieredStorageWriter("ds-evil", 5), no_dist=True)
+    assert read_file("ds-evil", 5, "f.pt")["note"] == "x" * 200  # intact: reads back
+    marker = tmp_path / "marker"
+    skeleton = entries["f.pt/skeleton"]
+    # A bytes item is stored as DCP torch.save()s it (a zip); a tensor as its raw bytes.
+    needle = b"PK\x03\x04" if isinstance(skeleton, bytes) else skeleton.numpy().tobytes()
+    hits = 0
+    for path in step_paths("ds-evil", 5).values():
+        with open(path, "r+b") as f:
+            at = f.read().find(needle)
+            if at >= 0:
+                f.seek(at)
+                f.write(pickle.dumps(_Planted(str(marker))))
+                hits += 1
+    assert hits == 1
+    monkeypatch.setenv("TIERCKPT_VERIFY_READS", "0")
+    _arena.clear_cache()
+    with pytest.raises(CheckpointException, match="does not match the checksum taken when"):
+        read_file("ds-evil", 5, "f.pt")
+    assert not marker.exists()
 
 
 def test_a_tag_without_a_number_is_refused_by_name() -> None:
