@@ -9,7 +9,10 @@ without it."""
 
 from __future__ import annotations
 
+import logging
+import os
 import pickle
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -32,6 +35,19 @@ from helpers import DaemonProcess, run_loop
 from kit import step_paths
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_zero.py"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_stale_extension_lock() -> None:
+    """DeepSpeed builds its CPU shared-memory op on first use (torch's JIT extension build), under
+    a ``lock`` file that every later process waits on forever: a build killed half-way (a test
+    timed out) leaves it behind and every later run hangs. A lock older than any build here
+    (minutes) is such a leftover: remove it, saying so."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache/torch_extensions"))
+    for lock in root.glob("**/deepspeed_shm_comm/lock"):
+        if time.time() - lock.stat().st_mtime > 20 * 60:
+            logging.getLogger(__name__).warning("removed a stale build lock: %s", lock)
+            lock.unlink(missing_ok=True)
 
 
 def test_a_file_comes_back_with_its_exact_structure() -> None:
