@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import subprocess
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -37,17 +39,25 @@ from kit import step_paths
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_zero.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_stale_extension_lock() -> None:
-    """DeepSpeed builds its CPU shared-memory op on first use (torch's JIT extension build), under
-    a ``lock`` file that every later process waits on forever: a build killed half-way (a test
-    timed out) leaves it behind and every later run hangs. A lock older than any build here
-    (minutes) is such a leftover: remove it, saying so."""
+@pytest.fixture(scope="module")
+def _shm_op_built() -> None:
+    """DeepSpeed builds its CPU shared-memory op on first use (torch's JIT extension build: minutes
+    on a loaded 2-core machine, again in every new venv), under a ``lock`` file that every later
+    process waits on forever: a build killed half-way (a rank timed out) leaves it behind and
+    every later run hangs. So: a lock older than any build here is such a leftover and is
+    removed, saying so; and the op is built once here, with time for it, before the ranks start
+    (their timeout is for training)."""
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache/torch_extensions"))
     for lock in root.glob("**/deepspeed_shm_comm/lock"):
         if time.time() - lock.stat().st_mtime > 20 * 60:
             logging.getLogger(__name__).warning("removed a stale build lock: %s", lock)
             lock.unlink(missing_ok=True)
+    build = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_file_comes_back_with_its_exact_structure() -> None:
@@ -121,9 +131,14 @@ def test_a_tag_without_a_number_is_refused_by_name() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the first one may build DeepSpeed's op (_shm_op_built)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_resumes_with_the_uninterrupted_runs_losses(
-    stage: int, daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stage: int,
+    daemon: DaemonProcess,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    _shm_op_built: None,
 ) -> None:
     ns = f"ds-zero{stage}"
     env = {**daemon.client_env, "DS_ACCELERATOR": "cpu"}
