@@ -1,9 +1,11 @@
 """What the writer puts in DCP's save plans: each rank's word to the coordinator, and the
-coordinator's decision for every rank. Both travel between ranks (pickled by DCP's collectives)."""
+coordinator's decision for every rank. Both travel between ranks (pickled by DCP's collectives).
+Each rank derives the save attempt id from the plan (:func:`next_attempt`)."""
 
 from __future__ import annotations
 
 import sys
+import uuid
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -25,7 +27,7 @@ class LocalPlanData:
 class PlanData:
     """What the coordinator hands every rank in its plan. With plan caching, DCP hands a rank its
     cached plan from an earlier save instead, so nothing here may belong to one save: the attempt
-    id is derived from ``attempt_base`` by each rank (``_ids.next_attempt``)."""
+    id is derived from ``attempt_base`` by each rank (:func:`next_attempt`)."""
 
     attempt_base: str
     direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
@@ -94,3 +96,29 @@ def dcp_save_world_size() -> int:
             break
         frame = frame.f_back  # type: ignore[assignment]
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# Save attempt ids. Every rank of one save must seal under the same attempt id, and two saves of
+# one step must not share one (the daemon would mix their files). The coordinator cannot hand a
+# fresh id to the ranks through the plan: with DefaultSavePlanner(enable_plan_caching=True), DCP
+# gives every rank its cached plan from an earlier save, storage data included. So the plan carries
+# a base that stays the same for as long as the coordinator's process lives, and every rank derives
+# the attempt from it and the number of saves of this step it has written with that base: the
+# same on every rank, whichever plan (fresh or cached) it got.
+_base: str | None = None
+_saves: dict[tuple[str, str, int], int] = {}
+
+
+def attempt_base() -> str:
+    """The coordinator process's attempt base (random, made once per process)."""
+    global _base
+    if _base is None:
+        _base = uuid.uuid4().hex[:16]
+    return _base
+
+
+def next_attempt(base: str, namespace: str, step: int) -> str:
+    """The attempt id of this rank's next save of ``namespace``/``step`` under ``base``."""
+    key = (base, namespace, step)
+    _saves[key] = _saves.get(key, 0) + 1
+    return f"{base}.{_saves[key]}"

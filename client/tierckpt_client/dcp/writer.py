@@ -25,17 +25,18 @@ from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _assign, _async_staging, _items, _prelease
 from tierckpt_client.dcp._attempt import SaveFiles
 from tierckpt_client.dcp._direct import PersistentTier
-from tierckpt_client.dcp._ids import (
-    attempt_base,
-    format_checkpoint_id,
-    is_checkpoint_id,
-    next_attempt,
-    parse_checkpoint_id,
-)
 from tierckpt_client.dcp._metadata_codec import metadata_text
-from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData, RankLayout, dcp_save_world_size
+from tierckpt_client.dcp._plan_data import (
+    LocalPlanData,
+    PlanData,
+    RankLayout,
+    attempt_base,
+    dcp_save_world_size,
+    next_attempt,
+)
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_client.dcp._targets import MemoryTier, SaveTarget
+from tierckpt_client.dcp.ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_core.errors import (
     CapacityExceededError,
     DaemonUnavailableError,

@@ -38,7 +38,7 @@ from tierckpt_client.checkpointer import (
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import SCHEME, parse_checkpoint_id
+from tierckpt_client.dcp.ids import SCHEME, parse_checkpoint_id
 from tierckpt_client.integrations._pointers import pointer_id, read_pointer, write_pointer
 from tierckpt_core.errors import StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace

@@ -54,7 +54,7 @@ from tierckpt_client.checkpointer import SaveFailedError, _groups
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp.ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
