@@ -16,11 +16,9 @@ file alone until the lock is released, which happens when the file is sealed or 
 when the process dies.
 
 PROCESS-mode ``async_save`` writes the save in DCP's helper process, so the pre-lease is asked for
-there and must reach the trainer: the trainer hands the helper a *mailbox* with the pickled writer,
-one end of a pipe of its own, named ``(pid, fd, inode)``; the helper opens it through
-``/proc/<pid>/fd/<fd>`` (as ``_arena`` reopens staged files; only processes of the same user may),
-checks that it is that pipe, and writes the pre-lease as one line. The next ``stage`` reads the
-pipe (no round trip) before it claims.
+there and must reach the trainer: the trainer hands the helper a mailbox (``_mailbox``) with the
+pickled writer, and the helper writes the pre-lease into it as one line. The next ``stage`` reads
+the mailbox (no round trip) before it claims.
 """
 
 from __future__ import annotations
@@ -36,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp import _arena, _mailbox
+from tierckpt_client.dcp._mailbox import Mailbox
 from tierckpt_client.dcp._targets import OutFile
 from tierckpt_core.errors import TierCkptError
 
@@ -55,11 +54,10 @@ class PreLease:
 
 
 Key = tuple[str, str, int]  # (daemon socket, namespace, rank)
-Mailbox = tuple[int, int, int]  # (pid, write fd, pipe inode): see the module docstring
 
 _lock = threading.Lock()
 _held: dict[Key, PreLease] = {}
-_pipes: dict[Key, tuple[int, int]] = {}  # trainer side: (read fd, write fd) of each mailbox
+_boxes = _mailbox.Mailboxes()  # trainer side: where helper processes send pre-leases
 
 
 def key(socket: str | Path, namespace: str, rank: int) -> Key:
@@ -68,25 +66,14 @@ def key(socket: str | Path, namespace: str, rank: int) -> Key:
 
 def mailbox(k: Key) -> Mailbox:
     """Where a helper process sends this process the pre-lease for ``k``."""
-    with _lock:
-        pipe = _pipes.get(k)
-        if pipe is None:
-            pipe = _pipes[k] = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    return os.getpid(), pipe[1], os.fstat(pipe[1]).st_ino
+    return _boxes.box(k)
 
 
 def collect(k: Key) -> list[PreLease]:
     """Keep what a helper process sent for ``k`` (no round trip); returns the pre-leases that
     replaced, for the caller to give back off the stall."""
-    pipe = _pipes.get(k)
-    if pipe is None:
-        return []
-    try:
-        data = os.read(pipe[0], 1 << 16)
-    except BlockingIOError:  # nothing sent
-        return []
     replaced = []
-    for line in data.splitlines():
+    for line in _boxes.read(k, 1 << 16):
         try:
             lease_id, path, size, deadline = json.loads(line)
             pre = PreLease(str(lease_id), str(path), int(size), float(deadline))
@@ -101,21 +88,7 @@ def collect(k: Key) -> list[PreLease]:
 def send(box: Mailbox, pre: PreLease) -> bool:
     """Send ``pre`` to the process that made ``box``; whether it got there. The deadline is on
     ``time.monotonic``, which is the same clock in every process of the machine."""
-    pid, fd, ino = box
-    line = json.dumps([pre.lease_id, pre.path, pre.size, pre.deadline]).encode() + b"\n"
-    try:
-        out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:  # the trainer is gone
-        return False
-    try:
-        st = os.fstat(out)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_ino != ino:  # another process took its pid
-            return False
-        return os.write(out, line) == len(line)
-    except OSError:
-        return False
-    finally:
-        os.close(out)
+    return _mailbox.send(box, [pre.lease_id, pre.path, pre.size, pre.deadline])
 
 
 def put(k: Key, pre: PreLease) -> PreLease | None:
