@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._metadata_codec import ShardRef, copy_tensor, dtype_name
 from tierckpt_client.dcp._staging import align
-from tierckpt_client.dcp._targets import OutFile, SaveTarget
+from tierckpt_client.dcp.targets.base import OutFile, SaveTarget
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.integrity import block_digest
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _mailbox
 from tierckpt_client.dcp._mailbox import Mailbox
-from tierckpt_client.dcp._targets import OutFile
+from tierckpt_client.dcp.targets.base import OutFile
 from tierckpt_core.errors import TierCkptError
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _assign, _async_staging, _items, _prelease
 from tierckpt_client.dcp._attempt import SaveFiles
-from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._metadata_codec import metadata_text
 from tierckpt_client.dcp._plan_data import (
     LocalPlanData,
@@ -35,8 +34,8 @@ from tierckpt_client.dcp._plan_data import (
     next_attempt,
 )
 from tierckpt_client.dcp._staging import stage_into, staging_size
-from tierckpt_client.dcp._targets import MemoryTier, SaveTarget
 from tierckpt_client.dcp.ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp.targets import MemoryTier, PersistentTier, SaveTarget
 from tierckpt_core.errors import (
     CapacityExceededError,
     DaemonUnavailableError,
@@ -165,7 +164,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.wait = wait
         self.replicated_timeout_s = replicated_timeout_s
         self.on_unavailable = on_unavailable
-        # Where this save's files go (see _targets): the memory tier through the daemon, unless
+        # Where this save's files go (see targets): the memory tier through the daemon, unless
         # this rank cannot use its daemon (``_degraded``) or the coordinator's plan says the save
         # goes to the persistent tier; then ``_persistent``.
         self._persistent: PersistentTier | None = None
