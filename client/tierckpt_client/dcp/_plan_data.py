@@ -9,9 +9,13 @@ import uuid
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
 
-from tierckpt_core.errors import StepStateError
+from tierckpt_client.dcp._metadata_codec import metadata_text
+from tierckpt_core.errors import DaemonUnavailableError, StepStateError
+from tierckpt_core.protocol import CommitRequest
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,16 @@ class PlanData:
     attempt_base: str
     direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
     across: bool = False  # the ranks use several daemons: a commit across nodes
+
+    def check_cached(self, where: str) -> None:
+        """This rank staged into private memory (it lost its daemon): only with plan caching can
+        the plan still send the save to the memory tier (the coordinator could not learn it)."""
+        if not self.direct:
+            raise DaemonUnavailableError(
+                f"{where} cannot use its daemon, and the save plan (cached from an earlier save: "
+                "enable_plan_caching) sends this save to the memory tier; retry the save, or save "
+                "without plan caching"
+            )
 
 
 # Coordinator: the last layout each rank reported, per (namespace, world size). With plan
@@ -96,6 +110,52 @@ def dcp_save_world_size() -> int:
             break
         frame = frame.f_back  # type: ignore[assignment]
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def refuse_rank_local(namespace: str, step: int) -> None:
+    """``dcp.save(..., use_collectives=False)`` on several ranks: each rank would commit the step
+    alone, each commit replacing the last: a step holding one rank's part, reported as saved.
+    There is no rank-local commit."""
+    if (world := dcp_save_world_size()) > 1:
+        raise StepStateError(
+            f"{namespace}/step {step}: dcp.save(..., use_collectives=False) is not supported "
+            f"by TieredStorageWriter with {world} ranks: a step is committed once, with every "
+            "rank's part; save with use_collectives=True (the default), or give each rank its "
+            "own namespace and save without a process group (no_dist=True)"
+        )
+
+
+def commit_request(
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    rank_nodes: list[str | None] | None,
+    persist: bool | None,
+    overwrite: bool,
+) -> CommitRequest:
+    """The coordinator's commit of every rank's files, with DCP's ``metadata`` (its storage data
+    filled in here); ``rank_nodes``: in a commit across nodes, the node of each rank."""
+    storage = {}
+    files: set[str] = set()
+    for rank_results in results:
+        for r in rank_results:
+            storage[r.index] = r.storage_data
+            files.add(r.storage_data.file)
+    metadata.storage_data = storage
+    nodes = None
+    if rank_nodes is not None:  # rank i's files are on the daemon rank i used
+        nodes = {
+            r.storage_data.file: rank_nodes[rank]
+            for rank, rank_results in enumerate(results)
+            for r in rank_results
+        }
+    return CommitRequest(
+        files=sorted(files),
+        metadata=metadata_text(metadata),
+        world_size=len(results),
+        persist=persist,
+        nodes=nodes,
+        overwrite=overwrite,
+    )
 
 
 # Save attempt ids. Every rank of one save must seal under the same attempt id, and two saves of

@@ -23,6 +23,7 @@ the mailbox (no round trip) before it claims.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import logging
@@ -203,3 +204,49 @@ def _release_quietly(daemon: DaemonClient, namespace: str, lease_id: str) -> Non
         daemon.release(namespace, lease_id)
     except TierCkptError as e:  # the daemon takes it back by itself
         logger.debug("%s: could not release pre-lease %s: %s", namespace, lease_id, e)
+
+
+class NextFile:
+    """One writer's part in pre-leasing: which process staged its save, what ``stage`` claimed
+    under, the pre-leases it could not use (given back off the stall), and, in DCP's helper
+    process, the trainer's mailbox."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # ClientConfig.prelease
+        self.staged_by: int | None = None  # the process that staged this save
+        self.key: Key | None = None  # what stage() claimed under
+        self.stale: list[PreLease] = []  # pre-leases stage() could not use
+        self.mailbox: Mailbox | None = None  # PROCESS mode: the trainer's
+
+    def staged(self) -> None:
+        self.staged_by = os.getpid()
+
+    def claim(self, socket: str | Path, namespace: str, rank: int, size: int) -> OutFile | None:
+        """The file the previous save of this rank pre-leased, if it can be used (no round
+        trip); one that cannot is given back by :meth:`ask`, off the stall."""
+        if not self.enabled:
+            return None
+        k = self.key = key(socket, namespace, rank)
+        self.stale += collect(k)  # sent by DCP's helper process (PROCESS mode)
+        claimed, stale = claim_next(socket, namespace, rank, size)
+        self.stale += [stale] if stale is not None else []
+        return claimed
+
+    def hand_over(self) -> NextFile:
+        """A copy for the writer's pickled copy (PROCESS mode: DCP's helper process writes the
+        save): it gives back the stale pre-leases, and sends the next one to this process."""
+        moved = copy.copy(self)
+        if self.enabled and self.key is not None:
+            moved.mailbox = mailbox(self.key)
+        self.stale = []  # the copy gives them back
+        return moved
+
+    def ask(
+        self, daemon: DaemonClient, namespace: str, rank: int, after: tuple[int, str], size: int
+    ) -> None:
+        """After the seal: give back the stale pre-leases and ask for the next file (see
+        :func:`ask_next`), kept here or sent to the trainer."""
+        stale, self.stale = self.stale, []
+        here = self.enabled and self.staged_by == os.getpid()
+        to = None if here else self.mailbox
+        ask_next(daemon, namespace, rank, after, size, stale, here or to is not None, to)
