@@ -14,8 +14,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -74,11 +72,9 @@ def test_client_imports_nothing_of_the_daemon() -> None:
     assert _breaking(imports, ("tierckpt_daemon",)) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tier/tenants.py -> peers/zerocopy (issue 37, item 1: w/peerskit moves it; remove this "
-    "mark when that merges)",
-)
-def test_the_daemons_tier_imports_nothing_of_peers() -> None:
+def test_the_daemons_tier_wing_imports_nothing_from_its_peers_wing() -> None:
+    """``tier/`` is this node's memory and its records; ``peers/`` (everything between daemons)
+    builds on it, never the other way round: the restore asks the ring through small Protocols
+    (tier/restore.py), and ``node.py`` wires the two."""
     imports = _imports(ROOT / "daemon" / "tierckpt_daemon" / "tier", "tierckpt_daemon.tier")
     assert _breaking(imports, ("tierckpt_daemon.peers",)) == []

@@ -112,6 +112,19 @@ def dcp_save_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+WAITS = ("committed", "replicated")  # TieredStorageWriter(wait=...)
+
+
+def check_options(on_unavailable: str, wait: str, replicated_timeout_s: float) -> None:
+    """A writer's save options, refused with a ``ValueError`` that names the bad one."""
+    if on_unavailable not in ("persist", "raise"):
+        raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
+    if wait not in WAITS:
+        raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+    if replicated_timeout_s <= 0:
+        raise ValueError(f"replicated_timeout_s must be > 0, got {replicated_timeout_s}")
+
+
 def refuse_rank_local(namespace: str, step: int) -> None:
     """``dcp.save(..., use_collectives=False)`` on several ranks: each rank would commit the step
     alone, each commit replacing the last: a step holding one rank's part, reported as saved.

@@ -7,11 +7,13 @@ import os
 import socket
 import uuid
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future as StagingFuture
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -29,6 +31,7 @@ from tierckpt_client.dcp._plan_data import (
     PlanData,
     RankLayout,
     attempt_base,
+    check_options,
     commit_request,
     next_attempt,
     refuse_rank_local,
@@ -45,9 +48,6 @@ from tierckpt_core.errors import (
 from tierckpt_core.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
-
-
-WAITS = ("committed", "replicated")  # TieredStorageWriter(wait=...)
 
 
 class TieredStorageWriter(StorageWriter, AsyncStager):
@@ -74,6 +74,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             see ``_async_staging``). Off by default here, since it changes what
             ``async_save`` returns (a response, not a future); :class:`Checkpointer` turns it
             on (``TIERCKPT_ASYNC_STAGING``) and does the waiting.
+        copied_at_stage: with ``async_staging``, tensors (of the state) that ``stage`` copies
+            itself before it returns, so that the loop may change them right after: buffers a
+            forward updates (BatchNorm's running statistics). Small ones only: their copy is on
+            the training thread. :class:`Checkpointer` passes its modules' buffers.
         wait: when the save counts as done (its future completes, ``dcp.save`` returns):
             ``"committed"`` (default) once the step is committed in the memory of the nodes its
             ranks wrote to, which survives a trainer's death, not the loss of such a node until
@@ -131,17 +135,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         async_staging: bool = False,
         wait: str = "committed",
         replicated_timeout_s: float = 300.0,
+        copied_at_stage: Iterable[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         self.async_staging = async_staging
+        self._copied_at_stage = _async_staging.storages(copied_at_stage)
         self._staging: StagingFuture[dict[str, Any]] | None = None
         self._torn: StagingRaceError | None = None  # the loop changed a tensor while staged
-        if on_unavailable not in ("persist", "raise"):
-            raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
-        if wait not in WAITS:
-            raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
-        if replicated_timeout_s <= 0:
-            raise ValueError(f"replicated_timeout_s must be > 0, got {replicated_timeout_s}")
+        check_options(on_unavailable, wait, replicated_timeout_s)
         self.wait = wait
         self.replicated_timeout_s = replicated_timeout_s
         self.on_unavailable = on_unavailable
@@ -244,7 +245,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if not self.async_staging:
             return self._stage_now(namespace, state_dict, None)
         # Here, before the loop changes anything: the versions, and the non-tensor values.
-        marks, skeleton = _async_staging.Marks.take(state_dict)
+        marks, skeleton = _async_staging.Marks.take(state_dict, self._copied_at_stage)
         self._staging = _async_staging.submit(lambda: self._stage_now(namespace, skeleton, marks))
         return self._staging
 
@@ -324,11 +325,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         return replace(plan, storage_data=LocalPlanData(direct=direct, daemon=daemon, node=node))
 
     def _refuse_early(self) -> None:
-        """``overwrite=False`` and the step exists: refuse on every rank, before the plans meet,
-        and give back what stage() leased now. A refusal only the coordinator sees (in
-        prepare_global_plan) reaches the other ranks as DCP's exception, and no writer call
-        follows on them: their staged files would stay leased until the writer is collected or
-        the daemon's ``lease_ttl_s`` (900 s) expires."""
+        """``overwrite=False`` and the step exists: refuse on every rank before the plans meet,
+        giving back what stage() leased. Seen by the coordinator alone (prepare_global_plan), the
+        other ranks would get no writer call after DCP's exception: their staged files would stay
+        leased until the writer is collected or the daemon's ``lease_ttl_s`` (900 s) expires."""
         namespace, step = self._require_target()
         try:
             self._targets.memory.begin(namespace, step)
