@@ -33,13 +33,14 @@ from tierckpt_client._preemption import (
 )
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _async_staging
-from tierckpt_client.dcp.writer import WAITS
+from tierckpt_client.dcp._plan_data import WAITS
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
 logger = logging.getLogger(__name__)
 
-_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+# Public, as checkpoint_groups (the integrations build on both): async_mode -> DCP's type.
+ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 
 # Groups created for checkpointing, keyed by the ranks of the group they serve: created once per
 # process (creating a group is a collective every rank must join), reused by every Checkpointer.
@@ -61,7 +62,7 @@ def check_save_options(persist_every: int | None, async_mode: str) -> None:
     :class:`Checkpointer`, the framework integrations)."""
     if persist_every is not None and persist_every < 1:
         raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
-    if async_mode not in _MODES:
+    if async_mode not in ASYNC_MODES:
         raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
 
 
@@ -111,7 +112,7 @@ class SaveInFlight:
             ) from e
 
 
-def _groups(
+def checkpoint_groups(
     process_group: dist.ProcessGroup | None,
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """The group for DCP's collectives and a second one for the preemption flag.
@@ -215,7 +216,7 @@ class Checkpointer:
         if wait not in WAITS:
             raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
         self.wait_for = wait
-        self.process_group, self._flag_group = _groups(process_group)
+        self.process_group, self._flag_group = checkpoint_groups(process_group)
         _LIVE.add(self)
         self._inflight = SaveInFlight(self.namespace)
         self.last_saved_step: int | None = None  # the newest step whose save has been started
@@ -285,7 +286,7 @@ class Checkpointer:
             state,
             storage_writer=writer,
             process_group=self.process_group,
-            async_checkpointer_type=_MODES[self.async_mode],
+            async_checkpointer_type=ASYNC_MODES[self.async_mode],
             no_dist=self.no_dist,
         )
         self._inflight.start(step, result)

@@ -15,13 +15,15 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
 from tierckpt_core import nogil_hash
 from tierckpt_core.errors import IntegrityError, TierCkptError
 from tierckpt_core.verified import CHUNK, BlockStream, BlockSums, Read, _bytes
+
+_R = TypeVar("_R")  # one run of work that _share hands a worker
 
 
 @dataclass(frozen=True)
@@ -88,36 +90,12 @@ def copy_all(
     # Blocks xxhash's own call hashes under the GIL, over several threads: through ctypes.
     small = workers > 1 and any(landing.sums.size <= GIL_HELD_MAX for landing in landings)
     hex_at = nogil_hash.hexdigest_at() if small else None
-    todo = iter(runs)
-    lock = threading.Lock()
-    failed = threading.Event()
 
-    def work() -> int:
-        done = 0
-        while not failed.is_set():
-            with lock:
-                run = next(todo, None)
-            if run is None:
-                break
-            landing, lo, hi = run
-            try:
-                done += landing.whole(lo, hi, piece, hex_at)
-            except BaseException:
-                failed.set()  # the others stop at their next run
-                raise
-        return done
+    def land(run: tuple[_Landing, int, int]) -> int:
+        landing, lo, hi = run
+        return landing.whole(lo, hi, piece, hex_at)
 
-    if workers <= 1:
-        return checked + work()
-    futures = (spawn or _on_pool)(workers - 1, work)
-    try:
-        checked += work()
-    finally:
-        # A worker that has not started finds no run left: cancelled, it is not waited for.
-        # One that runs may still write into a dest: waited for.
-        running = [f for f in futures if not f.cancel()]
-        concurrent.futures.wait(running)
-    return checked + sum(f.result() for f in running)  # a bad block's error
+    return checked + _share(runs, workers, land, spawn)
 
 
 def _edges(landings: list[_Landing]) -> int:
@@ -279,6 +257,29 @@ def check_all(
         size += hi - lo
     if not runs:
         return 0
+
+    def check(run: list[tuple[memoryview, BlockSums, int, int | None]]) -> int:
+        done = 0
+        for view, sums, block, base in run:
+            lo, hi = sums.bounds(block)
+            if hex_at is not None and base is not None and hi > lo:
+                got = hex_at(base + lo - sums.origin, hi - lo)  # without the GIL
+            else:
+                got = xxhash.xxh3_128_hexdigest(view[lo - sums.origin : hi - sums.origin])
+            if got != sums.digests[block]:
+                raise sums.mismatch(block)
+            done += hi - lo
+        return done
+
+    return _share(runs, min(threads, len(runs)), check, spawn)
+
+
+def _share(runs: Sequence[_R], workers: int, do: Callable[[_R], int], spawn: Spawn | None) -> int:
+    """``do`` every run, on the caller's thread and ``workers - 1`` others, each taking the next
+    run until none is left; the sum of what ``do`` returned. The first error stops the others at
+    their next run and is raised. Every worker that started is waited for (it may still write
+    into a destination); one that has not started when the caller's thread is done finds no run
+    left: cancelled, it is not waited for."""
     todo = iter(runs)
     lock = threading.Lock()
     failed = threading.Event()
@@ -291,21 +292,12 @@ def check_all(
             if run is None:
                 break
             try:
-                for view, sums, block, base in run:
-                    lo, hi = sums.bounds(block)
-                    if hex_at is not None and base is not None and hi > lo:
-                        got = hex_at(base + lo - sums.origin, hi - lo)  # without the GIL
-                    else:
-                        got = xxhash.xxh3_128_hexdigest(view[lo - sums.origin : hi - sums.origin])
-                    if got != sums.digests[block]:
-                        raise sums.mismatch(block)
-                    done += hi - lo
+                done += do(run)
             except BaseException:
-                failed.set()
+                failed.set()  # the others stop at their next run
                 raise
         return done
 
-    workers = min(threads, len(runs))
     if workers <= 1:
         return work()
     futures = (spawn or _on_pool)(workers - 1, work)
@@ -315,7 +307,7 @@ def check_all(
     finally:
         running = [f for f in futures if not f.cancel()]
         concurrent.futures.wait(running)
-    return checked + sum(f.result() for f in running)
+    return checked + sum(f.result() for f in running)  # a bad block's error
 
 
 Spawn = Callable[[int, Callable[[], int]], Sequence["concurrent.futures.Future[int]"]]

@@ -5,7 +5,7 @@ import pickle
 import pytest
 
 from tierckpt_client import ClientConfig
-from tierckpt_client.dcp._ids import parse_checkpoint_id
+from tierckpt_client.dcp.ids import parse_checkpoint_id
 from tierckpt_core.errors import (
     ERROR_CODES,
     CapacityExceededError,

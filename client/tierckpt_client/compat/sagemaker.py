@@ -30,7 +30,7 @@ import torch.distributed as dist
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import is_checkpoint_id
+from tierckpt_client.dcp.ids import is_checkpoint_id
 from tierckpt_core.errors import DaemonUnavailableError, InvalidNameError
 from tierckpt_core.names import validate_namespace
 

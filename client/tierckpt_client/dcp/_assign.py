@@ -19,8 +19,9 @@ finds an item it must write without its bytes, fails the save with a clear error
 assignment: the next save copies everything again.
 
 PROCESS-mode ``async_save`` writes in DCP's helper process: the helper sends the assignment back
-to the trainer through a pipe of the trainer's (as ``_prelease`` sends pre-leases), as one line:
-the fingerprint and a bitmap over the sorted tensor names that the trainer kept from its stage.
+to the trainer through a mailbox of the trainer's (``_mailbox``, as pre-leases travel), as one
+line: the fingerprint and a bitmap over the sorted tensor names that the trainer kept from its
+stage.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,12 +41,13 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from tierckpt_client.dcp import _mailbox
+from tierckpt_client.dcp._mailbox import Mailbox
 from tierckpt_core.errors import StepStateError
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str, int]  # (daemon socket, namespace, rank)
-Mailbox = tuple[int, int, int]  # (pid, write fd, pipe inode), as in _prelease
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Layout:
 _lock = threading.Lock()
 _written: dict[Key, tuple[str, frozenset[str]]] = {}  # key -> (fingerprint, names written)
 _staged: dict[Key, Layout] = {}  # trainer: the layout of the last stage (to decode bitmaps)
-_pipes: dict[Key, tuple[int, int]] = {}
+_boxes = _mailbox.Mailboxes()  # trainer side: where helper processes send assignments
 
 
 def layout_of(state_dict: dict[str, Any], rank: int, world: int) -> Layout | None:
@@ -140,11 +141,7 @@ def forget_all() -> None:
 
 
 def mailbox(key: Key) -> Mailbox:
-    with _lock:
-        pipe = _pipes.get(key)
-        if pipe is None:
-            pipe = _pipes[key] = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    return os.getpid(), pipe[1], os.fstat(pipe[1]).st_ino
+    return _boxes.box(key)
 
 
 def encode(names: tuple[str, ...], written: frozenset[str]) -> str:
@@ -165,33 +162,12 @@ def decode(names: tuple[str, ...], text: str) -> frozenset[str]:
 def send(box: Mailbox, fingerprint: str, bitmap: str | None) -> bool:
     """Helper: send the trainer what this save wrote (``None``: forget it). Best effort: a
     trainer that does not hear copies everything at its next stage."""
-    pid, fd, ino = box
-    line = json.dumps([fingerprint, bitmap]).encode() + b"\n"
-    try:
-        out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:  # the trainer is gone
-        return False
-    try:
-        st = os.fstat(out)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_ino != ino:  # another process took its pid
-            return False
-        return os.write(out, line) == len(line)
-    except OSError:
-        return False
-    finally:
-        os.close(out)
+    return _mailbox.send(box, [fingerprint, bitmap])
 
 
 def collect(key: Key) -> None:
     """Trainer: take in what helper processes sent for ``key`` (no round trip)."""
-    pipe = _pipes.get(key)
-    if pipe is None:
-        return
-    try:
-        data = os.read(pipe[0], 1 << 20)
-    except BlockingIOError:  # nothing sent
-        return
-    for line in data.splitlines():
+    for line in _boxes.read(key, 1 << 20):
         try:
             fingerprint, bitmap = json.loads(line)
             with _lock:

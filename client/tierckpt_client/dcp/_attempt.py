@@ -18,7 +18,7 @@ import threading
 from dataclasses import replace
 
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp._targets import OutFile, SaveTarget
+from tierckpt_client.dcp.targets.base import OutFile, SaveTarget
 from tierckpt_core.errors import NotFoundError, TierCkptError
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from tierckpt_client.dcp._ids import format_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import ShardRef
+from tierckpt_client.dcp.ids import format_checkpoint_id
 from tierckpt_core.errors import IntegrityError, StepStateError, TierCkptError, error_from_code
 
 OK, CORRUPT, FAILED = 0, 1, 2

@@ -11,7 +11,7 @@ import ctypes
 import io
 import itertools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,9 +22,35 @@ from torch.distributed.checkpoint.storage import WriteResult
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._metadata_codec import ShardRef, copy_tensor, dtype_name
 from tierckpt_client.dcp._staging import align
-from tierckpt_client.dcp._targets import OutFile, SaveTarget
+from tierckpt_client.dcp.targets.base import OutFile, SaveTarget
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.integrity import block_digest
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one rank's ``write_data`` did, for metrics and tests.
+
+    ``copied_bytes`` counts tensor bytes that had to be copied in ``write_data`` because they were not
+    staged into the tier (plain ``dcp.save``, or a planner that replaced tensors); with
+    ``async_save`` it is 0.
+    """
+
+    staged_bytes: int
+    copied_bytes: int
+    bytes_items: int
+
+    @classmethod
+    def of(
+        cls, results: list[WriteResult], pending: list[tuple[Any, Any]], staged: str, copied: int
+    ) -> SaveStats:
+        """From the items ``place`` found in the ``staged`` file and the ``pending`` others."""
+        return cls(
+            staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == staged),
+            copied_bytes=copied,
+            bytes_items=sum(1 for _, v in pending if not isinstance(v, torch.Tensor)),
+        )
+
 
 SEGMENT_MAX = 64 << 10  # items up to this size get a checksum of their own (see segments)
 

@@ -1,15 +1,21 @@
 """What the writer puts in DCP's save plans: each rank's word to the coordinator, and the
-coordinator's decision for every rank. Both travel between ranks (pickled by DCP's collectives)."""
+coordinator's decision for every rank. Both travel between ranks (pickled by DCP's collectives).
+Each rank derives the save attempt id from the plan (:func:`next_attempt`)."""
 
 from __future__ import annotations
 
 import sys
+import uuid
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
 
-from tierckpt_core.errors import StepStateError
+from tierckpt_client.dcp._metadata_codec import metadata_text
+from tierckpt_core.errors import DaemonUnavailableError, StepStateError
+from tierckpt_core.protocol import CommitRequest
 
 
 @dataclass(frozen=True)
@@ -25,11 +31,21 @@ class LocalPlanData:
 class PlanData:
     """What the coordinator hands every rank in its plan. With plan caching, DCP hands a rank its
     cached plan from an earlier save instead, so nothing here may belong to one save: the attempt
-    id is derived from ``attempt_base`` by each rank (``_ids.next_attempt``)."""
+    id is derived from ``attempt_base`` by each rank (:func:`next_attempt`)."""
 
     attempt_base: str
     direct: bool  # write straight to the persistent tier (some rank cannot use its daemon)
     across: bool = False  # the ranks use several daemons: a commit across nodes
+
+    def check_cached(self, where: str) -> None:
+        """This rank staged into private memory (it lost its daemon): only with plan caching can
+        the plan still send the save to the memory tier (the coordinator could not learn it)."""
+        if not self.direct:
+            raise DaemonUnavailableError(
+                f"{where} cannot use its daemon, and the save plan (cached from an earlier save: "
+                "enable_plan_caching) sends this save to the memory tier; retry the save, or save "
+                "without plan caching"
+            )
 
 
 # Coordinator: the last layout each rank reported, per (namespace, world size). With plan
@@ -94,3 +110,88 @@ def dcp_save_world_size() -> int:
             break
         frame = frame.f_back  # type: ignore[assignment]
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+WAITS = ("committed", "replicated")  # TieredStorageWriter(wait=...)
+
+
+def check_options(on_unavailable: str, wait: str, replicated_timeout_s: float) -> None:
+    """A writer's save options, refused with a ``ValueError`` that names the bad one."""
+    if on_unavailable not in ("persist", "raise"):
+        raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
+    if wait not in WAITS:
+        raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+    if replicated_timeout_s <= 0:
+        raise ValueError(f"replicated_timeout_s must be > 0, got {replicated_timeout_s}")
+
+
+def refuse_rank_local(namespace: str, step: int) -> None:
+    """``dcp.save(..., use_collectives=False)`` on several ranks: each rank would commit the step
+    alone, each commit replacing the last: a step holding one rank's part, reported as saved.
+    There is no rank-local commit."""
+    if (world := dcp_save_world_size()) > 1:
+        raise StepStateError(
+            f"{namespace}/step {step}: dcp.save(..., use_collectives=False) is not supported "
+            f"by TieredStorageWriter with {world} ranks: a step is committed once, with every "
+            "rank's part; save with use_collectives=True (the default), or give each rank its "
+            "own namespace and save without a process group (no_dist=True)"
+        )
+
+
+def commit_request(
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    rank_nodes: list[str | None] | None,
+    persist: bool | None,
+    overwrite: bool,
+) -> CommitRequest:
+    """The coordinator's commit of every rank's files, with DCP's ``metadata`` (its storage data
+    filled in here); ``rank_nodes``: in a commit across nodes, the node of each rank."""
+    storage = {}
+    files: set[str] = set()
+    for rank_results in results:
+        for r in rank_results:
+            storage[r.index] = r.storage_data
+            files.add(r.storage_data.file)
+    metadata.storage_data = storage
+    nodes = None
+    if rank_nodes is not None:  # rank i's files are on the daemon rank i used
+        nodes = {
+            r.storage_data.file: rank_nodes[rank]
+            for rank, rank_results in enumerate(results)
+            for r in rank_results
+        }
+    return CommitRequest(
+        files=sorted(files),
+        metadata=metadata_text(metadata),
+        world_size=len(results),
+        persist=persist,
+        nodes=nodes,
+        overwrite=overwrite,
+    )
+
+
+# Save attempt ids. Every rank of one save must seal under the same attempt id, and two saves of
+# one step must not share one (the daemon would mix their files). The coordinator cannot hand a
+# fresh id to the ranks through the plan: with DefaultSavePlanner(enable_plan_caching=True), DCP
+# gives every rank its cached plan from an earlier save, storage data included. So the plan carries
+# a base that stays the same for as long as the coordinator's process lives, and every rank derives
+# the attempt from it and the number of saves of this step it has written with that base: the
+# same on every rank, whichever plan (fresh or cached) it got.
+_base: str | None = None
+_saves: dict[tuple[str, str, int], int] = {}
+
+
+def attempt_base() -> str:
+    """The coordinator process's attempt base (random, made once per process)."""
+    global _base
+    if _base is None:
+        _base = uuid.uuid4().hex[:16]
+    return _base
+
+
+def next_attempt(base: str, namespace: str, step: int) -> str:
+    """The attempt id of this rank's next save of ``namespace``/``step`` under ``base``."""
+    key = (base, namespace, step)
+    _saves[key] = _saves.get(key, 0) + 1
+    return f"{base}.{_saves[key]}"

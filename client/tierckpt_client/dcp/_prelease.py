@@ -16,15 +16,14 @@ file alone until the lock is released, which happens when the file is sealed or 
 when the process dies.
 
 PROCESS-mode ``async_save`` writes the save in DCP's helper process, so the pre-lease is asked for
-there and must reach the trainer: the trainer hands the helper a *mailbox* with the pickled writer,
-one end of a pipe of its own, named ``(pid, fd, inode)``; the helper opens it through
-``/proc/<pid>/fd/<fd>`` (as ``_arena`` reopens staged files; only processes of the same user may),
-checks that it is that pipe, and writes the pre-lease as one line. The next ``stage`` reads the
-pipe (no round trip) before it claims.
+there and must reach the trainer: the trainer hands the helper a mailbox (``_mailbox``) with the
+pickled writer, and the helper writes the pre-lease into it as one line. The next ``stage`` reads
+the mailbox (no round trip) before it claims.
 """
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import logging
@@ -36,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena
-from tierckpt_client.dcp._targets import OutFile
+from tierckpt_client.dcp import _arena, _mailbox
+from tierckpt_client.dcp._mailbox import Mailbox
+from tierckpt_client.dcp.targets.base import OutFile
 from tierckpt_core.errors import TierCkptError
 
 logger = logging.getLogger(__name__)
@@ -55,11 +55,10 @@ class PreLease:
 
 
 Key = tuple[str, str, int]  # (daemon socket, namespace, rank)
-Mailbox = tuple[int, int, int]  # (pid, write fd, pipe inode): see the module docstring
 
 _lock = threading.Lock()
 _held: dict[Key, PreLease] = {}
-_pipes: dict[Key, tuple[int, int]] = {}  # trainer side: (read fd, write fd) of each mailbox
+_boxes = _mailbox.Mailboxes()  # trainer side: where helper processes send pre-leases
 
 
 def key(socket: str | Path, namespace: str, rank: int) -> Key:
@@ -68,25 +67,14 @@ def key(socket: str | Path, namespace: str, rank: int) -> Key:
 
 def mailbox(k: Key) -> Mailbox:
     """Where a helper process sends this process the pre-lease for ``k``."""
-    with _lock:
-        pipe = _pipes.get(k)
-        if pipe is None:
-            pipe = _pipes[k] = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    return os.getpid(), pipe[1], os.fstat(pipe[1]).st_ino
+    return _boxes.box(k)
 
 
 def collect(k: Key) -> list[PreLease]:
     """Keep what a helper process sent for ``k`` (no round trip); returns the pre-leases that
     replaced, for the caller to give back off the stall."""
-    pipe = _pipes.get(k)
-    if pipe is None:
-        return []
-    try:
-        data = os.read(pipe[0], 1 << 16)
-    except BlockingIOError:  # nothing sent
-        return []
     replaced = []
-    for line in data.splitlines():
+    for line in _boxes.read(k, 1 << 16):
         try:
             lease_id, path, size, deadline = json.loads(line)
             pre = PreLease(str(lease_id), str(path), int(size), float(deadline))
@@ -101,21 +89,7 @@ def collect(k: Key) -> list[PreLease]:
 def send(box: Mailbox, pre: PreLease) -> bool:
     """Send ``pre`` to the process that made ``box``; whether it got there. The deadline is on
     ``time.monotonic``, which is the same clock in every process of the machine."""
-    pid, fd, ino = box
-    line = json.dumps([pre.lease_id, pre.path, pre.size, pre.deadline]).encode() + b"\n"
-    try:
-        out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:  # the trainer is gone
-        return False
-    try:
-        st = os.fstat(out)
-        if not stat.S_ISFIFO(st.st_mode) or st.st_ino != ino:  # another process took its pid
-            return False
-        return os.write(out, line) == len(line)
-    except OSError:
-        return False
-    finally:
-        os.close(out)
+    return _mailbox.send(box, [pre.lease_id, pre.path, pre.size, pre.deadline])
 
 
 def put(k: Key, pre: PreLease) -> PreLease | None:
@@ -230,3 +204,49 @@ def _release_quietly(daemon: DaemonClient, namespace: str, lease_id: str) -> Non
         daemon.release(namespace, lease_id)
     except TierCkptError as e:  # the daemon takes it back by itself
         logger.debug("%s: could not release pre-lease %s: %s", namespace, lease_id, e)
+
+
+class NextFile:
+    """One writer's part in pre-leasing: which process staged its save, what ``stage`` claimed
+    under, the pre-leases it could not use (given back off the stall), and, in DCP's helper
+    process, the trainer's mailbox."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled  # ClientConfig.prelease
+        self.staged_by: int | None = None  # the process that staged this save
+        self.key: Key | None = None  # what stage() claimed under
+        self.stale: list[PreLease] = []  # pre-leases stage() could not use
+        self.mailbox: Mailbox | None = None  # PROCESS mode: the trainer's
+
+    def staged(self) -> None:
+        self.staged_by = os.getpid()
+
+    def claim(self, socket: str | Path, namespace: str, rank: int, size: int) -> OutFile | None:
+        """The file the previous save of this rank pre-leased, if it can be used (no round
+        trip); one that cannot is given back by :meth:`ask`, off the stall."""
+        if not self.enabled:
+            return None
+        k = self.key = key(socket, namespace, rank)
+        self.stale += collect(k)  # sent by DCP's helper process (PROCESS mode)
+        claimed, stale = claim_next(socket, namespace, rank, size)
+        self.stale += [stale] if stale is not None else []
+        return claimed
+
+    def hand_over(self) -> NextFile:
+        """A copy for the writer's pickled copy (PROCESS mode: DCP's helper process writes the
+        save): it gives back the stale pre-leases, and sends the next one to this process."""
+        moved = copy.copy(self)
+        if self.enabled and self.key is not None:
+            moved.mailbox = mailbox(self.key)
+        self.stale = []  # the copy gives them back
+        return moved
+
+    def ask(
+        self, daemon: DaemonClient, namespace: str, rank: int, after: tuple[int, str], size: int
+    ) -> None:
+        """After the seal: give back the stale pre-leases and ask for the next file (see
+        :func:`ask_next`), kept here or sent to the trainer."""
+        stale, self.stale = self.stale, []
+        here = self.enabled and self.staged_by == os.getpid()
+        to = None if here else self.mailbox
+        ask_next(daemon, namespace, rank, after, size, stale, here or to is not None, to)

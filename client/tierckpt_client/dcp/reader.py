@@ -35,13 +35,13 @@ from tierckpt_client.dcp._fallback import (
     outcome,
     plan_misfit,
 )
-from tierckpt_client.dcp._ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp._metadata_codec import (
     DTYPES,
     ShardRef,
     copy_tensor,
     metadata_from_text,
 )
+from tierckpt_client.dcp.ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp.read_plan import Planner, ReadPlan
 from tierckpt_client.dcp.sources import RANGED_READ_MAX, Source, StepFiles
 from tierckpt_core.errors import (

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future as StagingFuture
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,49 +25,29 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _assign, _async_staging, _dcp_log, _items, _prelease
 from tierckpt_client.dcp._attempt import SaveFiles
-from tierckpt_client.dcp._direct import PersistentTier
-from tierckpt_client.dcp._ids import (
+from tierckpt_client.dcp._items import SaveStats
+from tierckpt_client.dcp._plan_data import (
+    LocalPlanData,
+    PlanData,
+    RankLayout,
     attempt_base,
-    format_checkpoint_id,
-    is_checkpoint_id,
+    check_options,
+    commit_request,
     next_attempt,
-    parse_checkpoint_id,
+    refuse_rank_local,
 )
-from tierckpt_client.dcp._metadata_codec import metadata_text
-from tierckpt_client.dcp._plan_data import LocalPlanData, PlanData, RankLayout, dcp_save_world_size
 from tierckpt_client.dcp._staging import stage_into, staging_size
-from tierckpt_client.dcp._targets import MemoryTier, SaveTarget
+from tierckpt_client.dcp.ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp.targets.choice import Targets
 from tierckpt_core.errors import (
-    CapacityExceededError,
     DaemonUnavailableError,
     InvalidNameError,
     StagingRaceError,
     StepStateError,
-    TierCkptError,
 )
-from tierckpt_core.protocol import CommitRequest, validate_namespace, validate_step
+from tierckpt_core.protocol import validate_namespace, validate_step
 
 logger = logging.getLogger(__name__)
-
-
-_warned: set[str] = set()
-
-
-@dataclass(frozen=True)
-class SaveStats:
-    """What one rank's ``write_data`` did, for metrics and tests.
-
-    ``copied_bytes`` counts tensor bytes that had to be copied in ``write_data`` because they were not
-    staged into the tier (plain ``dcp.save``, or a planner that replaced tensors); with
-    ``async_save`` it is 0.
-    """
-
-    staged_bytes: int
-    copied_bytes: int
-    bytes_items: int
-
-
-WAITS = ("committed", "replicated")  # TieredStorageWriter(wait=...)
 
 
 class TieredStorageWriter(StorageWriter, AsyncStager):
@@ -162,42 +142,36 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self._copied_at_stage = _async_staging.storages(copied_at_stage)
         self._staging: StagingFuture[dict[str, Any]] | None = None
         self._torn: StagingRaceError | None = None  # the loop changed a tensor while staged
-        if on_unavailable not in ("persist", "raise"):
-            raise ValueError(f"on_unavailable must be 'persist' or 'raise', got {on_unavailable!r}")
-        if wait not in WAITS:
-            raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
-        if replicated_timeout_s <= 0:
-            raise ValueError(f"replicated_timeout_s must be > 0, got {replicated_timeout_s}")
+        check_options(on_unavailable, wait, replicated_timeout_s)
         self.wait = wait
         self.replicated_timeout_s = replicated_timeout_s
         self.on_unavailable = on_unavailable
-        # Where this save's files go (see _targets): the memory tier through the daemon, unless
-        # this rank cannot use its daemon (``_degraded``) or the coordinator's plan says the save
-        # goes to the persistent tier; then ``_persistent``.
-        self._persistent: PersistentTier | None = None
-        self._degraded = False
         self.namespace = validate_namespace(namespace) if namespace is not None else None
         self.step = validate_step(step) if step is not None else None
         self.persist = persist
         self.overwrite = overwrite
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient.shared(self.config)
-        self._memory = MemoryTier(self._daemon, overwrite=overwrite)
         _dcp_log.drop_discarded_debug_records()  # DCP's, dropped unseen: ~20 per save
         # What this save holds on the daemon, from stage()'s lease to finish()'s commit; given
         # back by a failed write_data or finish, by close(), or when the writer is collected.
         self._files = SaveFiles(self._daemon)
         self._track_files()
+        # Where this save's files go (see targets.choice): the memory tier, or the persistent one.
+        self._targets = Targets(
+            self._daemon,
+            self.config,
+            on_unavailable=on_unavailable,
+            overwrite=overwrite,
+            discard=self._files.drop,
+        )
         self._plan_data: PlanData | None = None
         self._attempt: str | None = None
         self._rank_nodes: list[str | None] | None = None  # coordinator: the node of each rank
         self.rank = 0
         self.is_coordinator = True
         self.last_stats: SaveStats | None = None
-        self._staged_by: int | None = None  # the process that staged this save (pre-leases)
-        self._stale: list[_prelease.PreLease] = []  # pre-leases stage() could not use
-        self._prelease_key: _prelease.Key | None = None  # what stage() claimed under
-        self._mailbox: _prelease.Mailbox | None = None  # PROCESS mode: the trainer's (pre-leases)
+        self._next = _prelease.NextFile(self.config.prelease)  # the next save's file
         self._assignment = _assign.SaveAssignment()  # what stage() left out (another rank's)
         self.last_stage_bytes = 0  # bytes stage() copied
         _arena.install_pickle_reducer()
@@ -247,18 +221,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        # A fresh connection in the other process.
-        state["_daemon"] = daemon = DaemonClient.shared(self.config)
-        state["_memory"] = MemoryTier(daemon, overwrite=self.overwrite)
-        state["_persistent"] = None  # re-opened (with its one warning) where it is needed
         # PROCESS-mode async_save pickles the writer right after stage() to hand the save to its
-        # helper process: the staged file belongs to that copy from now on, so this one can stage
-        # the next save.
-        state["_files"] = self._files.hand_over(daemon)
+        # helper process (a fresh connection there): the staged file belongs to that copy from
+        # now on, so this one can stage the next save.
+        state["_daemon"] = daemon = DaemonClient.shared(self.config)
+        state["_files"] = files = self._files.hand_over(daemon)
+        state["_targets"] = self._targets.hand_over(daemon, files.drop)
         state["_staging"] = None  # done by now: DCP pickles the writer after staging_completion
-        if self.config.prelease and self._prelease_key is not None:
-            state["_mailbox"] = _prelease.mailbox(self._prelease_key)
-        self._stale = []  # the copy gives them back
+        state["_next"] = self._next.hand_over()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -268,9 +238,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
     # -- AsyncStager ------------------------------------------------------------------------
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | StagingFuture[dict[str, Any]]:
         namespace = self._require_namespace()
-        if self._files.staged is not None or (
-            self._staging is not None and not self._staging.done()
-        ):
+        if self._files.staged is not None or (self._staging and not self._staging.done()):
             raise StepStateError(
                 f"{namespace}: stage() called again before the previous save was written; use one "
                 "TieredStorageWriter per save, or wait for the previous save's future"
@@ -294,21 +262,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         size = staging_size(state_dict, skip)
         self.last_stage_bytes = size
         if size == 0:  # nothing this rank writes (or no tensors): no file
-            self._staged_by = os.getpid()
+            self._next.staged()
             return stage_into(state_dict, None, skip=skip).state_dict
-        staged = None
-        if self.config.prelease and not self._degraded:
-            # The file the previous save of this rank pre-leased, if it can be used (no round
-            # trip); one that cannot is given back in write_data, off the stall.
-            key = self._prelease_key = _prelease.key(self.config.socket, namespace, rank)
-            self._stale += _prelease.collect(key)  # sent by DCP's helper process (PROCESS mode)
-            staged, stale = _prelease.claim_next(self.config.socket, namespace, rank, size)
-            self._stale += [stale] if stale is not None else []
-        if staged is None:
-            try:
-                staged = self._memory.new_file(namespace, rank, "", size)
-            except (DaemonUnavailableError, CapacityExceededError) as e:
-                staged = self._degrade(e).new_file(namespace, rank, "", size)
+        claim = not self._targets.degraded  # the file the previous save pre-leased, if any
+        staged = self._next.claim(self.config.socket, namespace, rank, size) if claim else None
+        staged = staged or self._targets.new_file(namespace, rank, size)
         try:
             with marks.streams() if marks is not None else nullcontext():
                 result = stage_into(
@@ -318,7 +276,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             self._files.drop(namespace, staged)
             raise
         self._files.hold_staged(namespace, staged)
-        self._staged_by = os.getpid()
+        self._next.staged()
         if marks is not None:
             try:
                 marks.check(f"{namespace}/step {self.step} (rank {rank})")
@@ -327,28 +285,6 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
                 # its first collective; prepare_local_plan fails the save on every rank.
                 self._torn = e
         return result.state_dict
-
-    def _degrade(self, cause: TierCkptError) -> PersistentTier:
-        """Switch this save to the persistent tier, or re-raise ``cause`` if the policy says no."""
-        url = self.config.persist_url
-        if self.on_unavailable != "persist" or not url:
-            if self.on_unavailable == "persist":
-                cause.message += (
-                    " (set TIERCKPT_PERSIST_URL in the trainer to save straight to the persistent "
-                    "tier instead)"
-                )
-                cause.args = (cause.message,)
-            raise cause
-        key = f"{type(cause).__name__}:{url}"
-        if key not in _warned:
-            _warned.add(key)
-            logger.warning("%s; saving straight to the persistent tier %s", cause, url)
-        self._degraded = True
-        if self._persistent is None:
-            self._persistent = PersistentTier(
-                url, discard=self._files.drop, overwrite=self.overwrite
-            )
-        return self._persistent
 
     def synchronize_staging(self) -> None:
         """Wait for an asynchronous stage (torch's older protocol; ``async_save`` waits through
@@ -367,44 +303,36 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", 0) or 0)
         namespace, step = self._require_target()
-        if kwargs.get("use_collectives") is False and (world := dcp_save_world_size()) > 1:
-            # Each rank would commit the step alone, each commit replacing the last: a step
-            # holding one rank's part, reported as saved. There is no rank-local commit.
-            raise StepStateError(
-                f"{namespace}/step {step}: dcp.save(..., use_collectives=False) is not supported "
-                f"by TieredStorageWriter with {world} ranks: a step is committed once, with every "
-                "rank's part; save with use_collectives=True (the default), or give each rank its "
-                "own namespace and save without a process group (no_dist=True)"
-            )
+        if kwargs.get("use_collectives") is False:
+            refuse_rank_local(namespace, step)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self._torn is not None:
             self._files.drop_staged()
             raise self._torn
         self._assignment.check_names(plan, f"{self.checkpoint_id}: rank {self.rank}")
-        direct = self._degraded
+        direct = self._targets.degraded
         if not direct and not self._daemon.ping():
-            self._degrade(
+            self._targets.degrade(
                 DaemonUnavailableError(f"cannot reach the tierckpt daemon at {self.config.socket}")
             )
             direct = True
         if not direct and not self.overwrite:
             self._refuse_early()
-        if not direct and self._files.staged is None and self._staged_by is None:
+        if not direct and self._files.staged is None and self._next.staged_by is None:
             direct = self._reserve(plan)  # a plain save: nothing was staged
         daemon = f"{socket.gethostname()}:{self.config.socket}"
         node = None if direct else self._daemon.node()
         return replace(plan, storage_data=LocalPlanData(direct=direct, daemon=daemon, node=node))
 
     def _refuse_early(self) -> None:
-        """``overwrite=False`` and the step exists: refuse on every rank, before the plans meet,
-        and give back what stage() leased now. A refusal only the coordinator sees (in
-        prepare_global_plan) reaches the other ranks as DCP's exception, and no writer call
-        follows on them: their staged files would stay leased until the writer is collected or
-        the daemon's ``lease_ttl_s`` (900 s) expires."""
+        """``overwrite=False`` and the step exists: refuse on every rank before the plans meet,
+        giving back what stage() leased. Seen by the coordinator alone (prepare_global_plan), the
+        other ranks would get no writer call after DCP's exception: their staged files would stay
+        leased until the writer is collected or the daemon's ``lease_ttl_s`` (900 s) expires."""
         namespace, step = self._require_target()
         try:
-            self._memory.begin(namespace, step)
+            self._targets.memory.begin(namespace, step)
         except BaseException:
             self._files.give_back()
             raise
@@ -418,10 +346,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         size = _items.planned_size(plan)
         if not size:
             return False
-        try:
-            reserved = self._memory.new_file(namespace, self.rank, "", size)
-        except (DaemonUnavailableError, CapacityExceededError) as e:
-            self._degrade(e)
+        reserved = self._targets.reserve(namespace, self.rank, size)
+        if reserved is None:
             return True
         self._files.hold_reserved(namespace, reserved)
         return False
@@ -430,8 +356,8 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         namespace, step = self._require_target()
         layout = RankLayout.of(namespace, step, plans)
         self._rank_nodes = layout.rank_nodes
-        if layout.unpeered and self._persistent is None:
-            self._degrade(
+        if layout.unpeered and self._targets.persistent is None:
+            self._targets.degrade(
                 StepStateError(
                     f"{namespace}/step {step}: the ranks use {layout.daemons} daemons (nodes), "
                     "which are not peers of each other (set TIERCKPT_PEERS, TIERCKPT_NODE_NAME "
@@ -442,24 +368,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             attempt_base=attempt_base(), direct=layout.direct, across=layout.rank_nodes is not None
         )
         try:
-            self._target(namespace, step, data).begin(namespace, step)
+            self._targets.chosen(namespace, step, data.direct).begin(namespace, step)
         except BaseException:
             self._files.give_back()  # the coordinator's own lease, now (others: _refuse_early)
             raise
         return [replace(p, storage_data=data) for p in plans]
-
-    def _target(self, namespace: str, step: int, data: PlanData) -> SaveTarget:
-        """The target the coordinator chose for this save, the same on every rank."""
-        if not data.direct:
-            return self._memory
-        if self._persistent is None:
-            return self._degrade(
-                DaemonUnavailableError(
-                    f"{namespace}/step {step}: another rank cannot use its daemon, so this save "
-                    "goes to the persistent tier"
-                )
-            )
-        return self._persistent
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         namespace, step = self._require_target()
@@ -467,21 +380,15 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if not isinstance(data, PlanData):
             raise StepStateError(f"{namespace}/step {step}: the save plan carries no attempt id")
         attempt = next_attempt(data.attempt_base, namespace, step)  # first: the same on all ranks
-        target = self._target(namespace, step, data)
+        target = self._targets.chosen(namespace, step, data.direct)
         files = self._files
         data_name = f"r{self.rank:05d}.data"
         try:
-            if target is not self._memory:
+            if target is not self._targets.memory:
                 files.drop_reserved()  # another rank sent the save elsewhere
             staged = files.staged
-            if staged is not None and staged.lease_id is None and not data.direct:
-                # Only with plan caching: the coordinator could not learn that this rank lost its
-                # daemon, and the cached plan sends the save to the memory tier.
-                raise DaemonUnavailableError(
-                    f"{namespace}/step {step}: rank {self.rank} cannot use its daemon, and the "
-                    "save plan (cached from an earlier save: enable_plan_caching) sends this save "
-                    "to the memory tier; retry the save, or save without plan caching"
-                )
+            if staged is not None and staged.lease_id is None:
+                data.check_cached(f"{namespace}/step {step}: rank {self.rank}")
             mapping = staged.mapping() if staged is not None else None
             results, pending = _items.place(plan, planner, mapping, data_name)
             self._assignment.check_snapshot(pending, f"{namespace}/step {step}: rank {self.rank}")
@@ -510,63 +417,33 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             results.extend(extra_results)
             # Sealed; on the coordinator, if the save fails before finish() commits it, the
             # attempt is aborted.
-            note = self.is_coordinator and target is self._memory
+            note = self.is_coordinator and target is self._targets.memory
             sealed = files.seal(target, namespace, step, attempt, self.rank, note=note)
             self._plan_data, self._attempt = data, attempt
         except BaseException:
             files.release_unsealed()
             raise
-        if target is self._memory and sealed and sealed[0].name == data_name:
-            stale, self._stale = self._stale, []
-            # PROCESS mode: the next stage runs in the trainer, not here: send it there.
-            here = self.config.prelease and self._staged_by == os.getpid()
-            to = None if here else self._mailbox
-            after, size = (step, attempt), sealed[0].length
-            ask = here or to is not None
-            _prelease.ask_next(self._daemon, namespace, self.rank, after, size, stale, ask, to)
+        if target is self._targets.memory and sealed and sealed[0].name == data_name:
+            # PROCESS mode: the next stage runs in the trainer, not here: sent there.
+            self._next.ask(self._daemon, namespace, self.rank, (step, attempt), sealed[0].length)
         self._assignment.tell(plan)
-        self.last_stats = SaveStats(
-            staged_bytes=sum(r.size_in_bytes for r in results if r.storage_data.file == data_name),
-            copied_bytes=copied,
-            bytes_items=sum(1 for _, v in pending if not isinstance(v, torch.Tensor)),
-        )
+        self.last_stats = SaveStats.of(results, pending, data_name, copied)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         namespace, step = self._require_target()
-        storage = {}
-        files: set[str] = set()
-        for rank_results in results:
-            for r in rank_results:
-                storage[r.index] = r.storage_data
-                files.add(r.storage_data.file)
-        metadata.storage_data = storage
         data, attempt = self._plan_data, self._attempt
         if data is None or attempt is None:
             raise StepStateError(f"{namespace}/step {step}: finish() without write_data()")
-        nodes = None
-        if self._rank_nodes is not None:  # rank i's files are on the daemon rank i used
-            nodes = {
-                r.storage_data.file: self._rank_nodes[rank]
-                for rank, rank_results in enumerate(results)
-                for r in rank_results
-            }
-        req = CommitRequest(
-            files=sorted(files),
-            metadata=metadata_text(metadata),
-            world_size=len(results),
-            persist=self.persist,
-            nodes=nodes,
-            overwrite=self.overwrite,
-        )
-        target = self._target(namespace, step, data)
+        req = commit_request(metadata, results, self._rank_nodes, self.persist, self.overwrite)
+        target = self._targets.chosen(namespace, step, data.direct)
         try:
             target.commit(namespace, step, attempt, req)
         except BaseException:
             self._files.give_back()  # the attempt's memory is free now, not after lease_ttl_s
             raise
         self._files.committed()
-        if self.wait == "replicated" and target is self._memory:
+        if self.wait == "replicated" and target is self._targets.memory:
             self._daemon.wait_replicated(namespace, step, self.replicated_timeout_s)

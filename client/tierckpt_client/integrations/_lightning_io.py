@@ -29,16 +29,16 @@ from lightning.fabric.utilities.types import _PATH
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 from tierckpt_client.checkpointer import (
-    _MODES,
+    ASYNC_MODES,
     SaveFailedError,
     SaveInFlight,
-    _groups,
     check_save_options,
+    checkpoint_groups,
 )
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import SCHEME, parse_checkpoint_id
+from tierckpt_client.dcp.ids import SCHEME, parse_checkpoint_id
 from tierckpt_client.integrations._pointers import pointer_id, read_pointer, write_pointer
 from tierckpt_core.errors import StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
@@ -158,7 +158,7 @@ class TieredCheckpointIO(CheckpointIO):
             result = dcp.async_save(
                 state,
                 storage_writer=writer,
-                async_checkpointer_type=_MODES[self.async_mode],
+                async_checkpointer_type=ASYNC_MODES[self.async_mode],
                 no_dist=True,  # rank 0 alone holds (and saves) the whole checkpoint
             )
         self._inflight.start(step, result)
@@ -189,7 +189,9 @@ class TieredCheckpointIO(CheckpointIO):
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
         namespace, step = parse_checkpoint_id(checkpoint_id)
         reader = TieredStorageReader(namespace, step, config=self.config)
-        group, _ = _groups(None)  # a gloo group when the job is distributed (may train on NCCL)
+        group, _ = checkpoint_groups(
+            None
+        )  # a gloo group when the job is distributed (may train on NCCL)
         with warnings.catch_warnings():
             # One process without torch.distributed (single device): DCP says it loads alone.
             warnings.filterwarnings("ignore", "torch.distributed is unavailable or uninitialized")

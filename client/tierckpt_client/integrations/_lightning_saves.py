@@ -29,16 +29,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tierckpt_client._preemption import Outcome, wait_durable
 from tierckpt_client.checkpointer import (
-    _MODES,
+    ASYNC_MODES,
     SaveFailedError,
     SaveInFlight,
-    _groups,
     check_save_options,
+    checkpoint_groups,
 )
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp.ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.integrations._pointers import pointer_id, read_pointer, write_pointer
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
@@ -96,7 +96,7 @@ class _TieredSaves:
     def _tiered_setup_groups(self) -> None:
         # A gloo group of its own: a THREAD-mode save runs DCP's collectives in a background
         # thread; sharing the group FSDP trains on would interleave them with the training's.
-        self._ckpt_group, self._flag_group = _groups(None)
+        self._ckpt_group, self._flag_group = checkpoint_groups(None)
 
     # -- ids -------------------------------------------------------------------------------
     def _persist(self, step: int) -> bool | None:
@@ -150,7 +150,7 @@ class _TieredSaves:
             state,
             storage_writer=writer,
             process_group=self._ckpt_group,
-            async_checkpointer_type=_MODES[self.async_mode],
+            async_checkpointer_type=ASYNC_MODES[self.async_mode],
         )
         self._inflight.start(step, result)
         self._last_step = step

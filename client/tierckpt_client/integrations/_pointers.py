@@ -12,7 +12,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id
+from tierckpt_client.dcp.ids import SCHEME, format_checkpoint_id
 
 POINTER_MAX = 4096  # a pointer file is one short line; anything larger is not one of ours
 LAST_PREFIX = "last"  # Lightning's ModelCheckpoint.CHECKPOINT_NAME_LAST

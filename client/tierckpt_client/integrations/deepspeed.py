@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import format_checkpoint_id
+from tierckpt_client.dcp.ids import format_checkpoint_id
 from tierckpt_client.integrations._pointers import write_pointer
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.protocol import validate_namespace

@@ -50,11 +50,11 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.config.override import derive, override
 from torchtitan.tools.utils import GarbageCollection
 
-from tierckpt_client.checkpointer import SaveFailedError, _groups
+from tierckpt_client.checkpointer import SaveFailedError, checkpoint_groups
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp.ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
@@ -115,7 +115,7 @@ class TieredCheckpointManager(CheckpointManager):
         self.client_config = ClientConfig.from_env()
         # A gloo group of its own, as Checkpointer's: THREAD-mode saves run DCP's collectives in
         # a background thread, and "latest" is broadcast over it on load (NCCL needs CUDA objects).
-        self._ckpt_group, _ = _groups(None)
+        self._ckpt_group, _ = checkpoint_groups(None)
         self._force_persist = False
         self._inflight_step: int | None = None
         self._last_started: int | None = None  # the newest step whose save this process began

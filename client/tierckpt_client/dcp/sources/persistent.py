@@ -23,10 +23,10 @@ import torch
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp._metadata_codec import ShardRef
-from tierckpt_client.dcp._targets import bytes_view
 from tierckpt_client.dcp.sources.base import MemoryFill, StepFiles
 from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_client.dcp.sources.streamed import CONCURRENCY, StreamedFiles
+from tierckpt_client.dcp.targets.base import bytes_view
 from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
 from tierckpt_core.layout import durable_steps, file_key, read_step_manifest, verify_file
 from tierckpt_core.manifest import StepManifest

@@ -1,5 +1,5 @@
 """The persistent tier as a save target, straight from the trainer: for when there is no daemon
-(see ``_targets`` for the seam it fills; a load reads it through ``sources.persistent``).
+(see ``targets.base`` for the seam it fills; a load reads it through ``sources.persistent``).
 
 The format is the daemon's (see docs/format.md): a restore never depends on a daemon being up, and
 a save made in degraded mode is an ordinary durable step that the daemon can later hydrate.
@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tierckpt_client.dcp._targets import OutFile, bytes_view, overwrite_refused, private_file
+from tierckpt_client.dcp.targets.base import OutFile, bytes_view, overwrite_refused, private_file
 from tierckpt_core.layout import (
     delete_sidecars,
     file_key,
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class PersistentTier:
-    """A :class:`~tierckpt_client.dcp._targets.SaveTarget` on the persistent tier at ``url`` (a
+    """A :class:`~tierckpt_client.dcp.targets.base.SaveTarget` on the persistent tier at ``url`` (a
     load reads it through ``sources.persistent``). ``discard`` gives back files a rank had
     staged into its daemon's memory before the save went here (their bytes are uploaded, the
     leases released)."""
