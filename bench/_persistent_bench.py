@@ -14,17 +14,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import (
-    MM_SIZE,
-    busy_cores,
-    check_equal,
-    cpu_s,
-    make_state,
-    mutate,
-    steal_cores,
-    system_cpu,
-    victim,
-)
 from _persistent_report import SLOWDOWN_TARGET
 from _persistent_setup import (
     BUCKET,
@@ -37,6 +26,17 @@ from _persistent_setup import (
     Daemon,
     SeaweedS3,
     raw_source,
+)
+from harness import (
+    MM_SIZE,
+    busy_cores,
+    check_equal,
+    cpu_s,
+    make_state,
+    mutate,
+    steal_cores,
+    system_cpu,
+    victim,
 )
 
 from tierckpt_client import ClientConfig, DaemonClient

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from _common import add_rates
+from harness import Row, add_rates, yes
 
 ROWS = {
     "save_tier": "tierckpt dcp.save into memory (blocking)",
@@ -321,3 +321,83 @@ def render(res: dict[str, Any]) -> str:
             "idle machine."
         )
     return "\n".join(lines)
+
+
+def rows(res: dict[str, Any]) -> list[Row]:
+    """The suite's rows: each measured row against the raw client (and s3torchconnector's DCP
+    classes), the CPU figures and the training-loop slowdowns."""
+    if "persistent_tier" not in res:
+        return []
+    p = res["persistent_tier"]
+    size = f"{p['size_mb']} MiB"
+    rows: list[Row] = []
+    labels = {
+        "upload_tier": ("S3 upload: tierckpt, saved -> durable", "upload_tier_over_raw"),
+        "upload_raw": ("S3 upload: raw s3torchconnector put_object", None),
+        "upload_torch": ("S3 upload: s3torchconnector S3StorageWriter", "upload_torch_over_raw"),
+        "restore_tier": (
+            "S3 restore: tierckpt, memory wiped, straight into the tensors",
+            "restore_tier_over_raw",
+        ),
+        "restore_tier_daemon": ("S3 restore: tierckpt, memory wiped, daemon hydrates first", None),
+        "restore_raw": ("S3 restore: raw get_object, pre-touched memory", None),
+        "restore_raw_fresh": ("S3 restore: raw get_object, fresh memory", None),
+        "restore_torch": ("S3 restore: s3torchconnector S3StorageReader", "restore_torch_over_raw"),
+    }
+    for key, (label, ratio_key) in labels.items():
+        if key not in p:
+            continue
+        r = p[key]
+        ratio, target, met = "", "", ""
+        q = p["ratios"]
+        if ratio_key and ratio_key in q:
+            ratio = f"{q[ratio_key]:.2f}x raw MB/s"
+            if "tier" in key:
+                target, met = ">= 0.9", yes(q[ratio_key] >= 0.9)
+                dcp_key = ratio_key.replace("_over_raw", "_over_torch")
+                if dcp_key in q:
+                    # issue 15: uploads >= 0.9x S3StorageWriter, restores >= 1.2x S3StorageReader
+                    want = 1.2 if key.startswith("restore") else 0.9
+                    ratio += f"; {q[dcp_key]:.2f}x s3torchconnector DCP"
+                    target += f"; >= {want}"
+                    met += f"; {yes(q[dcp_key] >= want)}"
+        rows.append(
+            (size, label, f"{r['median_s']:.2f} s", f"{r['mbps'] / 1e3:.2f}", ratio, target, met)
+        )
+    up = p.get("issue15_upload") or {}
+    if up.get("upload_cpu_tier_over_raw") is not None:  # issue 15 goals 1 and 4
+        v = up["upload_cpu_tier_over_raw"]
+        rows.append(
+            (
+                size,
+                "S3 upload: daemon CPU-s per GB (raw put_object's)",
+                f"{up['upload_daemon_cpu_s_per_gb']:.2f} ({up['upload_raw_cpu_s_per_gb']:.2f})",
+                "",
+                f"{v:.2f}x raw client CPU",
+                "<= 1.2",
+                yes(v <= 1.2),
+            )
+        )
+    if up.get("hydration_daemon_cpu_s_per_gb") is not None:
+        raw = up.get("get_raw_fresh_cpu_s_per_gb")
+        rows.append(
+            (
+                size,
+                "S3 hydration: daemon CPU-s per GB (raw get_object's, fresh memory)",
+                f"{up['hydration_daemon_cpu_s_per_gb']:.2f}" + (f" ({raw:.2f})" if raw else ""),
+                "",
+                f"{up['hydration_daemon_cpu_s_per_gb'] / raw:.2f}x raw client CPU" if raw else "",
+                "",
+                "",
+            )
+        )
+    for key, label in (
+        ("slowdown_tier", "training-loop slowdown while tierckpt uploads"),
+        ("slowdown_tier_c1", "training-loop slowdown, TIERCKPT_UPLOAD_CONCURRENCY=1"),
+        ("slowdown_raw", "training-loop slowdown beside a raw put_object (baseline)"),
+    ):
+        if key in p:
+            v = p[key]["slowdown_pct"]
+            target, met = ("<= 10%", yes(v <= 10)) if key != "slowdown_raw" else ("", "")
+            rows.append((size, label, f"{v:.0f} %", "", "", target, met))
+    return rows

@@ -28,16 +28,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import free_port, machine_info, write_results
+from harness import free_port, machine_info, make_state, start_daemon, write_results
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client.dcp import TieredStorageWriter
-from tierckpt_core.launcher import DaemonProcess
 
 N_TENSORS = 16
 
@@ -49,12 +47,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=8, help="rounds; the first two are warm-up")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
-
-
-def make_state(size_mb: int) -> dict[str, torch.Tensor]:
-    numel = size_mb * (1 << 20) // 4 // N_TENSORS
-    g = torch.Generator().manual_seed(0)  # the same on every rank: replicated
-    return {f"layer{i}.weight": torch.randn(numel, generator=g) for i in range(N_TENSORS)}
 
 
 def timed_save(sd: dict[str, Any], **kw: Any) -> float:
@@ -72,7 +64,7 @@ def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, root: s
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        sd = make_state(args.size)
+        sd = make_state(args.size, name="layer{i}.weight")  # the same on every rank: replicated
         stager = DefaultStager(StagingOptions(False, False, False, False))
         rows = []
         for i in range(args.iters):
@@ -96,15 +88,8 @@ def run_world(world: int, args: argparse.Namespace, root: Path) -> dict[str, Any
     import torch.multiprocessing as mp
 
     shm = root / f"tier-{world}"
-    daemon = DaemonProcess(
-        shm,
-        log_path=root / f"daemon-{world}.log",
-        port=0,
-        capacity=f"{4 * args.size * world + 256}M",
-        keep_last=2,
-        log_level="WARNING",
-    ).start()
-    os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
+    capacity = 4 * args.size * world + 256
+    daemon = start_daemon(capacity, shm_dir=shm, log_path=root / f"daemon-{world}.log")
     out = root / f"rows-{world}.txt"
     try:
         mp.spawn(run_rank, args=(world, free_port(), args, str(root), str(out)), nprocs=world)

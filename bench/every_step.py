@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import free_port, machine_info
+from harness import free_port, machine_info, start_daemon
 
 
 class _App(Stateful):
@@ -108,11 +108,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4, help="(off, on) block pairs")
     p.add_argument("--async-mode", choices=["thread", "process"], default="thread")
     args = p.parse_args()
-    from tierckpt_core.launcher import DaemonProcess, new_shm_dir
+    from tierckpt_core.launcher import new_shm_dir
 
     params = args.layers * (args.dim * args.dim + args.dim)
     state_mb = params * 4 * 3 / 1e6  # fp32 params + AdamW's two moments
-    daemon = DaemonProcess(new_shm_dir("tierckpt-bench"), capacity="2G", keep_last=2).start()
+    daemon = start_daemon(2048, set_env=False)
     out = Path(new_shm_dir("tierckpt-bench-out").with_suffix(".json"))
     try:
         mp.spawn(

@@ -40,14 +40,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import machine_info, write_results
 from _restore_phases import RestorePhases, line, summary
+from harness import Row, child_results, machine_info, make_state, start_daemon, write_results, yes
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from tierckpt_client import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _device_copy
-from tierckpt_core.launcher import DaemonProcess
 
 N_TENSORS = 16
 KEEP_LAST = 2
@@ -88,13 +87,7 @@ def sync() -> None:
 
 
 def state(gib: float) -> dict[str, Any]:
-    numel = int(gib * (1 << 30)) // N_TENSORS // 4
-    g = torch.Generator(device="cuda").manual_seed(0)
-    sd: dict[str, Any] = {
-        f"w{i:02d}": torch.randn(numel, device="cuda", generator=g) for i in range(N_TENSORS)
-    }
-    sd["extra"] = {"step": 0}
-    return sd
+    return make_state(gib * 1024, N_TENSORS, extra={"step": 0}, device="cuda")
 
 
 def gpu_tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
@@ -300,13 +293,9 @@ def run_size(
     # torch's files: in memory too where it has room (its upload is not measured, only waited for)
     room = shutil.disk_usage("/dev/shm").free > (KEEP_LAST + 5) * gib * (1 << 30)
     fs = Path(tempfile.mkdtemp(prefix="tierckpt-gpu-torch-", dir="/dev/shm" if room else tmp))
-    d = DaemonProcess(
-        shm,
-        log_path=tmp / f"daemon-{gib}.log",
-        capacity=f"{int((KEEP_LAST + 2) * gib * 1024) + 1024}M",
-        keep_last=KEEP_LAST,
-        log_level="WARNING",
-    ).start()
+    capacity = int((KEEP_LAST + 2) * gib * 1024) + 1024
+    log = tmp / f"daemon-{gib}.log"
+    d = start_daemon(capacity, keep_last=KEEP_LAST, shm_dir=shm, log_path=log, set_env=False)
     try:
         sd = state(gib)
         nbytes = sum(t.numel() * t.element_size() for t in gpu_tensors(sd))
@@ -517,6 +506,70 @@ def markdown(res: dict[str, Any]) -> str:
     )
     row("torch's asynchronous stager", lambda r: str(r["torch_async_stager"]))
     return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any] | None:
+    """The suite's run, where CUDA is available."""
+    if not torch.cuda.is_available():
+        notes.append("GPU staging not measured: no CUDA device on this machine")
+        return None
+    cmd = ["--smoke"] if args.smoke else []
+    what = "GPU staging (pinned tier file)"
+    d = child_results("gpu_staging.py", cmd, tmp / "gpu_staging.json", what, notes, "GPU staging")
+    return None if d is None else dict(d["results"])
+
+
+def rows(res: dict[str, Any]) -> list[Row]:
+    """Per size: the stall's D2H against a raw one and torch's stagers, the restore's H2D."""
+    g = res.get("gpu_staging") or {}
+    out: list[Row] = []
+    for size, r in g.items():
+        q = r["ratios"]
+        gib = f"{float(size):g} GiB"
+
+        def ms(key: str, r: dict[str, Any] = r) -> str:
+            return f"{r[key]['median_s'] * 1e3:.0f} ms"
+
+        out.append((gib, "GPU: raw D2H into pinned memory", ms("raw_d2h"), "", "", "", ""))
+        out.append(
+            (
+                gib,
+                "GPU: tierckpt stall, D2H into the pinned tier file",
+                ms("tier_stall"),
+                f"{r['tier_stall']['gbps']:.1f}",
+                f"{q['tier_d2h_over_raw']:.2f}x raw D2H GB/s; "
+                f"{q['tier_over_torch_stall']:.2f}x torch's reused pinned stager",
+                ">= 0.9; <= 1",
+                f"{yes(q['tier_d2h_over_raw'] >= 0.9)}; {yes(q['tier_over_torch_stall'] <= 1)}",
+            )
+        )
+        if "tier_async_stall" in r:
+            out.append(
+                (
+                    gib,
+                    "GPU: tierckpt stall with asynchronous staging",
+                    ms("tier_async_stall"),
+                    "",
+                    f"{q['tier_async_over_torch_async_stall']:.2f}x torch's asynchronous "
+                    f"DefaultStager; staged after {ms('tier_async_staged')} "
+                    f"({q['tier_async_staged_over_raw_d2h']:.2f}x raw D2H)",
+                    "<= 1; <= 1.1",
+                    f"{yes(q['tier_async_over_torch_async_stall'] <= 1)}; "
+                    f"{yes(q['tier_async_staged_over_raw_d2h'] <= 1.1)}",
+                )
+            )
+        out.append(
+            (
+                gib,
+                "GPU: tierckpt restore into CUDA tensors",
+                ms("tier_restore"),
+                f"{r['tier_restore']['gbps']:.1f}",
+                f"{q['tier_restore_h2d_over_raw']:.2f}x raw H2D GB/s",
+                ">= 0.8",
+                yes(q["tier_restore_h2d_over_raw"] >= 0.8),
+            )
+        )
+    return out
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ Starts a real daemon, then times, on one ~1 GB CPU state dict (see bench/README.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -23,7 +24,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import free_port, machine_info, write_results
+from _memory_report import ratios, render
+from _memory_report import rows as rows  # the suite's rows
+from harness import (
+    EXTRA,
+    check_equal,
+    free_port,
+    machine_info,
+    make_state,
+    memcpy,
+    mutate,
+    paired_ratio,
+    run_child,
+    start_daemon,
+    tensors,
+    write_results,
+    zeros_like_state,
+)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -35,10 +52,8 @@ from torch.futures import Future
 from tierckpt_client import DaemonClient
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_core.launcher import DaemonProcess
 
 NAMESPACE = "bench"
-N_TENSORS = 16
 KEEP_LAST = 2
 
 
@@ -80,52 +95,6 @@ def parse_args() -> argparse.Namespace:
     if not 1 <= args.warmup < args.iters:
         p.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup}), which must be >= 1")
     return args
-
-
-def start_daemon(
-    shm_dir: Path, log: Path, size_mb: int = 4096, keep_last: int = KEEP_LAST
-) -> DaemonProcess:
-    """A daemon whose capacity fits ``keep_last`` + 1 steps of ``size_mb`` (+ 1 GiB of slack)."""
-    daemon = DaemonProcess(
-        shm_dir,
-        log_path=log,
-        port=0,
-        capacity=f"{(keep_last + 1) * size_mb + 1024}M",
-        keep_last=keep_last,
-        log_level="WARNING",
-    ).start()
-    os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
-    return daemon
-
-
-def make_state(size_mb: int) -> dict[str, Any]:
-    numel = size_mb * (1 << 20) // N_TENSORS // 4
-    gen = torch.Generator().manual_seed(0)
-    sd: dict[str, Any] = {f"w{i:02d}": torch.randn(numel, generator=gen) for i in range(N_TENSORS)}
-    sd["extra"] = {"step": 0, "lr": 3e-4, "tag": "bench"}
-    return sd
-
-
-def tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
-    return [v for v in sd.values() if isinstance(v, torch.Tensor)]
-
-
-def mutate(sd: dict[str, Any]) -> None:
-    for t in tensors(sd):
-        t[0] += 1
-    sd["extra"]["step"] += 1
-
-
-def zeros_like_state(sd: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items() if k != "extra"}
-    out["extra"] = {"step": -1, "lr": 0.0, "tag": ""}
-    return out
-
-
-def check_equal(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    bad = [k for k, v in want.items() if k != "extra" and not torch.equal(got[k], v)]
-    if bad or got["extra"] != want["extra"]:
-        raise AssertionError(f"{what}: loaded state differs from the saved one ({bad or 'extra'})")
 
 
 class FloorWriter(StorageWriter, AsyncStager):
@@ -195,13 +164,6 @@ def summary(times: list[float], nbytes: int, warmup: int) -> dict[str, Any]:
     }
 
 
-def memcpy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> float:
-    t0 = time.perf_counter()
-    for d, s in zip(dst, src, strict=True):
-        d.copy_(s)
-    return time.perf_counter() - t0
-
-
 def bench_memcpy(sd: dict[str, Any], dst: dict[str, Any], iters: int) -> list[float]:
     times = []
     for _ in range(iters):
@@ -239,14 +201,6 @@ def bench_save(
     return paired, blocking, committed
 
 
-def paired_ratio(times: list[float], base: list[float], warmup: int, best: bool = False) -> float:
-    """Median (``best``: minimum) over the steady iterations of (time / the memcpy measured right
-    before it). Noise on a shared machine only ever adds time, so the minimum is the estimate of
-    what the save costs on a quiet one; the median is what this run saw."""
-    r = [t / b for t, b in zip(times[warmup:], base[warmup:], strict=True)]
-    return min(r) if best else statistics.median(r)
-
-
 def bench_load(
     dest: dict[str, Any],
     iters: int,
@@ -271,10 +225,10 @@ def bench_load(
     return times
 
 
-def run(args: argparse.Namespace, fs_root: Path) -> dict[str, Any]:
+def measure(args: argparse.Namespace, fs_root: Path) -> dict[str, Any]:
     # Memory: the state, one destination (memcpy target and restore destination), then either
     # torch's staged copy and files (dropped before the tier's turn) or keep_last + 1 tier files.
-    sd = make_state(args.size_mb)
+    sd = make_state(args.size_mb, extra=EXTRA)
     dst = zeros_like_state(sd)  # allocated and touched outside every timing
     nbytes = sum(t.numel() * t.element_size() for t in tensors(sd))
     warm = args.warmup
@@ -371,118 +325,36 @@ def run(args: argparse.Namespace, fs_root: Path) -> dict[str, Any]:
     return res
 
 
-def ratios(ms: dict[str, float], paired: dict[str, float]) -> dict[str, float]:
-    return {
-        # Stall and time-to-committed: against the memcpy timed right before each save (paired),
-        # so that the machine's drift over the run (and in PROCESS mode the helper process, whose
-        # mere presence slows this process's copies ~30% here) hits both sides alike.
-        "tier_blocking_over_memcpy": paired["tier_blocking_over_memcpy"],
-        "tier_committed_over_memcpy": paired["tier_committed_over_memcpy"],
-        "tier_blocking_over_memcpy_best": paired["tier_blocking_over_memcpy_best"],
-        "tier_committed_over_memcpy_best": paired["tier_committed_over_memcpy_best"],
-        "torch_blocking_over_tier_blocking": ms["torch_blocking"] / ms["tier_blocking"],
-        # What async_save itself costs around the copy, with no storage at all (paired too).
-        "floor_blocking_over_memcpy": paired["floor_blocking_over_memcpy"],
-        "floor_committed_over_memcpy": paired["floor_committed_over_memcpy"],
-        # Restore bandwidth over the paired memcpy's (median and best over the restores).
-        "tier_restore_over_memcpy": paired["tier_restore_over_memcpy"],
-        "tier_restore_over_memcpy_best": paired["tier_restore_over_memcpy_best"],
-        "tier_restore_unverified_over_memcpy": paired["tier_restore_unverified_over_memcpy"],
-        "tier_restore_over_fs_restore": ms["restore_fs"] / ms["restore_tier"],
-        "tier_restore_verified_over_unverified": ms["restore_tier"] / ms["restore_tier_unverified"],
-    }
+def mem_available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
-TARGETS = {  # key: (label, target, met?) -- issue 5's goals
-    "tier_blocking_over_memcpy": ("tierckpt stall / memcpy", "<= 1.3", lambda r: r <= 1.3),
-    "tier_committed_over_memcpy": (
-        "tierckpt time-to-committed / memcpy",
-        "<= 1.5",
-        lambda r: r <= 1.5,
-    ),
-    "tier_blocking_over_memcpy_best": (
-        "tierckpt stall / memcpy, best iteration",
-        "-",
-        lambda r: True,
-    ),
-    "tier_committed_over_memcpy_best": (
-        "tierckpt time-to-committed / memcpy, best iteration",
-        "-",
-        lambda r: True,
-    ),
-    "floor_blocking_over_memcpy": ("DCP floor stall / memcpy (no target)", "-", lambda r: True),
-    "floor_committed_over_memcpy": (
-        "DCP floor time-to-committed / memcpy (no target)",
-        "-",
-        lambda r: True,
-    ),
-    "torch_blocking_over_tier_blocking": ("torch stall / tierckpt stall", ">= 3", lambda r: r >= 3),
-    "tier_restore_over_memcpy": (
-        "tierckpt restore GB/s / paired memcpy GB/s (verified)",
-        ">= 0.9 (issue 24; 0.7 at least)",
-        lambda r: r >= 0.9,
-    ),
-    "tier_restore_over_memcpy_best": (
-        "tierckpt restore GB/s / paired memcpy GB/s, best restore",
-        "-",
-        lambda r: True,
-    ),
-    "tier_restore_unverified_over_memcpy": (
-        "restore GB/s / paired memcpy GB/s, TIERCKPT_VERIFY_READS=0 (no target)",
-        "-",
-        lambda r: True,
-    ),
-    "tier_restore_over_fs_restore": ("tierckpt / FS restore GB/s", ">= 5", lambda r: r >= 5),
-    "tier_restore_verified_over_unverified": (
-        "restore time, verified / TIERCKPT_VERIFY_READS=0 (no target)",
-        "-",
-        lambda r: True,
-    ),
-}
-ROWS = {
-    "memcpy": "(a) memcpy into pre-touched tensors",
-    "memcpy_late": "(a) memcpy again, after the saves (DCP's helper process alive in PROCESS mode)",
-    "torch_memcpy": "(a) memcpy right before each torch save (paired)",
-    "torch_blocking": "(b) torch default: blocking",
-    "torch_committed": "(b) torch default: time-to-committed",
-    "floor_memcpy": "(a) memcpy right before each DCP-floor save (paired)",
-    "floor_blocking": "(e) DCP floor (memcpy stager, no storage): blocking",
-    "floor_committed": "(e) DCP floor: time-to-committed",
-    "tier_memcpy": "(a) memcpy right before each tierckpt save (paired)",
-    "tier_blocking": "(c) tierckpt: blocking",
-    "tier_committed": "(c) tierckpt: time-to-committed",
-    "restore_fs": "(d) restore: FileSystemReader",
-    "restore_memcpy": "(a) memcpy right before each tierckpt restore (paired)",
-    "restore_tier": "(d) restore: TieredStorageReader",
-    "restore_tier_unverified": "(d) restore: TieredStorageReader, TIERCKPT_VERIFY_READS=0",
-}
-
-
-def render(res: dict[str, Any]) -> str:
-    lines = [
-        "| measurement | cold ms | steady ms | steady GB/s | all iterations ms |",
-        "|---|---:|---:|---:|---|",
-    ]
-    for key, label in ROWS.items():
-        r = res[key]
-        runs = ", ".join(f"{t:.0f}" for t in r["all_ms"])
-        lines.append(
-            f"| {label} | {r['cold_ms']:.1f} | {r['steady_ms']:.1f} | {r['steady_gbps']:.2f} | {runs} |"
-        )
-    recycled = "".join("R" if x else "n" for x in res["tier_blocking"]["recycled"])
-    lines += [
-        "",
-        f"tierckpt leases recycled per iteration: {recycled} (R = from the pool); steady = "
-        f"median of iterations {res['warmup'] + 1}..{len(recycled)} (the first "
-        f"{res['warmup']} are the ramp-up: fresh tmpfs pages), restores: all but the first",
-        "",
-        "| ratio | value | target | met |",
-        "|---|---:|---|---|",
-    ]
-    for key, (label, target, ok) in TARGETS.items():
-        v = res["ratios"][key]
-        lines.append(f"| {label} | {v:.2f} | {target} | {'yes' if ok(v) else 'NO'} |")
-    return "\n".join(lines)
+def run(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any]:
+    """The suite's run: this script at every ``--sizes`` that fits in memory, by size."""
+    res: dict[str, Any] = {}
+    avail = mem_available_mib()
+    for size in args.size_list:
+        # This holds the state, one destination, and keep_last + 1 tier files (torch's staged
+        # copy and files before that): 5x the state with keep_last 2, 4x with 1.
+        keep_last = 2 if size * 5.5 <= avail else 1
+        if size * 4.5 > avail:
+            notes.append(
+                f"{size} MiB skipped: memory_tier.py needs ~4.5x the state "
+                f"(~{size * 4.5 / 1024:.0f} GiB), {avail / 1024:.1f} GiB available"
+            )
+            continue
+        if keep_last != 2:
+            notes.append(f"{size} MiB run with TIERCKPT_KEEP_LAST=1 to fit in memory")
+        cmd = ["--size-mb", str(size), "--iters", str(args.iters), "--interval", str(args.interval)]
+        cmd += ["--checkpointer", args.checkpointer, "--keep-last", str(keep_last)]
+        cmd += ["--warmup", "1"] if args.smoke else []
+        out = tmp / f"mt_{size}.json"
+        run_child([sys.executable, __file__, *cmd, "--out", str(out)], f"memory tier, {size} MiB")
+        res[str(size)] = json.loads(out.read_text())["results"]  # a size that fails fails the suite
+    return res
 
 
 def main() -> None:
@@ -499,11 +371,12 @@ def main() -> None:
     )
     daemon = None
     try:
-        daemon = start_daemon(shm_dir, log, args.size_mb, args.keep_last)
+        capacity = (args.keep_last + 1) * args.size_mb + 1024  # keep_last + 1 steps, and slack
+        daemon = start_daemon(capacity, keep_last=args.keep_last, shm_dir=shm_dir, log_path=log)
         if args.checkpointer == "process":
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
             dist.init_process_group("gloo", rank=0, world_size=1)
-        res = run(args, fs_root)
+        res = measure(args, fs_root)
     except BaseException:
         if log.exists():
             print(f"daemon log (tail):\n{log.read_text()[-3000:]}", file=sys.stderr)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from _common import free_port, machine_info, write_results
+from harness import Row, free_port, machine_info, sized_child, write_results
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -151,6 +151,19 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
         "memcpy_ms": statistics.median(r["memcpy"] for r in steady) * 1e3,
         "stall_over_memcpy": statistics.median(r["stall"] / r["memcpy"] for r in steady),
     }
+
+
+WHAT = "two nodes (commit across nodes, node loss)"
+
+
+def run(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any] | None:
+    """The suite's run: at ``--multi-size-mb`` (this script's default if unset)."""
+    return sized_child("multi_node.py", WHAT, args, "no_multi", "multi_size_mb", tmp, notes)
+
+
+def rows(res: dict[str, Any]) -> list[Row]:
+    """None in the suite's table: its figures are in the JSON (and this script's own output)."""
+    return []
 
 
 def main() -> None:

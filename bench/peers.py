@@ -45,7 +45,15 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import machine_info, write_results
+from harness import (
+    Row,
+    check_equal,
+    child_results,
+    machine_info,
+    make_state,
+    start_daemon,
+    write_results,
+)
 from stall import _ReusedStager
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import StagingOptions
@@ -53,7 +61,6 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_core.launcher import DaemonProcess
 
 N_TENSORS = 16
 KEEP_LAST = 2
@@ -84,21 +91,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def make_state(size_mb: int) -> dict[str, torch.Tensor]:
-    numel = size_mb * (1 << 20) // N_TENSORS // 4
-    gen = torch.Generator().manual_seed(0)
-    return {f"w{i:02d}": torch.randn(numel, generator=gen) for i in range(N_TENSORS)}
-
-
 def copy_into(dst: dict[str, torch.Tensor], src: dict[str, Any]) -> None:
     for k, d in dst.items():
         d.copy_(src[k])
-
-
-def check_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    bad = [k for k, v in want.items() if not torch.equal(got[k], v)]
-    if bad:
-        raise AssertionError(f"{what}: restored state differs from the saved one ({bad})")
 
 
 class Tierckpt:
@@ -107,15 +102,10 @@ class Tierckpt:
     name = "tierckpt"
 
     def __init__(self, root: Path, size_mb: int) -> None:
-        self.daemon = DaemonProcess(
-            root / "tier",
-            log_path=root / "daemon.log",
-            port=0,
-            capacity=f"{(KEEP_LAST + 2) * size_mb + 256}M",
-            keep_last=KEEP_LAST,
-            log_level="WARNING",
-        ).start()
-        os.environ["TIERCKPT_SOCKET"] = str(self.daemon.socket)
+        capacity = (KEEP_LAST + 2) * size_mb + 256
+        self.daemon = start_daemon(
+            capacity, keep_last=KEEP_LAST, shm_dir=root / "tier", log_path=root / "daemon.log"
+        )
         self.on = ClientConfig.from_env()
         self.off = ClientConfig.from_env(verify_reads=False)
         self.step = 0
@@ -359,6 +349,25 @@ def render(sizes: dict[str, Any], names: list[str], skipped: list[str]) -> str:
             )
     lines += [""] + [f"- {s}" for s in skipped]
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any] | None:
+    """The suite's run (its default sizes); the contenders it could not run go to the notes."""
+    if args.no_peers:
+        notes.append("peers skipped (--no-peers)")
+        return None
+    cmd = ["--smoke"] if args.smoke else []
+    what = "beside DLRover, GEMINI and torch's stager"
+    d = child_results("peers.py", cmd, tmp / "peers.json", what, notes, "peers")
+    if d is None:
+        return None
+    notes += d["results"]["skipped"]
+    return dict(d["results"])
+
+
+def rows(res: dict[str, Any]) -> list[Row]:
+    """None in the suite's table: its own table is in docs/benchmarks.md."""
+    return []
 
 
 def main() -> None:

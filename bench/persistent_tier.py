@@ -18,12 +18,14 @@ import sys
 import uuid
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
-from _common import machine_info, write_results
 from _persistent_bench import Bench
 from _persistent_report import render, summarize
+from _persistent_report import rows as rows  # the suite's rows
 from _persistent_setup import BUCKET, TIER_PREFIX, Daemon, SeaweedS3, child_put
+from harness import machine_info, sized_child, write_results
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,6 +68,14 @@ def parse_args() -> argparse.Namespace:
     if args.iters < 1:
         p.error("--iters must be at least 1")
     return args
+
+
+WHAT = "persistent tier (SeaweedFS S3)"
+
+
+def run(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any] | None:
+    """The suite's run: at ``--s3-size-mb`` (this script's default if unset)."""
+    return sized_child("persistent_tier.py", WHAT, args, "no_s3", "s3_size_mb", tmp, notes)
 
 
 def main() -> None:

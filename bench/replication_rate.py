@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import machine_info, write_results
+from harness import machine_info, write_results
 
 from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter

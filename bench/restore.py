@@ -44,8 +44,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import free_port, machine_info, write_results
-from memory_tier import check_equal, make_state, start_daemon, tensors, zeros_like_state
+from harness import (
+    EXTRA,
+    check_equal,
+    free_port,
+    machine_info,
+    make_state,
+    start_daemon,
+    tensors,
+    write_results,
+    zeros_like_state,
+)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -140,7 +149,7 @@ class RoundTrips:
 
 
 def save(size_mb: int, step: int, checkpointer: str, rank: int = 0) -> dict[str, Any]:
-    half = make_state(size_mb)
+    half = make_state(size_mb, extra=EXTRA)
     sd: dict[str, Any] = {f"r{rank}.{k}": v for k, v in half.items() if k != "extra"}
     sd["extra"] = half["extra"]
     kwargs: dict[str, Any] = {"async_checkpointer_type": AsyncCheckpointerType(checkpointer)}
@@ -255,9 +264,9 @@ CHILD = """
 import sys, time
 sys.path.insert(0, {bench!r})
 import torch.distributed.checkpoint as dcp
-from memory_tier import make_state, zeros_like_state, tensors, check_equal
+from harness import EXTRA, make_state, zeros_like_state, tensors, check_equal
 from tierckpt_client.dcp import TieredStorageReader
-sd = make_state({size})
+sd = make_state({size}, extra=EXTRA)
 sd = {{f"r0.{{k}}": v for k, v in sd.items() if k != "extra"}} | {{"extra": sd["extra"]}}
 dst = zeros_like_state(sd); src = zeros_like_state(sd)
 for a, b in zip(tensors(src), tensors(sd)): a.copy_(b)
@@ -372,7 +381,9 @@ def main() -> None:
         f"machine: {info['cores']} cores, torch {info['torch']}; sizes {args.size_list} MiB, "
         f"{args.ranks} rank(s), {args.checkpointer}, {args.iters} rounds; load {info['load']}"
     )
-    daemon = start_daemon(shm_dir, log, max(args.size_list) * 2, keep_last=len(args.size_list))
+    keep = len(args.size_list)
+    capacity = (keep + 1) * max(args.size_list) * 2 + 1024  # keep_last + 1 steps, and slack
+    daemon = start_daemon(capacity, keep_last=keep, shm_dir=shm_dir, log_path=log)
     out = Path(tempfile.gettempdir()) / f"tierckpt-bench-restore-{tag}.txt"
     try:
         port = free_port()

@@ -51,10 +51,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import harness
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import free_port, machine_info, write_results
+from harness import Row, child_results, free_port, machine_info, write_results, yes
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -64,7 +65,6 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _prelease
 from tierckpt_client.dcp import writer as writer_module
-from tierckpt_core.launcher import DaemonProcess
 
 N_TENSORS = 16
 KEEP_LAST = 2
@@ -195,15 +195,14 @@ class _ReusedStager(DefaultStager):
         self._close_inner()
 
 
-def make_state(size_mb: int, n_tensors: int = N_TENSORS, rank: int | None = None) -> dict[str, Any]:
+def state(size_mb: int, n_tensors: int = N_TENSORS, rank: int | None = None) -> dict[str, Any]:
     """``size_mb`` of float32 in ``n_tensors``; with ``rank``, named for that rank alone (each
     rank's tensors are its own items: the same name on two ranks would be saved once)."""
-    numel = size_mb * (1 << 20) // n_tensors // 4
-    gen = torch.Generator().manual_seed(0 if rank is None else rank)
     prefix = "" if rank is None else f"r{rank}."
     # Nested under one key, as a model's state is: DCP's async_save wraps every top-level key in
     # its method logger (~0.3 ms each here), a cost of the state's shape, not of the stager.
-    model = {f"{prefix}w{i:05d}": torch.randn(numel, generator=gen) for i in range(n_tensors)}
+    name = prefix + "w{i:05d}"
+    model = harness.make_state(size_mb, n_tensors, name=name, seed=rank or 0)
     return {"model": model, "extra": {"step": 0, "tag": "stall"}}
 
 
@@ -214,16 +213,10 @@ def tensors(sd: dict[str, Any]) -> list[torch.Tensor]:
 def run_size(size_mb: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """One daemon; the rounds on this process (1 rank) or on ``--ranks`` spawned gloo ranks."""
     shm = root / f"tier-{size_mb}"
-    daemon = DaemonProcess(
-        shm,
-        log_path=root / f"daemon-{size_mb}.log",
-        port=0,
-        capacity=f"{(KEEP_LAST + 2) * size_mb * (2 if args.before else 1) + 256}M",
-        keep_last=KEEP_LAST,
-        log_level="WARNING",
-    ).start()
+    capacity = (KEEP_LAST + 2) * size_mb * (2 if args.before else 1) + 256
+    log = root / f"daemon-{size_mb}.log"
+    daemon = harness.start_daemon(capacity, keep_last=KEEP_LAST, shm_dir=shm, log_path=log)
     assert daemon.proc is not None
-    os.environ["TIERCKPT_SOCKET"] = str(daemon.socket)
     out = root / f"rounds-{size_mb}.txt"
     try:
         if args.ranks > 1:
@@ -281,7 +274,7 @@ def rounds(
     sync = dist.barrier if world > 1 else (lambda: None)
     collective: dict[str, Any] = {} if world > 1 else {"no_dist": True}
     off = ClientConfig.from_env(prelease=False)
-    sd = make_state(size_mb // world, args.tensors, rank if world > 1 else None)
+    sd = state(size_mb // world, args.tensors, rank if world > 1 else None)
     dst = [torch.empty_like(t).fill_(0) for t in tensors(sd)]
     stager = _ReusedStager(
         StagingOptions(
@@ -558,6 +551,44 @@ def render(sizes: dict[str, Any]) -> str:
                 f"{r['ratio_before_over_torch']:.2f}"
             )
     return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any] | None:
+    """The suite's run: at ``--stall-sizes``."""
+    if args.no_stall:
+        notes.append("stall against torch's best stager skipped (--no-stall)")
+        return None
+    cmd = ["--smoke"] if args.smoke else ["--sizes", args.stall_sizes]
+    what = "stall vs torch's reused DefaultStager"
+    d = child_results("stall.py", cmd, tmp / "stall.json", what, notes, "stall scenario")
+    return None if d is None else dict(d["results"]["sizes"])
+
+
+def rows(res: dict[str, Any]) -> list[Row]:
+    """Issue 15 goal 3: the stall at or below torch's reused DefaultStager, and stall - memcpy."""
+    st = res.get("stall") or {}
+    out: list[Row] = []
+    for size, r in st.items():
+        if "skipped" in r:
+            out.append(
+                (f"{size} MiB", "stall vs torch's best stager", "skipped", "", r["skipped"], "", "")
+            )
+            continue
+        v = r["ratio_tier_over_torch"]
+        out.append(
+            (
+                f"{size} MiB",
+                "tierckpt stall (torch's reused DefaultStager)",
+                f"{r['tier_stall_ms']:.1f} ms ({r['torch_stall_ms']:.1f})",
+                "",
+                f"{v:.2f}x torch (best {r['ratio_tier_over_torch_best']:.2f}); stall - memcpy "
+                f"{r['tier_stall_minus_memcpy_ms']:.1f} ms (torch "
+                f"{r['torch_stall_minus_memcpy_ms']:.1f})",
+                "<= 1",
+                yes(v <= 1.0),
+            )
+        )
+    return out
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 talks through).
 
 Why not httpx: a restore from memory makes its requests on the trainer's critical path, and
-httpx's layers cost ~0.5 ms of CPU per request (``http.client``'s header parsing ~0.15 ms), where
-writing the request and reading the answer here costs ~0.05 ms (issue 24). The socket is local
+httpx's layers (and ``http.client``'s header parsing) cost several times the CPU per request that
+writing the request and reading the answer here does (docs/benchmarks.md, "Figures behind the
+code's choices"). The socket is local
 and speaks plain HTTP/1.1 to uvicorn, so little is needed: a pool of kept-alive connections (one
 per caller at a time, so threads share a client), a timeout on every socket operation, and no
 connection left to the garbage collector (a failed connect closes its socket: no ResourceWarning

@@ -85,7 +85,8 @@ def copy_all(
     workers = min(threads, len(runs), max(1, total // PARALLEL_MIN))
     # Over many threads, pieces twice as large: each piece takes the GIL a few times between its
     # copy and its hash, and with 16 threads 1 MiB pieces spent more time waiting for it than 2
-    # MiB ones (16 and 26 GB/s on a 16-core host; up to 8 threads 1 MiB was as fast or faster).
+    # MiB ones; up to 8 threads 1 MiB was as fast or faster (docs/benchmarks.md, "Figures
+    # behind the code's choices").
     piece = chunk if workers <= 8 else 2 * chunk
     # Blocks xxhash's own call hashes under the GIL, over several threads: through ctypes.
     small = workers > 1 and any(landing.sums.size <= GIL_HELD_MAX for landing in landings)
@@ -320,7 +321,7 @@ def _on_pool(n: int, work: Callable[[], int]) -> list[concurrent.futures.Future[
 
 PARALLEL_MIN = 8 << 20
 """Bytes of whole blocks one worker takes at a time; and below which a copy is not split over
-threads (handing a run over costs ~50 us)."""
+threads (handing a run over costs a thread wake-up)."""
 
 GIL_HELD_MAX: int = getattr(getattr(xxhash, "_xxhash", None), "_GIL_MINSIZE", 65536)
 """xxhash hashes an input of at most this many bytes without releasing the GIL (python-xxhash:
@@ -359,10 +360,9 @@ def _copier() -> Callable[[Any, Any], None]:
 
     numpy's ``positive`` of unsigned bytes (the identity: every byte as it is) and not its
     ``copyto``: ``copyto`` calls libc's ``memmove``, and ``positive`` runs numpy's vectorised
-    loop, the kind of loop torch's own ``copy_`` runs. On the 2-core AMD box glibc's
-    ``memmove`` moved 4 MiB pieces at 11.7-12.3 GB/s on one thread, 256 KiB ones at 6.9; the
-    loop 13.4-14.0 GB/s at both sizes, and the 64 MiB ``async_save`` stall's copy took 12-15 %
-    less time (docs/benchmarks.md)."""
+    loop, the kind of loop torch's own ``copy_`` runs: it measured faster than glibc's
+    ``memmove`` on one thread, most of all in small pieces, and shortened the ``async_save``
+    stall's copy (docs/benchmarks.md, "Figures behind the code's choices")."""
     try:
         import numpy as np
     except ImportError:

@@ -2,9 +2,9 @@
 thread and a few helper threads, waiting only for the runs under way.
 
 torch's ``copy_`` splits each tensor over its OpenMP threads and waits at a barrier for all of
-them, per tensor. On a busy machine a thread the scheduler holds back holds the whole copy: on
-the shared 2-core box a 64 MiB copy that takes 3 ms quiet took 100-200 ms in such rounds, and
-the stall of ``async_save`` is that copy. Here the bytes of all the tensors are cut into runs of
+them, per tensor. On a busy machine a thread the scheduler holds back holds the whole copy (tens
+of times its quiet time: docs/benchmarks.md, "Figures behind the code's choices"), and the stall
+of ``async_save`` is that copy. Here the bytes of all the tensors are cut into runs of
 :data:`RUN` bytes that the trainer's thread and the helpers' take in turn (the copy releases the
 GIL): a helper that has not started when the trainer's thread runs out of
 runs does none, so the copy waits only for runs that are under way, never for a thread that was

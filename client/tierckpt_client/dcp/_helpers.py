@@ -6,13 +6,13 @@ After any parallel torch op, the trainer's OpenMP workers spin for
 several milliseconds (libgomp's default wait policy) waiting for the next one: a save right after
 a training step finds the other cores taken by them. A woken helper then tends to land on the
 trainer's own core (the only one the scheduler sees as no busier), and the two share it while the
-spinning worker keeps its core: on the 2-core box the copy ran at one thread's speed with a
-helper, and a helper often started milliseconds late. So each copy keeps its helpers off the
+spinning worker keeps its core: the copy then ran at one thread's speed with a helper, and a
+helper often started milliseconds late. So each copy keeps its helpers off the
 core the trainer's thread is on when they are woken (an affinity mask of the process's cores less
 that one), and each helper lifts the mask as soon as it runs: from then on the scheduler may move
 it anywhere, e.g. onto the core the trainer's thread leaves idle while it waits for a helper's
-run. (A mask kept for the whole copy measured ~10 % slower on average under load: a helper held
-on a busy core could not be moved.)
+run. (A mask kept for the whole copy measured slower under load: a helper held on a busy core
+could not be moved.)
 
 Each kind of copy has its own helpers (:data:`STAGE`, :data:`VERIFY`): a copy never waits for a
 helper busy with a copy of the other kind (a load in one thread while another stages).
@@ -169,9 +169,9 @@ def quiet_openmp() -> None:
 
     After any parallel torch op, libgomp's workers spin for several milliseconds waiting for the
     next one (module docstring): a restore's verified copy right after one shared its helper's
-    core with a spinning worker, and a 64 MiB copy took 6.7-7.0 ms instead of 4.7-5.0 (the same
-    copy after a 20 ms pause: 5.0-5.1). Paused, the workers leave; torch's next parallel op
-    starts them again (a thread each, ~50 us). Only the calling thread's pool is affected, and
+    core with a spinning worker and took about 40 % longer (docs/benchmarks.md, "Figures behind
+    the code's choices"). Paused, the workers leave; torch's next parallel op starts them again
+    (a thread each). Only the calling thread's pool is affected, and
     only outside a parallel region. For the restore's copy only: a save every few steps would
     pay that restart on the trainer's next op each time. Best effort: a no-op where torch's
     runtime is not libgomp (:func:`_find_omp_pause`) or has no such call."""

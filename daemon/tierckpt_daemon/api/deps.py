@@ -1,8 +1,8 @@
 """Request-scoped access to the daemon's parts and the caller (FastAPI dependencies).
 
 All are ``async``: FastAPI runs a plain ``def`` dependency in its thread pool, and each such hop
-costs a request two thread wake-ups (~0.1-1 ms on a busy node, on every call of a trainer's save
-and load: issue 24). The two that read the namespace's owner take the service's lock, so they
+costs a request two thread wake-ups (on every call of a trainer's save and load; a busy node
+wakes threads late). The two that read the namespace's owner take the service's lock, so they
 run on the event loop only when that lock is free, and in the thread pool otherwise: the event
 loop never waits for it."""
 

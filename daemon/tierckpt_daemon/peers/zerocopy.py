@@ -3,8 +3,8 @@ to the socket, on plain TCP connections.
 
 uvicorn gives an ASGI app no way to send a file but ``http.response.body`` messages, each a
 ``bytes`` read into Python, framed by h11 and copied into the transport's buffer, with a worker
-thread hop per chunk for a blocking read: that path cost the serving daemon 0.7-0.9 CPU-seconds
-per GB, about as much as the loopback transfer itself. :class:`SendfileH11Protocol` (uvicorn's h11
+thread hop per chunk for a blocking read: that path cost the serving daemon about as much CPU
+as the loopback transfer itself (docs/benchmarks.md, "Figures behind the code's choices"). :class:`SendfileH11Protocol` (uvicorn's h11
 protocol, as the daemon's ``http`` class) offers each request on a plain connection a
 ``tierckpt.sendfile`` scope extension, an awaitable ``(fd, offset, count)`` that hands the bytes to
 ``loop.sendfile`` (the kernel copies them from the page cache straight into the socket) and then
