@@ -23,7 +23,7 @@ from tierckpt_client.dcp import TieredStorageWriter
 from tierckpt_core.objectstore import StoreSettings, open_store
 
 from helpers import DaemonProcess
-from kit import blank_like, load, save
+from kit import blank_like, load, save, wait_durable
 
 N = 1 << 16
 
@@ -43,20 +43,6 @@ def _assert_state(out: dict[str, object], step: int) -> None:
     assert out["meta"] == {"step": step}
 
 
-def _wait_durable(ns: str, steps: set[int], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with DaemonClient() as c:
-        while True:
-            states = {s.step: s.state.value for s in c.steps(ns)}
-            if all(states.get(s) == "durable" for s in steps):
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"steps {steps} not durable: {states}; {c.status().persistent}"
-                )
-            time.sleep(0.05)
-
-
 def _reboot(node: DaemonProcess) -> None:
     """A node that lost its memory: kill the daemon, wipe the tmpfs tier, start again."""
     node.kill()
@@ -67,7 +53,7 @@ def _reboot(node: DaemonProcess) -> None:
 def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
     save("job", 10, _state(10))
     save("job", 20, _state(20), staged=False)
-    _wait_durable("job", {10, 20})
+    wait_durable("job", {10, 20})
     _reboot(node)
     with DaemonClient() as c:
         assert [(x.step, x.in_memory, x.durable) for x in c.candidates("job")] == [
@@ -87,7 +73,7 @@ def test_an_older_durable_step_stays_hydrated_until_its_reader_is_done(node: Dae
     """Retention (keep_last=2) must not evict a step the moment it is hydrated for a reader."""
     for step in (10, 20, 30):
         save("job", step, _state(step))
-        _wait_durable("job", {step})
+        wait_durable("job", {step})
     with DaemonClient() as c:
         assert sorted(s.step for s in c.steps("job") if s.in_memory) == [20, 30]
         assert {x.step for x in c.candidates("job") if x.durable} == {10, 20, 30}
@@ -104,7 +90,7 @@ def test_corrupt_object_falls_back_to_older_step(
 ) -> None:
     save("job", 10, _state(10))
     save("job", 20, _state(20))
-    _wait_durable("job", {10, 20})
+    wait_durable("job", {10, 20})
     store = open_store(tier_url, StoreSettings.from_env())
     key = next(o.key for o in store.list("job/step_000000000020/") if o.key.endswith(".data"))
     data = bytearray(store.get_bytes(key))
@@ -143,7 +129,7 @@ def test_upload_failure_is_reported_and_resumes_after_restart(
     d.kill()  # SIGKILL with the upload still pending
     (root / "job").unlink()
     d.start()
-    _wait_durable("job", {5})
+    wait_durable("job", {5})
     store = open_store(f"file://{root}")
     names = {o.key for o in store.list("job/")}
     assert names == {
@@ -161,7 +147,7 @@ def test_without_a_daemon_restore_and_save_use_the_tier_directly(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     save("job", 10, _state(10))
-    _wait_durable("job", {10})
+    wait_durable("job", {10})
     node.kill()
     monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
 
@@ -197,7 +183,7 @@ def test_degraded_save_can_be_refused(node: DaemonProcess, monkeypatch: pytest.M
 
 def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path: Path) -> None:
     save("job", 10, _state(10), staged=False)
-    _wait_durable("job", {10})
+    wait_durable("job", {10})
     _reboot(node)  # export from the persistent tier, through the daemon's hydration
     dest = tmp_path / "exported"
     proc = subprocess.run(
@@ -262,7 +248,7 @@ def test_persistent_retention_keeps_newest_and_collects_incomplete(
     d.start()
     for step in (2, 3, 4):
         save("job", step, _state(step))
-        _wait_durable("job", {step})
+        wait_durable("job", {step})
     # Retention runs right after a step is marked durable: give it a moment.
     want = {"step_000000000003", "step_000000000004"}
     deadline = time.monotonic() + 30
@@ -289,7 +275,7 @@ def test_transfer_threads_yield_the_cpu_to_training(
 ) -> None:
     d = make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", background_nice=nice)
     save("nice", 1, _state(1))
-    _wait_durable("nice", {1})
+    wait_durable("nice", {1})
     assert d.proc is not None
     nices = _thread_nices(d.proc.pid)
     # The thread that answers the trainers keeps the priority the daemon started with (this

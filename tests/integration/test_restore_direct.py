@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.objectstore import StoreSettings, open_store
 
 from helpers import DaemonProcess
+from kit import wait_durable
 
 pytestmark = pytest.mark.slow
 
@@ -56,15 +56,6 @@ def _assert_state(out: dict[str, object], step: int) -> None:
     assert out["meta"] == ref["meta"]
 
 
-def _wait_durable(ns: str, step: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with DaemonClient() as c:
-        while c.step(ns, step).state.value != "durable":
-            if time.monotonic() > deadline:
-                raise AssertionError(f"step {step} not durable: {c.status().persistent}")
-            time.sleep(0.05)
-
-
 def _in_memory(ns: str, step: int) -> bool:
     with DaemonClient() as c:
         return any(x.step == step and x.in_memory for x in c.candidates(ns))
@@ -74,7 +65,7 @@ def _saved_and_wiped(node: DaemonProcess, tier_url: str, monkeypatch: pytest.Mon
     """Step 7 durable, then the node loses its memory; the trainer knows the persistent tier
     (on for file:// too: the default reads S3 tiers directly)."""
     dcp.save(_state(7), storage_writer=TieredStorageWriter("job", 7), no_dist=True)
-    _wait_durable("job", 7)
+    wait_durable("job", 7)
     node.kill()
     shutil.rmtree(node.shm_dir)
     node.start()
