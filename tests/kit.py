@@ -39,11 +39,27 @@ __all__ = [
 ]
 
 
-def seeded_state(step: int, numel: int, *, seed: int | None = None, **meta: Any) -> dict[str, Any]:
+def seeded_state(
+    step: int,
+    numel: int,
+    *,
+    seed: int | None = None,
+    more: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    **meta: Any,
+) -> dict[str, Any]:
     """``{"w": numel random floats, "meta": {"step": step, **meta}}``, the same for the same
-    ``seed`` (``step`` by default): what a test saves, and what it expects back."""
+    ``seed`` (``step`` by default): what a test saves, and what it expects back. ``more`` adds
+    tensors ``name: (shape, dtype)``, drawn after ``w`` from the same generator in that order:
+    normal floats converted to ``dtype``, or integers in [0, 2**30) for an integer dtype."""
     g = torch.Generator().manual_seed(step if seed is None else seed)
-    return {"w": torch.randn(numel, generator=g), "meta": {"step": step, **meta}}
+    out: dict[str, Any] = {"w": torch.randn(numel, generator=g)}
+    for name, (shape, dtype) in (more or {}).items():
+        if dtype.is_floating_point:
+            out[name] = torch.randn(*shape, generator=g).to(dtype)
+        else:
+            out[name] = torch.randint(0, 1 << 30, shape, generator=g).to(dtype)
+    out["meta"] = {"step": step, **meta}
+    return out
 
 
 def blank_like(state: dict[str, Any]) -> dict[str, Any]:
