@@ -10,9 +10,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import DaemonProcess, new_shm_dir, ring, started
+from helpers import DaemonProcess, new_shm_dir, other_workers_share, ring, started
 
 PEER_TOKEN = "test-peer-token-not-a-secret-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _beside_other_workers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test but the network scenarios runs beside the other workers' tests (addopts'
+    ``-n 2``); those hold the other workers off for their whole file (tests/network/conftest.py)."""
+    if request.node.get_closest_marker("network") is not None:
+        yield
+        return
+    with other_workers_share():
+        yield
 
 
 @pytest.fixture
