@@ -87,6 +87,19 @@ def make_ring() -> Iterator[Callable[..., list[DaemonProcess]]]:
             d.cleanup()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the files that take longest first: those with a ``network`` test, then those with a
+    ``slow`` one, then the rest, each group in collection order (a stable sort: a file's tests
+    keep their order). Two workers (addopts' ``-n 2 --dist loadfile``) take files in this order,
+    so the long files do not start last and leave one worker running alone at the end."""
+
+    marks: dict[object, set[str]] = {}
+    for item in items:
+        marks.setdefault(item.path, set()).update(m.name for m in item.iter_markers())
+    rank = {p: 0 if "network" in m else 1 if "slow" in m else 2 for p, m in marks.items()}
+    items[:] = sorted(items, key=lambda item: rank[item.path])
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "daemon_settings(**kw): TIERCKPT_* settings of the daemon fixture"
