@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future as StagingFuture
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -93,6 +94,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             see ``_async_staging``). Off by default here, since it changes what
             ``async_save`` returns (a response, not a future); :class:`Checkpointer` turns it
             on (``TIERCKPT_ASYNC_STAGING``) and does the waiting.
+        copied_at_stage: with ``async_staging``, tensors (of the state) that ``stage`` copies
+            itself before it returns, so that the loop may change them right after: buffers a
+            forward updates (BatchNorm's running statistics). Small ones only: their copy is on
+            the training thread. :class:`Checkpointer` passes its modules' buffers.
         wait: when the save counts as done (its future completes, ``dcp.save`` returns):
             ``"committed"`` (default) once the step is committed in the memory of the nodes its
             ranks wrote to, which survives a trainer's death, not the loss of such a node until
@@ -150,9 +155,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         async_staging: bool = False,
         wait: str = "committed",
         replicated_timeout_s: float = 300.0,
+        copied_at_stage: Iterable[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         self.async_staging = async_staging
+        self._copied_at_stage = _async_staging.storages(copied_at_stage)
         self._staging: StagingFuture[dict[str, Any]] | None = None
         self._torn: StagingRaceError | None = None  # the loop changed a tensor while staged
         if on_unavailable not in ("persist", "raise"):
@@ -270,7 +277,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if not self.async_staging:
             return self._stage_now(namespace, state_dict, None)
         # Here, before the loop changes anything: the versions, and the non-tensor values.
-        marks, skeleton = _async_staging.Marks.take(state_dict)
+        marks, skeleton = _async_staging.Marks.take(state_dict, self._copied_at_stage)
         self._staging = _async_staging.submit(lambda: self._stage_now(namespace, skeleton, marks))
         return self._staging
 
