@@ -10,9 +10,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import DaemonProcess, new_shm_dir, ring, started
+from helpers import DaemonProcess, new_shm_dir, other_workers_share, ring, started
 
 PEER_TOKEN = "test-peer-token-not-a-secret-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _beside_other_workers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test but the network scenarios runs beside the other workers' tests (addopts'
+    ``-n 2``); those hold the other workers off for their whole file (tests/network/conftest.py)."""
+    if request.node.get_closest_marker("network") is not None:
+        yield
+        return
+    with other_workers_share():
+        yield
 
 
 @pytest.fixture
@@ -74,6 +85,19 @@ def make_ring() -> Iterator[Callable[..., list[DaemonProcess]]]:
     finally:
         for d in made:
             d.cleanup()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the files that take longest first: those with a ``network`` test, then those with a
+    ``slow`` one, then the rest, each group in collection order (a stable sort: a file's tests
+    keep their order). Two workers (addopts' ``-n 2 --dist loadfile``) take files in this order,
+    so the long files do not start last and leave one worker running alone at the end."""
+
+    marks: dict[object, set[str]] = {}
+    for item in items:
+        marks.setdefault(item.path, set()).update(m.name for m in item.iter_markers())
+    rank = {p: 0 if "network" in m else 1 if "slow" in m else 2 for p, m in marks.items()}
+    items[:] = sorted(items, key=lambda item: rank[item.path])
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +20,8 @@ __all__ = [
     "free_port",
     "launch_script",
     "new_shm_dir",
+    "other_workers_paused",
+    "other_workers_share",
     "ring",
     "run_ranks",
     "running",
@@ -60,6 +64,37 @@ def running(nodes: list[DaemonProcess]) -> Iterator[list[DaemonProcess]]:
     finally:
         for d in nodes:
             d.cleanup()
+
+
+def _workers_lock() -> Path | None:
+    """The lock file the test workers of this run (pytest-xdist's ``-n``) share; None when the
+    tests run in one process."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return Path(tempfile.gettempdir()) / f"tierckpt-tests-{uid}.lock" if uid else None
+
+
+@contextlib.contextmanager
+def _workers_flock(how: int) -> Iterator[None]:
+    path = _workers_lock()
+    if path is None:
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, how)  # unlocked when the file closes, however the block ends
+        yield
+
+
+def other_workers_share() -> contextlib.AbstractContextManager[None]:
+    """Held around every test (tests/conftest.py): the other workers may run theirs at the same
+    time, unless one holds :func:`other_workers_paused`."""
+    return _workers_flock(fcntl.LOCK_SH)
+
+
+def other_workers_paused() -> contextlib.AbstractContextManager[None]:
+    """While held, no other test worker runs a test: for tests whose bounds are tight enough
+    that another test's load beside them breaks them (the network-fault scenarios' 2 s peer
+    timeout). Waits for the others' current tests to end."""
+    return _workers_flock(fcntl.LOCK_EX)
 
 
 def new_shm_dir() -> Path:

@@ -6,7 +6,10 @@ Daemons come from :mod:`helpers` (``started``) and the fixtures of ``tests/conft
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -17,25 +20,46 @@ from tierckpt_client import ClientConfig, DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import SealFile
 
-from helpers import DaemonProcess
+from helpers import DaemonProcess, wait_until
 
 __all__ = [
+    "CLI",
     "blank_like",
     "blank_state",
+    "cli",
+    "cli_json",
     "client_config",
     "load",
     "reader",
     "save",
     "seal_bytes",
     "seeded_state",
+    "step_states",
+    "wait_durable",
 ]
 
 
-def seeded_state(step: int, numel: int, *, seed: int | None = None, **meta: Any) -> dict[str, Any]:
+def seeded_state(
+    step: int,
+    numel: int,
+    *,
+    seed: int | None = None,
+    more: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    **meta: Any,
+) -> dict[str, Any]:
     """``{"w": numel random floats, "meta": {"step": step, **meta}}``, the same for the same
-    ``seed`` (``step`` by default): what a test saves, and what it expects back."""
+    ``seed`` (``step`` by default): what a test saves, and what it expects back. ``more`` adds
+    tensors ``name: (shape, dtype)``, drawn after ``w`` from the same generator in that order:
+    normal floats converted to ``dtype``, or integers in [0, 2**30) for an integer dtype."""
     g = torch.Generator().manual_seed(step if seed is None else seed)
-    return {"w": torch.randn(numel, generator=g), "meta": {"step": step, **meta}}
+    out: dict[str, Any] = {"w": torch.randn(numel, generator=g)}
+    for name, (shape, dtype) in (more or {}).items():
+        if dtype.is_floating_point:
+            out[name] = torch.randn(*shape, generator=g).to(dtype)
+        else:
+            out[name] = torch.randint(0, 1 << 30, shape, generator=g).to(dtype)
+    out["meta"] = {"step": step, **meta}
+    return out
 
 
 def blank_like(state: dict[str, Any]) -> dict[str, Any]:
@@ -152,3 +176,78 @@ def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0x01) -> No
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ mask]))
+
+
+def step_states(ns: str, *, node: DaemonProcess | None = None) -> dict[int, str]:
+    """``{step: state}`` of every step ``node`` (this process's daemon if None) lists in ``ns``."""
+    with DaemonClient(client_config(node)) as c:
+        return {s.step: s.state.value for s in c.steps(ns)}
+
+
+def wait_durable(
+    ns: str | list[str],
+    steps: int | set[int] | None = None,
+    *,
+    node: DaemonProcess | None = None,
+    timeout: float = 60.0,
+) -> None:
+    """Wait (polling) until these ``steps`` of ``ns`` are listed and durable on ``node`` (this
+    process's daemon if None); with ``steps`` None, until ``ns`` (or each namespace of a list)
+    lists a step and every step it lists is durable. Fails after ``timeout`` seconds naming the
+    states seen and the persistent tier's status."""
+    spaces = [ns] if isinstance(ns, str) else list(ns)
+    want = {steps} if isinstance(steps, int) else steps
+    with DaemonClient(client_config(node)) as c:
+
+        def states() -> dict[str, dict[int, str]]:
+            return {n: {s.step: s.state.value for s in c.steps(n)} for n in spaces}
+
+        def durable() -> bool:
+            for seen in states().values():
+                wanted = want if want is not None else set(seen)
+                if not wanted or any(seen.get(s) != "durable" for s in wanted):
+                    return False
+            return True
+
+        wait_until(
+            f"{spaces} steps {sorted(want) if want is not None else 'all'} durable",
+            durable,
+            timeout,
+            describe=lambda: f"states {states()}; persistent: {c.status().persistent}",
+        )
+
+
+CLI = [sys.executable, "-m", "tierckpt_client.cli"]
+
+
+def cli(
+    *args: str,
+    node: DaemonProcess | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 60.0,
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``tierckpt`` command as a user would (a process of its own; this process's
+    environment, ``TIERCKPT_SOCKET`` set to ``node``'s daemon (or a socket path) if given, then
+    ``env``); a run past ``timeout`` fails the test."""
+    where = {}
+    if node is not None:
+        sock = node.socket if isinstance(node, DaemonProcess) else node
+        where = {"TIERCKPT_SOCKET": os.fspath(sock)}
+    return subprocess.run(
+        [*CLI, *args],
+        env={**os.environ, **where, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def cli_json(
+    *args: str,
+    node: DaemonProcess | os.PathLike[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """:func:`cli` with ``--json`` after ``args``: it must exit 0; its output, parsed."""
+    proc = cli(*args, "--json", node=node, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)

@@ -14,7 +14,6 @@ rank of the 1-D mesh of 4 holds an empty shard)."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
 from helpers import DaemonProcess, run_ranks
+from kit import wait_durable
 
 WORLD = 4
 NAMESPACES = ["1d4", "2d", "1d2-0", "1d2-1"]
@@ -129,17 +128,6 @@ def _worker(rank: int, world: int, socket: str) -> None:
     _load(f"1d2-{1 - me}", pair, "1d2-other", pair_group)
 
 
-def _wait_durable(namespaces: list[str], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with DaemonClient() as c:
-        while True:
-            states = {ns: [s.state.value for s in c.steps(ns)] for ns in namespaces}
-            if all(v and set(v) == {"durable"} for v in states.values()):
-                return
-            assert time.monotonic() < deadline, f"not durable: {states}"
-            time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_dtensors_reshard_across_world_sizes_and_mesh_dimensions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make_node: Callable[..., DaemonProcess]
@@ -148,7 +136,7 @@ def test_dtensors_reshard_across_world_sizes_and_mesh_dimensions(
     daemon = make_node(persist_url=store)
     monkeypatch.setenv("TIERCKPT_SOCKET", str(daemon.socket))
     run_ranks(_worker, WORLD, str(daemon.socket))  # the ranks check their 4- and 2-rank loads
-    _wait_durable(NAMESPACES)
+    wait_durable(NAMESPACES)
     # On 1 rank, in a process with no group: every checkpoint, whole, into plain tensors
     # (contiguous, and transposed: each chunk lands in a strided region); from the daemon's
     # memory, and from the persistent tier alone, read by the reader itself (no daemon).

@@ -10,10 +10,7 @@ cluster would act on them.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 # Both come with the `test` extra: a missing one fails the run rather than skipping the checks.
@@ -21,24 +18,13 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
+from chart_kit import ROOT, exported_metrics, render_mod
+from chart_kit import objects as _objects
+from chart_kit import one as _one
 
-ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30.0"
 SEED = "0123456789abcdef0123456789abcdef"
 
-
-def _load_render() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "tierckpt_deploy_render", ROOT / "deploy/render.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-render_mod = _load_render()
 
 # Non-default value sets a platform team would use.
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -98,15 +84,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "prometheusRule": {"enabled": True},
     },
 }
-
-
-def _objects(values: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:
-    return render_mod.objects(render_mod.render(values, **kw))
-
-
-def _one(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (obj,) = [o for o in objs if o["kind"] == kind]
-    return obj
 
 
 def _daemon(objs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -333,20 +310,7 @@ def test_webhook_network_policy_opens_only_its_port() -> None:
     assert not [o for o in _objects({}) if o["kind"] == "NetworkPolicy"]  # no webhook: none
 
 
-def _exported_metrics() -> set[str]:
-    source = (ROOT / "daemon/tierckpt_daemon/metrics.py").read_text()
-    suffixes = {"Counter": ["_total"], "Histogram": ["_bucket", "_sum", "_count"]}
-    return {
-        name + suffix
-        for kind, name in re.findall(
-            r'\b(Counter|Histogram|GaugeMetricFamily|CounterMetricFamily)\(\s*"(tierckpt_\w+)"',
-            source,
-        )
-        for suffix in suffixes.get(kind, ["_total"] if kind == "CounterMetricFamily" else [""])
-    }
-
-
-def test_prometheus_rule_alerts_use_exported_metrics() -> None:
+def test_prometheus_rule_alerts_useexported_metrics() -> None:
     objs = _objects(VALUE_SETS["multi-node-gitops"])
     rule = _one(objs, "PrometheusRule")
     rules = rule["spec"]["groups"][0]["rules"]
@@ -361,7 +325,7 @@ def test_prometheus_rule_alerts_use_exported_metrics() -> None:
         "TierckptBackgroundThreadDied",
     } <= alerts.keys()
     assert "[30m]" in alerts["TierckptNoDurableStep"]
-    exported = _exported_metrics()
+    exported = exported_metrics()
     for alert, expr in alerts.items():
         if alert in ("TierckptDaemonUnavailable", "TierckptMetricsDown"):
             continue  # about the daemon being gone: it exports nothing then (checked below)

@@ -14,17 +14,14 @@ from typing import Any
 
 import helm_python
 import pytest
-from test_render_values import render_mod
+from chart_kit import objects as _objects
+from chart_kit import render_mod
 
 from certs import CA, tls_settings
 from helpers import DaemonProcess, free_port
 
 SEED = "0123456789abcdef0123456789abcdef"
 WEBHOOK = {"enabled": True, "tls": {"existingSecret": "hook-tls", "caBundle": "Q0E="}}
-
-
-def _objects(values: dict[str, Any]) -> list[dict[str, Any]]:
-    return render_mod.objects(render_mod.render(values))
 
 
 @pytest.mark.parametrize(

@@ -7,25 +7,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+from chart_kit import ROOT, exported_metrics
+
 DASHBOARD = json.loads((ROOT / "deploy/grafana/tierckpt-dashboard.json").read_text())
 # The series with a namespace label (metrics.py: only these two, to keep cardinality bounded).
 PER_NAMESPACE = {"tierckpt_seconds_since_committed_step", "tierckpt_seconds_since_durable_step"}
-
-
-def _exported() -> set[str]:
-    source = (ROOT / "daemon/tierckpt_daemon/metrics.py").read_text()
-    suffixes = {"Counter": ["_total"], "Histogram": ["_bucket", "_sum", "_count"]}
-    return {
-        name + suffix
-        for kind, name in re.findall(
-            r'\b(Counter|Histogram|GaugeMetricFamily)\(\s*"(tierckpt_\w+)"', source
-        )
-        for suffix in suffixes.get(kind, [""])
-    }
 
 
 def _exprs(node: Any) -> Iterator[str]:
@@ -48,8 +36,8 @@ def _metrics(panel: dict[str, Any]) -> set[str]:
     return {m for e in _exprs(panel.get("targets", [])) for m in re.findall(r"\btierckpt_\w+", e)}
 
 
-def test_every_queried_metric_is_exported() -> None:
-    exported = _exported()
+def test_every_queried_metric_isexported_metrics() -> None:
+    exported = exported_metrics()
     assert PER_NAMESPACE | {"tierckpt_build_info", "tierckpt_replication_skips_total"} <= exported
     used = {m for e in _exprs(DASHBOARD) for m in re.findall(r"\btierckpt_\w+", e)}
     assert used and not used - exported, sorted(used - exported)

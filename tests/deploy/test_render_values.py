@@ -5,31 +5,16 @@ the assignments it holds, then each --set, in order: what strvals.ParseInto does
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import helm_python
 import pytest
 import yaml
+from chart_kit import render_mod
 
-ROOT = Path(__file__).resolve().parents[2]
 WEBHOOK_TLS = "webhook.tls.existingSecret=hook-tls,webhook.tls.caBundle=Q0E="
 
-
-def _load_render() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "tierckpt_render_values", ROOT / "deploy/render.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-render_mod = _load_render()
 
 # (values files as the assignments they hold, the --set flags)
 CASES: dict[str, tuple[list[str], list[str]]] = {

@@ -5,13 +5,10 @@ must still be admitted to the port it scrapes."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import yaml
-from test_render_values import render_mod
-
-ROOT = Path(__file__).resolve().parents[2]
+from chart_kit import ROOT, render_mod
 
 
 def walkthrough_values() -> dict[str, Any]:

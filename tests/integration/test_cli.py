@@ -8,11 +8,9 @@ import pty
 import select
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from s3proxy import S3FaultProxy
@@ -21,28 +19,9 @@ from seaweed import SeaweedS3
 from tierckpt_client import DaemonClient
 
 from helpers import DaemonProcess
-from kit import save, seeded_state
+from kit import CLI, cli, cli_json, save, seeded_state
 
 N = 64 * 1024  # 256 KiB of float32 per step
-
-
-def _cli(*args: str, socket: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    if socket is not None:
-        env["TIERCKPT_SOCKET"] = str(socket)
-    return subprocess.run(
-        [sys.executable, "-m", "tierckpt_client.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def _json(*args: str) -> Any:
-    proc = _cli(*args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
 
 
 def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
@@ -50,14 +29,14 @@ def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
     save("job-a", 20, seeded_state(20, N), staged=False)
     save("job-b", 5, seeded_state(5, N), staged=False)
 
-    namespaces = {ns["namespace"]: ns for ns in _json("ls")}
+    namespaces = {ns["namespace"]: ns for ns in cli_json("ls")}
     assert set(namespaces) == {"job-a", "job-b"}
     assert namespaces["job-a"]["committed_steps"] == 2
     assert namespaces["job-a"]["latest_committed"] == 20
 
-    steps = _json("ls", "job-a")
+    steps = cli_json("ls", "job-a")
     assert [(s["step"], s["state"]) for s in steps] == [(10, "committed"), (20, "committed")]
-    table = _cli("ls", "job-a").stdout
+    table = cli("ls", "job-a").stdout
     assert table.splitlines()[0].split() == [
         "STEP",
         "STATE",
@@ -70,25 +49,25 @@ def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
     assert any(line.split()[:2] == ["20", "committed"] for line in table.splitlines()[1:])
     assert all(s["tiers"] == ["memory"] for s in steps)  # no persistent tier on this daemon
 
-    info = _json("inspect", "job-a", "20")
+    info = cli_json("inspect", "job-a", "20")
     assert info["state"] == "committed" and info["world_size"] == 1
     assert info["files"] and {f["rank"] for f in info["files"]} == {0}
     # The tensor's bytes are in the tier: the files hold at least the saved 256 KiB.
     assert sum(f["length"] for f in info["files"]) >= N * 4
     assert all(f["size"] >= f["length"] for f in info["files"])
     assert info["bytes"] == sum(f["size"] for f in info["files"])
-    text = _cli("inspect", "job-a", "20").stdout
+    text = cli("inspect", "job-a", "20").stdout
     assert "state       committed" in text
     for f in info["files"]:
         assert f["name"] in text
 
-    status = _json("status")
+    status = cli_json("status")
     assert status["capacity_bytes"] == 2 << 30  # the fixture's TIERCKPT_CAPACITY=2G
     held = sum(ns["bytes"] for ns in status["namespaces"])
     assert held >= 3 * N * 4
     assert status["used_bytes"] >= held
     assert status["persistent"] is None
-    human = _cli("status").stdout
+    human = cli("status").stdout
     assert "capacity    2.0 GiB" in human and "job-a" in human
     assert "persistent  none" in human
 
@@ -96,37 +75,37 @@ def test_ls_inspect_status_show_saved_steps(client_env: DaemonProcess) -> None:
 def test_rm_removes_a_step_then_inspect_exits_3(client_env: DaemonProcess) -> None:
     save("job", 1, seeded_state(1, N), staged=False)
     save("job", 2, seeded_state(2, N), staged=False)
-    proc = _cli("rm", "job", "1")
+    proc = cli("rm", "job", "1")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "removed job step 1"
-    assert [s["step"] for s in _json("ls", "job")] == [2]
+    assert [s["step"] for s in cli_json("ls", "job")] == [2]
 
-    proc = _cli("inspect", "job", "1")
+    proc = cli("inspect", "job", "1")
     assert proc.returncode == 3
     assert proc.stdout == ""
     assert proc.stderr.startswith("tierckpt: job/step 1 ")  # what is missing, and where
 
-    assert _cli("ls", "no-such-job").returncode == 3
-    assert _cli("rm", "job", "1").returncode == 3
+    assert cli("ls", "no-such-job").returncode == 3
+    assert cli("rm", "job", "1").returncode == 3
 
 
 def test_usage_errors_exit_2(client_env: DaemonProcess) -> None:
-    assert _cli("inspect", "job", "not-a-step").returncode == 2
-    proc = _cli("ls", "../etc")
+    assert cli("inspect", "job", "not-a-step").returncode == 2
+    proc = cli("ls", "../etc")
     assert proc.returncode == 2
     assert proc.stderr.startswith("tierckpt: namespace '../etc'")
-    assert _cli().returncode == 2
+    assert cli().returncode == 2
 
 
 def test_socket_flag_wins_and_unreachable_daemon_exits_4(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     missing = tmp_path / "nothing.sock"
-    proc = _cli("status", socket=missing)
+    proc = cli("status", node=missing)
     assert proc.returncode == 4
     assert proc.stderr.startswith(f"tierckpt: cannot reach the tierckpt daemon at {missing}")
     # --socket overrides a wrong TIERCKPT_SOCKET.
-    proc = _cli("--json", "status", "--socket", str(daemon.socket), socket=missing)
+    proc = cli("--json", "status", "--socket", str(daemon.socket), node=missing)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["shm_dir"] == str(daemon.shm_dir)
 
@@ -142,7 +121,7 @@ def tiered(tmp_path: Path, make_node: Callable[..., DaemonProcess]) -> DaemonPro
 
 
 def _states(ns: str) -> dict[int, tuple[str, list[str]]]:
-    return {s["step"]: (s["state"], s["tiers"]) for s in _json("ls", ns)}
+    return {s["step"]: (s["state"], s["tiers"]) for s in cli_json("ls", ns)}
 
 
 def _wait_state(ns: str, step: int, state: str, timeout: float = 30.0) -> None:
@@ -160,7 +139,7 @@ def _cli_tty(
     after ``timeout`` is killed (its exit code then says so)."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tierckpt_client.cli", *args],
+        [*CLI, *args],
         stdout=subprocess.PIPE,
         stderr=slave,
     )
@@ -200,11 +179,11 @@ def test_persist_wait_then_prefetch_after_node_loss(tiered: DaemonProcess) -> No
         10: ("durable", ["memory", "persistent"]),
         20: ("committed", ["memory"]),
     }
-    status = _json("status")
+    status = cli_json("status")
     assert status["persistent"]["url"].startswith("file://")
-    assert "persistent  file://" in _cli("status").stdout
+    assert "persistent  file://" in cli("status").stdout
 
-    proc = _cli("persist", "job", "20", "--wait", "--timeout", "30")
+    proc = cli("persist", "job", "20", "--wait", "--timeout", "30")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "job step 20 is durable"
     assert "job step 20: durable after" in proc.stderr
@@ -215,16 +194,16 @@ def test_persist_wait_then_prefetch_after_node_loss(tiered: DaemonProcess) -> No
     shutil.rmtree(tiered.shm_dir)
     tiered.start()
     assert _states("job") == {10: ("durable", ["persistent"]), 20: ("durable", ["persistent"])}
-    assert "persistent" in _cli("ls", "job").stdout.splitlines()[1].split()
+    assert "persistent" in cli("ls", "job").stdout.splitlines()[1].split()
 
-    proc = _cli("prefetch", "job", "latest")
+    proc = cli("prefetch", "job", "latest")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith("job step 20 is in memory (durable")
     assert "prefetch job step 20: starting" in proc.stderr
     # Not a terminal: the bar is drawn once, complete, then a summary line.
     assert "prefetch job step 20 " in proc.stderr and "257.2/257.2 KiB" in proc.stderr
     assert "prefetch job step 20: 257.2 KiB in memory after" in proc.stderr
-    steps = {s["step"]: s for s in _json("ls", "job")}
+    steps = {s["step"]: s for s in cli_json("ls", "job")}
     assert steps[20]["in_memory"] and steps[20]["state"] == "durable"
     assert steps[20]["tiers"] == ["memory", "persistent"]
     assert steps[10]["tiers"] == ["persistent"]
@@ -248,7 +227,7 @@ def test_persist_wait_times_out_with_the_upload_error(
     store = tmp_path / "store"
     shutil.rmtree(store)
     store.write_text("not a directory")  # every upload now fails
-    proc = _cli("persist", "job", "2", "--wait", "--timeout", "1")
+    proc = cli("persist", "job", "2", "--wait", "--timeout", "1")
     assert proc.returncode == 1
     assert proc.stdout == ""
     last = proc.stderr.strip().splitlines()[-1]
@@ -257,15 +236,15 @@ def test_persist_wait_times_out_with_the_upload_error(
 
 
 def test_persist_and_prefetch_errors(tiered: DaemonProcess) -> None:
-    assert _cli("persist", "job", "1").returncode == 3  # no such namespace
-    assert _cli("prefetch", "job", "latest").returncode == 3
-    assert _cli("prefetch", "job", "7").returncode == 3
-    assert _cli("prefetch", "job", "soon").returncode == 2
+    assert cli("persist", "job", "1").returncode == 3  # no such namespace
+    assert cli("prefetch", "job", "latest").returncode == 3
+    assert cli("prefetch", "job", "7").returncode == 3
+    assert cli("prefetch", "job", "soon").returncode == 2
 
 
 def test_persist_without_a_persistent_tier_exits_1(client_env: DaemonProcess) -> None:
     save("job", 1, seeded_state(1, N), staged=False)
-    proc = _cli("persist", "job", "1", "--wait")
+    proc = cli("persist", "job", "1", "--wait")
     assert proc.returncode == 1
     assert "no persistent tier is configured" in proc.stderr
 
@@ -287,7 +266,7 @@ def test_persist_wait_shows_bytes_rate_and_eta(
         )
         save("job", 1, seeded_state(1, N), staged=False)  # both uploaded by the default policy
         save("job", 2, seeded_state(2, N), staged=False)
-        total = sum(f["length"] for f in _json("inspect", "job", "2")["files"])
+        total = sum(f["length"] for f in cli_json("inspect", "job", "2")["files"])
         with DaemonClient.from_socket(d.socket) as client:
             deadline = time.monotonic() + 120
             while True:
@@ -315,4 +294,4 @@ def test_persist_wait_shows_bytes_rate_and_eta(
     assert "job step 2: uploading" in term  # the bar while bytes are still going out
     assert "/257.2 KiB" in term and "0:00:0" in term  # bytes done/total, and the ETA
     assert "job step 2: durable after" in term
-    assert _json("status")["persistent"]["uploads"] == []
+    assert cli_json("status")["persistent"]["uploads"] == []

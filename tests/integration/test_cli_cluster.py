@@ -5,10 +5,7 @@ in time is shown as unreachable and never hangs the command."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,23 +18,13 @@ import torch.distributed.checkpoint as dcp
 from tierckpt_client.dcp import TieredStorageWriter
 
 from helpers import DaemonProcess, ring, wait_until
+from kit import cli
 
 TOKEN = "peer-token-for-the-cluster-listing-01"
 
 
-def _cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    # The hang guard: a listing that waited on a dead peer would run into this timeout.
-    return subprocess.run(
-        [sys.executable, "-m", "tierckpt_client.cli", *args],
-        env={**os.environ, **d.client_env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def _listing(d: DaemonProcess, *args: str) -> dict[str, Any]:
-    proc = _cli(d, "ls", "--cluster", "--json", *args)
+    proc = cli("ls", "--cluster", "--json", *args, node=d)
     assert proc.returncode == 0, proc.stderr
     doc: dict[str, Any] = json.loads(proc.stdout)
     return doc
@@ -104,7 +91,7 @@ def test_ls_cluster_lists_each_nodes_steps_and_an_unreachable_peer(
     assert {n["node"] for n in _listing(b)["nodes"] if n["reachable"]} == {a.name, b.name}
 
     # The table: one line per node and step, replicas said in words.
-    table = _cli(a, "ls", "--cluster").stdout.splitlines()
+    table = cli("ls", "--cluster", node=a).stdout.splitlines()
     assert table[0].split() == [
         "NODE",
         "NAMESPACE",
@@ -123,7 +110,7 @@ def test_ls_cluster_lists_each_nodes_steps_and_an_unreachable_peer(
 
     # A namespace filter; a namespace nobody holds lists every node with no steps.
     assert all(n["steps"] == [] for n in _listing(a, "other")["nodes"])
-    assert "no steps" in _cli(a, "ls", "--cluster", "other").stdout
+    assert "no steps" in cli("ls", "--cluster", "other", node=a).stdout
 
     # The peer route behind it needs the token.
     resp = httpx.get(f"http://{b.name}/v1/peer/inventory", timeout=10)
@@ -143,7 +130,7 @@ def test_ls_cluster_lists_each_nodes_steps_and_an_unreachable_peer(
     # A peer that is down (its node is gone): unreachable, with the reason; this node's steps are
     # still listed.
     b.kill()
-    down = _cli(a, "ls", "--cluster")
+    down = cli("ls", "--cluster", node=a)
     assert down.returncode == 0, down.stderr
     assert f"{b.name} is unreachable: peer {b.name}" in down.stdout
     assert any(
@@ -161,6 +148,6 @@ def test_ls_cluster_without_peers_lists_this_node_and_says_so(client_env: Daemon
     assert only["reachable"] and [(s["namespace"], s["step"]) for s in only["steps"]] == [
         ("solo", 3)
     ]
-    assert "has no peers" in _cli(client_env, "ls", "--cluster").stdout
-    bad = _cli(client_env, "ls", "--cluster", "--timeout", "0")
+    assert "has no peers" in cli("ls", "--cluster", node=client_env).stdout
+    bad = cli("ls", "--cluster", "--timeout", "0", node=client_env)
     assert bad.returncode == 2 and "--timeout" in bad.stderr

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from seaweed import SeaweedS3
@@ -20,26 +19,7 @@ from seaweed import SeaweedS3
 from tierckpt_client import ClientConfig, DaemonClient
 
 from helpers import DaemonProcess
-from kit import save, seeded_state
-
-CLI = [sys.executable, "-m", "tierckpt_client.cli"]
-
-
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def _json(*args: str, env: dict[str, str] | None = None) -> Any:
-    proc = _cli(*args, "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
+from kit import cli, cli_json, save, seeded_state
 
 # A trainer whose save has sealed its files and stops before the commit (finish): where a
 # trainer killed mid-save leaves its attempt.
@@ -82,7 +62,7 @@ def test_a_save_left_by_a_killed_trainer_is_shown_and_freed(client_env: DaemonPr
     trainer = _start_stuck_trainer(ns, step)
     try:
         # While the trainer runs, its save is not abandoned: the daemon refuses to free it.
-        busy = _cli("rm", ns, str(step), "--abandoned")
+        busy = cli("rm", ns, str(step), "--abandoned")
         assert busy.returncode == 1, busy
         assert "still runs" in busy.stderr and str(trainer.pid) in busy.stderr
     finally:
@@ -91,33 +71,33 @@ def test_a_save_left_by_a_killed_trainer_is_shown_and_freed(client_env: DaemonPr
         assert trainer.stdout is not None
         trainer.stdout.close()
 
-    listing = _cli("ls", ns)
+    listing = cli("ls", ns)
     assert listing.returncode == 0, listing.stderr
     row = listing.stdout.splitlines()[1].split()
     assert row[:2] == [str(step), "writing"]
     assert "its writer is gone; the daemon reclaims it in 1" in listing.stdout  # in 15m
     assert f"tierckpt rm {ns} {step} --abandoned" in listing.stdout
 
-    info = _json("inspect", ns, str(step))
+    info = cli_json("inspect", ns, str(step))
     assert info["state"] == "writing"
     (attempt,) = info["attempts"]
     assert attempt["writer_alive"] is False and attempt["writers"] == [trainer.pid]
     assert attempt["owner"] == f"uid:{os.getuid()}"
     assert attempt["bytes"] >= 4 << 20 and attempt["files"]
     assert 800 < attempt["reclaim_in_s"] <= 900  # TIERCKPT_LEASE_TTL_S
-    text = _cli("inspect", ns, str(step)).stdout
+    text = cli("inspect", ns, str(step)).stdout
     assert attempt["attempt"] in text and "gone (pid" in text
 
     # rm without --abandoned says what to do; with it, the memory is free now.
-    plain = _cli("rm", ns, str(step))
+    plain = cli("rm", ns, str(step))
     assert plain.returncode == 3 and "--abandoned" in plain.stderr, plain
-    freed = _cli("rm", ns, str(step), "--abandoned")
+    freed = cli("rm", ns, str(step), "--abandoned")
     assert freed.returncode == 0, freed.stderr
     assert attempt["attempt"] in freed.stdout
     status = DaemonClient.from_socket(client_env.socket).status()
     assert status.leased_bytes == 0
     assert status.pool_bytes >= attempt["bytes"]  # back in the pool, for the next lease
-    assert _cli("inspect", ns, str(step)).returncode == 3
+    assert cli("inspect", ns, str(step)).returncode == 3
 
 
 # -- the persistent tier without a daemon (issue 33 item 11) -----------------------------------
@@ -135,24 +115,26 @@ def _store_only(tmp_path: Path, url: str, env: dict[str, str]) -> dict[str, str]
 
 
 def _check_daemonless(env: dict[str, str], tmp_path: Path, *, export: bool) -> None:
-    listing = _cli("--json", "ls", env=env)
+    listing = cli("--json", "ls", env=env)
     assert listing.returncode == 0, listing.stderr
     assert "cannot be reached: reading only the persistent tier" in listing.stderr
     assert [
         (x["namespace"], x["durable_steps"], x["tiers"]) for x in json.loads(listing.stdout)
     ] == [("job", 1, ["persistent"])]
-    assert [(x["step"], x["tiers"]) for x in _json("ls", "job", env=env)] == [(5, ["persistent"])]
-    info = _json("inspect", "job", "5", env=env)
+    assert [(x["step"], x["tiers"]) for x in cli_json("ls", "job", env=env)] == [
+        (5, ["persistent"])
+    ]
+    info = cli_json("inspect", "job", "5", env=env)
     assert info["state"] == "durable" and info["files"]
-    verified = _json("verify", "job", "5", env=env)
+    verified = cli_json("verify", "job", "5", env=env)
     assert verified["ok"] is True and verified["tiers"] == ["persistent"]
     if not export:
         return
     # A step that is not there: exit 3, and the export leaves no directory behind.
-    failed = _cli("export", "job", "6", str(tmp_path / "out-6"), env=env)
+    failed = cli("export", "job", "6", str(tmp_path / "out-6"), env=env)
     assert failed.returncode == 3, failed.stderr
     assert not (tmp_path / "out-6").exists()
-    exported = _cli("export", "job", "5", str(tmp_path / "out-5"), env=env)
+    exported = cli("export", "job", "5", str(tmp_path / "out-5"), env=env)
     assert exported.returncode == 0, exported.stderr
     assert (tmp_path / "out-5" / ".metadata").is_file()
 
@@ -179,14 +161,14 @@ def test_rm_points_at_persistent_and_ls_ns_fails_on_an_unreadable_store(
     url = f"file://{tmp_path / 'store'}"
     env = _store_only(tmp_path, url, {})
     env["TIERCKPT_SOCKET"] = str(client_env.socket)  # a daemon without that store
-    rm = _cli("rm", "job", "5", env=env)
+    rm = cli("rm", "job", "5", env=env)
     assert rm.returncode == 3
     assert "tierckpt rm job 5 --persistent --yes deletes it there" in rm.stderr
     # A store that cannot be listed: `ls` and `ls NS` both show memory, name the error, exit 1.
     save("mem-only", 1, seeded_state(1, N), staged=False)
     broken = {**seaweed.env(), "TIERCKPT_PERSIST_URL": "s3://no-such-bucket-cli/x"}
     for args in (("ls",), ("ls", "mem-only")):
-        proc = _cli(*args, env=broken)
+        proc = cli(*args, env=broken)
         assert proc.returncode == 1, (args, proc)
         assert proc.stdout.splitlines()[1].split()[0] in ("mem-only", "1"), args
         assert proc.stderr.startswith("tierckpt: cannot list the persistent tier s3://no-such-")
@@ -197,18 +179,18 @@ def test_rm_points_at_persistent_and_ls_ns_fails_on_an_unreadable_store(
 def test_output_formats_no_headers_quiet_and_help(client_env: DaemonProcess) -> None:
     for step in (10, 20):
         save("habits", step, seeded_state(step, N), staged=False)
-    assert _cli("ls", "-o", "name").stdout.split() == ["habits"]
-    assert _cli("ls", "habits", "-o", "name").stdout.split() == ["habits/10", "habits/20"]
-    rows = _cli("ls", "habits", "--no-headers").stdout.splitlines()
+    assert cli("ls", "-o", "name").stdout.split() == ["habits"]
+    assert cli("ls", "habits", "-o", "name").stdout.split() == ["habits/10", "habits/20"]
+    rows = cli("ls", "habits", "--no-headers").stdout.splitlines()
     assert [row.split()[:2] for row in rows] == [["10", "committed"], ["20", "committed"]]
-    wide = _cli("ls", "habits", "-o", "wide").stdout.splitlines()
+    wide = cli("ls", "habits", "-o", "wide").stdout.splitlines()
     assert wide[0].split()[-4:] == ["WORLD", "OWNER", "CREATED", "ATTEMPT"]
     world, owner, created, attempt = wide[1].split()[-4:]
     assert (world, owner, attempt) == ("1", f"uid:{os.getuid()}", "-") and created.endswith("s")
-    assert json.loads(_cli("-o", "json", "ls", "habits").stdout) == _json("ls", "habits")
-    assert _cli("status", "-o", "name").returncode == 2  # a status has no names
-    quiet = _cli("-q", "rm", "habits", "10")
+    assert json.loads(cli("-o", "json", "ls", "habits").stdout) == cli_json("ls", "habits")
+    assert cli("status", "-o", "name").returncode == 2  # a status has no names
+    quiet = cli("-q", "rm", "habits", "10")
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
-    helped = _cli("help", "rm")
-    assert helped.returncode == 0 and helped.stdout == _cli("rm", "--help").stdout
-    assert _cli("help", "no-such-command").returncode == 2
+    helped = cli("help", "rm")
+    assert helped.returncode == 0 and helped.stdout == cli("rm", "--help").stdout
+    assert cli("help", "no-such-command").returncode == 2

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -19,33 +18,9 @@ from typing import Any
 import pytest
 
 from helpers import DaemonProcess
-from kit import flip_byte, save, seeded_state
+from kit import CLI, cli, cli_json, flip_byte, save, seeded_state, wait_durable
 
 N = 64 * 1024  # 256 KiB of float32 per step
-CLI = [sys.executable, "-m", "tierckpt_client.cli"]
-
-
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def _json(*args: str) -> Any:
-    proc = _cli(*args, "--json")
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-def _wait_durable(ns: str, step: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _json("inspect", ns, str(step))["state"] != "durable":
-        assert time.monotonic() < deadline, f"{ns} step {step} never became durable"
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -74,7 +49,7 @@ def _help_entries(text: str) -> list[tuple[str, bool]]:
 
 
 def test_help_documents_every_subcommand_argument_and_the_exit_codes() -> None:
-    top = _cli("--help")
+    top = cli("--help")
     assert top.returncode == 0
     assert "exit codes:" in top.stdout
     for code in ("0", "1", "2", "3", "4", "5", "6", "141"):
@@ -82,7 +57,7 @@ def test_help_documents_every_subcommand_argument_and_the_exit_codes() -> None:
     names = ["status", "ls", "inspect", "verify", "rm", "export", "persist", "prefetch"]
     for name in names:
         assert re.search(rf"^\s+{name}\s+\S", top.stdout, re.M), f"{name} has no summary"
-        sub = _cli(name, "--help")
+        sub = cli(name, "--help")
         assert sub.returncode == 0, sub.stderr
         entries = _help_entries(sub.stdout)
         assert entries, sub.stdout
@@ -130,44 +105,44 @@ def test_ls_and_inspect_show_checkpoints_only_the_persistent_tier_holds(
 ) -> None:
     save("job-a", 10, seeded_state(10, N), staged=False)  # first steps: persisted by the policy
     save("job-b", 3, seeded_state(3, N), staged=False)
-    _wait_durable("job-a", 10)
-    _wait_durable("job-b", 3)
+    wait_durable("job-a", 10)
+    wait_durable("job-b", 3)
     save("job-a", 20, seeded_state(20, N), staged=False)  # memory only
     # The node is replaced: its memory is gone, the persistent tier holds both namespaces.
     tiered.kill()
     shutil.rmtree(tiered.shm_dir)
     tiered.start()
 
-    text = _cli("ls").stdout
+    text = cli("ls").stdout
     assert "no namespaces" not in text
     rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
     assert set(rows) == {"job-a", "job-b"}
     assert rows["job-a"][-1] == "persistent"
-    namespaces = {d["namespace"]: d for d in _json("ls")}
+    namespaces = {d["namespace"]: d for d in cli_json("ls")}
     assert namespaces["job-a"]["durable_steps"] == 1 and namespaces["job-a"]["steps"] == 0
     assert namespaces["job-b"]["latest_committed"] == 3
     assert namespaces["job-b"]["tiers"] == ["persistent"]
 
-    info = _json("inspect", "job-a", "10")
+    info = cli_json("inspect", "job-a", "10")
     assert info["tiers"] == ["persistent"] and info["in_memory"] is False
     assert info["state"] == "durable" and info["world_size"] == 1
     assert sum(f["length"] for f in info["files"]) >= N * 4
     assert all(f["checksum"].startswith("xxh3_128:") for f in info["files"])
-    human = _cli("inspect", "job-a", "10").stdout
+    human = cli("inspect", "job-a", "10").stdout
     assert "tiers       persistent" in human
-    proc = _cli("inspect", "job-a", "20")  # lost with the node's memory
+    proc = cli("inspect", "job-a", "20")  # lost with the node's memory
     assert proc.returncode == 3
     assert f"not in memory or in file://{tmp_path / 'store'}" in proc.stderr
 
     # A daemon without a persistent tier, and TIERCKPT_PERSIST_URL naming the store: same view.
     plain = make_node()
     env = {"TIERCKPT_SOCKET": str(plain.socket)}
-    bare = _cli("--json", "ls", env=env)
+    bare = cli("--json", "ls", env=env)
     assert json.loads(bare.stdout) == []
     env["TIERCKPT_PERSIST_URL"] = f"file://{tmp_path / 'store'}"
-    docs = json.loads(_cli("--json", "ls", env=env).stdout)
+    docs = json.loads(cli("--json", "ls", env=env).stdout)
     assert [d["namespace"] for d in docs] == ["job-a", "job-b"]
-    steps = json.loads(_cli("--json", "ls", "job-a", env=env).stdout)
+    steps = json.loads(cli("--json", "ls", "job-a", env=env).stdout)
     assert [(s["step"], s["tiers"]) for s in steps] == [(10, ["persistent"])]
 
 
@@ -178,20 +153,20 @@ def test_verify_checks_every_tier_and_finds_corruption(
     tiered: DaemonProcess, tmp_path: Path
 ) -> None:
     save("job", 1, seeded_state(1, N), staged=False)
-    _wait_durable("job", 1)
-    doc = _json("verify", "job", "1")
+    wait_durable("job", 1)
+    doc = cli_json("verify", "job", "1")
     assert doc["ok"] is True and doc["tiers"] == ["memory", "persistent"]
     assert {(f["tier"], f["result"]) for f in doc["files"]} == {
         ("memory", "ok"),
         ("persistent", "ok"),
     }
-    text = _cli("verify", "job", "1").stdout
+    text = cli("verify", "job", "1").stdout
     assert re.search(r"job step 1: (\d+) of \1 file\(s\) verified in memory, persistent", text)
 
     # Just committed (its upload may not have started): verifiable in memory at once, against
     # the checksums the ranks took when they wrote the files.
     save("job", 2, seeded_state(2, N), staged=False)
-    doc = _json("verify", "job", "2")
+    doc = cli_json("verify", "job", "2")
     assert doc["ok"] is True and "memory" in doc["tiers"], doc
     assert {f["result"] for f in doc["files"] if f["tier"] == "memory"} == {"ok"}, doc
 
@@ -201,7 +176,7 @@ def test_verify_checks_every_tier_and_finds_corruption(
         key=lambda p: p.stat().st_size,
     )
     flip_byte(data, 1000, 0xFF)
-    proc = _cli("verify", "job", "1", "--json")
+    proc = cli("verify", "job", "1", "--json")
     assert proc.returncode == 5
     bad = [f for f in json.loads(proc.stdout)["files"] if f["result"] != "ok"]
     assert [(f["tier"], f["file"], f["result"]) for f in bad] == [
@@ -213,9 +188,9 @@ def test_verify_checks_every_tier_and_finds_corruption(
     in_memory = list(tiered.shm_dir.glob(f"ns/job/{1:012d}-*/{data.name}"))
     assert len(in_memory) == 1
     flip_byte(in_memory[0], 1000, 0xFF)
-    bad = [f for f in json.loads(_cli("verify", "job", "1", "--json").stdout)["files"]]
+    bad = [f for f in json.loads(cli("verify", "job", "1", "--json").stdout)["files"]]
     assert [(f["tier"], f["result"]) for f in bad if f["result"] != "ok"] == [("memory", "CORRUPT")]
-    assert _cli("verify", "job", "99").returncode == 3
+    assert cli("verify", "job", "99").returncode == 3
 
 
 # -- rm --persistent -----------------------------------------------------------------------------
@@ -225,22 +200,22 @@ def test_rm_persistent_needs_yes_then_removes_every_copy(
     tiered: DaemonProcess, tmp_path: Path
 ) -> None:
     save("job", 1, seeded_state(1, N), staged=False)
-    _wait_durable("job", 1)
+    wait_durable("job", 1)
     step_dir = tmp_path / "store" / "job" / f"step_{1:012d}"
     assert step_dir.is_dir()
 
-    proc = _cli("rm", "job", "1", "--persistent")
+    proc = cli("rm", "job", "1", "--persistent")
     assert proc.returncode == 2
     assert "cannot be undone; add --yes" in proc.stderr
-    assert step_dir.is_dir() and _json("inspect", "job", "1")["in_memory"]
+    assert step_dir.is_dir() and cli_json("inspect", "job", "1")["in_memory"]
 
-    proc = _cli("rm", "job", "1", "--persistent", "--yes")
+    proc = cli("rm", "job", "1", "--persistent", "--yes")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "removed job step 1 from memory and persistent"
     assert not any(step_dir.iterdir()) if step_dir.exists() else True
-    assert _cli("inspect", "job", "1").returncode == 3
-    assert _cli("ls", "job").returncode == 3
-    assert _cli("rm", "job", "1", "--persistent", "--yes").returncode == 3
+    assert cli("inspect", "job", "1").returncode == 3
+    assert cli("ls", "job").returncode == 3
+    assert cli("rm", "job", "1", "--persistent", "--yes").returncode == 3
 
 
 # -- the same against S3 -------------------------------------------------------------------------
@@ -251,20 +226,20 @@ def test_ls_verify_rm_against_s3(seaweed: Any, make_node: Callable[..., DaemonPr
     url = f"s3://{seaweed.bucket}/cli-{uuid.uuid4().hex[:8]}"
     d = make_node(client=True, persist_url=url)
     save("job", 5, seeded_state(5, N), staged=False)
-    _wait_durable("job", 5)
+    wait_durable("job", 5)
     d.kill()
     shutil.rmtree(d.shm_dir)
     d.start()
-    assert [(x["namespace"], x["tiers"]) for x in _json("ls")] == [("job", ["persistent"])]
-    doc = _json("verify", "job", "5")
+    assert [(x["namespace"], x["tiers"]) for x in cli_json("ls")] == [("job", ["persistent"])]
+    doc = cli_json("verify", "job", "5")
     assert doc["tiers"] == ["persistent"] and doc["ok"] is True
-    assert _cli("rm", "job", "5", "--persistent", "--yes").stdout.strip() == (
+    assert cli("rm", "job", "5", "--persistent", "--yes").stdout.strip() == (
         "removed job step 5 from persistent"
     )
-    assert _json("ls") == []
+    assert cli_json("ls") == []
     # A store that cannot be listed: memory is still shown, the error is named, exit 1.
     save("mem-only", 1, seeded_state(1, N), staged=False)
-    proc = _cli("ls", env={"TIERCKPT_PERSIST_URL": "s3://no-such-bucket-cli/x"})
+    proc = cli("ls", env={"TIERCKPT_PERSIST_URL": "s3://no-such-bucket-cli/x"})
     assert proc.returncode == 1
     assert proc.stdout.splitlines()[1].split()[0] == "mem-only"
     assert proc.stderr.startswith("tierckpt: cannot list the persistent tier s3://no-such-")

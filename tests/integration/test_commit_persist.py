@@ -9,12 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tierckpt_core.manifest import StepManifest
+from commit_kit import NS, TOKEN, decide, decided_without, latest, prepare, until
 
 from helpers import DaemonProcess, ring, running
 from kit import seal_bytes
-from test_global_commit import NS, TOKEN, _decided_without, _latest, _peer, _prepare, _until
 
 
 def _share_up(root: Path, step: int, name: str) -> bool:
@@ -55,15 +53,15 @@ def test_a_participant_that_learns_the_decision_from_another_one_uploads_its_sha
     (persist), not d0's remaining upload work (none): else d1's share never reaches the
     persistent tier and the step never becomes durable."""
     d0, d1, decider, _ = four
-    _decided_without(four, d1, persist=True)
-    _until("d0's share in the persistent tier", lambda: _share_up(tier, 1, "r00000.data"), 30)
+    decided_without(four, d1, persist=True)
+    until("d0's share in the persistent tier", lambda: _share_up(tier, 1, "r00000.data"), 30)
     decider.kill()
     d1.start()  # asks the decider (down), then d0
-    _until("node d1 to take the decision", lambda: _latest(d1) == 1, 90)
+    until("node d1 to take the decision", lambda: latest(d1) == 1, 90)
     assert f"attempt s1 was committed (as {d0.name} says)" in d1.log()
-    _until("d1's share in the persistent tier", lambda: _share_up(tier, 1, "r00001.data"), 30)
+    until("d1's share in the persistent tier", lambda: _share_up(tier, 1, "r00001.data"), 30)
     decider.start()  # it writes the step's manifest and marker once every share is up
-    _until("step 1 durable", lambda: _durable(tier, 1), 60)
+    until("step 1 durable", lambda: _durable(tier, 1), 60)
 
 
 @pytest.fixture
@@ -84,25 +82,10 @@ def test_a_decision_sent_again_with_persist_upgrades_a_step_taken_without_it(
     seal_bytes(a, NS, 2, "s2", 0, 40_000)
     seal_bytes(b, NS, 2, "s2", 1, 40_000)
     both = [a.name, b.name]
-    files = [
-        f.model_copy(update={"node": a.name}) for f in _prepare(a, a, 2, "s2", "r00000.data", both)
-    ] + [
-        f.model_copy(update={"node": b.name}) for f in _prepare(a, b, 2, "s2", "r00001.data", both)
-    ]
-    manifest = StepManifest(
-        namespace=NS,
-        step=2,
-        attempt="s2",
-        world_size=2,
-        files=files,
-        metadata={"what": "test"},
-        coordinator=a.name,
+    files = prepare(a, a, 2, "s2", "r00000.data", both) + prepare(
+        a, b, 2, "s2", "r00001.data", both
     )
-    url = f"/v1/peer/namespaces/{NS}/steps/2/attempts/s2/commit"
-    with _peer(b) as http:
-        for persist in (False, True):
-            body = {"manifest": manifest.model_dump(mode="json"), "persist": persist}
-            resp = http.post(url, json=body)
-            assert resp.status_code == 200, resp.text
-    assert _latest(b) == 2
-    _until("b's share in the persistent tier", lambda: _share_up(tier, 2, "r00001.data"), 30)
+    for persist in (False, True):
+        decide(a, 2, "s2", files, via=b, persist=persist)
+    assert latest(b) == 2
+    until("b's share in the persistent tier", lambda: _share_up(tier, 2, "r00001.data"), 30)

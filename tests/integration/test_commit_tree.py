@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
+from commit_kit import latest, step_dirs, until
 
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import TierCkptError
@@ -52,31 +51,12 @@ def _save(nodes: list[DaemonProcess], step: int, attempt: str) -> CommitRequest:
     )
 
 
-def _latest(d: DaemonProcess) -> int | None:
-    with DaemonClient.from_socket(d.socket) as c:
-        steps = [s.step for s in c.steps(NS) if s.state.value != "writing"]
-    return max(steps) if steps else None
-
-
-def _until(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
-    return got
-
-
-def _step_dirs(d: DaemonProcess, step: int) -> list[str]:
-    ns_dir = d.shm_dir / "ns" / NS
-    return sorted(p.name for p in ns_dir.iterdir() if p.name.startswith(f"{step:012d}-"))
-
-
 def test_a_commit_relayed_through_a_tree_reaches_every_node(five: list[DaemonProcess]) -> None:
     decider = five[0]
     req = _save(five, 1, "a1")
     with DaemonClient.from_socket(decider.socket) as c:
         c.commit(NS, 1, "a1", req)
-    assert [_latest(d) for d in five] == [1] * 5
+    assert [latest(d, NS) for d in five] == [1] * 5
     for d in five:
         with DaemonClient.from_socket(d.socket) as c:
             assert c.metadata(NS, 1) == {"step": 1}  # holders, and the others from a holder
@@ -103,17 +83,22 @@ def test_a_relay_that_stops_answering_fails_the_save_and_leaves_nothing_torn(
         assert f"failed at {relay.name}" in str(e.value)
         if stopped == "relayed":
             assert str(relayed.name) in str(e.value)
-        assert [_latest(d) for d in five if d is not frozen] == [1] * 4
+        assert [latest(d, NS) for d in five if d is not frozen] == [1] * 4
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
     # Whatever the frozen node passed on late is prepared and in doubt: its decider says it
     # never committed it, so it is aborted; no node ever shows step 2.
-    _until("the late prepares to be aborted", lambda: all(not _step_dirs(d, 2) for d in five))
-    assert [_latest(d) for d in five] == [1] * 5
+    until(
+        "the late prepares to be aborted",
+        lambda: all(not step_dirs(d, 2, NS) for d in five),
+        60,
+        every=0.3,
+    )
+    assert [latest(d, NS) for d in five] == [1] * 5
     req = _save(five, 3, "a3")
     with DaemonClient.from_socket(decider.socket) as c:
         c.commit(NS, 3, "a3", req)
-    assert [_latest(d) for d in five] == [3] * 5
+    assert [latest(d, NS) for d in five] == [3] * 5
 
 
 def _save_alone(d: DaemonProcess, step: int) -> None:

@@ -21,12 +21,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from tierckpt_client import Checkpointer, DaemonClient, IntegrityError, StepStateError
+from tierckpt_client import Checkpointer, IntegrityError, StepStateError
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.layout import read_step_manifest
 from tierckpt_core.objectstore import StoreSettings, open_store
 
-from helpers import DaemonProcess, run_ranks, wait_until
+from helpers import DaemonProcess, run_ranks
+from kit import wait_durable
 
 pytestmark = pytest.mark.slow
 
@@ -124,19 +125,6 @@ def _load_worker(rank: int, world: int, socket: str, names: list[str], direct: b
             assert "is corrupt" in str(e), e
 
 
-def _wait_durable(steps: set[int], timeout: float = 60.0) -> None:
-    with DaemonClient() as c:
-        wait_until(
-            f"steps {sorted(steps)} durable",
-            lambda: (
-                all(s.state.value == "durable" for s in c.steps("job") if s.step in steps)
-                and {s.step for s in c.steps("job")} >= steps
-            ),
-            timeout,
-            describe=lambda: c.status().persistent,
-        )
-
-
 def _corrupt_newest(tier_url: str) -> list[str]:
     """Flip one byte in the middle of step 6's largest object (a rank's file: its shard of "w");
     what the warning about it must name (patterns): the step, the file, the block the byte is
@@ -156,7 +144,7 @@ def _corrupt_newest(tier_url: str) -> list[str]:
 def _corrupt_and_wipe(node: DaemonProcess, tier_url: str, dims: dict[int, int]) -> list[str]:
     """Steps 5 and 6 durable, step 6 corrupt in the tier, the node's memory lost."""
     run_ranks(_save_worker, WORLD, str(node.socket), dims)
-    _wait_durable({5, 6})
+    wait_durable("job", {5, 6})
     names = _corrupt_newest(tier_url)
     node.kill()
     shutil.rmtree(node.shm_dir)
@@ -236,7 +224,7 @@ def test_one_process_falls_back_and_fails_naming_every_corrupt_step(
     with step 5 good again, "latest" loads it."""
     for step in (5, 6):
         dcp.save(_flat(step), storage_writer=TieredStorageWriter("job", step), no_dist=True)
-    _wait_durable({5, 6})
+    wait_durable("job", {5, 6})
     store = open_store(tier_url, StoreSettings.from_env())
     obj = max(store.list("job/step_000000000005/"), key=lambda o: o.size)
     good = store.get_bytes(obj.key)

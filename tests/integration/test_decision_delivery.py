@@ -12,12 +12,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
-from tierckpt_core.manifest import StepManifest
+from commit_kit import NS, TOKEN, decide, latest, prepare, until
 
 from helpers import DaemonProcess, ring, running
 from kit import seal_bytes
-from test_global_commit import NS, TOKEN, _latest, _peer, _prepare, _until
 
 ABANDONED = "tierckpt_decision_deliveries_abandoned_total"
 
@@ -49,30 +47,14 @@ def _decide_relaying_to(a: DaemonProcess, b: DaemonProcess, before: object = Non
     both = [a.name, b.name]
     seal_bytes(a, NS, 1, "s1", 0, 20_000)
     seal_bytes(b, NS, 1, "s1", 1, 20_000)
-    files = [
-        f.model_copy(update={"node": b.name}) for f in _prepare(a, b, 1, "s1", "r00001.data", both)
-    ]
+    files = prepare(a, b, 1, "s1", "r00001.data", both)
     if callable(before):
         before()
     # The decider's own share last: it aborts a prepared attempt of its own it has not decided
     # within seconds (in the real commit both come in one call).
-    files += [
-        f.model_copy(update={"node": a.name}) for f in _prepare(a, a, 1, "s1", "r00000.data", both)
-    ]
-    manifest = StepManifest(
-        namespace=NS,
-        step=1,
-        attempt="s1",
-        world_size=2,
-        files=files,
-        metadata={"what": "test"},
-        coordinator=a.name,
-    )
-    body = {"manifest": manifest.model_dump(mode="json"), "persist": False, "relay": [b.name]}
-    with _peer(a) as http:
-        resp = http.post(f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit", json=body)
-    assert resp.status_code == 200, resp.text
-    assert _latest(a) == 1
+    files += prepare(a, a, 1, "s1", "r00000.data", both)
+    decide(a, 1, "s1", files, relay=[b.name])
+    assert latest(a) == 1
 
 
 def test_a_decision_a_replacement_node_cannot_take_is_not_sent_again(
@@ -86,7 +68,7 @@ def test_a_decision_a_replacement_node_cannot_take_is_not_sent_again(
         b.start()
 
     _decide_relaying_to(a, b, replace_b)
-    _until("the delivery to be abandoned", lambda: _abandoned(a, "refused") == 1, 30)
+    until("the delivery to be abandoned", lambda: _abandoned(a, "refused") == 1, 30)
     time.sleep(5)  # rounds of the resolver: nothing is sent again, nothing counted again
     assert _abandoned(a, "refused") == 1
     warned = [line for line in a.log().splitlines() if "is no longer sent to" in line]
@@ -99,5 +81,5 @@ def test_a_decision_is_not_sent_forever_to_a_node_that_stays_down(
     a, b = two
     _decide_relaying_to(a, b, b.kill)
     # Re-sent after 2 s, then 4 s later: past TIERCKPT_DECISION_RESEND_S (3 s), abandoned.
-    _until("the delivery to expire", lambda: _abandoned(a, "expired") == 1, 30)
+    until("the delivery to expire", lambda: _abandoned(a, "expired") == 1, 30)
     assert _abandoned(a, "refused") == 0

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tierckpt_client import ClientConfig, DaemonClient
 
 from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
-from kit import blank_state, flip_byte, load, save, seeded_state, step_paths
+from kit import blank_state, cli, flip_byte, load, save, seeded_state, step_paths
 
 N = 1 << 16
 
@@ -44,17 +44,6 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for fam in text_string_to_metric_families(text)
         for s in fam.samples
     }
-
-
-def _cli(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TIERCKPT_SOCKET": str(socket)}
-    return subprocess.run(
-        [sys.executable, "-m", "tierckpt_client.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_a_background_thread_that_dies_is_seen_and_latest_still_loads(
@@ -86,7 +75,7 @@ def test_a_background_thread_that_dies_is_seen_and_latest_still_loads(
         assert st.persistent is not None and st.persistent.healthy is False
         assert "uploader thread" in (st.persistent.last_error or "")
         assert "RuntimeError: injected" in st.failed_threads[0]
-        status = _cli("status", socket=socket)
+        status = cli("status", node=socket, timeout=120)
         assert "UNHEALTHY" in status.stdout and "injected" in status.stdout, status.stdout
 
         metrics = _scrape(port)
@@ -136,7 +125,7 @@ def test_corruption_a_reader_finds_is_counted_and_logged_by_the_daemon(
         assert found[0]["file"] == Path(data).name and found[0]["block"] == 0
 
         # tierckpt verify finds it too, and says so to the daemon.
-        verify = _cli("verify", "job", "2", socket=d.socket)
+        verify = cli("verify", "job", "2", node=d, timeout=120)
         assert verify.returncode != 0 and "CORRUPT" in verify.stdout, verify.stdout
         assert _scrape(port)[failures] == 2
     finally:

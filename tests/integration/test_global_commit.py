@@ -10,31 +10,34 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import httpx
 import pytest
+from commit_kit import (
+    METADATA,
+    NS,
+    TOKEN,
+    decide,
+    decided_without,
+    latest,
+    peer,
+    prepare,
+    read_step,
+    step_dirs,
+    until,
+)
 
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.manifest import (
-    FileRecord,
-    RingRecord,
-    Share,
     StepManifest,
-    metadata_digest,
-    table_digest,
 )
-from tierckpt_core.metadata_blob import canonical_json
 from tierckpt_core.protocol import CommitRequest
 from tierckpt_daemon.metrics import namespace_label
 
 from helpers import DaemonProcess, ring, running
 from kit import seal_bytes
-
-TOKEN = "peer-token-for-the-tests-0123456789"
-NS = "job"
 
 
 @pytest.fixture
@@ -60,89 +63,12 @@ def _commit_request(a: DaemonProcess, b: DaemonProcess) -> CommitRequest:
     )
 
 
-def _latest(d: DaemonProcess) -> int | None:
-    with DaemonClient.from_socket(d.socket) as c:
-        steps = [s.step for s in c.steps(NS) if s.state.value != "writing"]
-    return max(steps) if steps else None
-
-
-def _read(d: DaemonProcess, step: int) -> dict[str, bytes]:
-    with DaemonClient.from_socket(d.socket) as c:
-        pin = c.pin(NS, step)
-        try:
-            out = {}
-            for f in pin.step.files:
-                with open(pin.paths[f.name], "rb") as fh:
-                    out[f.name] = fh.read(f.length)
-            return out
-        finally:
-            c.unpin(NS, step, pin.pin_id)
-
-
-def _step_dirs(d: DaemonProcess, step: int) -> list[str]:
-    ns_dir = d.shm_dir / "ns" / NS
-    return sorted(p.name for p in ns_dir.iterdir() if p.name.startswith(f"{step:012d}-"))
-
-
-def _peer(d: DaemonProcess) -> httpx.Client:
-    return httpx.Client(
-        base_url=f"http://{d.name}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
-    )
-
-
-def _prepare_answer(
-    coordinator: DaemonProcess,
-    d: DaemonProcess,
-    step: int,
-    attempt: str,
-    name: str,
-    participants: list[str],
-    world_size: int = 2,
-) -> dict[str, Any]:
-    """``d``'s answer to the prepare of its file ``name``, as the decider would send it."""
-    with _peer(d) as http:
-        resp = http.post(
-            f"/v1/peer/namespaces/{NS}/steps/{step}/attempts/{attempt}/prepare",
-            json={
-                "coordinator": coordinator.name,
-                "participants": participants,
-                "files": [name],
-                "world_size": world_size,
-            },
-        )
-    assert resp.status_code == 200, resp.text
-    answer: dict[str, Any] = resp.json()
-    return answer
-
-
-def _prepare(
-    coordinator: DaemonProcess,
-    d: DaemonProcess,
-    step: int,
-    attempt: str,
-    name: str,
-    participants: list[str],
-) -> list[FileRecord]:
-    answer = _prepare_answer(coordinator, d, step, attempt, name, participants)
-    return [FileRecord.model_validate(f) for f in answer["files"]]
-
-
 def _since_commit(d: DaemonProcess) -> list[str]:
     """The node's ``tierckpt_seconds_since_committed_step`` samples of the namespace."""
     text = httpx.get(f"http://{d.name}/metrics", timeout=10).text
     label = namespace_label(NS)  # hashed: /metrics shows no names by default
     pattern = rf'^tierckpt_seconds_since_committed_step\{{namespace="{label}"\}} \S+$'
     return re.findall(pattern, text, re.MULTILINE)
-
-
-def _until(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_a_step_is_committed_on_every_node_with_its_global_record(
@@ -158,10 +84,10 @@ def test_a_step_is_committed_on_every_node_with_its_global_record(
     # decider.
     assert all(_since_commit(d) for d in nodes)
     # Each node holds its own rank's file, committed, and knows where the other one is.
-    assert _read(a, 1) == {"r00000.data": data["r00000.data"]}
-    assert _read(b, 1) == {"r00001.data": data["r00001.data"]}
+    assert read_step(a, 1) == {"r00000.data": data["r00000.data"]}
+    assert read_step(b, 1) == {"r00001.data": data["r00001.data"]}
     for d in nodes:
-        with _peer(d) as http:
+        with peer(d) as http:
             doc = StepManifest.model_validate(http.get(f"/v1/peer/namespaces/{NS}/steps/1").json())
         assert doc.coordinator == a.name
         # Its own file's record, and of the other node's share an entry (names, records' digest).
@@ -186,14 +112,14 @@ def test_a_participant_down_at_commit_fails_the_save_and_commits_nothing(
     with DaemonClient.from_socket(a.socket) as c, pytest.raises(TierCkptError) as err:
         c.commit(NS, 2, "s2", _commit_request(a, b))
     assert b.name in str(err.value) and "nothing was committed" in str(err.value)
-    assert _latest(a) == 1 and _step_dirs(a, 2) == []  # aborted and reclaimed on the decider
+    assert latest(a) == 1 and step_dirs(a, 2) == []  # aborted and reclaimed on the decider
     b.start()
-    assert _latest(b) == 1 and _step_dirs(b, 2) == []  # an unprepared attempt: reclaimed at start
+    assert latest(b) == 1 and step_dirs(b, 2) == []  # an unprepared attempt: reclaimed at start
     data = _save(a, b, 3, "s3")
     with DaemonClient.from_socket(a.socket) as c:
         c.commit(NS, 3, "s3", _commit_request(a, b))
-    assert _latest(a) == _latest(b) == 3
-    assert _read(b, 3) == {"r00001.data": data["r00001.data"]}
+    assert latest(a) == latest(b) == 3
+    assert read_step(b, 3) == {"r00001.data": data["r00001.data"]}
 
 
 def test_a_participant_killed_after_prepare_takes_the_decision_after_restart(
@@ -206,32 +132,17 @@ def test_a_participant_killed_after_prepare_takes_the_decision_after_restart(
         c.commit(NS, 1, "s1", _commit_request(a, b))
     data = _save(a, b, 2, "s2")
     both = [a.name, b.name]
-    files = _prepare(a, a, 2, "s2", "r00000.data", both) + [
-        f.model_copy(update={"node": b.name}) for f in _prepare(a, b, 2, "s2", "r00001.data", both)
-    ]
-    files[0] = files[0].model_copy(update={"node": a.name})
-    b.kill()  # prepared, then gone before the decision reaches it
-    assert _latest(a) == 1  # prepared is not committed
-    manifest = StepManifest(
-        namespace=NS,
-        step=2,
-        attempt="s2",
-        world_size=2,
-        files=files,
-        metadata={"what": "test"},
-        coordinator=a.name,
+    files = prepare(a, a, 2, "s2", "r00000.data", both) + prepare(
+        a, b, 2, "s2", "r00001.data", both
     )
-    with _peer(a) as http:  # the decider decides (its MANIFEST.json is the commit point)
-        resp = http.post(
-            f"/v1/peer/namespaces/{NS}/steps/2/attempts/s2/commit",
-            json={"manifest": manifest.model_dump(mode="json"), "persist": False},
-        )
-    assert resp.status_code == 200, resp.text
-    assert _latest(a) == 2
+    b.kill()  # prepared, then gone before the decision reaches it
+    assert latest(a) == 1  # prepared is not committed
+    decide(a, 2, "s2", files)  # the decider decides (its MANIFEST.json is the commit point)
+    assert latest(a) == 2
     b.start()
-    assert _latest(b) == 1  # in doubt after the restart: not shown yet
-    _until("node B to take the decision", lambda: _latest(b) == 2)
-    assert _read(b, 2) == {"r00001.data": data["r00001.data"]}
+    assert latest(b) == 1  # in doubt after the restart: not shown yet
+    until("node B to take the decision", lambda: latest(b) == 2)
+    assert read_step(b, 2) == {"r00001.data": data["r00001.data"]}
 
 
 def test_the_decider_killed_before_deciding_aborts_everywhere(nodes: list[DaemonProcess]) -> None:
@@ -242,17 +153,17 @@ def test_the_decider_killed_before_deciding_aborts_everywhere(nodes: list[Daemon
         c.commit(NS, 1, "s1", _commit_request(a, b))
     _save(a, b, 2, "s2")
     both = [a.name, b.name]
-    _prepare(a, a, 2, "s2", "r00000.data", both)
-    _prepare(a, b, 2, "s2", "r00001.data", both)
+    prepare(a, a, 2, "s2", "r00000.data", both)
+    prepare(a, b, 2, "s2", "r00001.data", both)
     a.kill()  # the decider dies between the prepares and its decision
     a.start()
-    _until("node A to abort its undecided attempt", lambda: _step_dirs(a, 2) == [])
-    _until("node B to learn that step 2 was never committed", lambda: _step_dirs(b, 2) == [])
-    assert _latest(a) == _latest(b) == 1
+    until("node A to abort its undecided attempt", lambda: step_dirs(a, 2) == [])
+    until("node B to learn that step 2 was never committed", lambda: step_dirs(b, 2) == [])
+    assert latest(a) == latest(b) == 1
     _save(a, b, 3, "s3")
     with DaemonClient.from_socket(a.socket) as c:
         c.commit(NS, 3, "s3", _commit_request(a, b))
-    assert _latest(a) == _latest(b) == 3
+    assert latest(a) == latest(b) == 3
 
 
 def test_a_prepared_participant_waits_while_its_decider_is_unreachable(
@@ -261,14 +172,11 @@ def test_a_prepared_participant_waits_while_its_decider_is_unreachable(
     a, b = nodes
     assert a.name and b.name
     _save(a, b, 2, "s2")
-    _prepare(a, b, 2, "s2", "r00001.data", [a.name, b.name])
+    prepare(a, b, 2, "s2", "r00001.data", [a.name, b.name])
     a.kill()  # partition: B cannot ask anyone how step 2 ended
     time.sleep(9)  # longer than a participant waits before it asks
-    assert _step_dirs(b, 2) != []  # never guessed away
-    assert _latest(b) is None  # and never shown
-
-
-METADATA = {"what": "test"}
+    assert step_dirs(b, 2) != []  # never guessed away
+    assert latest(b) is None  # and never shown
 
 
 @pytest.fixture
@@ -281,49 +189,6 @@ def four() -> Iterator[list[DaemonProcess]]:
         yield sorted(ds, key=lambda d: d.name)
 
 
-def _decided_without(
-    four: list[DaemonProcess], away: DaemonProcess, *, persist: bool = False
-) -> dict[str, bytes]:
-    """Step 1 over ``four``, each node one rank's file, prepared everywhere and then decided by
-    the third node (the holders of its share table and metadata: it and the fourth) while
-    ``away`` is down: it learns the decision only by asking, once back. Returns the files."""
-    every = [str(d.name) for d in four]
-    decider, holder = four[2], four[3]
-    shares: dict[str, Share] = {}
-    written: dict[str, bytes] = {}
-    for rank, d in enumerate(four):
-        name, data = seal_bytes(d, NS, 1, "s1", rank, 30_000)
-        written[name] = data
-        got = _prepare_answer(decider, d, 1, "s1", name, every, world_size=4)
-        shares[str(d.name)] = Share(digest=got["share_digest"], files=[name], bytes=30_000)
-    away.kill()  # prepared, then gone before it learns the decision
-    manifest = StepManifest(
-        namespace=NS,
-        step=1,
-        attempt="s1",
-        world_size=4,
-        files=[],
-        metadata=METADATA,
-        coordinator=decider.name,
-        ring=RingRecord(
-            shares=shares,
-            shares_digest=table_digest(shares),
-            metadata_digest=metadata_digest(canonical_json(METADATA)),
-            metadata_holders=[str(decider.name), str(holder.name)],
-        ),
-    )
-    with _peer(decider) as http:  # the decider decides; the others ask it (in doubt)
-        resp = http.post(
-            f"/v1/peer/namespaces/{NS}/steps/1/attempts/s1/commit",
-            json={"manifest": manifest.model_dump(mode="json"), "persist": persist},
-        )
-    assert resp.status_code == 200, resp.text
-    for d in four:
-        if d is not away:
-            _until(f"{d.name} to take the decision", lambda d=d: _latest(d) == 1, 90)
-    return written
-
-
 def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_share_table(
     four: list[DaemonProcess],
 ) -> None:
@@ -332,12 +197,12 @@ def test_a_participant_in_doubt_takes_the_decision_from_a_node_that_keeps_no_sha
     participant it asks holds the decision without the table, so it fetches the table from the
     holder left (checked against the digest) and takes the decision."""
     d0, d1, decider, _ = four  # holders: the decider and d3; d0 and d1 keep the digest only
-    _decided_without(four, d1)
+    decided_without(four, d1)
     (d0_record,) = (d0.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
     assert '"shares":' not in d0_record.read_text()  # the table's digest only
     decider.kill()
     d1.start()  # asks the decider (down), then d0, which has no table: the table from d3
-    _until("node d1 to take the decision", lambda: _latest(d1) == 1, 90)
+    until("node d1 to take the decision", lambda: latest(d1) == 1, 90)
     assert f"attempt s1 was committed (as {d0.name} says)" in d1.log()
     (d1_record,) = (d1.shm_dir / "ns" / NS).glob("000000000001-*/MANIFEST.json")
     assert '"shares":' not in d1_record.read_text()
@@ -353,12 +218,12 @@ def test_a_holder_in_doubt_takes_the_decision_while_no_other_holder_answers(
     finds the step whole and serves its metadata (the table and the metadata from the decider,
     checked against the digests)."""
     _, _, decider, d3 = four
-    written = _decided_without(four, d3)
+    written = decided_without(four, d3)
     decider.kill()
     d3.start()  # asks the decider (down), d0 and d1 (the digest only): no table anywhere
-    _until("the holder d3 to take the decision", lambda: _latest(d3) == 1, 90)
+    until("the holder d3 to take the decision", lambda: latest(d3) == 1, 90)
     assert "committing this node's share as prepared" in d3.log()
-    assert _read(d3, 1) == {"r00003.data": written["r00003.data"]}
+    assert read_step(d3, 1) == {"r00003.data": written["r00003.data"]}
     decider.start()
     for d in four:
         with DaemonClient.from_socket(d.socket) as c:

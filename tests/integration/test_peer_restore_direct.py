@@ -30,6 +30,7 @@ from tierckpt_core.integrity import checksum
 from tierckpt_core.protocol import handoff_socket
 
 from helpers import DaemonProcess, ring, run_ranks, running, wait_until
+from kit import seeded_state
 
 pytestmark = pytest.mark.slow
 
@@ -52,14 +53,12 @@ def _config(d: DaemonProcess) -> ClientConfig:
     return ClientConfig.from_env(socket=d.socket)
 
 
-def _state(step: int) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "w": torch.randn(N, generator=g),
-        "b": torch.randn(31, generator=g),
-        "h": torch.randn(7, 300, generator=g).to(torch.float16),
-        "meta": {"step": step, "note": "y" * 3000},
-    }
+# What each step saves: kit.seeded_state(step, **LAYOUT).
+LAYOUT: dict[str, Any] = {
+    "numel": N,
+    "more": {"b": ((31,), torch.float32), "h": ((7, 300), torch.float16)},
+    "note": "y" * 3000,
+}
 
 
 def _empty() -> dict[str, object]:
@@ -72,7 +71,7 @@ def _empty() -> dict[str, object]:
 
 
 def _assert_state(out: dict[str, object], step: int) -> None:
-    ref = _state(step)
+    ref = seeded_state(step, **LAYOUT)
     assert torch.equal(out["w"], ref["w"])  # type: ignore[arg-type]
     assert torch.equal(out["b"], ref["b"])  # type: ignore[arg-type]
     assert torch.equal(out["h"], ref["h"].to(torch.float32))  # type: ignore[union-attr]
@@ -81,7 +80,7 @@ def _assert_state(out: dict[str, object], step: int) -> None:
 
 def _save_replicated(a: DaemonProcess, step: int, copies: int) -> None:
     writer = TieredStorageWriter(NS, step, config=_config(a))
-    dcp.save(_state(step), storage_writer=writer, no_dist=True)
+    dcp.save(seeded_state(step, **LAYOUT), storage_writer=writer, no_dist=True)
 
     def replicated() -> bool:
         with DaemonClient(_config(a)) as c:

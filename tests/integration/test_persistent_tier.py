@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,38 +24,19 @@ from tierckpt_client.dcp import TieredStorageWriter
 from tierckpt_core.objectstore import StoreSettings, open_store
 
 from helpers import DaemonProcess
-from kit import blank_like, load, save
+from kit import blank_like, load, save, seeded_state, wait_durable
 
 N = 1 << 16
 
 
-def _state(step: int) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "w": torch.randn(N, generator=g),
-        "b": torch.randn(33, generator=g),
-        "meta": {"step": step},
-    }
+# What each step saves: kit.seeded_state(step, **LAYOUT).
+LAYOUT: dict[str, Any] = {"numel": N, "more": {"b": ((33,), torch.float32)}}
 
 
 def _assert_state(out: dict[str, object], step: int) -> None:
-    ref = _state(step)
+    ref = seeded_state(step, **LAYOUT)
     assert torch.equal(out["w"], ref["w"]) and torch.equal(out["b"], ref["b"])
     assert out["meta"] == {"step": step}
-
-
-def _wait_durable(ns: str, steps: set[int], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with DaemonClient() as c:
-        while True:
-            states = {s.step: s.state.value for s in c.steps(ns)}
-            if all(states.get(s) == "durable" for s in steps):
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"steps {steps} not durable: {states}; {c.status().persistent}"
-                )
-            time.sleep(0.05)
 
 
 def _reboot(node: DaemonProcess) -> None:
@@ -65,19 +47,19 @@ def _reboot(node: DaemonProcess) -> None:
 
 
 def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
-    save("job", 10, _state(10))
-    save("job", 20, _state(20), staged=False)
-    _wait_durable("job", {10, 20})
+    save("job", 10, seeded_state(10, **LAYOUT))
+    save("job", 20, seeded_state(20, **LAYOUT), staged=False)
+    wait_durable("job", {10, 20})
     _reboot(node)
     with DaemonClient() as c:
         assert [(x.step, x.in_memory, x.durable) for x in c.candidates("job")] == [
             (20, False, True),
             (10, False, True),
         ]
-    step, out = load("job", blank_like(_state(0)))
+    step, out = load("job", blank_like(seeded_state(0, **LAYOUT)))
     assert step == 20
     _assert_state(out, 20)
-    step, out = load("job", blank_like(_state(0)), 10)
+    step, out = load("job", blank_like(seeded_state(0, **LAYOUT)), 10)
     _assert_state(out, 10)
     with DaemonClient() as c:
         assert {s.step: s.state.value for s in c.steps("job")} == {10: "durable", 20: "durable"}
@@ -86,15 +68,17 @@ def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
 def test_an_older_durable_step_stays_hydrated_until_its_reader_is_done(node: DaemonProcess) -> None:
     """Retention (keep_last=2) must not evict a step the moment it is hydrated for a reader."""
     for step in (10, 20, 30):
-        save("job", step, _state(step))
-        _wait_durable("job", {step})
+        save("job", step, seeded_state(step, **LAYOUT))
+        wait_durable("job", {step})
     with DaemonClient() as c:
         assert sorted(s.step for s in c.steps("job") if s.in_memory) == [20, 30]
         assert {x.step for x in c.candidates("job") if x.durable} == {10, 20, 30}
-    step, out = load("job", blank_like(_state(0)), 10)
+    step, out = load("job", blank_like(seeded_state(0, **LAYOUT)), 10)
     assert step == 10
     _assert_state(out, 10)
-    save("job", 40, _state(40))  # the next commit applies retention again: step 10 leaves memory
+    save(
+        "job", 40, seeded_state(40, **LAYOUT)
+    )  # the next commit applies retention again: step 10 leaves memory
     with DaemonClient() as c:
         assert sorted(s.step for s in c.steps("job") if s.in_memory) == [30, 40]
 
@@ -102,9 +86,9 @@ def test_an_older_durable_step_stays_hydrated_until_its_reader_is_done(node: Dae
 def test_corrupt_object_falls_back_to_older_step(
     node: DaemonProcess, tier_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    save("job", 10, _state(10))
-    save("job", 20, _state(20))
-    _wait_durable("job", {10, 20})
+    save("job", 10, seeded_state(10, **LAYOUT))
+    save("job", 20, seeded_state(20, **LAYOUT))
+    wait_durable("job", {10, 20})
     store = open_store(tier_url, StoreSettings.from_env())
     key = next(o.key for o in store.list("job/step_000000000020/") if o.key.endswith(".data"))
     data = bytearray(store.get_bytes(key))
@@ -112,13 +96,13 @@ def test_corrupt_object_falls_back_to_older_step(
     store.put_bytes(key, bytes(data))
     _reboot(node)
     with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
-        step, out = load("job", blank_like(_state(0)))
+        step, out = load("job", blank_like(seeded_state(0, **LAYOUT)))
     assert step == 10
     _assert_state(out, 10)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "skipping step 20" in warnings[0] and "corrupt" in warnings[0]
     with pytest.raises(CheckpointException, match=r"file r00000\.data .* is corrupt"):
-        load("job", blank_like(_state(0)), 20)
+        load("job", blank_like(seeded_state(0, **LAYOUT)), 20)
 
 
 def test_upload_failure_is_reported_and_resumes_after_restart(
@@ -128,7 +112,7 @@ def test_upload_failure_is_reported_and_resumes_after_restart(
     root.mkdir()
     (root / "job").write_text("a file where the namespace directory must go")
     d = make_node(client=True, persist_url=f"file://{root}")
-    save("job", 5, _state(5))
+    save("job", 5, seeded_state(5, **LAYOUT))
     with DaemonClient() as c:
         deadline = time.monotonic() + 30
         while (st := c.status().persistent) is None or st.failed_uploads == 0:
@@ -137,13 +121,13 @@ def test_upload_failure_is_reported_and_resumes_after_restart(
         assert st.healthy is False and "job/step 5: upload to file://" in (st.last_error or "")
         assert [s.state.value for s in c.steps("job")] == ["committed"]
     # The memory tier keeps working while the persistent tier is broken.
-    _step, out = load("job", blank_like(_state(0)))
+    _step, out = load("job", blank_like(seeded_state(0, **LAYOUT)))
     _assert_state(out, 5)
 
     d.kill()  # SIGKILL with the upload still pending
     (root / "job").unlink()
     d.start()
-    _wait_durable("job", {5})
+    wait_durable("job", {5})
     store = open_store(f"file://{root}")
     names = {o.key for o in store.list("job/")}
     assert names == {
@@ -160,27 +144,29 @@ def test_without_a_daemon_restore_and_save_use_the_tier_directly(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    save("job", 10, _state(10))
-    _wait_durable("job", {10})
+    save("job", 10, seeded_state(10, **LAYOUT))
+    wait_durable("job", {10})
     node.kill()
     monkeypatch.setenv("TIERCKPT_PERSIST_URL", tier_url)
 
     with caplog.at_level(logging.WARNING):
-        step, out = load("job", blank_like(_state(0)))
-        save("job", 20, _state(20))  # async_save: stages privately, uploads in write_data
-        save("job", 30, _state(30), staged=False)
+        step, out = load("job", blank_like(seeded_state(0, **LAYOUT)))
+        save(
+            "job", 20, seeded_state(20, **LAYOUT)
+        )  # async_save: stages privately, uploads in write_data
+        save("job", 30, seeded_state(30, **LAYOUT), staged=False)
     assert step == 10
     _assert_state(out, 10)
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("restoring straight from the persistent tier" in m for m in msgs)
     assert sum("saving straight to the persistent tier" in m for m in msgs) == 1  # said once
-    step, out = load("job", blank_like(_state(0)), 20)
+    step, out = load("job", blank_like(seeded_state(0, **LAYOUT)), 20)
     _assert_state(out, 20)
 
     # The daemon comes back (empty memory): the degraded saves are ordinary durable steps to it.
     shutil.rmtree(node.shm_dir)
     node.start()
-    step, out = load("job", blank_like(_state(0)))
+    step, out = load("job", blank_like(seeded_state(0, **LAYOUT)))
     assert step == 30
     _assert_state(out, 30)
 
@@ -188,16 +174,18 @@ def test_without_a_daemon_restore_and_save_use_the_tier_directly(
 def test_degraded_save_can_be_refused(node: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     node.kill()
     with pytest.raises(DaemonUnavailableError, match="set TIERCKPT_PERSIST_URL in the trainer"):
-        dcp.async_save(_state(1), storage_writer=TieredStorageWriter("job", 1), no_dist=True)
+        dcp.async_save(
+            seeded_state(1, **LAYOUT), storage_writer=TieredStorageWriter("job", 1), no_dist=True
+        )
     monkeypatch.setenv("TIERCKPT_PERSIST_URL", "file:///nonexistent-but-unused")
     writer = TieredStorageWriter("job", 1, on_unavailable="raise")
     with pytest.raises(DaemonUnavailableError, match="cannot reach the tierckpt daemon"):
-        dcp.async_save(_state(1), storage_writer=writer, no_dist=True)
+        dcp.async_save(seeded_state(1, **LAYOUT), storage_writer=writer, no_dist=True)
 
 
 def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path: Path) -> None:
-    save("job", 10, _state(10), staged=False)
-    _wait_durable("job", {10})
+    save("job", 10, seeded_state(10, **LAYOUT), staged=False)
+    wait_durable("job", {10})
     _reboot(node)  # export from the persistent tier, through the daemon's hydration
     dest = tmp_path / "exported"
     proc = subprocess.run(
@@ -208,7 +196,7 @@ def test_export_loads_with_torch_filesystem_reader(node: DaemonProcess, tmp_path
     )
     assert proc.returncode == 0, proc.stderr
     assert "exported job step 10" in proc.stdout
-    out = blank_like(_state(0))
+    out = blank_like(seeded_state(0, **LAYOUT))
     dcp.load(out, storage_reader=FileSystemReader(dest), no_dist=True)
     _assert_state(out, 10)
     again = subprocess.run(
@@ -246,8 +234,8 @@ def test_bad_s3_settings_are_reported_and_memory_keeps_working(
             time.sleep(0.05)
     assert st.healthy is False and message in (st.last_error or ""), st
     assert message in d.log()
-    save("job", 1, _state(1))
-    step, out = load("job", blank_like(_state(0)))
+    save("job", 1, seeded_state(1, **LAYOUT))
+    step, out = load("job", blank_like(seeded_state(0, **LAYOUT)))
     assert step == 1
     _assert_state(out, 1)
 
@@ -261,8 +249,8 @@ def test_persistent_retention_keeps_newest_and_collects_incomplete(
     store.put_bytes("job/step_000000000001/r00000.data", b"an upload that never finished")
     d.start()
     for step in (2, 3, 4):
-        save("job", step, _state(step))
-        _wait_durable("job", {step})
+        save("job", step, seeded_state(step, **LAYOUT))
+        wait_durable("job", {step})
     # Retention runs right after a step is marked durable: give it a moment.
     want = {"step_000000000003", "step_000000000004"}
     deadline = time.monotonic() + 30
@@ -288,8 +276,8 @@ def test_transfer_threads_yield_the_cpu_to_training(
     nice: int, tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
     d = make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", background_nice=nice)
-    save("nice", 1, _state(1))
-    _wait_durable("nice", {1})
+    save("nice", 1, seeded_state(1, **LAYOUT))
+    wait_durable("nice", {1})
     assert d.proc is not None
     nices = _thread_nices(d.proc.pid)
     # The thread that answers the trainers keeps the priority the daemon started with (this
@@ -316,7 +304,7 @@ def test_every_step_queued_for_upload_is_uploaded_or_reported_skipped(
     steps: list[int] = []
     with DaemonClient() as c:
         for step in range(0, 120, 10):
-            save("job", step, _state(step))
+            save("job", step, seeded_state(step, **LAYOUT))
             steps.append(step)
             p = c.status().persistent
             assert p is not None

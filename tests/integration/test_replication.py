@@ -23,7 +23,7 @@ from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.protocol import StepInfo
 
 from helpers import DaemonProcess, run_ranks, wait_until
-from kit import blank_state, load, save, seeded_state
+from kit import blank_state, cli, load, save, seeded_state
 
 TOKEN = "peer-token-for-the-tests-0123456789"
 N = 1 << 15
@@ -111,11 +111,11 @@ def test_a_replacement_node_restores_the_latest_step_from_its_peer(
     with DaemonClient.from_socket(b.socket) as c:
         rep_b = c.status().replication
     assert rep_b is not None and rep_b.received_steps == 2
-    ls = _cli(a, "ls", "job")
+    ls = cli("ls", "job", node=a)
     assert ls.returncode == 0, ls.stderr
     row = next(line.split() for line in ls.stdout.splitlines() if line.startswith("20 "))
     assert row[-2:] == ["memory,peers", _name(b)]
-    status = _cli(a, "status").stdout
+    status = cli("status", node=a).stdout
     assert f"replication as {_name(a)} to 1 of peers {_name(b)}" in status
 
     # The node dies and comes back empty: no persistent tier, yet "latest" finds step 20 on B.
@@ -134,17 +134,6 @@ def test_a_replacement_node_restores_the_latest_step_from_its_peer(
         if line.startswith("tierckpt_peer_hydrated_bytes_total")
     )
     assert float(hydrated.split()[-1]) > 64 * 16 * 4
-
-
-def _cli(d: DaemonProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TIERCKPT_SOCKET": str(d.socket)}
-    return subprocess.run(
-        [sys.executable, "-m", "tierckpt_client.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
 
 
 # -- the peer API's token and where routes are served ---------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.objectstore import StoreSettings, open_store
 
 from helpers import DaemonProcess
+from kit import seeded_state, wait_durable
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +27,16 @@ pytestmark = pytest.mark.slow
 N = 70_001
 
 
-def _state(step: int) -> dict[str, object]:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "w": torch.randn(N, generator=g),
-        "b": torch.randn(33, generator=g),
-        "h": torch.randn(3, 1000, generator=g).to(torch.float16),
-        "i": torch.randint(0, 1 << 30, (4097,), generator=g),
-        "meta": {"step": step, "note": "x" * 5000},
-    }
+# What each step saves: kit.seeded_state(step, **LAYOUT).
+LAYOUT: dict[str, Any] = {
+    "numel": N,
+    "more": {
+        "b": ((33,), torch.float32),
+        "h": ((3, 1000), torch.float16),
+        "i": ((4097,), torch.int64),
+    },
+    "note": "x" * 5000,
+}
 
 
 def _empty() -> dict[str, object]:
@@ -49,20 +51,11 @@ def _empty() -> dict[str, object]:
 
 
 def _assert_state(out: dict[str, object], step: int) -> None:
-    ref = _state(step)
+    ref = seeded_state(step, **LAYOUT)
     for k in ("w", "b", "i"):
         assert torch.equal(out[k], ref[k]), k  # type: ignore[arg-type]
     assert torch.equal(out["h"], ref["h"].to(torch.float32))  # type: ignore[union-attr]
     assert out["meta"] == ref["meta"]
-
-
-def _wait_durable(ns: str, step: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with DaemonClient() as c:
-        while c.step(ns, step).state.value != "durable":
-            if time.monotonic() > deadline:
-                raise AssertionError(f"step {step} not durable: {c.status().persistent}")
-            time.sleep(0.05)
 
 
 def _in_memory(ns: str, step: int) -> bool:
@@ -73,8 +66,8 @@ def _in_memory(ns: str, step: int) -> bool:
 def _saved_and_wiped(node: DaemonProcess, tier_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Step 7 durable, then the node loses its memory; the trainer knows the persistent tier
     (on for file:// too: the default reads S3 tiers directly)."""
-    dcp.save(_state(7), storage_writer=TieredStorageWriter("job", 7), no_dist=True)
-    _wait_durable("job", 7)
+    dcp.save(seeded_state(7, **LAYOUT), storage_writer=TieredStorageWriter("job", 7), no_dist=True)
+    wait_durable("job", 7)
     node.kill()
     shutil.rmtree(node.shm_dir)
     node.start()

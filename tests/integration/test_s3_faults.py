@@ -26,7 +26,7 @@ from tierckpt_client import DaemonClient
 from tierckpt_core.protocol import PersistentStatus
 
 from helpers import DaemonProcess, free_port, wait_until
-from kit import blank_state, load, save, seeded_state
+from kit import blank_state, load, save, seeded_state, step_states, wait_durable
 
 N = 1 << 16
 BIG = 5 << 20  # floats: 20 MiB, three multipart parts of 8 MiB
@@ -49,19 +49,6 @@ def _persistent() -> PersistentStatus:
 
 def _wait(what: str, probe: Callable[[], _T | None], timeout: float) -> _T:
     return wait_until(what, probe, timeout, describe=lambda: f"persistent: {_persistent()}")
-
-
-def _states(ns: str) -> dict[int, str]:
-    with DaemonClient() as c:
-        return {s.step: s.state.value for s in c.steps(ns)}
-
-
-def _wait_durable(ns: str, steps: set[int], timeout: float = 60.0) -> None:
-    _wait(
-        f"{ns} steps {steps} durable",
-        lambda: all(_states(ns).get(s) == "durable" for s in steps),
-        timeout,
-    )
 
 
 def _stalled_at(proxy: S3FaultProxy) -> float:
@@ -132,7 +119,7 @@ def test_transient_faults_every_step_becomes_durable_and_restores_bit_exact(
     proxy.add("503", op="DeleteObjects", times=1)
     for step in (1, 2, 3):
         save("job", step, seeded_state(step, BIG if step == 2 else N))
-    _wait_durable("job", {1, 2, 3})
+    wait_durable("job", {1, 2, 3})
     st = _persistent()
     assert st.uploaded_steps == 3 and st.healthy is True and st.last_error is None
     assert st.queued_steps == 0
@@ -166,12 +153,12 @@ def test_corrupted_transfers_are_never_restored(
 ) -> None:
     node = start_node(s3_timeout=10, s3_max_attempts=2)
     save("job", 10, seeded_state(10, N))
-    _wait_durable("job", {10})
+    wait_durable("job", {10})
     # Step 20's data is corrupted on its way up (plain HTTP, unsigned payload: S3 stores it).
     proxy.add("flip_body", op="UploadPart", key=r"step_000000000020/r\d+\.data")
     save("job", 20, seeded_state(20, N))
     save("job", 30, seeded_state(30, N))
-    _wait_durable("job", {20, 30})
+    wait_durable("job", {20, 30})
     # Step 30 is stored intact, but every download of its data is corrupted on the way back.
     proxy.clear()
     proxy.add("flip", op="GetObject", key=r"step_000000000030/r\d+\.data")
@@ -207,13 +194,13 @@ def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memo
     assert metrics["tierckpt_persistent_healthy"] == 0
     assert metrics["tierckpt_upload_failures_total"] >= 1
     assert metrics["tierckpt_upload_queue_steps"] == 1
-    assert _states("job") == {1: "committed"}
+    assert step_states("job") == {1: "committed"}
     _step, out = load("job", blank_state(N))  # the memory tier keeps serving it
     _assert_state(out, 1)
     assert rule.hits >= 2
 
     proxy.clear()  # S3 recovers: the step becomes durable, and status healthy again
-    _wait_durable("job", {1})
+    wait_durable("job", {1})
     st = _persistent()
     assert st.healthy is True and st.last_error is None and st.queued_steps == 0
     assert _scrape(port)["tierckpt_persistent_healthy"] == 1
@@ -240,14 +227,14 @@ def test_a_stalled_upload_is_bounded_by_the_timeout_and_the_queue_moves_on(
     assert _scrape(node.settings["port"])["tierckpt_persistent_healthy"] == 0
 
     save("job", 2, seeded_state(2, N))  # committed behind the stuck step: it must not wait for it
-    _wait_durable("job", {2}, timeout=30)
-    assert _states("job")[1] == "committed"
+    wait_durable("job", {2}, timeout=30)
+    assert step_states("job")[1] == "committed"
     _step, out = load("job", blank_state(N), 1)
     _assert_state(out, 1)
 
     proxy.clear()
     proxy.release()  # the server answers again: step 1 follows
-    _wait_durable("job", {1}, timeout=60)
+    wait_durable("job", {1}, timeout=60)
     assert _persistent().queued_steps == 0
 
 
@@ -267,7 +254,7 @@ def test_a_server_that_stops_answering_everything_is_reported_within_the_timeout
     assert elapsed < 2 * timeout, f"a stalled server took {elapsed:.1f}s to be reported"
     assert st.healthy is False and st.queued_steps == 1
     assert "TIERCKPT_S3_TIMEOUT=4s" in (st.last_error or "")
-    assert _states("job") == {1: "committed"}
+    assert step_states("job") == {1: "committed"}
     proxy.clear()
     proxy.release()
-    _wait_durable("job", {1}, timeout=60)
+    wait_durable("job", {1}, timeout=60)

@@ -12,6 +12,16 @@ import pytest
 
 import netlab
 from cluster import SETTINGS, TOKEN, Cluster
+from helpers import other_workers_paused
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _alone() -> Iterator[None]:
+    """No other test worker runs a test while a file of these scenarios runs: their bounds (a
+    2 s peer timeout, a save's bound of 4.5 s) are tight enough that a test beside them on a
+    2-core machine breaks them (seen: a healthy save's prepare timed out at load 20)."""
+    with other_workers_paused():
+        yield
 
 
 @pytest.fixture(scope="session")

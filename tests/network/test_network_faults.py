@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import SAVE_BOUND_S, Cluster
+from cluster import SAVE_BOUND_S, Cluster, Save
 from job import Job
 from netlab import PORT, wait_for
 
@@ -37,6 +37,29 @@ def _healthy(c: Cluster, step: int) -> None:
     assert c.settled_alike(step) == "committed"
     c.durable(step)
     c.restored(step)
+
+
+def _fault_while_saving(c: Cluster, fault: Callable[[], None], *, wait: float = 0.0) -> Save:
+    """Save step 2 on its own thread; once node 1 has prepared it (node 2, behind its slow link,
+    has not yet), ``wait`` seconds more, then ``fault()``. Returns how the save ended, its time
+    noted against the bound (a slow node's round trips added)."""
+    pending = c.save_in_background(2)
+    wait_for("node 1 to prepare step 2", lambda: c.prepared(1, 2), 30, every=0.01)
+    time.sleep(wait)
+    fault()
+    s = pending.result(timeout=120)
+    c.bounded("the save of step 2", s.seconds, SAVE_BOUND_S + SLOW_SAVE_S)
+    return s
+
+
+def _committed_durable_restored(c: Cluster, step: int) -> None:
+    """Once healed: every node holds ``step`` committed, it is durable and restores bit-exact;
+    the next save works; no wait was over its bound."""
+    assert c.settled_alike(step) == "committed"
+    c.durable(step)
+    c.restored(step)
+    _healthy(c, step + 1)
+    c.check_bounds()
 
 
 def test_a_participant_unreachable_before_the_prepare(make_cluster: MakeCluster) -> None:
@@ -67,20 +90,12 @@ def test_a_participant_unreachable_after_its_prepare(make_cluster: MakeCluster) 
     the decision after the heal, and the step becomes durable."""
     c = make_cluster(3, delays={2: SLOW_NODE_MS})
     _healthy(c, 1)
-    pending = c.save_in_background(2)
-    wait_for("node 1 to prepare step 2", lambda: c.prepared(1, 2), 30, every=0.01)
-    time.sleep(0.2)  # its answer is on its way to the decider; node 2's is not
-    c.lab.blackhole(1)
-    s = pending.result(timeout=120)
+    # 0.2 s: node 1's answer is on its way to the decider; node 2's is not
+    s = _fault_while_saving(c, lambda: c.lab.blackhole(1), wait=0.2)
     assert s.acknowledged, s
-    c.bounded("the save of step 2", s.seconds, SAVE_BOUND_S + SLOW_SAVE_S)
     assert c.outcome(c.nodes[1], 2) == "undecided"  # in doubt, never guessed
     c.lab.heal(1)
-    assert c.settled_alike(2) == "committed"
-    c.durable(2)
-    c.restored(2)
-    _healthy(c, 3)
-    c.check_bounds()
+    _committed_durable_restored(c, 2)
 
 
 def test_a_participant_unreachable_after_the_decision(make_cluster: MakeCluster) -> None:
@@ -116,12 +131,8 @@ def test_the_decider_unreachable_during_the_decision(make_cluster: MakeCluster) 
     and abort once they can ask it."""
     c = make_cluster(3, delays={2: SLOW_NODE_MS})
     _healthy(c, 1)
-    pending = c.save_in_background(2)
-    wait_for("node 1 to prepare step 2", lambda: c.prepared(1, 2), 30, every=0.01)
-    c.lab.blackhole(0)
-    s = pending.result(timeout=120)
+    s = _fault_while_saving(c, lambda: c.lab.blackhole(0))
     assert not s.acknowledged, s
-    c.bounded("the save of step 2", s.seconds, SAVE_BOUND_S + SLOW_SAVE_S)
     wait_for("node 2 to prepare step 2", lambda: c.prepared(2, 2), 30)
     time.sleep(7.5)  # longer than a prepared participant waits before it asks its decider
     assert c.outcome(c.nodes[1], 2) == c.outcome(c.nodes[2], 2) == "undecided"
@@ -138,24 +149,16 @@ def test_a_one_way_partition_during_the_decision(make_cluster: MakeCluster) -> N
     node 2 while the partition lasts; after the heal the step must still become durable."""
     c = make_cluster(3, delays={2: SLOW_NODE_MS})
     _healthy(c, 1)
-    pending = c.save_in_background(2)
-    wait_for("node 1 to prepare step 2", lambda: c.prepared(1, 2), 30, every=0.01)
-    time.sleep(0.2)  # its answer is on its way to the decider; node 2's is not
-    c.lab.deaf_to(1, [0])
-    s = pending.result(timeout=120)
+    # 0.2 s: node 1's answer is on its way to the decider; node 2's is not
+    s = _fault_while_saving(c, lambda: c.lab.deaf_to(1, [0]), wait=0.2)
     assert s.acknowledged, s
-    c.bounded("the save of step 2", s.seconds, SAVE_BOUND_S + SLOW_SAVE_S)
     wait_for("node 1 to take the decision from node 2", lambda: c.outcome(c.nodes[1], 2)
              == "committed", 30, every=0.25)  # fmt: skip
     # It learnt the outcome from node 2, the other participant (the decider's answers cannot
     # reach it): the decision it took must still make its share durable.
     assert c.logged(1, f"attempt a2 was committed (as {c.nodes[2].name} says)")
     c.lab.heal(1)
-    assert c.settled_alike(2) == "committed"
-    c.durable(2)
-    c.restored(2)
-    _healthy(c, 3)
-    c.check_bounds()
+    _committed_durable_restored(c, 2)
 
 
 def test_delay_and_loss(make_cluster: MakeCluster) -> None:
