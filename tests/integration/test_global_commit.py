@@ -140,7 +140,9 @@ def test_a_participant_killed_after_prepare_takes_the_decision_after_restart(
     decide(a, 2, "s2", files)  # the decider decides (its MANIFEST.json is the commit point)
     assert latest(a) == 2
     b.start()
-    assert latest(b) == 1  # in doubt after the restart: not shown yet
+    # In doubt after the restart, B shows step 1 until it has asked the decider; it may have
+    # asked already when start() returns (a slow start), so only the outcome is asserted.
+    assert latest(b) in (1, 2)
     until("node B to take the decision", lambda: latest(b) == 2)
     assert read_step(b, 2) == {"r00001.data": data["r00001.data"]}
 
