@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (its own venv)")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (the [megatron] extra)")
 
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.checkpointable import (

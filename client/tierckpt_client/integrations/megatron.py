@@ -161,7 +161,7 @@ class TieredSaveShardedStrategy(mcore_torch.TorchDistSaveShardedStrategy):
         process_group: dist.ProcessGroup | None = None,
         keep_only_main_replica: bool = True,
     ):
-        super().__init__(backend="torch_dist", keep_only_main_replica=keep_only_main_replica)
+        super().__init__("torch_dist", 1, keep_only_main_replica=keep_only_main_replica)
         self.persist = persist
         self.process_group = process_group
 
