@@ -9,7 +9,8 @@ A load asks twice: for the step's metadata (``read_metadata``) and for a pin (``
   finds the same file, the step is as last answered, and the metadata request is not sent.
 - **Pins sent ahead.** Then the pin that ``read_data`` asks for next is sent at once, without
   waiting for its answer: the daemon serves it while DCP plans the load, and ``read_data`` claims
-  the answer (:func:`claim`). A pin no load claims (a load that failed in DCP's planning, a reader
+  the answer (:func:`claim`). A first load of a step (or of a new version of it) sends its pin
+  the same way as soon as the metadata's answer is in. A pin no load claims (a load that failed in DCP's planning, a reader
   dropped after ``read_metadata``) is given back when its answer is read: at this process's next
   request to a daemon, or when it exits.
 

@@ -166,14 +166,17 @@ class Checkpointer:
     the node's memory tier runs during the next forward and backward, and every optimizer's
     next ``step()`` waits for it before it changes the parameters (a global pre-step hook), as
     does :meth:`wait_staged`. Anything else that changes the state in place before then (a
-    tensor changed by hand, BatchNorm's running statistics in a forward in training mode) must
-    come after ``wait_staged()``: a change the copy sees fails that save with
+    tensor changed by hand, a buffer over 1 MiB a forward changes) must come after
+    ``wait_staged()``: a change the copy sees fails that save with
     ``StagingRaceError`` (raised by the next ``save`` as :class:`SaveFailedError`), never a
     torn step. Without it, ``save`` returns once the state is copied. The rest of the save runs
     in the background. The next save first waits for it and raises its error
     (:class:`SaveFailedError`) rather than dropping it; that call does not start its own save (call
     it again to save that step). ``state`` maps names to tensors, dicts,
     or ``Stateful`` objects (their ``state_dict``/``load_state_dict`` are called), as DCP takes it.
+
+    ``save`` copies the modules' buffers of up to 1 MiB (BatchNorm's running statistics, which a
+    forward changes) itself before it returns (``_async_staging.forward_buffers``).
 
     Every rank calls ``save`` with the same steps: each call (off-cadence ones too) all-reduces a
     one-element flag (a signal arrived on some rank), so a preemption is acted on at the same step
@@ -276,6 +279,7 @@ class Checkpointer:
             on_unavailable=self.on_unavailable,
             async_staging=self.async_staging,
             wait=wait or self.wait_for,
+            copied_at_stage=_async_staging.forward_buffers(state) if self.async_staging else (),
         )
         result = dcp.async_save(
             state,

@@ -358,8 +358,9 @@ class DaemonClient:
         Without ``pin``, for a ``known`` version whose commit record the daemon's last answer
         named and ``lstat`` finds unchanged: answered here (version ``known``, nothing else), as
         the daemon would, and the load's pin is sent ahead, for its next ``open_read`` with
-        ``pin`` to claim; see :mod:`tierckpt_client._reads`, also for why neither takes a byte
-        on trust."""
+        ``pin`` to claim; else asked, and the pin sent ahead right after the answer (a first
+        load of the step: its pin is served while DCP plans); see :mod:`tierckpt_client._reads`,
+        also for why neither takes a byte on trust."""
         key = (str(self.config.socket), namespace, step)
         path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
         if pin:
@@ -367,21 +368,33 @@ class DaemonClient:
             answer = self._claimed(ahead, namespace, step, known) if ahead is not None else None
             if answer is not None:
                 return answer
-        elif known is not None and _reads.unchanged(key, known):
-            ahead = _reads.Ahead(key, known, self._give_back(namespace, step))
-            body = ReadRequest(known=known, pin=True).model_dump()
-            try:
-                _reads.send_ahead(
-                    ahead, lambda: self._request("POST", path, body, later=True, done=ahead.done)
-                )
-            except DaemonUnavailableError:
-                pass  # asked below, as before: a daemon gone is read_metadata's to handle
-            else:
-                return ReadResponse(version=known)
+        elif (
+            known is not None
+            and _reads.unchanged(key, known)
+            and self._pin_ahead(key, namespace, step, known)
+        ):
+            return ReadResponse(version=known)
         body = ReadRequest(known=known, pin=pin).model_dump()
         answer = ReadResponse.model_validate(self._request("POST", path, body))
         _reads.remember(key, answer)
+        if not pin and answer.stamp is not None:
+            # A first load of this version: its pin goes now too, served while DCP plans.
+            self._pin_ahead(key, namespace, step, answer.version)
         return answer
+
+    def _pin_ahead(self, key: _reads.Key, namespace: str, step: int, version: str) -> bool:
+        """Send the pin of the next ``open_read`` of version ``version`` ahead (not waiting for
+        its answer); False if it could not be sent."""
+        path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
+        ahead = _reads.Ahead(key, version, self._give_back(namespace, step))
+        body = ReadRequest(known=version, pin=True).model_dump()
+        try:
+            _reads.send_ahead(
+                ahead, lambda: self._request("POST", path, body, later=True, done=ahead.done)
+            )
+        except DaemonUnavailableError:
+            return False  # asked when needed, as before: a daemon gone is the load's to handle
+        return True
 
     def _claimed(
         self, ahead: _reads.Ahead, namespace: str, step: int, known: str | None

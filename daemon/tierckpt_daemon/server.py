@@ -20,8 +20,9 @@ from tierckpt_daemon.api import create_app
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node, build_node
 from tierckpt_daemon.peers.handoff import HandoffServer
+from tierckpt_daemon.peers.zerocopy import SendfileH11Protocol
 from tierckpt_daemon.tier.arena import make_dir
-from tierckpt_daemon.tier.tenants import CallerH11Protocol
+from tierckpt_daemon.tier.tenants import STATE_KEY, caller_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,18 @@ logger = logging.getLogger(__name__)
 # two ends' clocks are within the link's latency of each other (issue 32: certain at 4.95 s idle
 # over a 25 ms link when both were uvicorn's and httpx's default of 5 s).
 KEEPALIVE_S = 30
+
+
+class CallerH11Protocol(SendfileH11Protocol):
+    """The daemon's HTTP protocol: peers' file bytes by sendfile on plain TCP
+    (:mod:`.peers.zerocopy`); on a Unix socket, each request carries its caller
+    (:mod:`.tier.tenants`)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        caller = caller_of(transport.get_extra_info("socket"))
+        if caller is not None:
+            self.app_state = {**self.app_state, STATE_KEY: caller}
 
 
 class DaemonStartError(RuntimeError):
@@ -100,11 +113,12 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _start_handoff(settings: DaemonSettings, node: Node) -> HandoffServer | None:
+def _handoff(settings: DaemonSettings, node: Node) -> HandoffServer | None:
     """Hand trainers connections to peers (or relays of them, with TLS) for restores straight
-    into their tensors (see handoff). Without the socket, restores from peers go through this
-    daemon's memory, as before: a warning, not a reason to stop."""
-    assert node.replicator is not None
+    into their tensors (see handoff); the node starts and closes it. Without the socket,
+    restores from peers go through this daemon's memory, as before: a warning, not a reason to
+    stop."""
+    assert node.client is not None and node.ring is not None
     path = handoff_socket(settings.socket_path)
     try:
         sock = _bind_unix(path)
@@ -115,18 +129,15 @@ def _start_handoff(settings: DaemonSettings, node: Node) -> HandoffServer | None
             e,
         )
         return None
-    rep = node.replicator
-    server = HandoffServer(
+    return HandoffServer(
         sock,
         path,
         service=node.service,
-        client=rep.client,
-        membership=rep.membership,
-        node=rep.node,
+        client=node.client,
+        membership=node.ring.membership,
+        node=node.ring.node,
         request_timeout_s=settings.handoff_timeout_s,
     )
-    server.start()
-    return server
 
 
 class _Server(uvicorn.Server):
@@ -196,8 +207,8 @@ def serve(settings: DaemonSettings) -> None:
             http=CallerH11Protocol,
         )
         server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
-        if node.replicator is not None:
-            node.handoff = _start_handoff(settings, node)
+        if node.ring is not None:
+            node.handoff = _handoff(settings, node)
         logger.info(
             "tierckpt daemon serving %s on %s%s (capacity %d bytes, keep_last %d, persistent "
             "tier %s, replication %s)",
@@ -217,8 +228,8 @@ def serve(settings: DaemonSettings) -> None:
     finally:
         if restore_hook is not None:
             restore_hook()
-        if node is not None and node.handoff is not None:
-            node.handoff.close()
+        if node is not None:
+            node.close()  # already closed at the app's shutdown, unless it never started
         with contextlib.suppress(FileNotFoundError):
             settings.socket_path.unlink()
         os.close(lock_fd)

@@ -363,8 +363,20 @@ def test_prometheus_rule_alerts_use_exported_metrics() -> None:
     assert "[30m]" in alerts["TierckptNoDurableStep"]
     exported = _exported_metrics()
     for alert, expr in alerts.items():
+        if alert in ("TierckptDaemonUnavailable", "TierckptMetricsDown"):
+            continue  # about the daemon being gone: it exports nothing then (checked below)
         used = set(re.findall(r"\btierckpt_\w+", expr))
         assert used and used <= exported, (alert, used - exported)
+    # A daemon that is down exports nothing: these two use what the cluster records of it, for
+    # this release's DaemonSet and pods only.
+    ds = _one(objs, "DaemonSet")["metadata"]
+    assert alerts["TierckptDaemonUnavailable"] == (
+        "kube_daemonset_status_number_unavailable"
+        f'{{namespace="{ds["namespace"]}", daemonset="{ds["name"]}"}} > 0'
+    )
+    assert alerts["TierckptMetricsDown"] == (
+        f'up{{namespace="{ds["namespace"]}", pod=~"{ds["name"]}-.*"}} == 0'
+    )
     # Alerts about a tier or peers that are not configured are left out.
     plain = {
         r["alert"]
@@ -375,6 +387,8 @@ def test_prometheus_rule_alerts_use_exported_metrics() -> None:
     assert (
         "TierckptPersistentTierUnhealthy" not in plain and "TierckptPeersUnreachable" not in plain
     )
+    assert "TierckptDaemonUnavailable" in plain  # no scrape needed: kube-state-metrics
+    assert "TierckptMetricsDown" not in plain  # nothing scrapes the daemons without a monitor
     # Both monitors scrape the named port.
     assert _one(objs, "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     assert _one(objs, "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "http"

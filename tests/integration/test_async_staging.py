@@ -171,6 +171,50 @@ def test_checkpointer_optimizer_step_waits_for_the_stage(
         assert torch.equal(v, want[k]), k
 
 
+class _BNModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.bn = nn.BatchNorm1d(64)
+
+
+class _AppState:
+    """A ``Stateful`` wrapper as torch's DCP tutorial writes one: the module one attribute deep."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["module", "stateful-wrapper"])
+def test_checkpointer_a_forward_that_updates_buffers_needs_no_wait(
+    client_env: DaemonProcess, held: threading.Event, wrapped: bool
+) -> None:
+    """BatchNorm's forward in training mode changes its running statistics in place, before
+    any optimizer step: ``save`` copies such buffers itself, so the forward right after it
+    neither fails the save nor reaches the step."""
+    model = _BNModel()
+    model.bn(model.lin(torch.randn(8, 64)))  # running stats away from their initial values
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {"app": _AppState(model)} if wrapped else {"model": model}
+    with Checkpointer(f"zoc-bn-{wrapped}", handle_signals=False, async_staging=True) as ckpt:
+        ckpt.save(1, state)  # returns at once: the stage is held
+        model.bn(model.lin(torch.randn(8, 64)))  # the next step's forward, no wait
+        assert not torch.equal(model.bn.running_mean, want["bn.running_mean"])
+        held.set()
+        ckpt.wait()  # no SaveFailedError (StagingRaceError) for the buffers
+        restored = _BNModel()
+        rstate = {"app": _AppState(restored)} if wrapped else {"model": restored}
+        assert ckpt.restore(rstate) == 1
+    for k, v in restored.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
 def test_checkpointer_wait_staged_before_a_change_outside_the_optimizer(
     client_env: DaemonProcess, held: threading.Event
 ) -> None:

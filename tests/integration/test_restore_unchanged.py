@@ -179,20 +179,74 @@ def _gone(paths: dict[str, str]) -> bool:
     return not any(os.path.exists(p) for p in paths.values())
 
 
+def test_a_first_load_sends_its_pin_ahead_with_the_metadata_answer(
+    client_env: DaemonProcess, reads: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step this process never read: ``read_metadata`` asks for the metadata and, as soon as
+    it has the answer, sends the pin ``read_data`` claims (served while DCP plans); the bytes
+    are verified against the records of the metadata's answer as before (a flipped byte fails)."""
+    seen: list[list[str]] = []
+    real = TieredStorageReader.read_metadata
+
+    def read_metadata(self: TieredStorageReader) -> Any:
+        out = real(self)
+        seen.append(list(reads))
+        return out
+
+    monkeypatch.setattr(TieredStorageReader, "read_metadata", read_metadata)
+    save("first", 1, seeded_state(1, N))
+    assert torch.equal(load("first", blank_state(N), 1)[1]["w"], seeded_state(1, N)["w"])
+    assert seen == [["metadata", "pin"]] and reads == ["metadata", "pin"]
+    save("first", 2, seeded_state(2, N))
+    data = next(p for name, p in step_paths("first", 2).items() if name.endswith(".data"))
+    flip_byte(data, 100)
+    with pytest.raises(CheckpointException, match=r"file \S+ does not match the checksum"):
+        load("first", blank_state(N), 2)
+
+
+def test_a_new_step_of_the_layout_loaded_last_decodes_no_metadata(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps of one layout share their metadata document: decoded once, for the first load."""
+    import tierckpt_client.dcp.reader as reader_module
+
+    decoded: list[str] = []
+    real = reader_module.metadata_from_text
+
+    def counted(doc: str, *, where: str) -> Any:
+        decoded.append(where)
+        return real(doc, where=where)
+
+    monkeypatch.setattr(reader_module, "metadata_from_text", counted)
+    monkeypatch.setattr(reader_module, "_DECODED", type(reader_module._DECODED)())  # as new
+    for step in (1, 2, 3):
+        save("layout", step, seeded_state(step, N))
+        _, out = load("layout", blank_state(N), step)
+        assert torch.equal(out["w"], seeded_state(step, N)["w"])
+        assert out["meta"] == {"step": step}
+    save("layout", 4, {"a": torch.full((8,), 4.0), **seeded_state(4, N)})  # another layout
+    _, out = load("layout", {"a": torch.zeros(8), **blank_state(N)}, 4)
+    assert torch.equal(out["a"], torch.full((8,), 4.0))
+    assert decoded == ["layout/step 1", "layout/step 4"]
+
+
 @pytest.mark.daemon_settings(keep_last=1)
+@pytest.mark.parametrize("before", ["loaded before", "first load"])
 def test_a_pin_sent_ahead_of_a_load_that_fails_in_planning_is_given_back(
-    client_env: DaemonProcess, reads: list[str]
+    client_env: DaemonProcess, reads: list[str], before: str
 ) -> None:
     """DCP refuses the destination after ``read_metadata`` (another shape): the pin sent ahead
     is given back before this process's next request is served, so the next commit takes the
     step out of memory (keep_last=1) and its files with it."""
     save("fail", 1, seeded_state(1, N))
-    load("fail", blank_state(N), 1)
+    if before == "loaded before":
+        load("fail", blank_state(N), 1)
     paths = step_paths("fail", 1)
     reads.clear()
     with pytest.raises(CheckpointException, match="Size mismatch"):
         load("fail", blank_state(N // 2), 1)
-    assert reads == ["pin"]  # sent ahead by read_metadata, never claimed
+    # The pin sent ahead by read_metadata, never claimed.
+    assert reads == (["pin"] if before == "loaded before" else ["metadata", "pin"])
     save("fail", 2, seeded_state(2, N))
     assert _gone(paths)
     assert torch.equal(load("fail", blank_state(N), 2)[1]["w"], seeded_state(2, N)["w"])

@@ -9,11 +9,19 @@ without it."""
 
 from __future__ import annotations
 
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the 'deepspeed' extra)")
 
@@ -21,12 +29,35 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.config import ClientConfig
-from tierckpt_client.integrations.deepspeed import join, materialize, split, tag_step
+from tierckpt_client.dcp import TieredStorageWriter, _arena
+from tierckpt_client.integrations.deepspeed import join, materialize, read_file, split, tag_step
 from tierckpt_core.errors import CheckpointFormatError
 
 from helpers import DaemonProcess, run_loop
+from kit import step_paths
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_zero.py"
+
+
+@pytest.fixture(scope="module")
+def _shm_op_built() -> None:
+    """DeepSpeed builds its CPU shared-memory op on first use (torch's JIT extension build: minutes
+    on a loaded 2-core machine, again in every new venv), under a ``lock`` file that every later
+    process waits on forever: a build killed half-way (a rank timed out) leaves it behind and
+    every later run hangs. So: a lock older than any build here is such a leftover and is
+    removed, saying so; and the op is built once here, with time for it, before the ranks start
+    (their timeout is for training)."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache/torch_extensions"))
+    for lock in root.glob("**/deepspeed_shm_comm/lock"):
+        if time.time() - lock.stat().st_mtime > 20 * 60:
+            logging.getLogger(__name__).warning("removed a stale build lock: %s", lock)
+            lock.unlink(missing_ok=True)
+    build = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_file_comes_back_with_its_exact_structure() -> None:
@@ -42,8 +73,8 @@ def test_a_file_comes_back_with_its_exact_structure() -> None:
         "ds_version": "0.19.8",
     }
     entries = split("f.pt", sd)
-    assert entries["f.pt/skeleton"].dtype == torch.uint8
-    back = join("f.pt", {k: v.clone() for k, v in entries.items()})
+    assert isinstance(entries["f.pt/skeleton"], bytes)  # a bytes item: verified on every read
+    back = join("f.pt", {k: v.clone() if torch.is_tensor(v) else v for k, v in entries.items()})
     assert list(back["optimizer_state_dict"]["state"]) == [0, 1]  # int keys stay ints
     assert back["optimizer_state_dict"]["state"][1] == {}
     assert back["empty"] == {} and back["none"] is None
@@ -54,6 +85,45 @@ def test_a_file_comes_back_with_its_exact_structure() -> None:
     assert back["optimizer_state_dict"]["state"][0]["exp_avg"] is back["module"]["same"]
 
 
+class _Planted:
+    """Unpickling this creates a file: the proof that a replaced skeleton was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def test_a_replaced_skeleton_is_never_unpickled_with_tensor_checks_off(
+    client_env: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone who can write into the tier directory replaces a file's skeleton in place with a
+    pickle; with ``TIERCKPT_VERIFY_READS=0`` (tensor checks off) the read
+    still fails on the checksum and nothing is unpickled."""
+    entries = split("f.pt", {"w": torch.randn(4096), "note": "x" * 200, "n": {0: 1}})
+    dcp.save(entries, storage_writer=TieredStorageWriter("ds-evil", 5), no_dist=True)
+    assert read_file("ds-evil", 5, "f.pt")["note"] == "x" * 200  # intact: reads back
+    marker = tmp_path / "marker"
+    skeleton = entries["f.pt/skeleton"]
+    # A bytes item is stored as DCP torch.save()s it (a zip); a tensor as its raw bytes.
+    needle = b"PK\x03\x04" if isinstance(skeleton, bytes) else skeleton.numpy().tobytes()
+    hits = 0
+    for path in step_paths("ds-evil", 5).values():
+        with open(path, "r+b") as f:
+            at = f.read().find(needle)
+            if at >= 0:
+                f.seek(at)
+                f.write(pickle.dumps(_Planted(str(marker))))
+                hits += 1
+    assert hits == 1
+    monkeypatch.setenv("TIERCKPT_VERIFY_READS", "0")
+    _arena.clear_cache()
+    with pytest.raises(CheckpointException, match="does not match the checksum taken when"):
+        read_file("ds-evil", 5, "f.pt")
+    assert not marker.exists()
+
+
 def test_a_tag_without_a_number_is_refused_by_name() -> None:
     assert tag_step("global_step12") == 12
     with pytest.raises(CheckpointFormatError, match="'best'"):
@@ -61,9 +131,14 @@ def test_a_tag_without_a_number_is_refused_by_name() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the first one may build DeepSpeed's op (_shm_op_built)
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_resumes_with_the_uninterrupted_runs_losses(
-    stage: int, daemon: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stage: int,
+    daemon: DaemonProcess,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    _shm_op_built: None,
 ) -> None:
     ns = f"ds-zero{stage}"
     env = {**daemon.client_env, "DS_ACCELERATOR": "cpu"}

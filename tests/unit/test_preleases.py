@@ -16,7 +16,6 @@ import pytest
 from tierckpt_core.errors import CapacityExceededError, LeaseNotFoundError
 from tierckpt_core.protocol import CommitRequest, LeaseAfter, SealFile, SealRequest
 from tierckpt_daemon.tier.arena import Arena
-from tierckpt_daemon.tier.housekeeping import sweep
 from tierckpt_daemon.tier.service import TierService
 
 MiB = 1 << 20
@@ -143,16 +142,16 @@ def test_a_dead_trainers_pre_lease_expires_and_a_claimed_one_is_renewed_once(
         assert os.path.exists(pre.path)
         time.sleep(ttl * 1.5)
         if not pre_claimed:  # nobody holds it: gone at the first sweep past its TTL
-            sweep(svc)
+            svc.sweep()
             assert not os.path.exists(pre.path)
             assert svc.leases.held_bytes == 0
             svc.delete_step("job", 2)
             continue
         with claimed(pre.path):
-            sweep(svc)  # held: it lives one more TTL
+            svc.sweep()  # held: it lives one more TTL
             assert os.path.exists(pre.path)
             time.sleep(ttl * 1.5)
-            sweep(svc)  # held past that too: reclaimed like a plain lease
+            svc.sweep()  # held past that too: reclaimed like a plain lease
             assert not os.path.exists(pre.path)
     assert svc.leases.held_bytes == 0
 

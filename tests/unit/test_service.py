@@ -19,7 +19,6 @@ from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.tier.arena import Arena
-from tierckpt_daemon.tier.housekeeping import sweep
 from tierckpt_daemon.tier.restore import Restorer
 from tierckpt_daemon.tier.service import TierService
 
@@ -210,7 +209,7 @@ def test_sweep_expires_unsealed_leases(root: Path) -> None:
     svc.rebuild()
     svc.lease("job", 0, MiB)
     time.sleep(0.05)
-    sweep(svc)
+    svc.sweep()
     assert Node(svc, Restorer(svc)).status("x").leased_bytes == 0
     assert svc.arena.pool_files == 1
 

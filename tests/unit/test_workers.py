@@ -20,8 +20,9 @@ from tierckpt_core.manifest import StepManifest
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.objectstore import FileStore
 from tierckpt_core.protocol import CommitRequest, PeerStep, SealFile, SealRequest, StepInfo
+from tierckpt_daemon.peers.copier import Copier
 from tierckpt_daemon.peers.fetch import PeerFetcher
-from tierckpt_daemon.peers.membership import Membership
+from tierckpt_daemon.peers.membership import Membership, Ring
 from tierckpt_daemon.peers.replication import Replicator
 from tierckpt_daemon.peers.server import PeerServer
 from tierckpt_daemon.tier.arena import Arena
@@ -225,7 +226,9 @@ def two_nodes(tmp_path: Path) -> Iterator[PeerNetwork]:
     members = Membership.parse("a:1,b:1")
     for name in ("a:1", "b:1"):
         svc = _service(tmp_path / name.replace(":", "-"))
-        rep = Replicator(svc, members, net.client(), node=name)  # type: ignore[arg-type]
+        client = net.client()
+        ring = Ring(members, name)
+        rep = Replicator(svc, ring, client, Copier(svc, client))  # type: ignore[arg-type]
         svc.replicas = 1
         svc.add_listener(rep)
         net.nodes[name] = (svc, PeerServer(svc), rep)
@@ -262,7 +265,8 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
     rep = PeerFetcher(
         fresh,
         client,  # type: ignore[arg-type]
-        Replicator(fresh, Membership.parse("a:1,b:1"), client, node="a:1"),  # type: ignore[arg-type]
+        Ring(Membership.parse("a:1,b:1"), "a:1"),
+        Copier(fresh, client),  # type: ignore[arg-type]
     )
     assert rep.peer_steps("job") == {8: ["b:1"]}
     assert rep.hydrate("job", 8).step == 8
@@ -278,7 +282,8 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
     rep2 = PeerFetcher(
         other,
         client,  # type: ignore[arg-type]
-        Replicator(other, Membership.parse("a:1,b:1"), client, node="a:1"),  # type: ignore[arg-type]
+        Ring(Membership.parse("a:1,b:1"), "a:1"),
+        Copier(other, client),  # type: ignore[arg-type]
     )
     with pytest.raises(Exception, match=r"r0\.data.*corrupt"):
         rep2.hydrate("job", 8)

@@ -19,7 +19,8 @@ tier file; the checksums are taken later, in ``write_data`` (DCP's save thread o
 loop must not change them in place until ``staging_completion`` is done: wait for it before
 ``optimizer.step()`` (forward and backward only read the parameters; modules that update buffers
 in their forward, such as BatchNorm in training mode, change state too: wait before that forward
-then). A value changed after ``staging_completion`` never reaches the step: the staged tensors
+then, or name those buffers in ``copied_at_stage``: ``stage()`` clones them itself before it
+returns, as :class:`~tierckpt_client.Checkpointer` does with its modules' buffers). A value changed after ``staging_completion`` never reaches the step: the staged tensors
 alias the tier file, and no thread writes into it once the future is done. A value changed
 before is caught: :meth:`Marks.check` compares the version counters after the copy and fails the
 save with :class:`~tierckpt_core.errors.StagingRaceError` naming the tensors (in-place ops move a
@@ -34,12 +35,13 @@ import concurrent.futures
 import contextlib
 import copy
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -66,10 +68,19 @@ def side_stream(device: int) -> torch.cuda.Stream:
         return s
 
 
-def _skeleton(obj: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> Any:
+def storages(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """The storages of ``tensors`` (their data pointers), as :meth:`Marks.take` knows them."""
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors if t.numel())
+
+
+def _skeleton(
+    obj: Any, path: str, out: list[tuple[str, torch.Tensor]], now: frozenset[int] = frozenset()
+) -> Any:
     """``obj`` with every container rebuilt and every non-tensor leaf deep-copied, its tensors
     as they are (noted in ``out`` with their place in the state, as ``_staging._walk`` finds
-    them): what the loop may change once ``stage()`` returned is in tensors only."""
+    them): what the loop may change once ``stage()`` returned is in tensors only. A plain tensor
+    whose storage is in ``now`` is cloned here instead (on the current stream for CUDA: the value
+    in stream order, whatever the loop launches next), and the copy stages the clone."""
     if isinstance(obj, ShardedTensor):
         out.extend((path, s.tensor) for s in obj.local_shards())
         return obj
@@ -80,13 +91,51 @@ def _skeleton(obj: Any, path: str, out: list[tuple[str, torch.Tensor]]) -> Any:
         out.extend((path, t) for _, t in local_tensors(obj))
         return obj
     if isinstance(obj, torch.Tensor):
+        if now and obj.numel() and obj.untyped_storage().data_ptr() in now:
+            obj = obj.detach().clone()
         out.append((path, obj))
         return obj
     if isinstance(obj, dict):
-        return {k: _skeleton(v, f"{path}.{k}" if path else str(k), out) for k, v in obj.items()}
+        return {
+            k: _skeleton(v, f"{path}.{k}" if path else str(k), out, now) for k, v in obj.items()
+        }
     if isinstance(obj, list):
-        return [_skeleton(v, f"{path}.{i}" if path else str(i), out) for i, v in enumerate(obj)]
+        return [
+            _skeleton(v, f"{path}.{i}" if path else str(i), out, now) for i, v in enumerate(obj)
+        ]
     return copy.deepcopy(obj)
+
+
+FORWARD_BUFFER_MAX = 1 << 20
+"""Buffers up to this size are copied by an asynchronous ``save`` itself (see ``Checkpointer``)."""
+
+
+def forward_buffers(state: Any) -> list[torch.Tensor]:
+    """The buffers (up to :data:`FORWARD_BUFFER_MAX` bytes each) of the modules in ``state``:
+    its values, in nested dicts and lists, and one attribute deep in other objects (a
+    ``Stateful`` wrapper holding ``self.model``)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, nn.Module):
+            found.extend(b for b in obj.buffers() if b.nbytes <= FORWARD_BUFFER_MAX)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                visit(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                visit(v, depth + 1)
+        elif depth == 1 and not isinstance(obj, torch.Tensor) and hasattr(obj, "__dict__"):
+            for v in vars(obj).values():
+                if isinstance(v, nn.Module):
+                    visit(v, depth + 1)
+
+    visit(state, 0)
+    return found
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -104,10 +153,13 @@ class Marks:
     events: dict[int, torch.cuda.Event] = field(default_factory=dict)
 
     @classmethod
-    def take(cls, state_dict: dict[str, Any]) -> tuple[Marks, dict[str, Any]]:
-        """The marks, and the state to stage (:func:`_skeleton`)."""
+    def take(
+        cls, state_dict: dict[str, Any], copy_now: frozenset[int] = frozenset()
+    ) -> tuple[Marks, dict[str, Any]]:
+        """The marks, and the state to stage (:func:`_skeleton`; tensors on the storages
+        ``copy_now`` cloned here)."""
         found: list[tuple[str, torch.Tensor]] = []
-        skeleton = _skeleton(state_dict, "", found)
+        skeleton = _skeleton(state_dict, "", found, copy_now)
         marks = cls()
         devices = set()
         for path, t in found:

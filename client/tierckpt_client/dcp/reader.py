@@ -23,7 +23,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena
+from tierckpt_client.dcp import _arena, _dcp_log
 from tierckpt_client.dcp._corruption import report
 from tierckpt_client.dcp._fallback import (
     FAILED,
@@ -60,9 +60,10 @@ __all__ = ["RANGED_READ_MAX", "TieredStorageReader"]
 
 
 # The metadata of the steps this process loaded, decoded, by the document the source answered
-# with (the memory source keeps one per commit of a step): decoding it costs ~10 us per tensor,
-# on every load, where the document is the same.
-_DECODED: OrderedDict[int, tuple[str, Metadata]] = OrderedDict()
+# with: decoding it costs ~10 us per tensor, on every load, where the document is the same. By its
+# text, not the object: the steps of one layout share it (the same files, offsets and tensors),
+# so a load of a new step of the layout last loaded decodes nothing.
+_DECODED: OrderedDict[str, Metadata] = OrderedDict()
 _DECODED_MAX = 8
 _DECODED_LOCK = threading.Lock()
 
@@ -72,13 +73,13 @@ def _decoded(doc: str, *, where: str) -> Metadata:
     decoded once per document; each load gets its own copy of the tables (DCP and a user's
     planner may keep or change what they are given)."""
     with _DECODED_LOCK:
-        hit = _DECODED.get(id(doc))
-    if hit is not None and hit[0] is doc:
-        metadata = hit[1]
-    else:
+        metadata = _DECODED.get(doc)
+        if metadata is not None:
+            _DECODED.move_to_end(doc)
+    if metadata is None:
         metadata = metadata_from_text(doc, where=where)
         with _DECODED_LOCK:
-            _DECODED[id(doc)] = (doc, metadata)  # (the document held: its id is not reused)
+            _DECODED[doc] = metadata
             while len(_DECODED) > _DECODED_MAX:
                 _DECODED.popitem(last=False)
     return replace(
@@ -143,6 +144,7 @@ class TieredStorageReader(StorageReader):
         self.config = config or ClientConfig.from_env()
         self.process_group = process_group
         self._daemon = DaemonClient.shared(self.config)
+        _dcp_log.drop_discarded_debug_records()  # DCP's, dropped unseen: ~20 per save
         # Which step this load reads, and from where (see read_plan): chosen once, in
         # read_metadata (and again below a step found corrupt while it is read).
         self._planner = Planner(self._daemon, self.config)

@@ -7,6 +7,7 @@ import os
 import socket
 import uuid
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future as StagingFuture
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -22,7 +23,7 @@ from torch.futures import Future
 
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_client.dcp import _arena, _assign, _async_staging, _items, _prelease
+from tierckpt_client.dcp import _arena, _assign, _async_staging, _dcp_log, _items, _prelease
 from tierckpt_client.dcp._attempt import SaveFiles
 from tierckpt_client.dcp._direct import PersistentTier
 from tierckpt_client.dcp._ids import (
@@ -93,6 +94,10 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             see ``_async_staging``). Off by default here, since it changes what
             ``async_save`` returns (a response, not a future); :class:`Checkpointer` turns it
             on (``TIERCKPT_ASYNC_STAGING``) and does the waiting.
+        copied_at_stage: with ``async_staging``, tensors (of the state) that ``stage`` copies
+            itself before it returns, so that the loop may change them right after: buffers a
+            forward updates (BatchNorm's running statistics). Small ones only: their copy is on
+            the training thread. :class:`Checkpointer` passes its modules' buffers.
         wait: when the save counts as done (its future completes, ``dcp.save`` returns):
             ``"committed"`` (default) once the step is committed in the memory of the nodes its
             ranks wrote to, which survives a trainer's death, not the loss of such a node until
@@ -150,9 +155,11 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         async_staging: bool = False,
         wait: str = "committed",
         replicated_timeout_s: float = 300.0,
+        copied_at_stage: Iterable[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         self.async_staging = async_staging
+        self._copied_at_stage = _async_staging.storages(copied_at_stage)
         self._staging: StagingFuture[dict[str, Any]] | None = None
         self._torn: StagingRaceError | None = None  # the loop changed a tensor while staged
         if on_unavailable not in ("persist", "raise"):
@@ -176,6 +183,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self.config = config or ClientConfig.from_env()
         self._daemon = DaemonClient.shared(self.config)
         self._memory = MemoryTier(self._daemon, overwrite=overwrite)
+        _dcp_log.drop_discarded_debug_records()  # DCP's, dropped unseen: ~20 per save
         # What this save holds on the daemon, from stage()'s lease to finish()'s commit; given
         # back by a failed write_data or finish, by close(), or when the writer is collected.
         self._files = SaveFiles(self._daemon)
@@ -270,7 +278,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         if not self.async_staging:
             return self._stage_now(namespace, state_dict, None)
         # Here, before the loop changes anything: the versions, and the non-tensor values.
-        marks, skeleton = _async_staging.Marks.take(state_dict)
+        marks, skeleton = _async_staging.Marks.take(state_dict, self._copied_at_stage)
         self._staging = _async_staging.submit(lambda: self._stage_now(namespace, skeleton, marks))
         return self._staging
 

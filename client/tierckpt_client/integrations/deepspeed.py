@@ -16,9 +16,12 @@ What this engine does, against DeepSpeed's ``TorchCheckpointEngine``:
 * ``save`` keeps the state dict (DeepSpeed does not change it before ``commit``); ``commit`` saves
   every rank's files in one collective DCP save, step ``N`` of the namespace, where ``N`` is the
   number the tag ends with (``global_step<N>``, DeepSpeed's default; a tag without one is refused
-  at ``create``). Each file is stored as its tensors plus one ``uint8`` tensor holding the pickled
+  at ``create``). Each file is stored as its tensors plus one bytes item holding the pickled
   rest of it (the "skeleton"): DCP's planners never see the file's own structure, so integer keys,
-  empty containers and any non-tensor value come back exactly as saved.
+  empty containers and any non-tensor value come back exactly as saved. The skeleton is a DCP
+  bytes item, not a tensor, because tierckpt's readers check bytes items against the checksum
+  taken when they were written even where tensor checks are off (``TIERCKPT_VERIFY_READS=0``):
+  it is unpickled, so it must never be read unverified.
 * At ``commit`` every rank writes a one-line pointer file (``tierckpt://<namespace>/<N>``) at the
   path of every file of the tag, whichever rank saved it, and ``latest`` (with ``save_latest``):
   DeepSpeed's loader lists ``mp_rank_*_model_states.pt`` and reads ``latest`` from the folder, also
@@ -51,7 +54,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp._ids import format_checkpoint_id
@@ -91,9 +94,9 @@ def _file_key(path: str) -> tuple[str, str]:
     return p.parent.name, p.name
 
 
-def split(name: str, state: Any) -> dict[str, torch.Tensor]:
-    """The DCP entries for file ``name``: its tensors and its pickled skeleton."""
-    out: dict[str, torch.Tensor] = {}
+def split(name: str, state: Any) -> dict[str, torch.Tensor | bytes]:
+    """The DCP entries for file ``name``: its tensors, and its pickled skeleton as bytes."""
+    out: dict[str, torch.Tensor | bytes] = {}
     seen: dict[int, _TensorRef] = {}
 
     def walk(obj: Any) -> Any:
@@ -111,14 +114,20 @@ def split(name: str, state: Any) -> dict[str, torch.Tensor]:
             return type(obj)(walk(v) for v in obj)
         return obj
 
-    skeleton = pickle.dumps(walk(state), protocol=pickle.HIGHEST_PROTOCOL)
-    out[f"{name}/{SKELETON}"] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
+    out[f"{name}/{SKELETON}"] = pickle.dumps(walk(state), protocol=pickle.HIGHEST_PROTOCOL)
     return out
 
 
-def join(name: str, loaded: dict[str, torch.Tensor]) -> Any:
-    """File ``name`` rebuilt from its DCP entries (the inverse of :func:`split`)."""
-    skeleton = pickle.loads(loaded[f"{name}/{SKELETON}"].numpy().tobytes())
+def join(name: str, loaded: dict[str, Any]) -> Any:
+    """File ``name`` rebuilt from its DCP entries (the inverse of :func:`split`); the skeleton's
+    bytes must come from a tierckpt read (verified against the write-time checksum)."""
+    raw = loaded[f"{name}/{SKELETON}"]
+    if not isinstance(raw, bytes):
+        raise CheckpointFormatError(
+            f"DeepSpeed file {name!r}: its skeleton is a {type(raw).__name__}, not a bytes item "
+            "(a step saved by an earlier, unreleased version of this engine): save it again"
+        )
+    skeleton = pickle.loads(raw)  # verified bytes: see the module's docstring
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, _TensorRef):
@@ -153,10 +162,12 @@ def read_file(namespace: str, step: int, name: str, map_location: Any = None) ->
     """File ``name`` of a step, read by this rank alone (no collective)."""
     md = TieredStorageReader(namespace, step).read_metadata()
     prefix = f"{name}/"
-    want: dict[str, torch.Tensor] = {}
+    want: dict[str, Any] = {}
     for key, entry in md.state_dict_metadata.items():
         if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata):
             want[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        elif key == f"{name}/{SKELETON}" and isinstance(entry, BytesStorageMetadata):
+            want[key] = b""  # DCP's planner puts the verified item here
     if f"{name}/{SKELETON}" not in want:
         raise CheckpointFormatError(
             f"{namespace}/step {step} holds no DeepSpeed file {name!r} "
@@ -168,7 +179,10 @@ def read_file(namespace: str, step: int, name: str, map_location: Any = None) ->
         planner=DefaultLoadPlanner(allow_partial_load=True),
         no_dist=True,
     )
-    return join(name, {k: _map(v, map_location) for k, v in want.items()})
+    return join(
+        name,
+        {k: _map(v, map_location) if isinstance(v, torch.Tensor) else v for k, v in want.items()},
+    )
 
 
 class TierckptCheckpointEngine(CheckpointEngine):
@@ -199,7 +213,7 @@ class TierckptCheckpointEngine(CheckpointEngine):
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         step = tag_step(info.tag)
-        state: dict[str, torch.Tensor] = {}
+        state: dict[str, torch.Tensor | bytes] = {}
         for name, sd in self._files.items():
             state.update(split(name, sd))
         writer = TieredStorageWriter(self.namespace, step, persist=self.persist)

@@ -26,7 +26,6 @@ from tierckpt_daemon.api.writes import router as writes_router
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.peers.server import PeerServer
-from tierckpt_daemon.tier import housekeeping
 from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
@@ -98,35 +97,15 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(_sweeper(service))
-        persister = node.persister
-        replicator = node.replicator
-        if persister is not None:
-            persister.start()
-        if replicator is not None:
-            replicator.start()
-        if node.committer is not None:
-            node.committer.start()
+        node.start()
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            if node.committer is not None:
-                await asyncio.to_thread(node.committer.stop)
-            if replicator is not None:
-                # Pending pushes resume after the next start (replication_pending in the manifest).
-                await asyncio.to_thread(replicator.stop)
-            if persister is not None:
-                # SIGTERM: give queued uploads the grace period, then stop; what is left resumes
-                # after the next start (the steps are still committed in the tier directory).
-                done = await asyncio.to_thread(persister.drain, settings.drain_timeout_s)
-                if not done:
-                    logger.warning(
-                        "uploads not finished after %.0fs; they resume when the daemon restarts",
-                        settings.drain_timeout_s,
-                    )
-                persister.stop()
+            # SIGTERM: the workers stop, queued uploads get the grace period (node.close).
+            await asyncio.to_thread(node.close)
 
     app = FastAPI(
         title="tierckpt daemon",
@@ -206,6 +185,6 @@ async def _sweeper(service: TierService) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         try:
-            await asyncio.to_thread(housekeeping.sweep, service)
+            await asyncio.to_thread(service.sweep)
         except OSError:
             logger.exception("housekeeping sweep failed; retrying in %.0fs", SWEEP_INTERVAL_S)

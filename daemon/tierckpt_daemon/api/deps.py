@@ -41,11 +41,9 @@ async def get_caller(request: Request) -> Caller:
 async def under_lock(service: TierService, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     """``fn`` (quick, and taking the service's reentrant lock) on the event loop if the lock is
     free now, else in the thread pool."""
-    if service.lock.acquire(blocking=False):
-        try:
+    with service.lock_if_free() as free:
+        if free:
             return fn(*args, **kw)
-        finally:
-            service.lock.release()
     return await run_in_threadpool(fn, *args, **kw)
 
 

@@ -81,7 +81,7 @@ def hydrate(
 def peer_sources(namespace: str, step: int, node: NodeDep, owner: Owner) -> PeerSources:
     """A step in no memory of this node, as its peers hold it: for a restore straight from them
     into the reader's tensors (connections handed over on the handoff socket)."""
-    manifest, copies = node.restorer.peer_sources(namespace, step, owner=owner)
+    manifest, copies = node.spanning.sources(namespace, step, owner=owner)
     return PeerSources(
         manifest=manifest,
         holders={p: sorted(c.held) if c.held is not None else None for p, c in copies.items()},
@@ -235,5 +235,5 @@ def read_ranges(
     namespace: str, step: int, name: str, req: RangesRequest, node: NodeDep, owner: Owner
 ) -> Response:
     """Parts of a file that another node holds (a step spanning nodes), verified, concatenated."""
-    data = node.restorer.read_ranges(namespace, step, name, list(req.ranges), owner=owner)
+    data = node.spanning.read_ranges(namespace, step, name, list(req.ranges), owner=owner)
     return Response(data, media_type="application/octet-stream")

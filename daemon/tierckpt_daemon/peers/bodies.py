@@ -162,3 +162,20 @@ def check_range(
             f"{what} answered bytes {got!r} ({header('content-length')} bytes) for "
             f"{start}-{stop - 1}"
         )
+
+
+def ask_range(sock: socket.socket, peer: str, url: str, auth: str, start: int, stop: int) -> None:
+    """Ask ``peer`` on ``sock`` for bytes ``[start, stop)`` of ``url`` (``Connection: close``)
+    and read and check the answer's head, without taking a byte of its body: the socket is then
+    handed over whole (:meth:`PeerClient.open_range`)."""
+    what = f"peer {peer}: {url}"
+    sock.sendall(
+        (
+            f"GET {url} HTTP/1.1\r\nHost: {peer}\r\nAuthorization: {auth}\r\n"
+            f"Range: bytes={start}-{stop - 1}\r\nConnection: close\r\n\r\n"
+        ).encode()
+    )
+    status, headers = read_head(sock, what)
+    n = min(int(headers.get("content-length", "0") or 0), MAX_HEAD)
+    body = lambda: recv_exact(sock, n, what)  # noqa: E731
+    check_range(peer, url, start, stop, None, status, headers.get, body)

@@ -51,11 +51,10 @@ from tierckpt_core.verified import BlockSums, receive_to
 from tierckpt_daemon.peers.bodies import (
     MAX_HEAD,
     RangeStream,
+    ask_range,
     check_range,
     check_whole,
-    read_head,
     receive,
-    recv_exact,
 )
 from tierckpt_daemon.peers.membership import Members
 from tierckpt_daemon.peers.pacing import TokenBucket, paced_readinto
@@ -302,17 +301,7 @@ class PeerClient:
             with self._t.failures(peer, "GET", url):
                 sock = self._t.dial(peer, url)
                 try:
-                    sock.sendall(
-                        (
-                            f"GET {url} HTTP/1.1\r\nHost: {peer}\r\n"
-                            f"Authorization: {self._t.auth}\r\n"
-                            f"Range: bytes={start}-{stop - 1}\r\nConnection: close\r\n\r\n"
-                        ).encode()
-                    )
-                    status, headers = read_head(sock, what)
-                    n = min(int(headers.get("content-length", "0") or 0), MAX_HEAD)
-                    body = lambda: recv_exact(sock, n, what)  # noqa: E731
-                    check_range(peer, url, start, stop, None, status, headers.get, body)
+                    ask_range(sock, peer, url, self._t.auth, start, stop)
                     return sock
                 except BaseException:
                     sock.close()

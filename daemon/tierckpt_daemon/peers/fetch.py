@@ -5,8 +5,9 @@ holds, each verified before it is used.
 Every read is for one owner (``owner``, see :mod:`tierckpt_daemon.tier.ownership`; None: anyone's):
 peers' copies of another owner's steps count as not there.
 
-The :class:`~tierckpt_daemon.peers.replication.Replicator` pushes; this module reads. It uses the
-replicator's ring, its record of peers' health and its copy path (:meth:`Replicator.copy_from`).
+The :class:`~tierckpt_daemon.peers.replication.Replicator` pushes; this module reads. Both use the
+daemon's one :class:`~tierckpt_daemon.peers.membership.Ring` (where replicas went, which peers did
+not answer lately) and :class:`~tierckpt_daemon.peers.copier.Copier` (a step copied, verified).
 """
 
 from __future__ import annotations
@@ -15,12 +16,9 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 
 from tierckpt_core.errors import (
-    BlockMismatchError,
     CheckpointFormatError,
     IntegrityError,
     NotFoundError,
@@ -29,13 +27,12 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     TierCkptError,
 )
-from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, ring_of
+from tierckpt_core.manifest import RingRecord, StepManifest, ring_of
 from tierckpt_core.protocol import PeerStep, StepInfo
-from tierckpt_core.verified import BlockSums, check_blocks
-from tierckpt_daemon.locks import KeyedLocks
 from tierckpt_daemon.peers.client import PeerClient
-from tierckpt_daemon.peers.replication import PEER_ERRORS, Replicator
-from tierckpt_daemon.peers.ring_table import DurableManifest
+from tierckpt_daemon.peers.copier import Copier
+from tierckpt_daemon.peers.membership import PEER_ERRORS, Ring
+from tierckpt_daemon.peers.ring_table import DurableManifest, RingTables
 from tierckpt_daemon.peers.shares import Shares
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord
@@ -46,24 +43,23 @@ logger = logging.getLogger(__name__)
 LIST_WAIT_S = 3.0  # how long "latest" and a restore wait for peers to list their steps
 
 
-class PeerFetcher(Shares):
+class PeerFetcher:
     def __init__(
         self,
         service: TierService,
         client: PeerClient,
-        replicator: Replicator,
+        ring: Ring,
+        copier: Copier,
         *,
         durable: DurableManifest | None = None,
         list_wait_s: float = LIST_WAIT_S,
     ) -> None:
         self.service = service
         self.client = client
-        self.replicator = replicator  # the ring, peers' health, and the copy path
-        # A durable step's manifest (the share table, when none of its holders answers).
-        self.durable_manifest = durable
-        self._tables: OrderedDict[tuple[str, int, str], RingRecord] = OrderedDict()
-        self._tables_guard = threading.Lock()
-        self._table_locks = KeyedLocks()
+        self.ring = ring  # where replicas went, and which peers did not answer lately
+        self.copier = copier
+        self.tables = RingTables(service, client, durable=durable)
+        self.shares = Shares(service, client, ring, self.tables, self._listings)
         self.list_wait_s = list_wait_s
         # One thread per peer that does not answer stays busy until the peer timeout: room for
         # several of those besides the peers that do.
@@ -73,9 +69,6 @@ class PeerFetcher(Shares):
         # (nor waited for) until that request ends.
         self._asked: dict[str, tuple[Future[list[PeerStep]], float]] = {}
         self._asked_lock = threading.Lock()
-        # Full records of other nodes' shares, fetched and checked against RingRecord.shares.
-        self._shares: OrderedDict[tuple[str, int, str, str], dict[str, FileRecord]] = OrderedDict()
-        self._shares_lock = threading.Lock()
 
     def close(self) -> None:
         self._ask_pool.shutdown(wait=False, cancel_futures=True)
@@ -88,11 +81,11 @@ class PeerFetcher(Shares):
         asked in parallel, once each; one that does not answer within the peer timeout is
         skipped with a warning."""
         try:
-            peers = self.replicator.successors()
+            peers = self.ring.successors()
         except PeerUnavailableError as e:
             logger.warning("%s: not asking the peers for steps: %s", namespace, e)
             return {}
-        near = self.neighbours(peers)
+        near = self.ring.neighbours(peers)
         held = self._ask_steps(namespace, near, owner)
         rest = [p for p in peers if p not in near]
         if not held and rest:
@@ -103,12 +96,6 @@ class PeerFetcher(Shares):
             )
             held = self._ask_steps(namespace, rest, owner)
         return held
-
-    def neighbours(self, ring: list[str]) -> list[str]:
-        """Of the other members in ring order, the ``replicas + 1`` after this node and as many
-        before it."""
-        k = max(1, self.replicator.replicas) + 1
-        return list(dict.fromkeys(ring[:k] + ring[::-1][:k]))
 
     def _ask_steps(
         self, namespace: str, peers: list[str], owner: str | None
@@ -151,9 +138,9 @@ class PeerFetcher(Shares):
             except NotFoundError:
                 continue
             except TierCkptError as e:
-                self.replicator.peer_failed(peer, e)
+                self.ring.peer_failed(peer, e)
                 continue
-            self.replicator.peer_ok(peer)
+            self.ring.peer_ok(peer)
         if silent:
             logger.warning(
                 "%s: peers %s did not answer within %.1f s: deciding without them",
@@ -162,7 +149,7 @@ class PeerFetcher(Shares):
                 self.list_wait_s,
             )
             for peer in silent:
-                self.replicator.peer_failed(
+                self.ring.peer_failed(
                     peer,
                     PeerUnavailableError(f"no answer to a listing within {self.list_wait_s} s"),
                 )
@@ -194,7 +181,7 @@ class PeerFetcher(Shares):
             try:
                 manifest = self.client.manifest(peer, namespace, step)
             except TierCkptError as e:
-                self.replicator.peer_failed(peer, e)
+                self.ring.peer_failed(peer, e)
                 continue
             if not owned_by(manifest.owner, owner):
                 continue
@@ -204,14 +191,14 @@ class PeerFetcher(Shares):
             if files is not None or ring is None:
                 names = files or set()
             else:  # this node's own share (a replaced node's): named in the share table
-                share = self.ring_table(namespace, step, ring).table.get(self.replicator.node)
+                share = self.tables.table(namespace, step, ring).table.get(self.ring.node)
                 names = set(share.names) if share is not None else set()
             return self.fetch_files(namespace, step, names, owner=owner, ring=ring)[0]
         return self._hydrate_whole(namespace, step, owner)
 
     def _hydrate_whole(self, namespace: str, step: int, owner: str | None) -> StepInfo:
         try:
-            peers = self.replicator.successors()
+            peers = self.ring.successors()
         except PeerUnavailableError as e:
             raise StepNotFoundError(f"{namespace}/step {step}: cannot ask the peers: {e}") from e
         corrupt: list[str] = []
@@ -226,14 +213,14 @@ class PeerFetcher(Shares):
             except NotFoundError:
                 continue
             except TierCkptError as e:
-                self.replicator.peer_failed(peer, e)
+                self.ring.peer_failed(peer, e)
                 unreachable.append(peer)
                 continue
             if not owned_by(manifest.owner, owner):
                 continue  # another owner's step of the same name: not this caller's
             t0 = time.monotonic()
             try:
-                rec = self.replicator.copy_from(peer, manifest)
+                rec = self.copier.copy_from(peer, manifest)
             except CheckpointFormatError as e:
                 self.service.metrics.verification_failures.labels(tier="peer").inc()
                 logger.warning(
@@ -246,7 +233,7 @@ class PeerFetcher(Shares):
                 corrupt.append(str(e))
                 continue
             except PEER_ERRORS as e:
-                self.replicator.peer_failed(peer, e)
+                self.ring.peer_failed(peer, e)
                 unreachable.append(peer)
                 continue
             nbytes = sum(f.length for f in manifest.files)
@@ -281,7 +268,7 @@ class PeerFetcher(Shares):
         """The copies of ``namespace/step`` that peers hold (each its own save attempt id, and
         which of the step's files), in ring order."""
         try:
-            peers = self.replicator.successors()
+            peers = self.ring.successors()
         except PeerUnavailableError as e:
             logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
             return {}
@@ -291,102 +278,6 @@ class PeerFetcher(Shares):
                 if s.step == step and owned_by(s.owner, owner):
                     held[peer] = s
         return held
-
-    def read_ranges(
-        self, node: str, name: str, namespace: str, step: int, ranges: list[tuple[int, int]]
-    ) -> bytes:
-        """The ``ranges`` (offset, length) of file ``name`` of ``node``'s share of a step
-        spanning nodes, which another node holds, concatenated: fetched from a peer that holds
-        it (its writer's node first), verified before they leave this daemon. A small item the
-        writing rank checksummed comes alone; anything else in whole blocks, each checked
-        against the block checksums taken at prepare (from the share's records, fetched from
-        its holders and checked against the share's digest)."""
-        ring = self.service.record(namespace, step).ring
-        if ring is None:
-            raise CheckpointFormatError(
-                f"{namespace}/step {step}: {name} has no block checksums to verify a range"
-            )
-        ring = self.ring_table(namespace, step, ring)
-        f = self.share_records(namespace, step, node, ring)[name]
-        for off, n in ranges:
-            if off < 0 or n < 0 or off + n > f.length:
-                raise ProtocolError(f"{namespace}/step {step}: range {off}+{n} is outside {f.name}")
-        copies = self.share_copies(namespace, step, ring, nodes=[node])
-        peers = sorted(
-            ((p, c.attempt) for p, c in copies.items() if c.held is None or f.name in c.held),
-            key=lambda pa: pa[0] != f.node,
-        )
-        segments = {(off, n): digest for off, n, digest in f.segments or ()}
-        parts: dict[tuple[int, int], bytes] = {}
-        for off, n in ranges:
-            if n and (off, n) in segments:
-                alone = BlockSums(f.name, n, n, [segments[(off, n)]], origin=off)
-                parts[(off, n)] = self._fetch_verified(peers, namespace, step, off, n, alone)
-        rest = [(off, n) for off, n in ranges if n and (off, n) not in parts]
-        if rest:
-            size = f.block_size
-            if not size or f.blocks is None:
-                raise CheckpointFormatError(
-                    f"{namespace}/step {step}: {f.name} has no block checksums to verify a range"
-                )
-            wanted = sorted(
-                {b for off, n in rest for b in range(off // size, (off + n - 1) // size + 1)}
-            )
-            runs: list[list[int]] = []
-            for b in wanted:
-                if runs and runs[-1][-1] == b - 1:
-                    runs[-1].append(b)
-                else:
-                    runs.append([b])
-            blocks: dict[int, bytes] = {}
-            for run in runs:
-                start, end = run[0] * size, min((run[-1] + 1) * size, f.length)
-                data = self._fetch_verified(
-                    peers, namespace, step, start, end - start, BlockSums.of(f)
-                )
-                blocks.update({b: data[(b - run[0]) * size : (b - run[0] + 1) * size] for b in run})
-            for off, n in rest:
-                first = off // size
-                buf = b"".join(blocks[b] for b in range(first, (off + n - 1) // size + 1))
-                parts[(off, n)] = buf[off - first * size : off - first * size + n]
-        return b"".join(parts.get((off, n), b"") for off, n in ranges)
-
-    def _fetch_verified(
-        self,
-        peers: list[tuple[str, str]],
-        namespace: str,
-        step: int,
-        start: int,
-        length: int,
-        sums: BlockSums,
-    ) -> bytes:
-        """``length`` bytes at ``start`` of a file (whole blocks of ``sums``) from the first of
-        ``peers`` (each with the attempt id of its copy) whose bytes match their checksums."""
-        errors = []
-        where = f"{namespace}/step {step}"
-        for peer, attempt in peers:
-            try:
-                data = self.client.read_range(
-                    peer, namespace, step, attempt, sums.name, start, length
-                )
-            except PEER_ERRORS as e:
-                errors.append(f"{peer}: {e}")
-                continue
-            if len(data) != length:
-                errors.append(f"{peer}: sent {len(data)} bytes of {sums.name} for {length}")
-                continue
-            try:
-                check_blocks(data, replace(sums, where=where, source=f"in peer {peer}"), start)
-            except BlockMismatchError as e:
-                self.service.metrics.verification_failures.labels(tier="peer").inc()
-                errors.append(str(e))
-                continue
-            self.service.metrics.peer_hydrated_bytes.inc(len(data))
-            return data
-        raise StepNotFoundError(
-            f"{where}: no peer could send {sums.name} bytes {start}-{start + length} "
-            f"({'; '.join(errors) or 'no peer holds it'})"
-        )
 
     def manifest_from(self, peer: str, namespace: str, step: int) -> StepManifest:
         return self.client.manifest(peer, namespace, step)
@@ -405,9 +296,9 @@ class PeerFetcher(Shares):
         those files' shares are asked, else every peer. Returns the step as held here and the
         bytes moved; StepNotFoundError names the files no reachable peer holds."""
         if ring is not None and names:
-            ring = self.ring_table(namespace, step, ring)
+            ring = self.tables.table(namespace, step, ring)
             nodes = sorted({node for n in names if (node := ring.node_of(n)) is not None})
-            holders = self.share_holders(namespace, step, ring, nodes=nodes, owner=owner)
+            holders = self.shares.holders(namespace, step, ring, nodes=nodes, owner=owner)
         else:
             holders = self.holders(namespace, step, owner=owner)
         if not holders:
@@ -416,7 +307,7 @@ class PeerFetcher(Shares):
             # Nothing to fetch, but this node needs the step's record (its metadata, where the
             # files are) to serve a reader: take it from a holder, with no files.
             peer = next(iter(holders))
-            empty = self.replicator.copy_from(
+            empty = self.copier.copy_from(
                 peer, self.client.manifest(peer, namespace, step), names=set()
             )
             return empty.info(), 0
@@ -435,9 +326,9 @@ class PeerFetcher(Shares):
                 continue
             try:
                 theirs = self.client.manifest(peer, namespace, step)
-                rec = self.replicator.copy_from(peer, theirs, names=offered)
+                rec = self.copier.copy_from(peer, theirs, names=offered)
             except PEER_ERRORS as e:
-                self.replicator.peer_failed(peer, e)
+                self.ring.peer_failed(peer, e)
                 continue
             got = offered & set(rec.files)
             moved += sum(f.length for f in theirs.files if f.name in got)

@@ -96,7 +96,8 @@ class HandoffServer:
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # closed by its node, started or not
+            self._thread.join(timeout=5)
 
     def _accept(self) -> None:
         while not self._closed.is_set():

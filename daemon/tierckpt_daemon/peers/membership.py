@@ -13,15 +13,36 @@ it, and a replacement node with the same name finds its replicas on the same suc
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierckpt_core.errors import NotAMemberError, PeerUnavailableError
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    NotAMemberError,
+    NotFoundError,
+    PeerUnavailableError,
+    ProtocolError,
+    StepStateError,
+    UnauthorizedError,
+)
+
+logger = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:"
+
+# Errors that make one peer a bad source or target for now; the next peer on the ring may do.
+PEER_ERRORS = (
+    PeerUnavailableError,
+    UnauthorizedError,
+    NotFoundError,
+    StepStateError,
+    ProtocolError,
+    CheckpointFormatError,
+)
 
 
 def format_member(host: str, port: int) -> str:
@@ -147,3 +168,55 @@ def successors(members: Sequence[str], node: str) -> list[str]:
     ring = sorted(set(members) | {node})
     i = ring.index(node)
     return ring[i + 1 :] + ring[:i]
+
+
+class Ring:
+    """Where this node sits among its peers: the members after it in ring order (where its
+    replicas go, and where a replaced node of the same name finds them), its neighbours (asked
+    first by a restore), and which peers did not answer lately (the status shows them; a warning
+    is logged once per outage). Thread-safe; one per daemon, shared by the replicator, the
+    restore's fetcher and the status."""
+
+    def __init__(self, membership: Membership, node: str, *, replicas: int = 1) -> None:
+        self.membership = membership
+        self.node = node
+        self.replicas = replicas
+        self._lock = threading.Lock()
+        self._members: list[str] = [] if membership.dns else sorted(membership.static)
+        self._unreachable: set[str] = set()
+
+    def members(self) -> list[str]:
+        """Every daemon's endpoint, sorted (resolves DNS now: call from a thread)."""
+        return self.membership.members()
+
+    def successors(self) -> list[str]:
+        """The other members in ring order after this node (resolves DNS: call from a thread)."""
+        members = self.membership.members()
+        with self._lock:
+            self._members = sorted(set(members) | {self.node})
+        return successors(members, self.node)
+
+    def neighbours(self, ring: list[str]) -> list[str]:
+        """Of the other members in ring order, the ``replicas + 1`` after this node and as many
+        before it."""
+        k = max(1, self.replicas) + 1
+        return list(dict.fromkeys(ring[:k] + ring[::-1][:k]))
+
+    def peer_failed(self, peer: str, error: Exception) -> None:
+        with self._lock:
+            first = peer not in self._unreachable
+            self._unreachable.add(peer)
+        if first:  # once per outage, not once per retry
+            logger.warning("peer %s: %s", peer, error)
+
+    def peer_ok(self, peer: str) -> None:
+        with self._lock:
+            was_down = peer in self._unreachable
+            self._unreachable.discard(peer)
+        if was_down:
+            logger.info("peer %s answers again", peer)
+
+    def seen(self) -> tuple[list[str], list[str]]:
+        """The members as last resolved (this node included) and the peers marked unreachable."""
+        with self._lock:
+            return list(self._members), sorted(self._unreachable)

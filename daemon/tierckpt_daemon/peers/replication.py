@@ -1,5 +1,6 @@
-"""Replication to peers: push committed steps to the next k daemons on the ring, and bring a step
-back from a peer's replica when this node lost it.
+"""Replication to peers: push committed steps to the next k daemons on the ring (the
+:class:`~tierckpt_daemon.peers.membership.Ring`), and answer a peer's pull of its step (copied by
+the :class:`~tierckpt_daemon.peers.copier.Copier`).
 
 Pushes run in the daemon's background, never in the trainer. One worker takes committed steps in
 commit order; each step's files stream in parallel (``TIERCKPT_REPLICATION_CONCURRENCY``) into a
@@ -13,8 +14,9 @@ background: until it is done, the step is on this node only, and losing the node
 (a save made with ``wait="replicated"`` returns only once every share has its replicas:
 :mod:`tierckpt_daemon.peers.replica_wait`).
 
-Restores ask the ring successors first (where this node's replicas went) and verify every file
-before the step is committed locally; a corrupt replica is skipped for the next source.
+Restores (:mod:`tierckpt_daemon.peers.fetch`) ask the ring successors first (where this node's
+replicas went) and verify every file before the step is committed locally; a corrupt replica is
+skipped for the next source.
 """
 
 from __future__ import annotations
@@ -23,28 +25,23 @@ import logging
 import time
 
 from tierckpt_core.errors import (
-    CheckpointFormatError,
     ForbiddenError,
     NamespaceOwnerError,
     NotFoundError,
     PeerUnavailableError,
     ProtocolError,
-    StepStateError,
     TierCkptError,
-    UnauthorizedError,
 )
-from tierckpt_core.layout import verify_file
-from tierckpt_core.manifest import FileRecord, StepManifest
+from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import (
     ReplicationStatus,
     StepInfo,
 )
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.peers.client import PeerClient
-from tierckpt_daemon.peers.membership import Membership, successors
-from tierckpt_daemon.peers.pacing import TokenBucket
-from tierckpt_daemon.tier.background import QueueWorker, background_pool
-from tierckpt_daemon.tier.hydration import fill_step
+from tierckpt_daemon.peers.copier import Copier, held_files
+from tierckpt_daemon.peers.membership import Ring
+from tierckpt_daemon.tier.background import QueueWorker
 from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
 
@@ -53,48 +50,29 @@ logger = logging.getLogger(__name__)
 RETRY_BASE_S = 1.0
 RETRY_MAX_S = 60.0
 
-# Errors that make one peer a bad source or target for now; the next peer may do.
-PEER_ERRORS = (
-    PeerUnavailableError,
-    UnauthorizedError,
-    NotFoundError,
-    StepStateError,
-    ProtocolError,
-    CheckpointFormatError,
-)
-
 
 class Replicator(QueueWorker[StepRecord]):
-    """Pushes committed steps to ring successors (a commit listener of the service), answers
-    peers' pulls, and restores steps from peers' replicas."""
+    """Pushes committed steps to ring successors (a commit listener of the service) and answers
+    peers' pulls (copied by the :class:`~tierckpt_daemon.peers.copier.Copier`)."""
 
     def __init__(
         self,
         service: TierService,
-        membership: Membership,
+        ring: Ring,
         client: PeerClient,
+        copier: Copier,
         *,
-        node: str,
-        replicas: int = 1,
-        concurrency: int = 4,
         nice: int = 0,
-        replication_pace: TokenBucket | None = None,
-        fetch_pace: TokenBucket | None = None,
     ) -> None:
         super().__init__(
             "tierckpt-replicator", nice=nice, retry_base_s=RETRY_BASE_S, retry_max_s=RETRY_MAX_S
         )
         self.service = service
-        self.membership = membership
+        self.ring = ring
         self.client = client
-        self.node = node
-        self.replicas = replicas
-        self._pool = background_pool(concurrency, "tierckpt-push", nice)
-        # Shared by every replica pulled here / every file a restore fetches (pacing.py).
-        self.replication_pace = replication_pace
-        self.fetch_pace = fetch_pace
-        self._members: list[str] = [] if membership.dns else sorted(membership.static)
-        self._unreachable: set[str] = set()
+        self.copier = copier
+        self.node = ring.node
+        self.replicas = ring.replicas
         self._last_error: str | None = None
         self._last_skip: str | None = None  # the reason of the last skip, until a push succeeds
 
@@ -113,19 +91,11 @@ class Replicator(QueueWorker[StepRecord]):
     def persist_requested(self, rec: StepRecord) -> None:
         pass
 
-    def stop(self) -> None:
-        super().stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self.client.close()
-
     def status(self) -> ReplicationStatus:
         m = self.service.metrics
+        members, unreachable = self.ring.seen()
         with self._cv:
-            members, unreachable, last_error = (
-                list(self._members),
-                sorted(self._unreachable),
-                self._last_error,
-            )
+            last_error = self._last_error
         return ReplicationStatus(
             node=self.node,
             peers=members,
@@ -139,28 +109,6 @@ class Replicator(QueueWorker[StepRecord]):
             unreachable=unreachable,
             last_error=last_error,
         )
-
-    # -- membership -------------------------------------------------------------------------
-    def successors(self) -> list[str]:
-        """The other members in ring order after this node (resolves DNS: call from a thread)."""
-        members = self.membership.members()
-        with self._cv:
-            self._members = sorted(set(members) | {self.node})
-        return successors(members, self.node)
-
-    def peer_failed(self, peer: str, error: TierCkptError | OSError) -> None:
-        with self._cv:
-            first = peer not in self._unreachable
-            self._unreachable.add(peer)
-        if first:  # once per outage, not once per retry
-            logger.warning("peer %s: %s", peer, error)
-
-    def peer_ok(self, peer: str) -> None:
-        with self._cv:
-            was_down = peer in self._unreachable
-            self._unreachable.discard(peer)
-        if was_down:
-            logger.info("peer %s answers again", peer)
 
     # -- pushes ---------------------------------------------------------------------------
     def _process(self, rec: StepRecord) -> bool:
@@ -176,7 +124,7 @@ class Replicator(QueueWorker[StepRecord]):
             "superseded": "a newer save of the same step replaced it (that one is replicated)",
             "retired": "it left memory first (retention, or it was deleted) while its pushes were "
             "still failing",
-            "no_peers": f"no other daemon is a member of the ring ({self.membership.describe()})",
+            "no_peers": f"no other daemon is a member of the ring ({self.ring.membership.describe()})",
             "refused": "every peer it could go to refuses it (the namespace belongs to another "
             "owner there, or the peer committed that step itself)",
         }[reason]
@@ -213,7 +161,7 @@ class Replicator(QueueWorker[StepRecord]):
             self._skip(rec, "superseded" if self.service.has_step(ns, step) else "retired")
             return True
         try:
-            targets = self.successors()
+            targets = self.ring.successors()
         except PeerUnavailableError as e:
             self._record_failure(rec, f"{ns}/step {step}: {e}")
             logger.warning("%s", e)
@@ -237,10 +185,10 @@ class Replicator(QueueWorker[StepRecord]):
                 errors.append(f"{peer}: {e}")
                 continue
             except (TierCkptError, OSError) as e:
-                self.peer_failed(peer, e)
+                self.ring.peer_failed(peer, e)
                 errors.append(f"{peer}: {e}")
                 continue
-            self.peer_ok(peer)
+            self.ring.peer_ok(peer)
             have.append(peer)
         if len(have) >= want:
             self.service.end_replication(rec)
@@ -280,7 +228,7 @@ class Replicator(QueueWorker[StepRecord]):
             except NotFoundError:
                 pass
             else:
-                held = _held(theirs)
+                held = held_files(theirs)
                 if all(
                     f.name in held and (theirs.file(f.name) or f).checksum == f.checksum
                     for f in files
@@ -316,7 +264,7 @@ class Replicator(QueueWorker[StepRecord]):
         """A peer's replication request: copy its committed ``namespace/step`` here, verified,
         as a replica whose origin is ``origin``. Only members of the ring are pulled from (the
         token goes with every request, so it must not go to an address a caller names)."""
-        members = self.membership.members()
+        members = self.ring.members()
         if origin not in members or origin == self.node:
             raise ForbiddenError(
                 f"{origin} is not a peer of this daemon ({self.node}); its members are "
@@ -325,87 +273,8 @@ class Replicator(QueueWorker[StepRecord]):
         manifest = self.client.manifest(origin, namespace, step)
         if (manifest.namespace, manifest.step) != (namespace, step):
             raise ProtocolError(f"peer {origin} answered for {manifest.namespace}/{manifest.step}")
-        rec = self.copy_from(origin, manifest, replica=True)
+        rec = self.copier.copy_from(origin, manifest, replica=True)
         got = manifest.share(origin) if manifest.coordinator is not None else manifest.files
         self.service.metrics.replica_received_bytes.inc(sum(f.length for f in got))
         self.service.metrics.replicas_received.inc()
         return rec.info()
-
-    def copy_from(
-        self,
-        peer: str,
-        manifest: StepManifest,
-        *,
-        replica: bool = False,
-        names: set[str] | None = None,
-    ) -> StepRecord:
-        ns, step = manifest.namespace, manifest.step
-        where = f"peer {peer}"
-        attempt = manifest.attempt
-        if attempt is None:
-            raise ProtocolError(f"{where} sent a manifest of {ns}/step {step} with no attempt")
-        spanning = manifest if manifest.coordinator is not None else None
-        held = _held(manifest)
-        files = [f for f in manifest.portable().files if f.name in held]
-        if spanning is not None and replica:
-            files = [f for f in files if f.node == peer]  # the peer's own share
-        if names is not None:
-            files = [f for f in files if f.name in names]
-        unchecked = [f.name for f in files if not f.checksum]
-        if unchecked:
-            raise CheckpointFormatError(
-                f"{where}: the manifest has no checksum for {', '.join(unchecked[:8])}"
-            )
-
-        pace = self.replication_pace if replica else self.fetch_pace
-
-        def fetch(f: FileRecord, path: str) -> None:
-            if f.block_size and f.blocks is not None:
-                # Several streams at once for a large file, each block checked as it arrives
-                # against the writer's block checksums (taken with the whole-file one).
-                self.client.get_file_blocks(
-                    peer,
-                    ns,
-                    step,
-                    attempt,
-                    f.name,
-                    path,
-                    f.length,
-                    f.block_size,
-                    f.blocks,
-                    pace=pace,
-                )
-                return
-            got = self.client.get_file(peer, ns, step, attempt, f.name, path, f.length, pace=pace)
-            verify_file(got, f, ns, step, where)
-
-        rec = fill_step(
-            self.service,
-            ns,
-            step,
-            files,
-            metadata=manifest.metadata,
-            world_size=manifest.world_size,
-            fetch=fetch,
-            pool=self._pool,
-            attempt_prefix="r" if replica else "p",
-            # A replica is not pushed on. A restored step is, cheaply: the peer it came from is
-            # known to hold it (below).
-            replicate=not replica,
-            origin=peer if replica else None,
-            spanning=spanning,
-            hold=not replica,  # a restore is for a reader: retention must not take it back at once
-            # Refused where the namespace is another owner's here, or where it would replace a
-            # save of this node's own (ownership.py): checked before any byte moves.
-            owner=manifest.owner,
-        )
-        if not replica and spanning is None:
-            self.service.mark_replicated(rec, peer, {})
-        return rec
-
-
-def _held(manifest: StepManifest) -> set[str]:
-    """The files of ``manifest`` its sender holds (it says so for a step spanning nodes)."""
-    if manifest.local is not None and manifest.local.held is not None:
-        return set(manifest.local.held)
-    return {f.name for f in manifest.files}

@@ -4,8 +4,9 @@ other node keeps only the table's digest (:class:`tierckpt_core.manifest.RingRec
 the table when it needs another node's share (a range of its file, a restore from the peers,
 whether the newest step is whole), checked against that digest and cached.
 
-:class:`RingTables` is a part of :class:`~tierckpt_daemon.peers.fetch.PeerFetcher` (a mixin);
-:func:`fetch_table` alone serves the in-doubt resolver, which has no fetcher.
+:class:`RingTables` is a field of :class:`~tierckpt_daemon.peers.fetch.PeerFetcher`, shared with
+its :class:`~tierckpt_daemon.peers.shares.Shares`; :func:`fetch_table` alone serves the in-doubt
+resolver, which has no fetcher.
 """
 
 from __future__ import annotations
@@ -65,14 +66,20 @@ def fetch_table(
 
 
 class RingTables:
-    service: TierService
-    client: PeerClient
-    durable_manifest: DurableManifest | None
-    _tables: OrderedDict[tuple[str, int, str], RingRecord]
-    _tables_guard: threading.Lock
-    _table_locks: KeyedLocks
+    """Share tables fetched from their holders (or the persistent tier), the last few kept."""
 
-    def ring_table(self, namespace: str, step: int, ring: RingRecord) -> RingRecord:
+    def __init__(
+        self, service: TierService, client: PeerClient, *, durable: DurableManifest | None = None
+    ) -> None:
+        self.service = service
+        self.client = client
+        # A durable step's manifest (the share table, when none of its holders answers).
+        self.durable_manifest = durable
+        self._tables: OrderedDict[tuple[str, int, str], RingRecord] = OrderedDict()
+        self._tables_guard = threading.Lock()
+        self._table_locks = KeyedLocks()
+
+    def table(self, namespace: str, step: int, ring: RingRecord) -> RingRecord:
         """``ring`` with its share table: itself on a holder, else fetched (one fetch per step
         at a time on this node; the last few kept)."""
         if ring.has_table:
@@ -91,10 +98,10 @@ class RingTables:
                 ring,
                 durable=self.durable_manifest,
             )
-            self.remember_table(namespace, step, full)
+            self.remember(namespace, step, full)
             return full
 
-    def remember_table(self, namespace: str, step: int, ring: RingRecord | None) -> None:
+    def remember(self, namespace: str, step: int, ring: RingRecord | None) -> None:
         """Keep the share table of a record fetched for another reason (the DCP metadata from a
         holder comes with it): a later need of the table takes it from here. Filed under its
         own digest, so only a record with that digest of its table finds it."""

@@ -2,8 +2,9 @@
 through the step's ring record, not of every member), and a share's full file records fetched
 from a holder and checked against the share's digest (see :class:`tierckpt_core.manifest.Share`).
 
-A part of :class:`~tierckpt_daemon.peers.fetch.PeerFetcher` (a mixin: it uses the fetcher's
-service, client, replicator and listings).
+A field of :class:`~tierckpt_daemon.peers.fetch.PeerFetcher`: it asks peers through the fetcher's
+listings (a callback), finds where replicas went on the :class:`~.membership.Ring`, and takes
+share tables from the fetcher's :class:`~.ring_table.RingTables`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from tierckpt_core.errors import (
     CheckpointFormatError,
@@ -22,8 +24,7 @@ from tierckpt_core.errors import (
 from tierckpt_core.manifest import FileRecord, RingRecord, StepManifest, ring_of, share_digest
 from tierckpt_core.protocol import PeerStep
 from tierckpt_daemon.peers.client import PeerClient
-from tierckpt_daemon.peers.membership import successors
-from tierckpt_daemon.peers.replication import Replicator
+from tierckpt_daemon.peers.membership import Ring, successors
 from tierckpt_daemon.peers.ring_table import RingTables
 from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.service import TierService
@@ -33,18 +34,29 @@ logger = logging.getLogger(__name__)
 SHARE_CACHE = 64  # other nodes' shares (full file records) kept after a fetch
 
 
-class Shares(RingTables):
-    service: TierService
-    client: PeerClient
-    replicator: Replicator
-    # Full records of other nodes' shares, fetched and checked against RingRecord.shares.
-    _shares: OrderedDict[tuple[str, int, str, str], dict[str, FileRecord]]
-    _shares_lock: threading.Lock
+Listings = Callable[[str, list[str]], dict[str, list[PeerStep]]]
+"""``listings(namespace, peers)``: each answering peer's committed steps of ``namespace``."""
 
-    def _listings(self, namespace: str, peers: list[str]) -> dict[str, list[PeerStep]]:
-        raise NotImplementedError  # PeerFetcher's
 
-    def share_holders(
+class Shares:
+    def __init__(
+        self,
+        service: TierService,
+        client: PeerClient,
+        ring: Ring,
+        tables: RingTables,
+        listings: Listings,
+    ) -> None:
+        self.service = service
+        self.client = client
+        self.ring = ring
+        self.tables = tables
+        self._listings = listings
+        # Full records of other nodes' shares, fetched and checked against RingRecord.shares.
+        self._shares: OrderedDict[tuple[str, int, str, str], dict[str, FileRecord]] = OrderedDict()
+        self._shares_lock = threading.Lock()
+
+    def holders(
         self,
         namespace: str,
         step: int,
@@ -55,15 +67,15 @@ class Shares(RingTables):
         owner: str | None = None,
     ) -> dict[str, set[str] | None]:
         """Peers that hold the shares of a step spanning nodes, and which of its files (None:
-        all of them): :meth:`share_copies`'s answer."""
+        all of them): :meth:`copies`'s answer."""
         return {
             p: set(c.held) if c.held is not None else None
-            for p, c in self.share_copies(
+            for p, c in self.copies(
                 namespace, step, ring, have=have, nodes=nodes, owner=owner
             ).items()
         }
 
-    def share_copies(
+    def copies(
         self,
         namespace: str,
         step: int,
@@ -80,12 +92,12 @@ class Shares(RingTables):
         for a share none of those holds, every other member. ``have``: the files this node
         holds itself (they count as found)."""
         try:
-            others = self.replicator.successors()
+            others = self.ring.successors()
         except PeerUnavailableError as e:
             logger.warning("%s/step %d: cannot ask the peers: %s", namespace, step, e)
             return {}
-        me = self.replicator.node
-        table = self.ring_table(namespace, step, ring).table
+        me = self.ring.node
+        table = self.tables.table(namespace, step, ring).table
         asked_for = table if nodes is None else {n: table[n] for n in nodes if n in table}
         wanted = {n: set(s.names) for n, s in asked_for.items()}
         found: dict[str, PeerStep] = {}
@@ -108,7 +120,7 @@ class Shares(RingTables):
             return [n for n, names in sorted(wanted.items()) if not names <= held]
 
         ask(sorted(wanted))
-        k = max(1, self.replicator.replicas) + 1
+        k = max(1, self.ring.replicas) + 1
         if missing := short():
             ask([p for n in missing for p in successors([*others, me], n)[:k]])
         if missing := short():
@@ -122,7 +134,7 @@ class Shares(RingTables):
             ask(others)
         return found
 
-    def share_records(
+    def records(
         self, namespace: str, step: int, node: str, ring: RingRecord
     ) -> dict[str, FileRecord]:
         """The full records (block checksums, segments) of ``node``'s share of a step spanning
@@ -130,7 +142,7 @@ class Shares(RingTables):
         digest): from ``node`` itself, else a peer holding a replica of them, each answer
         checked against the share's digest. Never a record that does not match it."""
         where = f"{namespace}/step {step}: the records of {node}'s share"
-        ring = self.ring_table(namespace, step, ring)
+        ring = self.tables.table(namespace, step, ring)
         share = ring.table.get(node)
         if share is None:
             raise CheckpointFormatError(f"{where}: the step's record has no digest for them")
@@ -140,7 +152,7 @@ class Shares(RingTables):
             if key in self._shares:
                 self._shares.move_to_end(key)
                 return self._shares[key]
-        held = self.share_holders(namespace, step, ring, nodes=[node])
+        held = self.holders(namespace, step, ring, nodes=[node])
         peers = [node] if node in held else []
         peers += [p for p, h in held.items() if p != node and (h is None or names <= h)]
         errors: list[str] = []
@@ -175,7 +187,7 @@ class Shares(RingTables):
         ring = ring_of(manifest)
         if ring is None:
             return manifest
-        ring = self.ring_table(manifest.namespace, manifest.step, ring)
+        ring = self.tables.table(manifest.namespace, manifest.step, ring)
         files = {f.name: f for f in manifest.files if not f.slim}
         try:  # the files held here: their full records are this node's own
             here = self.service.record(manifest.namespace, manifest.step)
@@ -189,7 +201,7 @@ class Shares(RingTables):
             if set(share.names) <= set(files):
                 continue
             try:
-                full = self.share_records(manifest.namespace, manifest.step, node, ring)
+                full = self.records(manifest.namespace, manifest.step, node, ring)
             except TierCkptError as e:
                 missing.append(str(e))
                 continue

@@ -19,7 +19,6 @@ from tierckpt_core.layout import durable_steps, file_key, read_step_manifest, ve
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.objectstore import ObjectStore
 from tierckpt_core.protocol import StepInfo
-from tierckpt_daemon.locks import KeyedLocks
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.tier.hydration import fill_step
 from tierckpt_daemon.tier.ownership import owned_by
@@ -35,7 +34,6 @@ class DurableReads:
     store: ObjectStore
     _pool: Executor
     _cv: threading.Condition
-    _hydrate_locks: KeyedLocks  # one hydration per step at a time
     _hydrating: dict[tuple[str, int], list[int]]  # -> [done bytes, total bytes]
 
     def durable_steps(self, namespace: str) -> list[int]:
@@ -51,15 +49,16 @@ class DurableReads:
     ) -> StepInfo:
         """Bring a durable step into memory (verified), unless it is there already. Of a step
         that spanned nodes only ``files`` come (default: this node's own share). ``owner``: the
-        step must be that identity's (StepNotFoundError if its manifest names another)."""
-        with self._hydrate_locks.held((namespace, step)):
-            try:
-                rec = self.service.record(namespace, step, owner=owner)
-            except NotFoundError:
-                return self._hydrate(namespace, step, files, owner)
-            if files and not files <= set(rec.files):
-                return self._hydrate(namespace, step, files - set(rec.files), owner)
-            return rec.info()
+        step must be that identity's (StepNotFoundError if its manifest names another). One at a
+        time per step: the caller's (:class:`~tierckpt_daemon.tier.restore.Restorer` holds the
+        step's single flight around every source)."""
+        try:
+            rec = self.service.record(namespace, step, owner=owner)
+        except NotFoundError:
+            return self._hydrate(namespace, step, files, owner)
+        if files and not files <= set(rec.files):
+            return self._hydrate(namespace, step, files - set(rec.files), owner)
+        return rec.info()
 
     def _hydrate(
         self, namespace: str, step: int, names: set[str] | None, owner: str | None

@@ -16,13 +16,11 @@ from concurrent.futures import Executor
 
 from tierckpt_core.errors import (
     CheckpointFormatError,
-    LeaseNotFoundError,
     NotFoundError,
-    StepStateError,
 )
-from tierckpt_core.manifest import FileRecord, StepManifest, ring_of
+from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
-from tierckpt_daemon.tier.records import StepRecord, update_manifest
+from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import HOLD_S, TierService
 
 Fetch = Callable[[FileRecord, str], None]
@@ -130,54 +128,28 @@ def _fill_share(
     # A restored share has the writer's attempt id, like this node's own saves: refuse here,
     # install cannot tell them apart.
     service.refuse_copy(ns, step, attempt, owner)
-    with service.lock:
-        current = service.index.committed.get(ns, {}).get(step)
-        if current is not None and current.attempt == attempt:
-            files = [f for f in files if f.name not in current.files]
+    current = service.committed_record(ns, step)
+    if current is not None and current.attempt == attempt:
+        files = [f for f in files if f.name not in current.files]
     leases = _lease_and_fetch(service, ns, files, fetch, pool)
     try:
         if current is not None and current.attempt == attempt:
             if hold:
                 current.hold_until = time.monotonic() + HOLD_S
-            add_files(service, current, leases)
+            service.add_files(current, leases)
             return current
-        with service.lock:
-            service.refuse_copy(ns, step, attempt, owner)
-            rec = service.index.begin(ns, step, attempt)
-            if rec.files or rec.prepared_at is not None:
-                raise StepStateError(f"{ns}/step {step}: attempt {attempt} is being saved here")
-            rec.owner = owner
-            add_files(service, rec, leases)
-            # The rest of the step: its share table (on its holders; elsewhere the table's digest).
-            ring = ring_of(manifest)
-            rec.ring = ring.kept_by(service.node) if ring is not None else None
-            rec.coordinator = manifest.coordinator
-            rec.world_size = manifest.world_size
-            if hold:
-                rec.hold_until = time.monotonic() + HOLD_S
-            installed = service.install(
-                rec, manifest.metadata, persist=False, replicate=False, origin=origin
-            )
+        installed = service.install_share(
+            manifest,
+            leases,
+            owner=owner,
+            origin=origin,
+            hold_until=time.monotonic() + HOLD_S if hold else None,
+        )
     except BaseException:
         _give_back(service, ns, leases)
         raise
     service.notify_committed(installed)
     return installed
-
-
-def add_files(service: TierService, rec: StepRecord, leased: list[tuple[FileRecord, str]]) -> None:
-    """Files of a step spanning nodes, fetched into leases, join this node's record of it (a
-    reader here needs them, or they are a replica of a peer's share)."""
-    with service.lock:
-        for f, lease_id in leased:
-            lease = service.leases.get(rec.namespace, lease_id)
-            if lease is None:
-                raise LeaseNotFoundError(f"{rec.namespace}: lease {lease_id} expired")
-            service.leases.take(lease)
-            service.arena.move(lease.path, rec.dir / f.name)
-            rec.files[f.name] = f.model_copy(update={"size": lease.size})
-        if rec.manifest_path().exists():
-            update_manifest(rec)
 
 
 def _lease_and_fetch(

@@ -40,7 +40,6 @@ from tierckpt_core.protocol import (
     PersistentStatus,
     StepState,
 )
-from tierckpt_daemon.locks import KeyedLocks
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.tier.background import QueueWorker, background_pool
 from tierckpt_daemon.tier.durable_reads import DurableReads
@@ -80,7 +79,6 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         self._pool = background_pool(concurrency, "tierckpt-upload", nice)
         self._healthy: bool | None = None
         self._last_error: str | None = None
-        self._hydrate_locks = KeyedLocks()
         self._hydrating: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
         self._uploading: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
 

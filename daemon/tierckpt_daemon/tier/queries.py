@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierckpt_core.errors import (
     LeaseNotFoundError,
@@ -33,13 +35,59 @@ from tierckpt_daemon.tier.ownership import owned_by
 from tierckpt_daemon.tier.records import StepRecord, read_manifest
 from tierckpt_daemon.tier.writers import any_alive
 
+if TYPE_CHECKING:
+    from tierckpt_daemon.tier.arena import Arena
+    from tierckpt_daemon.tier.leases import Leases
+
 PIN_TTL_S = 600.0  # a pin a reader never released lapses after this
+
+
+@dataclass(frozen=True)
+class Usage:
+    """The memory tier at one moment (for the status and the /metrics gauges)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    pool_bytes: int
+    pool_files: int
+    leased_bytes: int
+    bytes_by_state: dict[str, int]  # the steps' states, "retiring", "pool" and "leased"
+    steps_by_state: dict[str, int]
+    namespaces: list[NamespaceInfo]
 
 
 class Queries:
     lock: threading.RLock
     index: StepIndex
     lease_ttl_s: float
+    arena: Arena
+    leases: Leases
+
+    def usage(self) -> Usage:
+        """What the tier holds, by state, taken under the lock at once."""
+        index = self.index
+        with self.lock:
+            by_state: dict[str, int] = {st.value: 0 for st in StepState}
+            steps: dict[str, int] = {st.value: 0 for st in StepState}
+            for rec in index.all_committed():
+                by_state[rec.state.value] += rec.bytes
+                steps[rec.state.value] += 1
+            for rec in index.writing.values():
+                by_state[StepState.WRITING.value] += rec.bytes
+                steps[StepState.WRITING.value] += 1
+            by_state["retiring"] = sum(r.bytes for r in index.retiring)
+            by_state["pool"] = self.arena.pool_bytes
+            by_state["leased"] = self.leases.held_bytes
+            return Usage(
+                capacity_bytes=self.arena.capacity_bytes,
+                used_bytes=self.arena.used_bytes,
+                pool_bytes=self.arena.pool_bytes,
+                pool_files=self.arena.pool_files,
+                leased_bytes=self.leases.held_bytes,
+                bytes_by_state=by_state,
+                steps_by_state=steps,
+                namespaces=[index.namespace_info(ns) for ns in index.namespaces()],
+            )
 
     # ``owner`` (the reader's identity, see Ownership.acting_owner; None: anyone's): a
     # namespace no trainer of this node saved into yet may hold replicas of several owners'

@@ -19,9 +19,11 @@ memory comes from, in :mod:`tierckpt_daemon.tier.restore`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 from tierckpt_core.errors import (
@@ -43,8 +45,10 @@ from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.tier.arena import Arena
 from tierckpt_daemon.tier.attempts import Attempts
+from tierckpt_daemon.tier.copies import Copies
 from tierckpt_daemon.tier.eviction import EvictionPolicy, KeepLatestN
 from tierckpt_daemon.tier.freshness import Freshness
+from tierckpt_daemon.tier.housekeeping import Housekeeping
 from tierckpt_daemon.tier.index import StepIndex
 from tierckpt_daemon.tier.leases import Leases
 from tierckpt_daemon.tier.ownership import Ownership
@@ -79,7 +83,7 @@ class StepListener(Protocol):
         ...
 
 
-class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
+class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekeeping, Copies):
     def __init__(
         self,
         arena: Arena,
@@ -88,6 +92,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
         lease_ttl_s: float = 900.0,
         policy: EvictionPolicy | None = None,
         spares: bool = True,
+        persistent: bool = False,
+        persist_every: int = 1,
+        replicas: int = 0,
+        node: str | None = None,
     ) -> None:
         self.arena = arena
         self.keep_last = keep_last
@@ -105,14 +113,25 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing):
             ttl_s=lease_ttl_s,
             spares=spares,
         )
-        # Set by the daemon's wiring when a persistent tier / peers are configured.
-        self.persistent = False
-        self.persist_every = 1
-        self.replicas = 0
-        self.node: str | None = None  # this daemon's name among its peers
+        # With a persistent tier: upload every ``persist_every``-th commit (TIERCKPT_PERSIST_*).
+        self.persistent = persistent
+        self.persist_every = persist_every
+        self.replicas = replicas  # with peers: replicas of each step (TIERCKPT_REPLICAS)
+        self.node = node  # this daemon's name among its peers (TIERCKPT_NODE_NAME)
         self._preparing: set[tuple[str, int, str]] = set()  # attempts checksummed for a prepare
         self._commits_since_persist: dict[str, int] = {}
         self._listeners: list[StepListener] = []
+
+    @contextlib.contextmanager
+    def lock_if_free(self) -> Iterator[bool]:
+        """Whether the service's lock was free now (then held until the block ends): a caller on
+        an event loop runs a quick call there if so, else in a thread, and never waits."""
+        free = self.lock.acquire(blocking=False)
+        try:
+            yield free
+        finally:
+            if free:
+                self.lock.release()
 
     def add_listener(self, listener: StepListener) -> None:
         self._listeners.append(listener)

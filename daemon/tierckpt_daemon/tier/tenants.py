@@ -16,7 +16,6 @@ See docs/security.md, "Tenants and namespace ownership".
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import struct
@@ -26,10 +25,10 @@ from typing import Any
 from starlette.requests import Request
 
 from tierckpt_core.errors import ForbiddenError
-from tierckpt_daemon.peers.zerocopy import SendfileH11Protocol
 
 # Where a connection's caller is kept: its requests' ``scope["state"]`` (uvicorn copies the
-# protocol's state into each request's scope, so every request on the connection sees it).
+# protocol's state into each request's scope, so every request on the connection sees it; the
+# daemon's HTTP protocol, ``server.CallerH11Protocol``, puts it there).
 STATE_KEY = "tierckpt.caller"
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -62,16 +61,6 @@ def caller_of(sock: Any) -> Caller | None:
         return None
     pid, uid, gid = _UCRED.unpack(raw)
     return Caller(pid=pid, uid=uid, gid=gid)
-
-
-class CallerH11Protocol(SendfileH11Protocol):
-    """The daemon's HTTP protocol: on a Unix socket, each request carries its caller."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        caller = caller_of(transport.get_extra_info("socket"))
-        if caller is not None:
-            self.app_state = {**self.app_state, STATE_KEY: caller}
 
 
 def request_caller(request: Request) -> Caller:

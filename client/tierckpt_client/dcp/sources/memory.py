@@ -13,8 +13,9 @@ already. The pin is taken by ``read_data`` and its release sent before it return
 load that fails, on any rank and in any phase, holds nothing. The release's answer is read at the
 process's next request to a daemon (``DaemonClient.unpin(wait=False)``), not on the load's path.
 For a step this process read before and unchanged since, ``read_metadata`` makes no request and
-sends the pin ahead, for ``read_data`` to claim (``tierckpt_client._reads``); one no load claims
-is released at the process's next request to a daemon, or when it exits.
+sends the pin ahead, for ``read_data`` to claim (``tierckpt_client._reads``); for any other, it
+sends the pin ahead as soon as the metadata's answer is in (the daemon serves it while DCP plans);
+one no load claims is released at the process's next request to a daemon, or when it exits.
 """
 
 from __future__ import annotations
