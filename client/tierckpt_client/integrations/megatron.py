@@ -70,9 +70,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from tierckpt_client.checkpointer import SaveFailedError, _groups
+from tierckpt_client.checkpointer import SaveFailedError, checkpoint_groups
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt_client.dcp._ids import format_checkpoint_id, parse_checkpoint_id
+from tierckpt_client.dcp.ids import format_checkpoint_id, parse_checkpoint_id
 
 __all__ = [
     "TieredLoadShardedStrategy",
@@ -191,7 +191,7 @@ class TieredSaveShardedStrategy(mcore_torch.TorchDistSaveShardedStrategy):
             flatten_sharded_tensors=False,
         )
         writer = TieredStorageWriter(namespace, step, persist=self.persist)
-        group = self.process_group or _groups(None)[0]
+        group = self.process_group or checkpoint_groups(None)[0]
         future: Future[Any]
         if async_:
             ret = dcp.async_save(
@@ -375,7 +375,7 @@ def load(
     ``parallelization_group`` and exchanged). The step actually read is logged at INFO.
     """
     namespace, wanted = parse_checkpoint_id(str(checkpoint_id))
-    group = process_group or _groups(None)[0]
+    group = process_group or checkpoint_groups(None)[0]
     probe = TieredStorageReader(namespace, wanted, process_group=group)
     probe.read_metadata()  # "latest" decided on rank 0 and broadcast: ranks never disagree
     step = probe.resolved_step
