@@ -151,7 +151,7 @@ class StepRecord:
 
 
 # The daemon names the attempts it fills itself (hydration.fill_step) with a letter a trainer's
-# attempt id (hex, see tierckpt_client.dcp._ids) never starts with: "h" hydrated from the
+# attempt id (hex, see tierckpt_client.dcp._plan_data.attempt_base) never starts with: "h" hydrated from the
 # persistent tier, "p" restored from a peer, "r" a replica received from a peer.
 FILLED_ATTEMPT_PREFIXES = ("h", "p", "r")
 
