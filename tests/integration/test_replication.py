@@ -212,7 +212,7 @@ def test_a_save_succeeds_while_the_peer_is_down_and_replicates_when_it_is_back(
     assert rep is not None and rep.unreachable == [] and rep.last_error is None
     assert _steps(b, "job")[1].origin == _name(a)
     # One warning for the outage, not one per retry.
-    assert a.log().count(f"WARNING tierckpt_daemon.peers.replication: peer {_name(b)}") == 1
+    assert a.log().count(f"WARNING tierckpt_daemon.peers.membership: peer {_name(b)}") == 1
 
 
 # -- a corrupt replica -----------------------------------------------------------------------------
