@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Callable
 
 import httpx
+from commit_kit import read_step
 
 from tierckpt_client import DaemonClient
 from tierckpt_core.protocol import CommitRequest
@@ -20,16 +21,7 @@ NS = "job"
 
 
 def _held(d: DaemonProcess) -> dict[str, bytes]:
-    with DaemonClient.from_socket(d.socket) as c:
-        pin = c.pin(NS, 1)
-        try:
-            out = {}
-            for f in pin.step.files:
-                with open(pin.paths[f.name], "rb") as fh:
-                    out[f.name] = fh.read(f.length)
-            return out
-        finally:
-            c.unpin(NS, 1, pin.pin_id)
+    return read_step(d, 1)
 
 
 def test_a_node_holding_only_a_replica_of_another_share_hydrates_its_own(

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from commit_kit import read_step
 
 from tierckpt_client import DaemonClient
 from tierckpt_core.errors import NamespaceNotFoundError, NotAMemberError
@@ -148,15 +149,7 @@ def _latest(d: DaemonProcess) -> int | None:
 
 def _read(d: DaemonProcess, step: int) -> tuple[dict[str, bytes], dict[str, Any]]:
     """The files ``d`` holds of ``step`` and the step's metadata, as a peer reads them."""
-    with DaemonClient.from_socket(d.socket) as c:
-        pin = c.pin(NS, step)
-        try:
-            out = {}
-            for f in pin.step.files:
-                with open(pin.paths[f.name], "rb") as fh:
-                    out[f.name] = fh.read(f.length)
-        finally:
-            c.unpin(NS, step, pin.pin_id)
+    out = read_step(d, step)
     with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         doc = http.get(f"http://{d.name}/v1/peer/namespaces/{NS}/steps/{step}").json()
     return out, unpack_metadata(StepManifest.model_validate(doc).metadata, where="test")
