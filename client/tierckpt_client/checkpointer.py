@@ -16,13 +16,11 @@ import signal
 import sys
 import threading
 import weakref
-from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from tierckpt_client._preemption import (
     Outcome,
@@ -30,6 +28,12 @@ from tierckpt_client._preemption import (
     memory_only_warning,
     replicates,
     wait_durable,
+)
+from tierckpt_client._save_loop import (
+    ASYNC_MODES,
+    SaveFailedError,
+    SaveInFlight,
+    check_save_options,
 )
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _async_staging
@@ -39,77 +43,12 @@ from tierckpt_core.protocol import validate_namespace
 
 logger = logging.getLogger(__name__)
 
-# Public, as checkpoint_groups (the integrations build on both): async_mode -> DCP's type.
-ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
-
 # Groups created for checkpointing, keyed by the ranks of the group they serve: created once per
 # process (creating a group is a collective every rank must join), reused by every Checkpointer.
 _GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 _GROUPS_LOCK = threading.Lock()
 # Every Checkpointer alive: at exit their references to the groups are dropped as well.
 _LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-
-
-class SaveFailedError(TierCkptError):
-    """A background save failed; raised by the next ``save`` or ``wait``. ``__cause__`` is the
-    original error."""
-
-    code = "save_failed"
-
-
-def check_save_options(persist_every: int | None, async_mode: str) -> None:
-    """ValueError naming the argument, for the options every save loop here takes (the
-    :class:`Checkpointer`, the framework integrations)."""
-    if persist_every is not None and persist_every < 1:
-        raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
-    if async_mode not in ASYNC_MODES:
-        raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
-
-
-class SaveInFlight:
-    """The one asynchronous save a loop has in flight (the :class:`Checkpointer`, the framework
-    integrations): its step, and its error raised once, as :class:`SaveFailedError`, by
-    :meth:`wait` rather than dropped.
-
-    A save staged asynchronously (``async_save`` returned an ``AsyncSaveResponse``) is waited
-    for by the loop's next optimizer step, whichever optimizer (a global pre-step hook,
-    ``dcp._async_staging``), and by :meth:`wait_staged`."""
-
-    def __init__(self, namespace: str) -> None:
-        self.namespace = namespace
-        self.step: int | None = None
-        self._future: Future[Any] | None = None
-        self._staging: Future[Any] | None = None
-
-    def start(self, step: int, result: Any) -> None:
-        """Track what ``dcp.async_save`` returned for ``step`` (a future or a response)."""
-        if isinstance(result, AsyncSaveResponse):
-            self._future, self._staging = result.upload_completion, result.staging_completion
-            _async_staging.wait_before_optimizer_steps(result.staging_completion)
-        else:
-            self._future, self._staging = result, None
-        self.step = step
-
-    def wait_staged(self) -> None:
-        """Return once the save in flight no longer reads the state: from then on the loop may
-        change it. A failed stage is raised by :meth:`wait`."""
-        fut, self._staging = self._staging, None
-        _async_staging.wait_staged(fut, f"{self.namespace}/step {self.step}")
-
-    def wait(self) -> None:
-        """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
-        self.wait_staged()
-        step, fut = self.step, self._future
-        if fut is None:
-            return
-        self.step = self._future = None
-        try:
-            fut.result()
-        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise SaveFailedError(
-                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
-                "checkpointed (the newest good step before it still is)"
-            ) from e
 
 
 def checkpoint_groups(

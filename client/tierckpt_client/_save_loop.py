@@ -1,0 +1,79 @@
+"""What every save loop here shares (:class:`~tierckpt_client.Checkpointer` and the framework
+integrations): the one asynchronous save in flight and its error, raised once and never dropped;
+the options such a loop takes; the async modes by name."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from tierckpt_client.dcp import _async_staging
+from tierckpt_core.errors import TierCkptError
+
+# Public (re-exported by checkpointer, as checkpoint_groups is): async_mode -> DCP's type.
+ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+
+class SaveFailedError(TierCkptError):
+    """A background save failed; raised by the next ``save`` or ``wait``. ``__cause__`` is the
+    original error."""
+
+    code = "save_failed"
+
+
+def check_save_options(persist_every: int | None, async_mode: str) -> None:
+    """ValueError naming the argument, for the options every save loop here takes (the
+    :class:`Checkpointer`, the framework integrations)."""
+    if persist_every is not None and persist_every < 1:
+        raise ValueError(f"persist_every must be >= 1 or None, got {persist_every}")
+    if async_mode not in ASYNC_MODES:
+        raise ValueError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+
+
+class SaveInFlight:
+    """The one asynchronous save a loop has in flight (the :class:`Checkpointer`, the framework
+    integrations): its step, and its error raised once, as :class:`SaveFailedError`, by
+    :meth:`wait` rather than dropped.
+
+    A save staged asynchronously (``async_save`` returned an ``AsyncSaveResponse``) is waited
+    for by the loop's next optimizer step, whichever optimizer (a global pre-step hook,
+    ``dcp._async_staging``), and by :meth:`wait_staged`."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.step: int | None = None
+        self._future: Future[Any] | None = None
+        self._staging: Future[Any] | None = None
+
+    def start(self, step: int, result: Any) -> None:
+        """Track what ``dcp.async_save`` returned for ``step`` (a future or a response)."""
+        if isinstance(result, AsyncSaveResponse):
+            self._future, self._staging = result.upload_completion, result.staging_completion
+            _async_staging.wait_before_optimizer_steps(result.staging_completion)
+        else:
+            self._future, self._staging = result, None
+        self.step = step
+
+    def wait_staged(self) -> None:
+        """Return once the save in flight no longer reads the state: from then on the loop may
+        change it. A failed stage is raised by :meth:`wait`."""
+        fut, self._staging = self._staging, None
+        _async_staging.wait_staged(fut, f"{self.namespace}/step {self.step}")
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise :class:`SaveFailedError` if it failed."""
+        self.wait_staged()
+        step, fut = self.step, self._future
+        if fut is None:
+            return
+        self.step = self._future = None
+        try:
+            fut.result()
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            raise SaveFailedError(
+                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
+                "checkpointed (the newest good step before it still is)"
+            ) from e
