@@ -75,6 +75,19 @@ def test_a_checkpoint_id_without_a_step_is_refused_for_a_save() -> None:
         load({}, "/some/folder")
 
 
+def test_install_without_megatron_lm_names_what_is_missing() -> None:
+    try:
+        import megatron.training.checkpointing  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        pytest.skip("Megatron-LM is installed: tests/integrations/test_megatron_lm.py runs instead")
+    from tierckpt_client.integrations import megatron_lm
+
+    with pytest.raises(ModuleNotFoundError, match=r"megatron.training.*0\.17.*megatron.save/load"):
+        megatron_lm.install("job")
+
+
 @pytest.mark.slow
 def test_gpt_async_fully_parallel_tp2_to_tp1_and_latest_after_a_crash(
     daemon: DaemonProcess, tmp_path: Path

@@ -366,7 +366,14 @@ def install(namespace: str, *, persist: bool | None = None, timeout_s: float = 3
     global _installed
     parse_checkpoint_id(format_checkpoint_id(namespace, 0))  # a bad namespace fails here
     if "megatron.training.checkpointing" not in sys.modules:
-        import megatron.training.checkpointing  # noqa: F401  (Megatron-LM: megatron-core >= 0.17)
+        try:
+            import megatron.training.checkpointing  # noqa: F401
+        except ModuleNotFoundError as e:
+            raise ModuleNotFoundError(
+                f"install() hooks Megatron-LM's megatron.training, which cannot be imported ({e});"
+                " megatron-core ships it from 0.17 on (Python >= 3.12). For megatron-core alone"
+                " use tierckpt_client.integrations.megatron.save/load"
+            ) from e
     if _installed is not None and _installed._originals:
         raise RuntimeError(
             f"tierckpt is already installed into Megatron-LM (namespace {_installed.namespace!r});"
