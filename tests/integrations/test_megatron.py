@@ -1,7 +1,8 @@
 """tierckpt_client.integrations.megatron with Megatron-Core's own code: a tiny GPTModel (local
 spec, CPU initialization; examples/megatron_gpt.py) on 2 gloo ranks with real daemons. Every load
 checks every weight against what was saved, to the last bit: sync and async saves (weights changed
-right after an async save returned never reach the step), TP=2 saved and TP=1 loaded, Megatron's
+right after an async save returned never reach the step), TP=2 saved and loaded at TP=1 with 2
+pipeline stages (PP=2), Megatron's
 fully-parallel save wrapper, a restore after a node (daemon and memory tier) is lost, and
 "latest" after a save that died before its commit. (Megatron's fully-parallel *load* wrapper
 exchanges shards on a CUDA device: not run here.)
@@ -89,7 +90,7 @@ def test_install_without_megatron_lm_names_what_is_missing() -> None:
 
 
 @pytest.mark.slow
-def test_gpt_async_fully_parallel_tp2_to_tp1_and_latest_after_a_crash(
+def test_gpt_async_fully_parallel_tp2_to_tp1_pp2_and_latest_after_a_crash(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     ns = "gpt"
@@ -102,9 +103,11 @@ def test_gpt_async_fully_parallel_tp2_to_tp1_and_latest_after_a_crash(
         files = [SealFile(lease_id=lease.lease_id, name="r00000.data", length=4096)]
         c.seal(ns, 5, attempt, 0, files)
     # Async save of step 1 at TP=2 through Megatron's fully-parallel wrapper (weights changed
-    # after it returned), then "latest" loaded at TP=1 in the same ranks: step 1, not step 5.
+    # after it returned), then "latest" loaded at TP=1 with 2 pipeline stages in the same ranks:
+    # step 1, not step 5.
     args = ["--namespace", ns, "--tp", "2", "--save", "1", "--async", "--fully-parallel"]
-    out = _run([*args, "--load", "latest", "--load-tp", "1"], daemon.client_env, tmp_path)
+    load = ["--load", "latest", "--load-tp", "1", "--load-pp", "2"]
+    out = _run([*args, *load], daemon.client_env, tmp_path)
     assert out == {"saved": 1, "done": True, "loaded": 1, "exact": True}
     with DaemonClient.from_socket(daemon.socket) as c:
         states = {s.step: s.state for s in c.steps(ns)}
