@@ -89,6 +89,35 @@ def test_install_without_megatron_lm_names_what_is_missing() -> None:
         megatron_lm.install("job")
 
 
+def test_megatron_lm_async_saves_finalize_at_their_commit_in_order_and_failures_surface() -> None:
+    """install()'s async bookkeeping (no Megatron-LM needed): Megatron-LM's finalize functions
+    (its tracker write) run once a step is committed, never before an older save's, never for
+    a failed one; the training thread's poll raises the failure, naming the step."""
+    from concurrent.futures import Future
+
+    from tierckpt_client.checkpointer import SaveFailedError
+    from tierckpt_client.integrations.megatron import TieredSaveRequest
+    from tierckpt_client.integrations.megatron_lm import _Request, _Saves
+
+    saves = _Saves(timeout_s=5)
+    tracker: list[int] = []
+    futures = {step: Future[None]() for step in (1, 2, 3)}
+    for step, fut in futures.items():
+        req = _Request(TieredSaveRequest("job", step, fut))
+        req.add_finalize_fn(lambda step=step: tracker.append(step))
+        saves.schedule(req)
+    futures[2].set_result(None)  # step 2 committed before step 1
+    saves.finalize(blocking=False)
+    assert tracker == [] and not saves.empty()
+    futures[1].set_exception(RuntimeError("a node's daemon went away"))
+    assert tracker == [2]  # step 1 failed: its tracker write never runs
+    futures[3].set_result(None)
+    assert tracker == [2, 3] and saves.empty()
+    with pytest.raises(SaveFailedError, match=r"tierckpt://job/1.*daemon went away"):
+        saves.finalize(blocking=False)
+    saves.finalize(blocking=True)  # reported once; nothing left in flight
+
+
 @pytest.mark.slow
 def test_gpt_async_fully_parallel_tp2_to_tp1_pp2_and_latest_after_a_crash(
     daemon: DaemonProcess, tmp_path: Path
