@@ -20,8 +20,9 @@ attributes of ``megatron.training``; each restored by :meth:`Installed.uninstall
 * ``checkpointing._get_checkpoint_format``: ``torch_dist`` for such a folder without listing it
   (the folder may be on a node that is gone).
 * ``checkpointing.read_metadata``: "latest" is tierckpt's newest committed step (decided on rank 0,
-  broadcast on gloo), whatever step the tracker names; a ``release`` tracker, and a namespace with
-  no committed step (then the tracker's step, max over the ranks), stay as Megatron's.
+  broadcast on gloo), whatever step the tracker names; a ``release`` tracker, a ``--ckpt-format``
+  other than ``torch_dist``, and a namespace with no committed step (then the tracker's step, max
+  over the ranks) stay as Megatron's.
 * ``schedule_async_save``/``is_empty_async_queue`` (in ``checkpointing`` and ``async_utils``) and
   ``maybe_finalize_async_save`` (in ``async_utils`` and ``training``): an async save is done when
   its step is committed on every node; the functions Megatron-LM adds to the request (the
@@ -256,8 +257,10 @@ def _newest_step(namespace: str, tracker: str, original: Any) -> tuple[int, bool
         text = Path(tracker).read_text(encoding="utf-8").strip()
     except OSError:
         text = ""
-    if text == "release":
-        return original(tracker)
+    from megatron.training.global_vars import get_args
+
+    if text == "release" or get_args().ckpt_format != "torch_dist":
+        return original(tracker)  # a release, or torch_dcp/fsdp_dtensor folders: Megatron's
     group = checkpoint_groups(None)[0]
     probe = TieredStorageReader(namespace, None, process_group=group)
     try:
