@@ -85,7 +85,9 @@ def test_install_without_megatron_lm_names_what_is_missing() -> None:
         pytest.skip("Megatron-LM is installed: tests/integrations/test_megatron_lm.py runs instead")
     from tierckpt_client.integrations import megatron_lm
 
-    with pytest.raises(ModuleNotFoundError, match=r"megatron.training.*0\.17.*megatron.save/load"):
+    with pytest.raises(
+        ModuleNotFoundError, match=r"megatron.training.*0\.19\.2.*megatron.save/load"
+    ):
         megatron_lm.install("job")
 
 

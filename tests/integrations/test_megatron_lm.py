@@ -8,7 +8,7 @@ Checks what a Megatron-LM user sees: a sync and an ``--async-save`` step restore
 a crash — a newer step sealed but never committed, and a tracker naming it — is tierckpt's newest
 committed step.
 
-Needs Megatron-LM's ``megatron.training`` (in the megatron-core wheel from 0.17, Python >= 3.12;
+Needs Megatron-LM's ``megatron.training`` (in the megatron-core 0.19.2 wheel, Python >= 3.12;
 docs/guides/megatron.md has the venv); skipped without it (megatron-core 0.16.1 has none)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the [megatron] extra)")
 pytest.importorskip(
     "megatron.training.checkpointing",
-    reason="Megatron-LM's megatron.training is not in this megatron-core (it ships from 0.17 on)",
+    reason="Megatron-LM's megatron.training is not in this megatron-core (0.19.2 has it)",
 )
 
 from tierckpt_client import DaemonClient

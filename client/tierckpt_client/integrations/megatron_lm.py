@@ -1,6 +1,6 @@
 """Megatron-LM's ``save_checkpoint``/``load_checkpoint`` with tierckpt steps: :func:`install`.
 
-Megatron-LM (``megatron.training``, shipped in the megatron-core wheel from 0.17 on) saves step
+Megatron-LM (``megatron.training``, in the megatron-core 0.19.2 wheel; not in 0.16.1) saves step
 ``N`` of a ``torch_dist`` checkpoint into the folder ``<--save>/iter_000000N`` and records it in
 ``<--save>/latest_checkpointed_iteration.txt`` (the *tracker*). After::
 
@@ -374,8 +374,8 @@ def install(namespace: str, *, persist: bool | None = None, timeout_s: float = 3
         except ModuleNotFoundError as e:
             raise ModuleNotFoundError(
                 f"install() hooks Megatron-LM's megatron.training, which cannot be imported ({e});"
-                " megatron-core ships it from 0.17 on (Python >= 3.12). For megatron-core alone"
-                " use tierckpt_client.integrations.megatron.save/load"
+                " the megatron-core 0.19.2 wheel has it, 0.16.1 not (Python >= 3.12). For"
+                " megatron-core alone use tierckpt_client.integrations.megatron.save/load"
             ) from e
     if _installed is not None and _installed._originals:
         raise RuntimeError(
