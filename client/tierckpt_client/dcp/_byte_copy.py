@@ -30,6 +30,10 @@ RUN = 4 << 20
 SPLIT_MIN = 2 * RUN
 """Below this many bytes in all, the trainer's thread copies alone."""
 
+HELPER_RUNS = 2
+"""Runs of the copy per helper woken: a helper woken for a single run cost more than it saved
+(a 64 MiB stage on a quiet 16-core host: 6.6 ms with 15 helpers, 3.3 ms with 7)."""
+
 
 def _move(dst: int, src: int, n: int) -> None:
     """Copy ``n`` bytes from address ``src`` to address ``dst`` (not overlapping), the GIL
@@ -45,40 +49,30 @@ def plain(src: torch.Tensor) -> bool:
 
 
 class ByteCopies:
-    """Copies of whole byte ranges, gathered and then run together by :meth:`run`.
+    """Copies of whole byte ranges, gathered and then run together by :meth:`run`: made with
+    ``threads > 1`` and at least :data:`SPLIT_MIN` bytes gathered, :meth:`run` wakes one helper
+    for every :data:`HELPER_RUNS` runs (at most ``threads - 1``) and copies beside them.
 
-    Made with ``threads > 1`` and an ``expect``-ed byte count of at least :data:`SPLIT_MIN`, it
-    wakes its helpers at the first :meth:`add` (not before: a helper woken with nothing to copy
-    goes back to sleep, and its second wake-up can wait behind whatever holds its core): they
-    copy the runs of each :meth:`add` while the trainer's thread lays out the next tensors, and
-    :meth:`run` joins them for what is left."""
+    The helpers are woken once the layout is done, not at the first :meth:`add`: started early
+    they took the GIL between their runs while the trainer's thread was laying out the next
+    tensors, and a 64 MiB stage over 16 threads took 8.7 ms instead of 6.6 (docs/benchmarks.md,
+    "The 64 MiB stall on a quiet 16-core host")."""
 
-    def __init__(self, threads: int = 1, expect: int = 0) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self._pieces: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
         self.nbytes = 0
         self._keep: list[torch.Tensor] = []  # the sources stay alive until the copy is done
         self._threads = threads
-        self._expect = expect if threads > 1 and expect >= SPLIT_MIN else 0
         self._shared: _Runs | None = None
-
-    def _start(self, threads: int, expect: int) -> None:
-        self._shared = shared = _Runs()
-        on_helpers(STAGE, min(threads - 1, -(-expect // RUN) - 1), shared.work)
 
     def add(self, dst: int, src: torch.Tensor, n: int) -> None:
         """Copy the ``n`` bytes of ``src`` (:func:`plain`) to address ``dst`` by the end of
-        :meth:`run` (helpers woken by the constructor may start now)."""
+        :meth:`run`."""
         if not n:
             return
-        ptr = src.data_ptr()
         self._keep.append(src)
         self.nbytes += n
-        if self._expect and self._shared is None:
-            self._start(self._threads, self._expect)
-        if self._shared is not None:
-            self._shared.add([(dst + at, ptr + at, min(RUN, n - at)) for at in range(0, n, RUN)])
-        else:
-            self._pieces.append((dst, ptr, n))
+        self._pieces.append((dst, src.data_ptr(), n))
 
     def run(self, threads: int | None = None) -> None:
         """Every copy, on up to ``threads`` threads (default: as made; this one and helpers);
@@ -87,28 +81,24 @@ class ByteCopies:
         threads = self._threads if threads is None else threads
         pieces, self._pieces = self._pieces, []
         try:
-            if self._shared is None and threads > 1 and self.nbytes >= SPLIT_MIN:
-                self._start(threads, self.nbytes)
-                assert self._shared is not None
+            helpers = min(threads - 1, -(-self.nbytes // (HELPER_RUNS * RUN)) - 1)
+            if helpers > 0 and self.nbytes >= SPLIT_MIN:
+                self._shared = shared = _Runs()
                 for dst, src, n in pieces:
-                    self._shared.add(
-                        [(dst + at, src + at, min(RUN, n - at)) for at in range(0, n, RUN)]
-                    )
-                pieces = []
-            for dst, src, n in pieces:
-                _move(dst, src, n)
-            if self._shared is not None:
-                self._join(self._shared)
+                    shared.add([(dst + at, src + at, min(RUN, n - at)) for at in range(0, n, RUN)])
+                on_helpers(STAGE, helpers, shared.work)
+                self._join(shared)
+            else:
+                for dst, src, n in pieces:
+                    _move(dst, src, n)
         finally:
             self._shared = None
-            self._expect = 0
             self._keep.clear()
             self.nbytes = 0
 
     def cancel(self) -> None:
         """Copy nothing more; returns once no helper is copying (a failed stage)."""
         shared, self._shared = self._shared, None
-        self._expect = 0
         if shared is not None:
             shared.close()
         self._pieces = []

@@ -142,14 +142,12 @@ def stage_into(
     the current stream of its device; at the end one synchronize of each such stream waits for
     them all (of those streams only: an asynchronous stage runs on a side stream of its own, and
     must not wait for the training's kernels on the others, :mod:`_async_staging`). Host tensors are copied as bytes, all together
-    as they are laid out, shared over torch's number of threads (:mod:`_byte_copy`): the helpers
-    start on the first tensors while this thread lays out the next, and it joins them at the
-    end."""
+    once they are laid out, shared over up to torch's number of threads (:mod:`_byte_copy`)."""
     offset = 0
     device_copies = 0
     devices: set[torch.device] = set()
     base = mapping.base if mapping is not None else 0
-    host = ByteCopies(torch.get_num_threads(), mapping.size if mapping is not None else 0)
+    host = ByteCopies(torch.get_num_threads())
 
     def place(t: torch.Tensor) -> torch.Tensor:
         nonlocal offset, device_copies
