@@ -19,6 +19,7 @@ Use: ``with InProcessPeers() as net: net.add("a:1", create_app(node, settings))`
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import logging
 import socket
@@ -88,9 +89,18 @@ class InProcessPeers:
     def http_transport(self) -> httpx.BaseTransport:
         def handle(request: httpx.Request) -> httpx.Response:
             peer = f"{request.url.host}:{request.url.port}"
-            status, headers, body = self.call(
-                peer, request.method, request.url.raw_path, request.headers.raw, request.read()
-            )
+            timeout_s = request.extensions.get("timeout", {}).get("read")
+            try:
+                status, headers, body = self.call(
+                    peer,
+                    request.method,
+                    request.url.raw_path,
+                    request.headers.raw,
+                    request.read(),
+                    timeout_s,
+                )
+            except TimeoutError as e:  # as httpx's own transport says it
+                raise httpx.ReadTimeout(str(e), request=request) from None
             return httpx.Response(status, headers=headers, content=body)
 
         return httpx.MockTransport(handle)
@@ -115,9 +125,16 @@ class InProcessPeers:
 
     # -- serving ----------------------------------------------------------------------------
     def call(
-        self, peer: str, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+        self,
+        peer: str,
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        timeout_s: float | None,
     ) -> Answer:
-        """One request to ``peer``'s app, as its TCP port would hand it over."""
+        """One request to ``peer``'s app, as its TCP port would hand it over; TimeoutError if
+        it has not answered in ``timeout_s`` (the caller's read timeout)."""
         app = self.apps.get(peer)
         if app is None:
             raise httpx.ConnectError(f"no daemon at {peer} in this process")
@@ -139,7 +156,14 @@ class InProcessPeers:
             "client": ("127.0.0.1", 0),
             "extensions": {},
         }
-        return self._portal.call(_asgi, app, scope, body)
+        answer = self._portal.start_task_soon(_asgi, app, scope, body)
+        try:
+            return answer.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            answer.cancel()
+            raise TimeoutError(
+                f"{peer}: {method} {scope['path']} did not answer in {timeout_s}s"
+            ) from None
 
     def _serve(self, peer: str, sock: socket.socket) -> None:
         """HTTP/1.1 on ``sock`` for ``peer`` until the client closes it."""
@@ -151,7 +175,12 @@ class InProcessPeers:
                     if request is None:
                         return
                     status, headers, data = self.call(
-                        peer, request.method.decode(), request.target, list(request.headers), body
+                        peer,
+                        request.method.decode(),
+                        request.target,
+                        list(request.headers),
+                        body,
+                        sock.gettimeout(),
                     )
                     sock.sendall(conn.send(h11.Response(status_code=status, headers=headers)))
                     if request.method != b"HEAD" and data:
