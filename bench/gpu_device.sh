@@ -58,10 +58,10 @@ elif [ "${RESTORE_ONLY:-0}" = 1 ]; then
 else
     SIZES=${SIZES:-0.0625,1,4} ITERS=${ITERS:-5}
 fi
-BENCH_TIMEOUT=$([ "${RESTORE_ONLY:-0}" = 1 ] && echo 120 || echo 300)
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-$([ "${RESTORE_ONLY:-0}" = 1 ] && echo 120 || echo 300)}
 
 log "CUDA tests"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider -o timeout=120 \
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -o timeout=120 \
     -W ignore::DeprecationWarning -W ignore::FutureWarning \
     tests/integration/test_cuda_paths.py \
     tests/unit/test_arena_pinning.py::test_cuda_tensors_stage_into_a_pinned_tier_file_and_restore_bit_exact \

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from tierckpt_core import nogil_hash
 from tierckpt_core.errors import IntegrityError, TierCkptError
 from tierckpt_core.verified import CHUNK, BlockStream, BlockSums, Read, _bytes
 
@@ -88,13 +87,10 @@ def copy_all(
     # MiB ones; up to 8 threads 1 MiB was as fast or faster (docs/benchmarks.md, "Figures
     # behind the code's choices").
     piece = chunk if workers <= 8 else 2 * chunk
-    # Blocks xxhash's own call hashes under the GIL, over several threads: through ctypes.
-    small = workers > 1 and any(landing.sums.size <= GIL_HELD_MAX for landing in landings)
-    hex_at = nogil_hash.hexdigest_at() if small else None
 
     def land(run: tuple[_Landing, int, int]) -> int:
         landing, lo, hi = run
-        return landing.whole(lo, hi, piece, hex_at)
+        return landing.whole(lo, hi, piece)
 
     return checked + _share(runs, workers, land, spawn)
 
@@ -185,9 +181,8 @@ class _Landing:
         per = max(1, about // self.sums.size) * self.sums.size
         return [(self, a, min(a + per, hi)) for a in range(lo, hi, per)]
 
-    def whole(self, start: int, end: int, chunk: int, hex_at: nogil_hash.HexAt | None) -> int:
-        """Whole blocks ``[start, end)``, landed and checked piece by piece; blocks of at most
-        :data:`GIL_HELD_MAX` bytes hashed with ``hex_at`` where given (without the GIL)."""
+    def whole(self, start: int, end: int, chunk: int) -> int:
+        """Whole blocks ``[start, end)``, landed and checked piece by piece."""
         sums, out, offset = self.sums, self.out, self.offset
         if chunk < sums.size:  # pieces smaller than a block: a block's hash runs over several
             stream = BlockStream(sums, start, end)
@@ -199,20 +194,14 @@ class _Landing:
         # Pieces of whole blocks, each block hashed in one call once its piece landed (xxh3's
         # one-shot call is faster than its streaming one).
         step, digests = chunk // sums.size * sums.size, sums.digests
-        base = None
-        if hex_at is not None and sums.size <= GIL_HELD_MAX:
-            base = nogil_hash.address(out)
         for at in range(start, end, step):
             upto = min(at + step, end)
             self.fetch(out[at - offset : upto - offset], at)
             for lo in range(at, upto, sums.size):
                 block = sums.block_of(lo)
-                if base is not None and hex_at is not None:
-                    got = hex_at(base + lo - offset, min(sums.size, upto - lo))
-                else:
-                    got = xxhash.xxh3_128_hexdigest(
-                        out[lo - offset : min(lo + sums.size, upto) - offset]
-                    )
+                got = xxhash.xxh3_128_hexdigest(
+                    out[lo - offset : min(lo + sums.size, upto) - offset]
+                )
                 if got != digests[block]:
                     raise sums.mismatch(block)
         return end - start
@@ -229,44 +218,31 @@ def check_all(
     by up to ``threads`` workers in runs of about :data:`PARALLEL_MIN` bytes, as
     :func:`copy_all` shares its copies. For a copy that reads ``src`` itself while the blocks
     are checked (a DMA to a device, ``dcp/_device_copy``): what is checked is ``src``, not the
-    destination. Blocks of at most :data:`GIL_HELD_MAX` bytes are hashed through
-    :mod:`~tierckpt_core.nogil_hash` over several threads (on the caller's thread alone where it
-    is not to be had). Every worker that started is waited for. The bytes checked; BlockMismatchError (a
+    destination. Blocks of at most :data:`GIL_HELD_MAX` bytes are checked on the caller's thread
+    alone. Every worker that started is waited for. The bytes checked; BlockMismatchError (a
     bad block)."""
-    hex_at = None
-    if threads > 1 and all(sums.size <= GIL_HELD_MAX for _, sums, _ in blocks):
-        # xxhash's own call holds the GIL for these: hash them through ctypes, which does not
-        # (nogil_hash), or on the caller's thread alone (no thread would hash beside another).
-        hex_at = nogil_hash.hexdigest_at()
-        if hex_at is None:
-            threads = 1
-    runs: list[list[tuple[memoryview, BlockSums, int, int | None]]] = []
-    bases: dict[int, int | None] = {}
+    if all(sums.size <= GIL_HELD_MAX for _, sums, _ in blocks):
+        # xxhash's own call holds the GIL for these: no thread would hash beside another, and
+        # the same C function through ctypes (which releases it) handed the GIL around every
+        # 64 KiB block: slower over 2 to 16 threads than one (docs/benchmarks.md).
+        threads = 1
+    runs: list[list[tuple[memoryview, BlockSums, int]]] = []
     size = 0
     for src, sums, block in blocks:
         if not runs or size >= PARALLEL_MIN:
             runs.append([])
             size = 0
         lo, hi = sums.bounds(block)
-        view = _bytes(src)
-        base = None
-        if hex_at is not None:
-            base = bases.get(id(src), -1)
-            if base == -1:
-                base = bases[id(src)] = nogil_hash.address(view)
-        runs[-1].append((view, sums, block, base))
+        runs[-1].append((_bytes(src), sums, block))
         size += hi - lo
     if not runs:
         return 0
 
-    def check(run: list[tuple[memoryview, BlockSums, int, int | None]]) -> int:
+    def check(run: list[tuple[memoryview, BlockSums, int]]) -> int:
         done = 0
-        for view, sums, block, base in run:
+        for view, sums, block in run:
             lo, hi = sums.bounds(block)
-            if hex_at is not None and base is not None and hi > lo:
-                got = hex_at(base + lo - sums.origin, hi - lo)  # without the GIL
-            else:
-                got = xxhash.xxh3_128_hexdigest(view[lo - sums.origin : hi - sums.origin])
+            got = xxhash.xxh3_128_hexdigest(view[lo - sums.origin : hi - sums.origin])
             if got != sums.digests[block]:
                 raise sums.mismatch(block)
             done += hi - lo
@@ -326,10 +302,11 @@ threads (handing a run over costs a thread wake-up)."""
 GIL_HELD_MAX: int = getattr(getattr(xxhash, "_xxhash", None), "_GIL_MINSIZE", 65536)
 """xxhash hashes an input of at most this many bytes without releasing the GIL (python-xxhash:
 ``len > _GIL_MINSIZE`` releases it): blocks no larger (every file of up to 64 MiB: 1024 blocks
-of at most 64 KiB) would be hashed one thread at a time however many threads take them, so
-over several threads :func:`check_all` and :func:`copy_all` hash them with
-:mod:`~tierckpt_core.nogil_hash` (the same C function through ctypes, without the GIL); one
-thread keeps xxhash's own call, which costs ~1 us less a block."""
+of at most 64 KiB) are hashed one thread at a time however many threads take them, so
+:func:`check_all` checks them on the caller's thread alone (more threads would only hand the GIL
+around). Hashing them through ctypes, which releases the GIL for the call, was tried and
+measured slower over 2 to 16 threads than one thread with xxhash's call (docs/benchmarks.md,
+"The GIL-free block hash, measured on a quiet host")."""
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()

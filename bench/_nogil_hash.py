@@ -1,6 +1,10 @@
 """xxh3-128 of bytes at an address, hashed without the GIL whatever their length: the `xxhash`
 package's own C function, called through :mod:`ctypes`.
 
+Kept in bench/ only, for ``verify_threads.py``: the product used it for a few hours (issue 35)
+and dropped it after a quiet 16-core host measured it slower over 2 to 16 threads than one
+thread with xxhash's own call (each 64 KiB block hands the GIL over twice; docs/benchmarks.md).
+
 python-xxhash releases the GIL only for inputs over 64 KiB (its ``_GIL_MINSIZE``), so the blocks
 of every file of up to 64 MiB (at most 64 KiB each: ``integrity.block_size``) are hashed one
 thread at a time however many threads take them. Its extension module exports the xxHash
