@@ -1,33 +1,38 @@
 """The uploader and the replicator through their seams, in one process: the Persister against a
-real FileStore in tmp_path, the Replicator against an in-process stand-in for the peer network
-(each "peer" a real TierService + PeerServer). The real-process versions of these stories are in
+real FileStore in tmp_path, the Replicator and the PeerFetcher with real PeerClients against the
+real peer routes of each node's daemon app, carried in process (tests/peer_kit.py). The real-process versions of these stories are in
 tests/integration/test_persistent_tier.py and test_replication.py."""
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tierckpt_core.errors import IntegrityError, NotFoundError, PersistentTierUnavailableError
-from tierckpt_core.integrity import block_digest, checksum
+from tierckpt_core.errors import NotFoundError, PersistentTierUnavailableError
+from tierckpt_core.integrity import checksum
 from tierckpt_core.layout import durable_steps, read_step_manifest
-from tierckpt_core.manifest import StepManifest
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.objectstore import FileStore
-from tierckpt_core.protocol import CommitRequest, PeerStep, SealFile, SealRequest, StepInfo
+from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
+from tierckpt_daemon.api.app import create_app
+from tierckpt_daemon.config import DaemonSettings
+from tierckpt_daemon.node import Node
+from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.copier import Copier
 from tierckpt_daemon.peers.fetch import PeerFetcher
-from tierckpt_daemon.peers.membership import Membership, Ring
+from tierckpt_daemon.peers.membership import Members, Membership, Ring
 from tierckpt_daemon.peers.replication import Replicator
-from tierckpt_daemon.peers.server import PeerServer
 from tierckpt_daemon.tier.arena import Arena
 from tierckpt_daemon.tier.persist import Persister
+from tierckpt_daemon.tier.restore import Restorer
 from tierckpt_daemon.tier.service import TierService
+
+from peer_kit import InProcessPeers
 
 MiB = 1 << 20
 
@@ -150,99 +155,63 @@ def test_hydrate_brings_a_durable_step_back_bit_exact(
     assert _read(fresh, 5) == data
 
 
-class PeerNetwork:
-    """Routes PeerClient calls to in-process daemons by node name (no HTTP)."""
-
-    def __init__(self) -> None:
-        self.nodes: dict[str, tuple[TierService, PeerServer, Replicator]] = {}
-
-    def client(self) -> FakePeerClient:
-        return FakePeerClient(self)
+TOKEN = "in-process-peer-token"
+MEMBERS = "a:1,b:1"
 
 
-class FakePeerClient:
-    def __init__(self, net: PeerNetwork) -> None:
-        self.net = net
+class Peers:
+    """Two daemons' parts, their peer routes served on an in-process network to real
+    PeerClients (tests/peer_kit.py)."""
 
-    def _server(self, peer: str) -> PeerServer:
-        return self.net.nodes[peer][1]
+    def __init__(self, net: InProcessPeers, tmp_path: Path) -> None:
+        self.net, self.tmp_path = net, tmp_path
+        self.nodes: dict[str, tuple[TierService, Replicator]] = {}
+        self._clients: list[PeerClient] = []
+        self._nodes: list[Node] = []
 
-    def list_steps(self, peer: str, namespace: str, **_: Any) -> list[PeerStep]:
-        return self._server(peer).list_steps(namespace)
-
-    def manifest(self, peer: str, namespace: str, step: int) -> StepManifest:
-        return StepManifest.decode(
-            self._server(peer).manifest(namespace, step).encode(), where=peer
+    def client(self, name: str) -> PeerClient:
+        client = PeerClient(
+            TOKEN, members=Members(Membership.parse(MEMBERS), name), timeout_s=10, network=self.net
         )
+        self._clients.append(client)
+        return client
 
-    def get_file(
-        self, peer: str, namespace: str, step: int, attempt: str, name: str, path: str, length: int
-    ) -> str:
-        served = self._server(peer).open_file(namespace, step, attempt, name)
-        try:
-            assert served.length == length
-            data = os.pread(served.fd, length, 0)
-        finally:
-            served.close()
-        with open(path, "r+b") as f:
-            f.write(data)
-        return checksum(data)
-
-    def get_file_blocks(
-        self,
-        peer: str,
-        namespace: str,
-        step: int,
-        attempt: str,
-        name: str,
-        path: str,
-        length: int,
-        block_size: int,
-        blocks: list[str],
-        *,
-        pace: Any = None,
-    ) -> None:
-        served = self._server(peer).open_file(namespace, step, attempt, name)
-        try:
-            data = os.pread(served.fd, length, 0)
-        finally:
-            served.close()
-        got = [block_digest(data[o : o + block_size]) for o in range(0, length, block_size)]
-        if got != blocks:
-            raise IntegrityError(f"{namespace}/step {step}: {name} from {peer} is corrupt")
-        with open(path, "r+b") as f:
-            f.write(data)
-
-    def pull(self, peer: str, namespace: str, step: int, origin: str, nbytes: int) -> StepInfo:
-        return self.net.nodes[peer][2].pull_from(origin, namespace, step)
+    def node(self, name: str) -> None:
+        root = self.tmp_path / name.replace(":", "-")
+        svc = _service(root)
+        client = self.client(name)
+        rep = Replicator(svc, Ring(Membership.parse(MEMBERS), name), client, Copier(svc, client))
+        svc.replicas = 1
+        svc.add_listener(rep)
+        node = Node(svc, Restorer(svc), replicator=rep, client=client)
+        settings = DaemonSettings(shm_dir=root, peers=MEMBERS, node_name=name, peer_token=TOKEN)
+        self.net.add(name, create_app(node, settings))
+        self.nodes[name] = (svc, rep)
+        self._nodes.append(node)
+        rep.start()
 
     def close(self) -> None:
-        pass
+        for node in self._nodes:
+            node.close()
+        for client in self._clients:
+            client.close()
 
 
 @pytest.fixture
-def two_nodes(tmp_path: Path) -> Iterator[PeerNetwork]:
-    net = PeerNetwork()
-    members = Membership.parse("a:1,b:1")
-    for name in ("a:1", "b:1"):
-        svc = _service(tmp_path / name.replace(":", "-"))
-        client = net.client()
-        ring = Ring(members, name)
-        rep = Replicator(svc, ring, client, Copier(svc, client))  # type: ignore[arg-type]
-        svc.replicas = 1
-        svc.add_listener(rep)
-        net.nodes[name] = (svc, PeerServer(svc), rep)
-        rep.start()
-    try:
-        yield net
-    finally:
-        for _, _, rep in net.nodes.values():
-            rep.stop()
+def two_nodes(tmp_path: Path) -> Iterator[Peers]:
+    with InProcessPeers() as net:
+        peers = Peers(net, tmp_path)
+        try:
+            for name in ("a:1", "b:1"):
+                peers.node(name)
+            yield peers
+        finally:
+            peers.close()
 
 
-def test_a_commit_is_replicated_to_the_ring_successor_verified(two_nodes: PeerNetwork) -> None:
-    a, _, rep_a = two_nodes.nodes["a:1"]
-    b, _, _ = two_nodes.nodes["b:1"]
+def test_a_commit_is_replicated_to_the_ring_successor_verified(two_nodes: Peers) -> None:
+    a, rep_a = two_nodes.nodes["a:1"]
+    b, _ = two_nodes.nodes["b:1"]
     data = _save(a, 7)
     assert rep_a.wait_idle(20)
     assert a.get_step("job", 7).replicated_to == ["b:1"]
@@ -253,21 +222,16 @@ def test_a_commit_is_replicated_to_the_ring_successor_verified(two_nodes: PeerNe
 
 
 def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
-    tmp_path: Path, two_nodes: PeerNetwork
+    tmp_path: Path, two_nodes: Peers
 ) -> None:
-    a, _, rep_a = two_nodes.nodes["a:1"]
-    b, _, _ = two_nodes.nodes["b:1"]
+    a, rep_a = two_nodes.nodes["a:1"]
+    b, _ = two_nodes.nodes["b:1"]
     data = _save(a, 8)
     assert rep_a.wait_idle(20)
     # Node a is replaced: empty memory, same name.
     fresh = _service(tmp_path / "a-replaced")
-    client = two_nodes.client()
-    rep = PeerFetcher(
-        fresh,
-        client,  # type: ignore[arg-type]
-        Ring(Membership.parse("a:1,b:1"), "a:1"),
-        Copier(fresh, client),  # type: ignore[arg-type]
-    )
+    client = two_nodes.client("a:1")
+    rep = PeerFetcher(fresh, client, Ring(Membership.parse(MEMBERS), "a:1"), Copier(fresh, client))
     assert rep.peer_steps("job") == {8: ["b:1"]}
     assert rep.hydrate("job", 8).step == 8
     assert _read(fresh, 8) == data
@@ -279,13 +243,27 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
         f.write(bytes([first[0] ^ 0xFF]))
     b.unpin("job", 8, pin.pin_id)
     other = _service(tmp_path / "a-again")
-    rep2 = PeerFetcher(
-        other,
-        client,  # type: ignore[arg-type]
-        Ring(Membership.parse("a:1,b:1"), "a:1"),
-        Copier(other, client),  # type: ignore[arg-type]
-    )
+    rep2 = PeerFetcher(other, client, Ring(Membership.parse(MEMBERS), "a:1"), Copier(other, client))
     with pytest.raises(Exception, match=r"r0\.data.*corrupt"):
         rep2.hydrate("job", 8)
     with pytest.raises(NotFoundError):
         other.get_step("job", 8)
+
+
+def test_a_range_handed_over_is_the_files_bytes(two_nodes: Peers) -> None:
+    """``open_range`` (a hand-over to a trainer: the socket whose body comes next) through the
+    real client and routes: the body is exactly the range asked for, after the response's head."""
+    a, _ = two_nodes.nodes["a:1"]
+    data = _save(a, 7)
+    sock = two_nodes.client("b:1").open_range("a:1", "job", 7, "a7", "r0.data", 100, 5_000)
+    assert isinstance(sock, socket.socket)  # plain HTTP: the connection itself, head read
+    try:
+        sock.settimeout(10)
+        body = bytearray()
+        while len(body) < 4_900:
+            chunk = sock.recv(4_900 - len(body))
+            assert chunk, f"the body ended after {len(body)} of 4900 bytes"
+            body += chunk
+    finally:
+        sock.close()
+    assert bytes(body) == data[100:5_000]

@@ -59,7 +59,7 @@ from tierckpt_daemon.peers.bodies import (
 from tierckpt_daemon.peers.membership import Members
 from tierckpt_daemon.peers.pacing import TokenBucket, paced_readinto
 from tierckpt_daemon.peers.tls import PeerTLS
-from tierckpt_daemon.peers.transport import PeerTLSError, Transport, decode
+from tierckpt_daemon.peers.transport import Network, PeerTLSError, Transport, decode
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,15 @@ class PeerClient:
         members: Members,
         timeout_s: float = 10.0,
         tls: PeerTLS | None = None,
+        network: Network | None = None,
     ) -> None:
+        """``network``: what carries the requests in place of TCP (tests: daemons in one
+        process, ``tests/peer_kit.py``); membership, timeouts, errors and retries stay the
+        client's."""
         self.members = members
         self.timeout_s = timeout_s
         self.tls = tls
-        self._t = Transport(token, members=members, timeout_s=timeout_s, tls=tls)
+        self._t = Transport(token, members=members, timeout_s=timeout_s, tls=tls, network=network)
         self._ranges = ThreadPoolExecutor(2 * RANGE_STREAMS, thread_name_prefix="tierckpt-range")
 
     def close(self) -> None:

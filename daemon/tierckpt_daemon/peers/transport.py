@@ -11,6 +11,10 @@ each fails through :meth:`Transport.failures`: a transport error becomes
 :class:`~tierckpt_core.errors.PeerUnavailableError` naming the peer and the request (retried), a
 refused certificate :class:`PeerTLSError` (not retried: it will not fix itself); a peer's JSON
 error maps back to its class by ``code`` (:func:`decode`).
+
+A :class:`Network` carries the three ways somewhere other than this machine's TCP stack, as
+httpx's ``MockTransport`` carries a client's requests: the tests' daemons in one process
+(``tests/peer_kit.py``). Everything above stays this module's either way.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from tenacity import (
@@ -69,13 +73,40 @@ class _HTTPSConnection(http.client.HTTPSConnection):
         )
 
 
+class Network(Protocol):
+    """What carries requests to peers in place of TCP (plain HTTP only): one method per way.
+    :class:`Transport` checks membership before it asks for any of them, and maps what they
+    raise as it maps TCP's failures."""
+
+    def http_transport(self) -> httpx.BaseTransport:
+        """The transport of the pooled httpx client (JSON calls, small ranges)."""
+        ...
+
+    def connection(self, peer: str, timeout_s: float) -> http.client.HTTPConnection:
+        """A connection to ``peer`` for bulk bytes (it connects on its first request)."""
+        ...
+
+    def dial(self, peer: str, timeout_s: float) -> socket.socket:
+        """A connected stream socket to ``peer``, for a response a trainer reads."""
+        ...
+
+
 class Transport:
     def __init__(
-        self, token: str, *, members: Members, timeout_s: float, tls: PeerTLS | None
+        self,
+        token: str,
+        *,
+        members: Members,
+        timeout_s: float,
+        tls: PeerTLS | None,
+        network: Network | None = None,
     ) -> None:
+        if network is not None and tls is not None:
+            raise ValueError("a Network carries plain HTTP: it cannot be used with peer TLS")
         self.members = members
         self.timeout_s = timeout_s
         self.tls = tls
+        self.network = network
         self.auth = f"Bearer {token}"
         self._scheme = "https" if tls is not None else "http"
         self._ssl = tls.client_context() if tls is not None else None
@@ -89,6 +120,7 @@ class Transport:
             ),
             verify=self._ssl if self._ssl is not None else True,
             trust_env=False,  # peers are dialed directly, never through a proxy from the env
+            transport=network.http_transport() if network is not None else None,
         )
 
     def close(self) -> None:
@@ -108,6 +140,8 @@ class Transport:
 
     def connection(self, peer: str) -> http.client.HTTPConnection:
         self.members.require(peer, "peer request")
+        if self.network is not None:
+            return self.network.connection(peer, self.timeout_s)
         if self.tls is None or self._ssl is None:
             return http.client.HTTPConnection(peer, timeout=self.timeout_s)
         return _HTTPSConnection(
@@ -121,6 +155,8 @@ class Transport:
         """A plain TCP connection to ``peer`` (never with TLS: its session could not change hands)."""
         assert self.tls is None
         self.members.require(peer, f"peer request {path}")
+        if self.network is not None:
+            return self.network.dial(peer, self.timeout_s)
         addr = http.client.HTTPConnection(peer)  # parses host:port as requests to peers do
         return socket.create_connection((addr.host, addr.port), timeout=self.timeout_s)
 
