@@ -35,9 +35,9 @@ from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp._staging import staging_size
 from tierckpt_client.integrations.megatron import load, save
-from tierckpt_core.protocol import SealFile
 
 from helpers import DaemonProcess, ring, run_loop
+from kit import seal_bytes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_gpt.py"
 TOKEN = "peer-token-for-the-tests-0123456789"
@@ -126,13 +126,7 @@ def test_gpt_async_fully_parallel_tp2_to_tp1_pp2_and_latest_after_a_crash(
 ) -> None:
     ns = "gpt"
     # A save of step 5 that died before its commit: rank 0's file sealed, never committed.
-    with DaemonClient.from_socket(daemon.socket) as c:
-        lease = c.lease(ns, 0, 4096)
-        with open(lease.path, "r+b") as f:
-            f.write(b"\0" * 4096)
-        attempt = uuid.uuid4().hex
-        files = [SealFile(lease_id=lease.lease_id, name="r00000.data", length=4096)]
-        c.seal(ns, 5, attempt, 0, files)
+    seal_bytes(daemon, ns, 5, uuid.uuid4().hex, 0, 4096)
     # Async save of step 1 at TP=2 through Megatron's fully-parallel wrapper (weights changed
     # after it returned), then "latest" loaded at TP=1 with 2 pipeline stages in the same ranks:
     # step 1, not step 5.

@@ -26,9 +26,9 @@ pytest.importorskip(
 )
 
 from tierckpt_client import DaemonClient
-from tierckpt_core.protocol import SealFile
 
 from helpers import DaemonProcess, run_loop
+from kit import seal_bytes
 
 SCRIPT = Path(__file__).resolve().parent / "megatron_lm_run.py"
 
@@ -39,12 +39,7 @@ def test_megatron_lm_save_and_load_checkpoint_through_tierckpt(
 ) -> None:
     ns = "mlm"
     # A save of step 5 that died before its commit: sealed on this node, never committed.
-    with DaemonClient.from_socket(daemon.socket) as c:
-        lease = c.lease(ns, 0, 4096)
-        with open(lease.path, "r+b") as f:
-            f.write(b"\0" * 4096)
-        files = [SealFile(lease_id=lease.lease_id, name="r00000.data", length=4096)]
-        c.seal(ns, 5, uuid.uuid4().hex, 0, files)
+    seal_bytes(daemon, ns, 5, uuid.uuid4().hex, 0, 4096)
     folder = tmp_path / "checkpoints"
     args = ["--namespace", ns, "--folder", str(folder), "--tp", "2"]
     run = run_loop(SCRIPT, args, daemon.client_env, log_dir=tmp_path / "logs", timeout=240)
