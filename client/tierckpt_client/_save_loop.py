@@ -77,3 +77,19 @@ class SaveInFlight:
                 f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
                 "checkpointed (the newest good step before it still is)"
             ) from e
+
+
+def staging_done(fut: Future[Any]) -> Future[None]:
+    """A future done when ``fut`` (a stage's) is, with its error or None: what
+    ``AsyncSaveResponse.staging_completion`` holds."""
+    out: Future[None] = Future()
+
+    def chain(f: Future[Any]) -> None:
+        e = f.exception()
+        if e is None:
+            out.set_result(None)
+        else:
+            out.set_exception(e)
+
+    fut.add_done_callback(chain)
+    return out

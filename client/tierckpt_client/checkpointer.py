@@ -37,6 +37,7 @@ from tierckpt_client._save_loop import (
     SaveFailedError,
     SaveInFlight,
     check_save_options,
+    staging_done,
 )
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _async_staging
@@ -260,7 +261,9 @@ class Checkpointer:
             )
         if isinstance(staged, concurrent.futures.Future):  # staged asynchronously
             upload = self._saver.submit(self._save_staged, writer, staged)
-            return AsyncSaveResponse(staging_completion=staged, upload_completion=upload)
+            return AsyncSaveResponse(
+                staging_completion=staging_done(staged), upload_completion=upload
+            )
         return self._saver.submit(self._save_staged, writer, staged)
 
     def _save_staged(self, writer: TieredStorageWriter, staged: Any) -> Any:
