@@ -9,6 +9,9 @@ bit-exact against the state. Contenders, each used the way its documentation sho
 - ``tierckpt``: ``dcp.async_save`` with ``TieredStorageWriter`` (THREAD) into a real daemon;
   restore ``dcp.load`` with ``TieredStorageReader``, verified (the default) and, beside it, with
   ``TIERCKPT_VERIFY_READS=0`` (``tierckpt_unverified``: the same save, read without the check).
+- ``tierckpt_ckpt``: the same through ``Checkpointer(async_staging=False).save`` (THREAD: the
+  state staged on this thread, then ``dcp.save`` on the Checkpointer's one long-lived thread);
+  complete at ``wait()``; restore as ``tierckpt``'s, verified.
 - ``torch``: ``dcp.async_save`` with one reused ``DefaultStager`` (synchronous, not pinned: its
   fastest honest CPU setting, as in ``stall.py``) and ``FileSystemWriter`` into /dev/shm; restore
   ``dcp.load`` with ``FileSystemReader``.
@@ -59,12 +62,13 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from tierckpt_client.checkpointer import Checkpointer
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 
 N_TENSORS = 16
 KEEP_LAST = 2
-ORDER = ("tierckpt", "torch", "dlrover", "gemini")
+ORDER = ("tierckpt", "tierckpt_ckpt", "torch", "dlrover", "gemini")
 THREAD = AsyncCheckpointerType.THREAD
 
 
@@ -100,6 +104,7 @@ class Tierckpt:
     """``async_save`` through a real daemon; restores verified and unverified."""
 
     name = "tierckpt"
+    namespace = "peers"
 
     def __init__(self, root: Path, size_mb: int) -> None:
         capacity = (KEEP_LAST + 2) * size_mb + 256
@@ -112,7 +117,7 @@ class Tierckpt:
 
     def save(self, sd: dict[str, torch.Tensor], step: int) -> tuple[float, float]:
         self.step = step
-        writer = TieredStorageWriter("peers", step=step)
+        writer = TieredStorageWriter(self.namespace, step=step, config=self.on)
         t0 = time.perf_counter()
         fut = dcp.async_save(
             sd, storage_writer=writer, async_checkpointer_type=THREAD, no_dist=True
@@ -123,7 +128,7 @@ class Tierckpt:
 
     def restore(self, dst: dict[str, torch.Tensor], verified: bool = True) -> float:
         reader = TieredStorageReader(
-            "peers", step=self.step, config=self.on if verified else self.off
+            self.namespace, step=self.step, config=self.on if verified else self.off
         )
         t0 = time.perf_counter()
         dcp.load(dst, storage_reader=reader, no_dist=True)
@@ -131,6 +136,33 @@ class Tierckpt:
 
     def close(self) -> None:
         self.daemon.stop(timeout=10)
+
+
+class TierckptCheckpointer(Tierckpt):
+    """``Checkpointer.save`` (THREAD, staged synchronously) through a real daemon of its own."""
+
+    name = "tierckpt_ckpt"
+    namespace = "peers-ckpt"
+
+    def __init__(self, root: Path, size_mb: int) -> None:
+        super().__init__(root / self.name, size_mb)
+        self.ckpt = Checkpointer(
+            self.namespace, async_staging=False, handle_signals=False, config=self.on
+        )
+
+    def save(self, sd: dict[str, torch.Tensor], step: int) -> tuple[float, float]:
+        self.step = step
+        t0 = time.perf_counter()
+        self.ckpt.save(step, sd)
+        stall = time.perf_counter() - t0
+        self.ckpt.wait()
+        return stall, time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.ckpt.close()
+        finally:
+            super().close()
 
 
 class TorchBest:
@@ -250,7 +282,9 @@ class Gemini:
         self.mgr.close()
 
 
-PEERS: dict[str, type] = {c.name: c for c in (Tierckpt, TorchBest, DLRover, Gemini)}
+PEERS: dict[str, type] = {
+    c.name: c for c in (Tierckpt, TierckptCheckpointer, TorchBest, DLRover, Gemini)
+}
 
 
 def why_absent(name: str) -> str | None:

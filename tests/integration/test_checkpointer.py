@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from tierckpt_client import Checkpointer, DaemonClient, SaveFailedError
 from tierckpt_client.config import ClientConfig
+from tierckpt_client.dcp import TieredStorageReader
 
 from helpers import DaemonProcess
 
@@ -50,6 +53,42 @@ def test_cadence_restore_and_stateful(client_env: DaemonProcess) -> None:
         assert again.restore({"w": w2, "counter": counter2}) == 4
     assert counter2.n == 4
     assert torch.equal(w2, torch.full((1000,), float(1 + 2 + 3 + 4)))
+
+
+@pytest.mark.parametrize("async_staging", [False, True])
+def test_thread_saves_run_on_one_long_lived_thread(
+    client_env: DaemonProcess, async_staging: bool
+) -> None:
+    """THREAD saves through the Checkpointer's own group run on one thread kept for them all
+    (DCP's ``async_save`` starts a thread per save), and each is whole: three saves, each step
+    kept read back bit-exact, and no thread left once the Checkpointer is closed."""
+    seen: list[int] = []
+    counter = _Counter()
+    w = torch.zeros(1000)
+    with Checkpointer(f"one-thread-{async_staging}", async_staging=async_staging) as ckpt:
+        real = ckpt._save_staged
+
+        def spy(*a: object) -> object:
+            seen.append(threading.get_ident())
+            return real(*a)  # type: ignore[arg-type]
+
+        ckpt._save_staged = spy  # type: ignore[method-assign]
+        for step in (1, 2, 3):
+            ckpt.wait_staged()
+            w.fill_(step)
+            counter.n = step
+            ckpt.save(step, {"w": w, "counter": counter})
+        ckpt.wait()
+    assert len(seen) == 3 and len(set(seen)) == 1 and seen[0] != threading.get_ident()
+    assert not any(t.ident == seen[0] and t.is_alive() for t in threading.enumerate())
+    for step in (2, 3):  # the daemon keeps the last two
+        w2, c2 = torch.zeros(1000), _Counter()
+        dcp.load(
+            {"w": w2, "counter": c2},
+            storage_reader=TieredStorageReader(f"one-thread-{async_staging}", step),
+            no_dist=True,
+        )
+        assert torch.equal(w2, torch.full((1000,), float(step))) and c2.n == step
 
 
 class _Unpicklable:

@@ -1,7 +1,8 @@
 """tierckpt_client.integrations.megatron with Megatron-Core's own code: a tiny GPTModel (local
 spec, CPU initialization; examples/megatron_gpt.py) on 2 gloo ranks with real daemons. Every load
 checks every weight against what was saved, to the last bit: sync and async saves (weights changed
-right after an async save returned never reach the step), TP=2 saved and TP=1 loaded, Megatron's
+right after an async save returned never reach the step), TP=2 saved and loaded at TP=1 with 2
+pipeline stages (PP=2), Megatron's
 fully-parallel save wrapper, a restore after a node (daemon and memory tier) is lost, and
 "latest" after a save that died before its commit. (Megatron's fully-parallel *load* wrapper
 exchanges shards on a CUDA device: not run here.)
@@ -34,9 +35,9 @@ from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp._staging import staging_size
 from tierckpt_client.integrations.megatron import load, save
-from tierckpt_core.protocol import SealFile
 
 from helpers import DaemonProcess, ring, run_loop
+from kit import seal_bytes
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_gpt.py"
 TOKEN = "peer-token-for-the-tests-0123456789"
@@ -75,23 +76,63 @@ def test_a_checkpoint_id_without_a_step_is_refused_for_a_save() -> None:
         load({}, "/some/folder")
 
 
+def test_install_without_megatron_lm_names_what_is_missing() -> None:
+    try:
+        import megatron.training.checkpointing  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        pytest.skip("Megatron-LM is installed: tests/integrations/test_megatron_lm.py runs instead")
+    from tierckpt_client.integrations import megatron_lm
+
+    with pytest.raises(
+        ModuleNotFoundError, match=r"megatron.training.*0\.19\.2.*megatron.save/load"
+    ):
+        megatron_lm.install("job")
+
+
+def test_megatron_lm_async_saves_finalize_at_their_commit_in_order_and_failures_surface() -> None:
+    """install()'s async bookkeeping (no Megatron-LM needed): Megatron-LM's finalize functions
+    (its tracker write) run once a step is committed, never before an older save's, never for
+    a failed one; the training thread's poll raises the failure, naming the step."""
+    from concurrent.futures import Future
+
+    from tierckpt_client.checkpointer import SaveFailedError
+    from tierckpt_client.integrations.megatron import TieredSaveRequest
+    from tierckpt_client.integrations.megatron_lm import _Request, _Saves
+
+    saves = _Saves(timeout_s=5)
+    tracker: list[int] = []
+    futures = {step: Future[None]() for step in (1, 2, 3)}
+    for step, fut in futures.items():
+        req = _Request(TieredSaveRequest("job", step, fut))
+        req.add_finalize_fn(lambda step=step: tracker.append(step))
+        saves.schedule(req)
+    futures[2].set_result(None)  # step 2 committed before step 1
+    saves.finalize(blocking=False)
+    assert tracker == [] and not saves.empty()
+    futures[1].set_exception(RuntimeError("a node's daemon went away"))
+    assert tracker == [2]  # step 1 failed: its tracker write never runs
+    futures[3].set_result(None)
+    assert tracker == [2, 3] and saves.empty()
+    with pytest.raises(SaveFailedError, match=r"tierckpt://job/1.*daemon went away"):
+        saves.finalize(blocking=False)
+    saves.finalize(blocking=True)  # reported once; nothing left in flight
+
+
 @pytest.mark.slow
-def test_gpt_async_fully_parallel_tp2_to_tp1_and_latest_after_a_crash(
+def test_gpt_async_fully_parallel_tp2_to_tp1_pp2_and_latest_after_a_crash(
     daemon: DaemonProcess, tmp_path: Path
 ) -> None:
     ns = "gpt"
     # A save of step 5 that died before its commit: rank 0's file sealed, never committed.
-    with DaemonClient.from_socket(daemon.socket) as c:
-        lease = c.lease(ns, 0, 4096)
-        with open(lease.path, "r+b") as f:
-            f.write(b"\0" * 4096)
-        attempt = uuid.uuid4().hex
-        files = [SealFile(lease_id=lease.lease_id, name="r00000.data", length=4096)]
-        c.seal(ns, 5, attempt, 0, files)
+    seal_bytes(daemon, ns, 5, uuid.uuid4().hex, 0, 4096)
     # Async save of step 1 at TP=2 through Megatron's fully-parallel wrapper (weights changed
-    # after it returned), then "latest" loaded at TP=1 in the same ranks: step 1, not step 5.
+    # after it returned), then "latest" loaded at TP=1 with 2 pipeline stages in the same ranks:
+    # step 1, not step 5.
     args = ["--namespace", ns, "--tp", "2", "--save", "1", "--async", "--fully-parallel"]
-    out = _run([*args, "--load", "latest", "--load-tp", "1"], daemon.client_env, tmp_path)
+    load = ["--load", "latest", "--load-tp", "1", "--load-pp", "2"]
+    out = _run([*args, *load], daemon.client_env, tmp_path)
     assert out == {"saved": 1, "done": True, "loaded": 1, "exact": True}
     with DaemonClient.from_socket(daemon.socket) as c:
         states = {s.step: s.state for s in c.steps(ns)}

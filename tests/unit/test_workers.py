@@ -6,6 +6,7 @@ tests/integration/test_persistent_tier.py and test_replication.py."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -247,3 +248,22 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
         rep2.hydrate("job", 8)
     with pytest.raises(NotFoundError):
         other.get_step("job", 8)
+
+
+def test_a_range_handed_over_is_the_files_bytes(two_nodes: Peers) -> None:
+    """``open_range`` (a hand-over to a trainer: the socket whose body comes next) through the
+    real client and routes: the body is exactly the range asked for, after the response's head."""
+    a, _ = two_nodes.nodes["a:1"]
+    data = _save(a, 7)
+    sock = two_nodes.client("b:1").open_range("a:1", "job", 7, "a7", "r0.data", 100, 5_000)
+    assert isinstance(sock, socket.socket)  # plain HTTP: the connection itself, head read
+    try:
+        sock.settimeout(10)
+        body = bytearray()
+        while len(body) < 4_900:
+            chunk = sock.recv(4_900 - len(body))
+            assert chunk, f"the body ended after {len(body)} of 4900 bytes"
+            body += chunk
+    finally:
+        sock.close()
+    assert bytes(body) == data[100:5_000]

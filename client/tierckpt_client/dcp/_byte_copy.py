@@ -56,7 +56,7 @@ class ByteCopies:
     The helpers are woken once the layout is done, not at the first :meth:`add`: started early
     they took the GIL between their runs while the trainer's thread was laying out the next
     tensors, and a 64 MiB stage over 16 threads took 8.7 ms instead of 6.6 (docs/benchmarks.md,
-    "The 64 MiB stall on a quiet 16-core host")."""
+    "The GIL-free block hash and the 64 MiB stall, measured on a quiet host")."""
 
     def __init__(self, threads: int = 1) -> None:
         self._pieces: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)

@@ -130,6 +130,11 @@ class TieredSaveRequest:
                 "(the newest good step before it still is)"
             ) from e
 
+    def add_done_callback(self, fn: Any) -> None:
+        """Call ``fn(self)`` once the save finished (committed or failed), in the thread that
+        finished it, or now if it has."""
+        self._future.add_done_callback(lambda _: fn(self))
+
     def to_async_request(self) -> AsyncRequest:
         """This save as Megatron's ``AsyncRequest`` (no ``async_fn``; its one finalize function
         waits for the commit), for code that calls ``execute_sync()`` on one. With Megatron's
@@ -306,6 +311,7 @@ def save(
     validate_access_integrity: bool = True,
     content_metadata: dict[str, Any] | None = None,
     process_group: dist.ProcessGroup | None = None,
+    preprocess_common: Any = None,
 ) -> TieredSaveRequest | None:
     """Save a Megatron sharded state dict as step ``checkpoint_id`` (``tierckpt://ns/<step>``);
     called by every rank, as ``dist_checkpointing.save``.
@@ -323,6 +329,8 @@ def save(
         content_metadata: stored as Megatron's ``content_metadata`` (see
             ``dist_checkpointing.load_content_metadata``).
         process_group: as :class:`TieredSaveShardedStrategy`.
+        preprocess_common: Megatron's ``preprocess_common_before_consistancy_check`` (what of the
+            common state the cross-rank check ignores).
     """
     _step_id(checkpoint_id, "a Megatron save")  # a bad id fails before any collective
     strategy: Any = TieredSaveShardedStrategy(persist=persist, process_group=process_group)
@@ -330,7 +338,9 @@ def save(
         strategy = FullyParallelSaveStrategyWrapper(strategy, parallelization_group)
     if content_metadata is not None:
         sharded_state_dict["content_metadata"] = content_metadata
-    sharded_sd, common = save_preprocess(sharded_state_dict, validate_access_integrity)
+    sharded_sd, common = save_preprocess(
+        sharded_state_dict, validate_access_integrity, preprocess_common
+    )
     # As dist_checkpointing.save: the common state is one object, written by rank 0 (replica 0).
     sharded_sd[COMMON_STATE] = ShardedObject(
         key=COMMON_STATE, data=common, global_shape=(1,), global_offset=(0,), replica_id=_rank()
