@@ -26,8 +26,11 @@ TOKEN = "peer-token-for-the-tests-0123456789"
 NS = "tree"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def five() -> Iterator[list[DaemonProcess]]:
+    """Five daemons for the module's tests (started once: a ring of five is most of a test's
+    time). Each test commits under a namespace of its own, and leaves every node answering (a
+    node it stops, it continues, and its last save commits on all five)."""
     nodes = ring(
         5,
         token=TOKEN,
@@ -41,10 +44,10 @@ def five() -> Iterator[list[DaemonProcess]]:
         yield sorted(ds, key=lambda d: str(d.name))  # the order the decider splits them in
 
 
-def _save(nodes: list[DaemonProcess], step: int, attempt: str) -> CommitRequest:
+def _save(nodes: list[DaemonProcess], step: int, attempt: str, ns: str = NS) -> CommitRequest:
     placed = {}
     for rank, d in enumerate(nodes):
-        name, _ = seal_bytes(d, NS, step, attempt, rank, 10_000)
+        name, _ = seal_bytes(d, ns, step, attempt, rank, 10_000)
         placed[name] = str(d.name)
     return CommitRequest(
         files=sorted(placed), metadata={"step": step}, world_size=len(nodes), nodes=placed
@@ -66,39 +69,40 @@ def test_a_commit_relayed_through_a_tree_reaches_every_node(five: list[DaemonPro
 def test_a_relay_that_stops_answering_fails_the_save_and_leaves_nothing_torn(
     five: list[DaemonProcess], stopped: str
 ) -> None:
+    ns = f"{NS}-{stopped}"  # the shared ring: a namespace of its own
     decider = five[0]
-    req = _save(five, 1, "a1")
+    req = _save(five, 1, "a1", ns)
     with DaemonClient.from_socket(decider.socket) as c:
-        c.commit(NS, 1, "a1", req)
+        c.commit(ns, 1, "a1", req)
     # The decider's children are five[1] and five[3]; five[1] relays to five[2].
     relay, relayed = five[1], five[2]
     frozen = relay if stopped == "relay" else relayed
-    req = _save(five, 2, "a2")
+    req = _save(five, 2, "a2", ns)
     os.kill(frozen.pid, signal.SIGSTOP)
     try:
         with DaemonClient.from_socket(decider.socket) as c, pytest.raises(TierCkptError) as e:
-            c.commit(NS, 2, "a2", req)
+            c.commit(ns, 2, "a2", req)
         # The failure names the node that did not answer: the relay itself, or the relay and
         # the participant below it.
         assert f"failed at {relay.name}" in str(e.value)
         if stopped == "relayed":
             assert str(relayed.name) in str(e.value)
-        assert [latest(d, NS) for d in five if d is not frozen] == [1] * 4
+        assert [latest(d, ns) for d in five if d is not frozen] == [1] * 4
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
     # Whatever the frozen node passed on late is prepared and in doubt: its decider says it
     # never committed it, so it is aborted; no node ever shows step 2.
     until(
         "the late prepares to be aborted",
-        lambda: all(not step_dirs(d, 2, NS) for d in five),
+        lambda: all(not step_dirs(d, 2, ns) for d in five),
         60,
         every=0.3,
     )
-    assert [latest(d, NS) for d in five] == [1] * 5
-    req = _save(five, 3, "a3")
+    assert [latest(d, ns) for d in five] == [1] * 5
+    req = _save(five, 3, "a3", ns)
     with DaemonClient.from_socket(decider.socket) as c:
-        c.commit(NS, 3, "a3", req)
-    assert [latest(d, NS) for d in five] == [3] * 5
+        c.commit(ns, 3, "a3", req)
+    assert [latest(d, ns) for d in five] == [3] * 5
 
 
 def _save_alone(d: DaemonProcess, step: int) -> None:

@@ -25,10 +25,36 @@ from tierckpt_client import _reads
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader
 
-from helpers import DaemonProcess, wait_until
+from helpers import DaemonProcess, new_shm_dir, wait_until
 from kit import blank_state, flip_byte, load, save, seeded_state, step_paths
 
 N = 4096
+
+
+@pytest.fixture(scope="module")
+def _daemons() -> Iterator[dict[tuple[tuple[str, Any], ...], DaemonProcess]]:
+    """The daemons of this module, one per set of settings, cleaned up at its end."""
+    made: dict[tuple[tuple[str, Any], ...], DaemonProcess] = {}
+    try:
+        yield made
+    finally:
+        for d in made.values():
+            d.cleanup()
+
+
+@pytest.fixture
+def daemon(
+    request: pytest.FixtureRequest, _daemons: dict[tuple[tuple[str, Any], ...], DaemonProcess]
+) -> DaemonProcess:
+    """This module's daemon with the ``daemon_settings`` of the test (tests/conftest.py's
+    fixture, started once per set of settings for the module rather than once per test): no
+    test here stops it, and each test saves under namespaces of its own (a parametrized test's
+    carry its parameter), so that none sees another's steps, stamps or pins."""
+    marker = request.node.get_closest_marker("daemon_settings")
+    key = tuple(sorted((dict(marker.kwargs) if marker else {}).items()))
+    if key not in _daemons:
+        _daemons[key] = DaemonProcess(new_shm_dir(), **dict(key)).start()
+    return _daemons[key]
 
 
 @pytest.fixture
@@ -69,16 +95,17 @@ def test_a_step_loaded_before_and_unchanged_is_loaded_with_one_request(
 def test_a_step_saved_again_between_two_loads_is_read_as_saved_again(
     client_env: DaemonProcess, reads: list[str], layout: str
 ) -> None:
-    save("again", 3, seeded_state(3, N))
-    assert torch.equal(load("again", blank_state(N), 3)[1]["w"], seeded_state(3, N)["w"])
+    ns = f"again-{layout}"
+    save(ns, 3, seeded_state(3, N))
+    assert torch.equal(load(ns, blank_state(N), 3)[1]["w"], seeded_state(3, N)["w"])
     # Another layout: "a" first, so "w" sits at another offset of another file.
     new = seeded_state(3, N, seed=99)
     if layout == "other":
         new = {"a": torch.full((1000,), 7.0), **new}
-    save("again", 3, new)
+    save(ns, 3, new)
     reads.clear()
     dest = {**({"a": torch.zeros(1000)} if layout == "other" else {}), **blank_state(N)}
-    _, out = load("again", dest, 3)
+    _, out = load(ns, dest, 3)
     assert torch.equal(out["w"], new["w"])
     if layout == "other":
         assert torch.equal(out["a"], new["a"])
@@ -148,26 +175,27 @@ def test_a_stamp_that_lies_never_gives_old_bytes(
     """The client is told the step is unchanged while it was saved again (a forged or reused
     commit record): DCP plans with the old metadata, and the pin's answer brings the new records.
     The same layout reads the new bytes, verified; another fails the load, naming the step."""
-    save("lie", 7, seeded_state(7, N))
-    load("lie", blank_state(N), 7)
-    key = (str(client_env.socket), "lie", 7)
+    ns = f"lie-{layout}"
+    save(ns, 7, seeded_state(7, N))
+    load(ns, blank_state(N), 7)
+    key = (str(client_env.socket), ns, 7)
     old_version = _reads._STAMPS[key][0]
     new = seeded_state(7, N, seed=42)
     if layout == "other":
         new = {"a": torch.full((N,), 2.0), "w": new["w"][: N // 2], "meta": new["meta"]}
-    save("lie", 7, new)
+    save(ns, 7, new)
     with DaemonClient() as c:  # the record as it is now, filed under the old version
-        stamp = c.open_read("lie", 7, pin=False).stamp
+        stamp = c.open_read(ns, 7, pin=False).stamp
     assert stamp is not None
     _reads._STAMPS[key] = (old_version, stamp)
     reads.clear()
     dest = blank_state(N)
     if layout == "same":
-        _, out = load("lie", dest, 7)
+        _, out = load(ns, dest, 7)
         assert torch.equal(out["w"], new["w"])
     else:
-        with pytest.raises(CheckpointException, match=r"lie/step 7 was saved again"):
-            load("lie", dest, 7)
+        with pytest.raises(CheckpointException, match=rf"{ns}/step 7 was saved again"):
+            load(ns, dest, 7)
         assert not dest["w"].any()
     assert reads == ["pin"]
 
@@ -238,18 +266,19 @@ def test_a_pin_sent_ahead_of_a_load_that_fails_in_planning_is_given_back(
     """DCP refuses the destination after ``read_metadata`` (another shape): the pin sent ahead
     is given back before this process's next request is served, so the next commit takes the
     step out of memory (keep_last=1) and its files with it."""
-    save("fail", 1, seeded_state(1, N))
+    ns = f"fail-{before.split()[0]}"
+    save(ns, 1, seeded_state(1, N))
     if before == "loaded before":
-        load("fail", blank_state(N), 1)
-    paths = step_paths("fail", 1)
+        load(ns, blank_state(N), 1)
+    paths = step_paths(ns, 1)
     reads.clear()
     with pytest.raises(CheckpointException, match="Size mismatch"):
-        load("fail", blank_state(N // 2), 1)
+        load(ns, blank_state(N // 2), 1)
     # The pin sent ahead by read_metadata, never claimed.
     assert reads == (["pin"] if before == "loaded before" else ["metadata", "pin"])
-    save("fail", 2, seeded_state(2, N))
+    save(ns, 2, seeded_state(2, N))
     assert _gone(paths)
-    assert torch.equal(load("fail", blank_state(N), 2)[1]["w"], seeded_state(2, N)["w"])
+    assert torch.equal(load(ns, blank_state(N), 2)[1]["w"], seeded_state(2, N)["w"])
 
 
 @pytest.mark.daemon_settings(keep_last=1)
