@@ -63,7 +63,6 @@ class ByteCopies:
         self.nbytes = 0
         self._keep: list[torch.Tensor] = []  # the sources stay alive until the copy is done
         self._threads = threads
-        self._shared: _Runs | None = None
 
     def add(self, dst: int, src: torch.Tensor, n: int) -> None:
         """Copy the ``n`` bytes of ``src`` (:func:`plain`) to address ``dst`` by the end of
@@ -83,7 +82,7 @@ class ByteCopies:
         try:
             helpers = min(threads - 1, -(-self.nbytes // (HELPER_RUNS * RUN)) - 1)
             if helpers > 0 and self.nbytes >= SPLIT_MIN:
-                self._shared = shared = _Runs()
+                shared = _Runs()
                 for dst, src, n in pieces:
                     shared.add([(dst + at, src + at, min(RUN, n - at)) for at in range(0, n, RUN)])
                 on_helpers(STAGE, helpers, shared.work)
@@ -92,15 +91,11 @@ class ByteCopies:
                 for dst, src, n in pieces:
                     _move(dst, src, n)
         finally:
-            self._shared = None
             self._keep.clear()
             self.nbytes = 0
 
     def cancel(self) -> None:
-        """Copy nothing more; returns once no helper is copying (a failed stage)."""
-        shared, self._shared = self._shared, None
-        if shared is not None:
-            shared.close()
+        """Copy nothing gathered (a failed stage): no helper runs before :meth:`run`."""
         self._pieces = []
         self._keep.clear()
         self.nbytes = 0
