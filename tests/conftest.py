@@ -105,6 +105,30 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "daemon_settings(**kw): TIERCKPT_* settings of the daemon fixture"
     )
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if not hasattr(config, "workerinput"):  # the xdist controller (or -n 0), before any worker
+        _byte_compile_sources()
+
+
+def _byte_compile_sources() -> None:
+    """Write the ``.pyc`` of our packages and of tests/ once, before any test starts.
+
+    Every daemon, spawned rank and script the suite starts imports our sources afresh; where
+    ``PYTHONDONTWRITEBYTECODE`` is set (and the project is installed editable, so pip wrote no
+    ``.pyc``) each of those processes compiled them again: ~0.2 CPU-s per daemon, ~0.1 per
+    client. Python reads existing ``.pyc`` even with that variable set; compileall writes them
+    regardless (atomically, so a second session beside this one is safe), and skips those that
+    are up to date. A directory it cannot write (a read-only install) is left as it is.
+    """
+    import compileall
+    import importlib.util
+
+    dirs = {Path(__file__).parent}
+    for name in ("tierckpt_core", "tierckpt_client", "tierckpt_daemon", "tierckpt_webhook"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.update(Path(p) for p in spec.submodule_search_locations)
+    for d in sorted(dirs):
+        compileall.compile_dir(d, quiet=2)
 
 
 from seaweed import SeaweedS3  # noqa: E402 (the S3 fixtures below)
