@@ -1,5 +1,5 @@
 """Test helpers: real daemons in subprocesses on real Unix sockets (the project's one launcher,
-:mod:`tierckpt_core.launcher`), and spawned gloo ranks."""
+:mod:`tierckpt_core.launcher`), and gloo ranks in processes of their own (:func:`run_ranks`)."""
 
 from __future__ import annotations
 

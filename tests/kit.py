@@ -2,7 +2,7 @@
 the same structure, and a save or load through the tiered writer and reader on this process (no
 process group), or one rank's file sealed straight through the daemon's API (``seal_bytes``).
 Daemons come from :mod:`helpers` (``started``) and the fixtures of ``tests/conftest.py``
-(``make_node``, ``make_ring``); spawned ranks from ``helpers.run_ranks``."""
+(``make_node``, ``make_ring``); gloo ranks from ``helpers.run_ranks``."""
 
 from __future__ import annotations
 
