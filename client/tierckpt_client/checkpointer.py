@@ -37,7 +37,9 @@ from tierckpt_client._save_loop import (
     ASYNC_MODES,
     SaveFailedError,
     SaveInFlight,
+    caching_planner,
     check_save_options,
+    forget_plans,
     staging_done,
 )
 from tierckpt_client.config import ClientConfig
@@ -164,6 +166,7 @@ class Checkpointer:
         # Our own gloo group (or none): THREAD saves run on one long-lived thread (_save_thread).
         self._own_group = process_group is None
         self._saver: concurrent.futures.ThreadPoolExecutor | None = None
+        self._plans = f"tierckpt/{self.namespace}/{id(self):x}"  # DCP's plan caches' key
         _LIVE.add(self)
         self._inflight = SaveInFlight(self.namespace)
         self.last_saved_step: int | None = None  # the newest step whose save has been started
@@ -235,6 +238,7 @@ class Checkpointer:
             result = dcp.async_save(
                 state,
                 storage_writer=writer,
+                planner=caching_planner(self._plans),
                 process_group=self.process_group,
                 async_checkpointer_type=ASYNC_MODES[self.async_mode],
                 no_dist=self.no_dist,
@@ -274,6 +278,7 @@ class Checkpointer:
             return dcp.save(
                 staged,
                 storage_writer=writer,
+                planner=caching_planner(self._plans),
                 process_group=self.process_group,
                 no_dist=self.no_dist,
             )
@@ -303,6 +308,7 @@ class Checkpointer:
                 # Its last save ended once wait() returned: the thread is joined. A wait that
                 # failed may have left a stage that never finished: then it is not waited for.
                 self._saver.shutdown(wait=idle)
+            forget_plans(self._plans)
 
     def _check_open(self) -> None:
         if self._closed:
