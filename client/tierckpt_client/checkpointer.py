@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
+from tierckpt_client import _gc_pause
 from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
@@ -36,7 +37,9 @@ from tierckpt_client._save_loop import (
     ASYNC_MODES,
     SaveFailedError,
     SaveInFlight,
+    caching_planner,
     check_save_options,
+    forget_plans,
     staging_done,
 )
 from tierckpt_client.config import ClientConfig
@@ -163,6 +166,7 @@ class Checkpointer:
         # Our own gloo group (or none): THREAD saves run on one long-lived thread (_save_thread).
         self._own_group = process_group is None
         self._saver: concurrent.futures.ThreadPoolExecutor | None = None
+        self._plans = f"tierckpt/{self.namespace}/{id(self):x}"  # DCP's plan caches' key
         _LIVE.add(self)
         self._inflight = SaveInFlight(self.namespace)
         self.last_saved_step: int | None = None  # the newest step whose save has been started
@@ -234,6 +238,7 @@ class Checkpointer:
             result = dcp.async_save(
                 state,
                 storage_writer=writer,
+                planner=caching_planner(self._plans),
                 process_group=self.process_group,
                 async_checkpointer_type=ASYNC_MODES[self.async_mode],
                 no_dist=self.no_dist,
@@ -269,9 +274,14 @@ class Checkpointer:
     def _save_staged(self, writer: TieredStorageWriter, staged: Any) -> Any:
         if isinstance(staged, concurrent.futures.Future):
             staged = staged.result()
-        return dcp.save(
-            staged, storage_writer=writer, process_group=self.process_group, no_dist=self.no_dist
-        )
+        with _gc_pause.paused(self.config.pause_gc):  # DCP's planning: objects per tensor
+            return dcp.save(
+                staged,
+                storage_writer=writer,
+                planner=caching_planner(self._plans),
+                process_group=self.process_group,
+                no_dist=self.no_dist,
+            )
 
     def wait_staged(self) -> None:
         """Return once the save in flight has copied the state (at once without one, or when
@@ -298,6 +308,7 @@ class Checkpointer:
                 # Its last save ended once wait() returned: the thread is joined. A wait that
                 # failed may have left a stage that never finished: then it is not waited for.
                 self._saver.shutdown(wait=idle)
+            forget_plans(self._plans)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -324,9 +335,13 @@ class Checkpointer:
             self.namespace, config=self.config, process_group=self.process_group
         )
         try:
-            dcp.load(
-                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
-            )
+            with _gc_pause.paused(self.config.pause_gc):  # DCP's planning as well
+                dcp.load(
+                    state,
+                    storage_reader=reader,
+                    process_group=self.process_group,
+                    no_dist=self.no_dist,
+                )
         except CheckpointException as e:
             older = _fallback_step(e)
             if older is None:
@@ -338,9 +353,13 @@ class Checkpointer:
             reader = TieredStorageReader(
                 self.namespace, older, config=self.config, process_group=self.process_group
             )
-            dcp.load(
-                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
-            )
+            with _gc_pause.paused(self.config.pause_gc):
+                dcp.load(
+                    state,
+                    storage_reader=reader,
+                    process_group=self.process_group,
+                    no_dist=self.no_dist,
+                )
         step = reader.resolved_step
         assert step is not None
         self.last_saved_step = step

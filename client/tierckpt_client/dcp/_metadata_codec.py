@@ -7,9 +7,6 @@ type-checked and dtypes come from a fixed table, and any problem raises
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from tierckpt_client import _gc_pause
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.metadata_blob import pack_metadata, unpack_metadata
 
@@ -59,32 +57,19 @@ class ShardRef:
     shape: tuple[int, ...] | None = None
 
 
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a step's metadata is encoded or decoded: that builds
-    several objects per chunk of every tensor (N·M·T chunks for the job), none of them garbage,
-    and the collector's passes over them were more than half the time (bench/decode_metadata.py).
-    The collector comes back as it was, also after an error."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def metadata_text(md: Metadata) -> str:
     """``md`` as the daemons keep it (tierckpt_core.metadata_blob): encoded and packed, with the
-    garbage collector paused."""
-    with _collection_paused():
+    garbage collector paused: that builds several objects per chunk of every tensor (N·M·T
+    chunks for the job), none of them garbage, and the collector's passes over them were more
+    than half the time (bench/decode_metadata.py)."""
+    with _gc_pause.paused():
         return pack_metadata(encode_metadata(md))
 
 
 def metadata_from_text(text: str, *, where: str) -> Metadata:
     """The metadata kept as ``text`` (untrusted: see :func:`decode_metadata`), inflated, parsed
-    and decoded with the garbage collector paused."""
-    with _collection_paused():
+    and decoded with the garbage collector paused (as :func:`metadata_text`)."""
+    with _gc_pause.paused():
         return decode_metadata(unpack_metadata(text, where=where))
 
 

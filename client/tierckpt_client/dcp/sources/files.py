@@ -70,6 +70,8 @@ class LocalFiles:
         self._verify_tensors = verify_tensors
         self._pin_memory = pin_memory  # register tier files a CUDA destination reads from
         self._verified: dict[str, set[int]] = {}  # blocks of each file checked so far
+        self._sums: dict[str, BlockSums] = {}  # each local file's block checksums
+        self._arrays: dict[str, Any] = {}  # each mapped file's bytes, as numpy sees them
         # Whole tensors landed and verified: (file, offset, length, the target's data_ptr).
         self._filled: set[tuple[str, int, int, int]] = set()
         self.verified_bytes = 0
@@ -186,7 +188,8 @@ class LocalFiles:
         Each piece is checked in ``target`` right after it landed there (the bytes are still in
         the cache, and ``target`` is this process's own memory, so what was checked is what the
         caller gets); a block the tensor covers only in part is copied whole into a private
-        buffer, checked there, and its part copied from it (:func:`copy_all`). The copy is
+        buffer, checked there, and its part copied from it, or with small tensors side by side
+        the parts landed and the block hashed across them (:func:`copy_all`). The copy is
         ``preadv`` from a file this process has not mapped (no page-table cost), else out of
         the mapping.
         """
@@ -230,12 +233,19 @@ class LocalFiles:
             raise CheckpointFormatError(f"{self.where}: a tensor lies beyond the end of {name}")
         if not length:
             return None
-        rec = self._record(name, offset, length, "a tensor")
-        sums = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
+        self._record(name, offset, length, "a tensor")
+        sums = self._sums.get(name)
+        if sums is None:  # one per file, not per tensor (thousands of tensors a load)
+            sums = self._sums[name] = BlockSums.of(
+                self._records[name], where=self.where, remedy=_CHANGED
+            )
         dest: Any = target.reshape(-1).view(torch.uint8).numpy()
         # key: a block that small tensors side by side share is read and checked once per load.
         if fd is None:
-            return Copy(dest, sums, offset, src=self.buffer(name).numpy(), key=name)
+            src = self._arrays.get(name)
+            if src is None:
+                src = self._arrays[name] = self.buffer(name).numpy()
+            return Copy(dest, sums, offset, src=src, key=name)
         return Copy(dest, sums, offset, read=lambda view, at: os.preadv(fd, [view], at), key=name)
 
     def _land(self, jobs: list[Copy]) -> None:
