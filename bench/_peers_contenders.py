@@ -188,6 +188,8 @@ class DLRover:
         self.ckpt = DdpCheckpointer(
             str(root / "dlrover"), local_shard_num=ranks, global_shard_num=ranks
         )
+        # Its saver process: forked here by local rank 0 (no dlrover-run), None elsewhere.
+        self.saver = getattr(self.ckpt._engine, "saver_proc", None)
 
     def save(self, sd: dict[str, torch.Tensor], step: int) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -201,12 +203,10 @@ class DLRover:
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        engine = self.ckpt._engine
-        engine.close()
-        proc = getattr(engine, "saver_proc", None)
-        if proc is not None and proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=10)
+        self.ckpt._engine.close()
+        if self.saver is not None and self.saver.is_alive():
+            self.saver.terminate()
+            self.saver.join(timeout=10)
         self.shm.unlink(missing_ok=True)
 
 

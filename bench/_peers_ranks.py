@@ -33,6 +33,8 @@ import torch.multiprocessing as mp
 from _peers_contenders import PEERS, build_peers, one_round, round_line
 from harness import make_state
 
+from tierckpt_core.launcher import DaemonProcess
+
 MAX_RANKS = 8  # one node, every rank on this host's cores
 TIERCKPT = ("tierckpt", "tierckpt_ckpt")  # contenders with a daemon of their own per node
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # bound on any rank's wait for the others
@@ -43,10 +45,13 @@ def rank_rows(
     size_mb: int, args: argparse.Namespace, names: list[str], root: Path
 ) -> list[dict[str, float]]:
     """Each round's seconds by key (max over ``args.ranks`` ranks) at ``size_mb`` MiB in all."""
-    daemons = {n: PEERS[n].serve(root, size_mb) for n in names if n in TIERCKPT}
+    daemons: dict[str, DaemonProcess] = {}
     run_id = f"peers-{root.parent.name}-{size_mb}"
     out = root / "rounds.json"
     try:
+        for n in names:
+            if n in TIERCKPT:
+                daemons[n] = PEERS[n].serve(root, size_mb)
         with tempfile.TemporaryDirectory(prefix="tierckpt-peers-ranks-") as tmp:
             job = (
                 args.ranks,
@@ -68,6 +73,7 @@ def rank_rows(
     finally:
         _end_saver(root / SAVER_PID)
         for d in daemons.values():
+            d.stop(timeout=10)
             d.cleanup()
         for seg in Path("/dev/shm").glob(f"{run_id}_ckpt_shm_*"):
             seg.unlink(missing_ok=True)
@@ -75,13 +81,17 @@ def rank_rows(
 
 
 def _end_saver(pid_file: Path) -> None:
-    """DLRover's saver outlives a rank that was killed (it sleeps in a loop): end it."""
+    """DLRover's saver outlives a rank that was killed (it sleeps in a loop): end it. The file is
+    gone if rank 0 ended it; the command line (a fork of a spawned rank) guards against a reused
+    pid."""
     try:
         pid = int(pid_file.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ValueError):
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
+    if b"spawn_main" in cmdline:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def _rank(
@@ -116,6 +126,7 @@ def _rank(
         timeout=COLLECTIVE_TIMEOUT,
     )
     peers: list[Any] = []
+    saver = None
     try:
         half = make_state(size_mb / world, seed=rank)
         sd: dict[str, torch.Tensor] = {f"r{rank}.{k}": v for k, v in half.items()}
@@ -124,7 +135,7 @@ def _rank(
             {k: torch.zeros_like(v) for k, v in sd.items()},
         )
         build_peers(peers, names, Path(root), size_mb, sockets)
-        _note_saver(peers, Path(root) / SAVER_PID)
+        saver = _note_saver(peers, Path(root) / SAVER_PID)
         iters, interval = rounds
         rows: list[dict[str, float]] = []
         for i in range(iters):
@@ -143,12 +154,17 @@ def _rank(
         try:
             for p in peers:
                 p.close()
+            if saver is not None and not saver.is_alive():
+                (Path(root) / SAVER_PID).unlink(missing_ok=True)
         finally:
             dist.destroy_process_group()
 
 
-def _note_saver(peers: list[Any], pid_file: Path) -> None:
+def _note_saver(peers: list[Any], pid_file: Path) -> Any:
+    """DLRover's saver process (rank 0's), its pid written for the parent; else None."""
     for p in peers:
-        proc = getattr(getattr(getattr(p, "ckpt", None), "_engine", None), "saver_proc", None)
+        proc = getattr(p, "saver", None)
         if proc is not None and proc.pid is not None:
             pid_file.write_text(str(proc.pid))
+            return proc
+    return None
