@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
+from tierckpt_client import _gc_pause
 from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
@@ -269,9 +270,13 @@ class Checkpointer:
     def _save_staged(self, writer: TieredStorageWriter, staged: Any) -> Any:
         if isinstance(staged, concurrent.futures.Future):
             staged = staged.result()
-        return dcp.save(
-            staged, storage_writer=writer, process_group=self.process_group, no_dist=self.no_dist
-        )
+        with _gc_pause.paused(self.config.pause_gc):  # DCP's planning: objects per tensor
+            return dcp.save(
+                staged,
+                storage_writer=writer,
+                process_group=self.process_group,
+                no_dist=self.no_dist,
+            )
 
     def wait_staged(self) -> None:
         """Return once the save in flight has copied the state (at once without one, or when
@@ -324,9 +329,13 @@ class Checkpointer:
             self.namespace, config=self.config, process_group=self.process_group
         )
         try:
-            dcp.load(
-                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
-            )
+            with _gc_pause.paused(self.config.pause_gc):  # DCP's planning as well
+                dcp.load(
+                    state,
+                    storage_reader=reader,
+                    process_group=self.process_group,
+                    no_dist=self.no_dist,
+                )
         except CheckpointException as e:
             older = _fallback_step(e)
             if older is None:
@@ -338,9 +347,13 @@ class Checkpointer:
             reader = TieredStorageReader(
                 self.namespace, older, config=self.config, process_group=self.process_group
             )
-            dcp.load(
-                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
-            )
+            with _gc_pause.paused(self.config.pause_gc):
+                dcp.load(
+                    state,
+                    storage_reader=reader,
+                    process_group=self.process_group,
+                    no_dist=self.no_dist,
+                )
         step = reader.resolved_step
         assert step is not None
         self.last_saved_step = step

@@ -47,6 +47,10 @@ class ClientConfig:
             it), stage asynchronously: ``save`` returns before the copy into the tier is done, and the next
             optimizer step waits for it (``TIERCKPT_ASYNC_STAGING``, default on; ``0`` copies
             before ``save`` returns). A bare ``TieredStorageWriter`` takes its own argument.
+        pause_gc: pause Python's cyclic garbage collector during a stage, a load's read, and
+            the ``Checkpointer``'s loads and background saves (``TIERCKPT_PAUSE_GC``, default
+            on; ``0`` leaves it alone): with thousands of tensors its collections were a large
+            part of the stall and of a restore. A collector the caller disabled stays disabled.
     """
 
     socket: Path = DEFAULT_SHM_DIR / "daemon.sock"
@@ -59,6 +63,7 @@ class ClientConfig:
     restore_direct: str = "auto"
     prelease: bool = True
     async_staging: bool = True
+    pause_gc: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
@@ -75,6 +80,7 @@ class ClientConfig:
             ("prelease", "TIERCKPT_PRELEASE"),
             ("pin_memory", "TIERCKPT_PIN_MEMORY"),
             ("async_staging", "TIERCKPT_ASYNC_STAGING"),
+            ("pause_gc", "TIERCKPT_PAUSE_GC"),
         ):
             flag = _flag(env, var)
             if flag is not None:

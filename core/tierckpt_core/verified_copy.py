@@ -62,8 +62,8 @@ def copy_all(
     """Land every :class:`Copy`, checking every block each touches: hash while copying, one pass
     over memory. Each piece of ``chunk`` bytes is hashed in ``dest`` right after it was copied or
     read there, while it is in the cache (the source may be shared memory that others can change:
-    what was checked is what ``dest`` holds). A block a ``dest`` covers only in part is copied
-    whole into a private buffer, checked there, and its part copied from it.
+    what was checked is what ``dest`` holds). A block a ``dest`` covers only in part is checked
+    as :func:`_edges` says: the parts in their ``dest``, the rest as read.
 
     ``threads`` > 1: the whole blocks of all the copies, cut into runs of about
     :data:`PARALLEL_MIN` bytes, are shared by that many workers (the caller's thread and threads
@@ -96,25 +96,77 @@ def copy_all(
 
 
 def _edges(landings: list[_Landing]) -> int:
-    """Check the blocks each ``dest`` covers only in part in a private copy, and land their parts
-    from it: once per block for all the copies of one ``key`` that cover it."""
+    """Check the blocks each ``dest`` covers only in part, once per block for all the copies of
+    one ``key`` that cover it: each part landed straight in its ``dest`` and hashed there, the
+    bytes no copy takes (gaps between small tensors) read into a scratch buffer and hashed in
+    between, one streaming hash per block (:func:`_in_place`), as whole blocks are checked in
+    ``dest``: a bad block fails the call, and its bytes may be in ``dest`` by then. Copies read
+    with ``read`` (one ``preadv`` per block, not one per part) and copies that overlap within a
+    block take the block through a private copy instead (:func:`_via_private`)."""
     users: dict[tuple[Any, int], list[_Landing]] = {}
     for i, landing in enumerate(landings):
         key = landing.key if landing.key is not None else ("copy", i)
         for block in landing.partial():
             users.setdefault((key, block), []).append(landing)
     checked = 0
+    scratch: memoryview | None = None
     for (_, block), them in users.items():
-        first = them[0]
-        lo, hi = first.sums.bounds(block)
-        private = memoryview(bytearray(hi - lo))
-        first.fetch(private, lo)
-        first.sums.check(block, private)
-        for landing in them:
-            a, b = max(lo, landing.offset), min(hi, landing.stop)
-            landing.out[a - landing.offset : b - landing.offset] = private[a - lo : b - lo]
+        sums = them[0].sums
+        lo, hi = sums.bounds(block)
+        parts = sorted(((max(lo, t.offset), min(hi, t.stop), t) for t in them), key=_span)
+        overlap = any(a < b for (a, _, _), (_, b, _) in zip(parts[1:], parts, strict=False))
+        if overlap or any(t.src is None for t in them):
+            _via_private(block, lo, hi, them)
+        else:
+            if scratch is None or len(scratch) < hi - lo:
+                scratch = memoryview(bytearray(hi - lo))
+            _in_place(block, lo, hi, parts, scratch)
         checked += hi - lo
     return checked
+
+
+def _span(part: tuple[int, int, _Landing]) -> tuple[int, int]:
+    return part[0], part[1]
+
+
+def _in_place(
+    block: int,
+    lo: int,
+    hi: int,
+    parts: list[tuple[int, int, _Landing]],
+    scratch: memoryview,
+) -> None:
+    """Land ``parts`` (disjoint, in order) of ``block`` in their destinations and check the
+    block: what is hashed is what each ``dest`` holds, and the gaps as read (no copy delivers
+    them). Thousands of tensors of a few KiB share blocks: a private copy of each block, then a
+    copy out of it, doubled the bytes moved."""
+    sums = parts[0][2].sums
+    h = xxhash.xxh3_128()
+    at = lo
+    for a, b, landing in parts:
+        if a > at:
+            landing.fetch(scratch[: a - at], at)
+            h.update(scratch[: a - at])
+        view = landing.out[a - landing.offset : b - landing.offset]
+        landing.fetch(view, a)
+        h.update(view)
+        at = b
+    if at < hi:
+        parts[-1][2].fetch(scratch[: hi - at], at)
+        h.update(scratch[: hi - at])
+    if h.hexdigest() != sums.digests[block]:
+        raise sums.mismatch(block)
+
+
+def _via_private(block: int, lo: int, hi: int, them: list[_Landing]) -> None:
+    """Check ``block`` in a private copy, then land each copy's part of it from there."""
+    first = them[0]
+    private = memoryview(bytearray(hi - lo))
+    first.fetch(private, lo)
+    first.sums.check(block, private)
+    for landing in them:
+        a, b = max(lo, landing.offset), min(hi, landing.stop)
+        landing.out[a - landing.offset : b - landing.offset] = private[a - lo : b - lo]
 
 
 class _Landing:

@@ -171,13 +171,18 @@ def test_copy_verified_lands_exact_bytes_of_any_range(chunk: int) -> None:
 
 
 def test_copy_verified_checks_the_edges_of_a_part() -> None:
-    """A tensor covering part of a block: the whole block is checked, even the bytes it skips."""
+    """A tensor covering part of a block: the whole block is checked, even the bytes it skips
+    (before it and after it), and a bad byte in the part it lands."""
     data, sums = _file()
-    bad = _flipped(data, 2 * BLOCK + 5)  # before the part, in its first block
+    for flip in (2 * BLOCK + 5, 2 * BLOCK + 150, 4 * BLOCK + 150):
+        bad = _flipped(data, flip)  # before the part / in it, in its first / last block
+        dest = bytearray(2 * BLOCK)
+        block = flip // BLOCK
+        with pytest.raises(BlockMismatchError, match=rf"\(block {block}, "):
+            copy_verified(bad, dest, sums, 2 * BLOCK + 100)
     dest = bytearray(2 * BLOCK)
-    with pytest.raises(BlockMismatchError, match=r"\(block 2, "):
-        copy_verified(bad, dest, sums, 2 * BLOCK + 100)
-    assert dest == bytes(len(dest))  # nothing of the bad block landed
+    copy_verified(data, dest, sums, 2 * BLOCK + 100)
+    assert dest == data[2 * BLOCK + 100 : 4 * BLOCK + 100]
 
 
 def test_a_file_without_block_checksums_is_one_block() -> None:
@@ -298,16 +303,24 @@ def test_copy_all_reads_a_block_small_copies_share_once(monkeypatch: pytest.Monk
     assert copy_all(copies, threads=3) == 3 * BLOCK + 5 * BLOCK
     assert all(d == data[at : at + n] for d, (at, n) in zip(dests, spans, strict=True))
     assert reads.count((0, BLOCK)) == 1  # block 0, once for the ten small copies
-    bad = _flipped(data, 200)
+    for flip in (200, 50, 3500):  # in a small copy's part; in the gaps before and after them
+        dests = [bytearray(n) for _, n in small]
+        for source in ({"src": _flipped(data, flip)}, {"read": _reader(_flipped(data, flip))}):
+            with pytest.raises(BlockMismatchError, match=r"\(block 0, "):
+                copy_all(
+                    [
+                        Copy(d, sums, at, key="r0.data", **source)  # type: ignore[arg-type]
+                        for d, (at, _) in zip(dests, small, strict=True)
+                    ]
+                )
     dests = [bytearray(n) for _, n in small]
-    with pytest.raises(BlockMismatchError, match=r"\(block 0, "):
-        copy_all(
-            [
-                Copy(d, sums, at, src=bad, key="r0.data")
-                for d, (at, _) in zip(dests, small, strict=True)
-            ]
-        )
-    assert all(d == bytes(len(d)) for d in dests)  # nothing of the bad block landed
+    copy_all(
+        [
+            Copy(d, sums, at, src=data, key="r0.data")
+            for d, (at, _) in zip(dests, small, strict=True)
+        ]
+    )
+    assert all(d == data[at : at + n] for d, (at, n) in zip(dests, small, strict=True))
 
 
 def test_copy_all_from_a_read_that_ends_early_fails() -> None:

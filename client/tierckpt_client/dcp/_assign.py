@@ -78,7 +78,10 @@ def layout_of(state_dict: dict[str, Any], rank: int, world: int) -> Layout | Non
     by_id: dict[int, list[str]] = {}
     meshes: dict[tuple[int, Any], str] = {}
     for name, v in flat.items():
-        if isinstance(v, ShardedTensor):
+        if type(v) is torch.Tensor:  # the common leaf first (none of the kinds below)
+            parts.append(("T", name, str(v.dtype), tuple(v.shape), v.device.type))
+            by_id.setdefault(id(v), []).append(name)
+        elif isinstance(v, ShardedTensor):
             offsets = [tuple(s.metadata.shard_offsets) for s in v.local_shards()]
             parts.append(("S", name, str(v.dtype), tuple(v.shape), offsets))
         elif isinstance(v, DTensor):
@@ -209,6 +212,11 @@ class SaveAssignment:
         key = self.key = (socket, namespace, rank)
         self.staged_by = os.getpid()
         collect(key)  # sent by DCP's helper process (PROCESS mode)
+        if world == 1:
+            # No other rank to write anything: every tensor is this rank's, and the layout (a
+            # walk of the whole state dict, ~5 us a tensor) would serve nothing.
+            self.layout, self.skipped = None, frozenset()
+            return None
         layout = self.layout = layout_of(state_dict, rank, world)
         self.skipped = skipped(key, layout)
         if layout is None:

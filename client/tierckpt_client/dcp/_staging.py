@@ -52,6 +52,13 @@ def placeholder(t: torch.Tensor) -> torch.Tensor:
 
 
 def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor], skip: Skip = None) -> Any:
+    # The common leaves first, by exact type (a plain tensor is none of the kinds below):
+    # with thousands of tensors, each test of the chain cost the stall microseconds apiece.
+    kind = type(obj)
+    if kind is torch.Tensor:
+        return placeholder(obj) if skip is not None and skip(obj) else on_tensor(obj.detach())
+    if kind is dict:
+        return {k: _walk(v, on_tensor, skip) for k, v in obj.items()}
     if isinstance(obj, ShardedTensor):
         # Before Tensor: a ShardedTensor is a tensor subclass with no storage of its own.
         shards = [Shard(on_tensor(s.tensor.detach()), s.metadata) for s in obj.local_shards()]
@@ -77,30 +84,41 @@ def _walk(obj: Any, on_tensor: Callable[[torch.Tensor], torch.Tensor], skip: Ski
     return copy.deepcopy(obj)
 
 
+_STORABLE: set[torch.dtype] = set()  # dtypes dtype_name() accepted
+
+
 def _check(t: torch.Tensor) -> None:
     if t.layout != torch.strided:
         raise CheckpointFormatError(f"cannot stage a tensor with layout {t.layout}; only strided")
-    dtype_name(t.dtype)  # a dtype tierckpt cannot store fails here, before anything is copied
+    if t.dtype not in _STORABLE:
+        dtype_name(t.dtype)  # a dtype tierckpt cannot store fails here, before anything is copied
+        _STORABLE.add(t.dtype)
 
 
 def staging_size(state_dict: dict[str, Any], skip: Skip = None) -> int:
     """Bytes of the file that :func:`stage_into` needs for ``state_dict`` (without ``skip``)."""
-    total = 0
+    sizes: list[int] = []
 
     def count(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
         _check(t)
-        total += align(_nbytes(t))
+        sizes.append(t.nbytes)
         return t
 
     _walk_tensors_only(state_dict, count, skip)
-    return total
+    return sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
 
 
 def _walk_tensors_only(
     obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], skip: Skip = None
 ) -> None:
-    if isinstance(obj, ShardedTensor):
+    kind = type(obj)  # the common leaves first, as in _walk
+    if kind is torch.Tensor:
+        if skip is None or not skip(obj):
+            fn(obj)
+    elif kind is dict:
+        for v in obj.values():
+            _walk_tensors_only(v, fn, skip)
+    elif isinstance(obj, ShardedTensor):
         for shard in obj.local_shards():
             fn(shard.tensor)
     elif isinstance(obj, DTensor):  # before the protocol: a DTensor implements it too

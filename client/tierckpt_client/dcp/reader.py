@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tierckpt_client import _gc_pause
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _dcp_log
@@ -248,10 +249,11 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._agreement is None:  # an explicit step: it is read, or the load fails
-            self._read_plan(plan, planner)
-        else:
-            self._read_latest(plan, planner, self._agreement)
+        with _gc_pause.paused(self.config.pause_gc):
+            if self._agreement is None:  # an explicit step: it is read, or the load fails
+                self._read_plan(plan, planner)
+            else:
+                self._read_latest(plan, planner, self._agreement)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tierckpt_client import _gc_pause
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import _arena, _assign, _async_staging, _dcp_log, _items, _prelease
@@ -254,7 +255,14 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         self, namespace: str, state_dict: dict[str, Any], marks: _async_staging.Marks | None
     ) -> dict[str, Any]:
         """Lease a file and copy every tensor into it (the trainer's thread, or with ``marks``
-        the asynchronous stager's: then on side streams, and the tensors' versions checked)."""
+        the asynchronous stager's: then on side streams, and the tensors' versions checked),
+        the cyclic collector paused (:mod:`tierckpt_client._gc_pause`)."""
+        with _gc_pause.paused(self.config.pause_gc):
+            return self._stage_paused(namespace, state_dict, marks)
+
+    def _stage_paused(
+        self, namespace: str, state_dict: dict[str, Any], marks: _async_staging.Marks | None
+    ) -> dict[str, Any]:
         self._torn = None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
