@@ -30,13 +30,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _peers_contenders import PEERS, build_peers, one_round, round_line
+from _peers_contenders import Tierckpt, TierckptCheckpointer, build_peers, one_round, round_line
 from harness import make_state
 
 from tierckpt_core.launcher import DaemonProcess
 
 MAX_RANKS = 8  # one node, every rank on this host's cores
-TIERCKPT = ("tierckpt", "tierckpt_ckpt")  # contenders with a daemon of their own per node
+# Contenders with a daemon of their own per node, started by the parent.
+TIERCKPT: dict[str, type[Tierckpt]] = {c.name: c for c in (Tierckpt, TierckptCheckpointer)}
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # bound on any rank's wait for the others
 SAVER_PID = "dlrover-saver.pid"  # DLRover's saver process, forked by rank 0: ended by the parent
 
@@ -51,7 +52,7 @@ def rank_rows(
     try:
         for n in names:
             if n in TIERCKPT:
-                daemons[n] = PEERS[n].serve(root, size_mb)
+                daemons[n] = TIERCKPT[n].serve(root, size_mb)
         with tempfile.TemporaryDirectory(prefix="tierckpt-peers-ranks-") as tmp:
             job = (
                 args.ranks,

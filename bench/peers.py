@@ -164,7 +164,7 @@ def run(args: argparse.Namespace, tmp: Path, notes: list[str]) -> dict[str, Any]
     cmd = ["--smoke"] if args.smoke else []
     what = "beside DLRover, GEMINI and torch's stager"
     d = child_results("peers.py", cmd, tmp / "peers.json", what, notes, "peers")
-    two = None
+    two: Any = None  # (its JSON)
     if args.smoke:  # 18-30 s more on a loaded 2-core box: run it as `peers.py --smoke --ranks 2`
         notes.append("peers in 2 ranks: not in the smoke (bench/peers.py --smoke --ranks 2)")
     else:
