@@ -64,6 +64,7 @@ def rank_rows(
                 str(root),
                 (args.iters, args.interval),
                 str(out),
+                args.tensors,
             )
             mp.spawn(_rank, args=job, nprocs=args.ranks, join=True)
         return list(json.loads(out.read_text()))
@@ -106,6 +107,7 @@ def _rank(
     root: str,
     rounds: tuple[int, float],
     out: str,
+    tensors: int,
 ) -> None:
     # What torchrun gives a rank on one node (DLRover reads LOCAL_RANK, LOCAL_WORLD_SIZE,
     # GROUP_*; its segments and sockets carry TORCHELASTIC_RUN_ID).
@@ -129,7 +131,7 @@ def _rank(
     peers: list[Any] = []
     saver = None
     try:
-        half = make_state(size_mb / world, seed=rank)
+        half = make_state(size_mb / world, max(1, tensors // world), seed=rank)
         sd: dict[str, torch.Tensor] = {f"r{rank}.{k}": v for k, v in half.items()}
         dsts = (
             {k: torch.zeros_like(v) for k, v in sd.items()},

@@ -1,6 +1,6 @@
 """Peers benchmark (issue 35): tierckpt beside the in-memory checkpointers it is compared with.
 
-One process (``--ranks 1``, the default), one CPU state dict of 16 float32 tensors per size
+One process (``--ranks 1``, the default), one CPU state dict of 16 float32 tensors (``--tensors``) per size
 (``--sizes``, MiB), ``--iters`` rounds, interleaved: every round first times a memcpy of the state into pre-touched tensors (the
 paired floor), then each contender saves the state (in an order that rotates from round to round),
 then each restores its save into zeroed tensors (same rotation), and every restore is checked
@@ -75,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ranks", type=int, default=1, help="ranks on this node, each with 1/N of the state"
     )
+    p.add_argument(
+        "--tensors",
+        type=int,
+        default=N_TENSORS,
+        help="float32 tensors in the state (in all ranks), of equal size",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.sizes, args.iters, args.warmup, args.interval = "8", 3, 1, 0.0
@@ -84,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--sizes {args.sizes!r}: MiB as whole numbers, comma-separated")
     if not args.size_list or min(args.size_list) < 1:
         p.error(f"--sizes {args.sizes!r}: at least one size, each >= 1 MiB")
+    if args.tensors < 1:
+        p.error(f"--tensors {args.tensors}: at least 1")
     if not 1 <= args.ranks <= MAX_RANKS:
         p.error(f"--ranks {args.ranks}: 1 (one process) to {MAX_RANKS} (one node)")
     args.peer_list = [s for s in args.peers.split(",") if s]
@@ -111,7 +119,7 @@ def run_size(
     size_mb: int, args: argparse.Namespace, names: list[str], root: Path
 ) -> list[dict[str, float]]:
     """Each round's seconds by key, in this process (``--ranks 1``)."""
-    sd = make_state(size_mb)
+    sd = make_state(size_mb, args.tensors)
     memcpy_dst = {k: torch.empty_like(v).fill_(0) for k, v in sd.items()}
     dst = {k: torch.empty_like(v).fill_(0) for k, v in sd.items()}
     peers: list[Any] = []
@@ -200,7 +208,7 @@ def main() -> None:
     info = machine_info(
         iters=args.iters,
         warmup=args.warmup,
-        tensors=N_TENSORS,
+        tensors=args.tensors,
         ranks=args.ranks,
         loadavg=os.getloadavg(),
     )

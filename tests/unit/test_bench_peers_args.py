@@ -21,12 +21,15 @@ def test_smoke_in_two_ranks_is_the_smoke_with_the_ranks(peers: ModuleType) -> No
     args = peers.parse_args(["--smoke", "--ranks", "2"])
     assert (args.ranks, args.size_list, args.iters, args.warmup) == (2, [8], 3, 1)
     assert peers.parse_args([]).ranks == 1  # one process unless asked
+    assert peers.parse_args(["--tensors", "2048"]).tensors == 2048
+    assert peers.parse_args([]).tensors == 16
 
 
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
         (["--ranks", "0"], "--ranks 0: 1 (one process) to 8"),
+        (["--tensors", "0"], "--tensors 0: at least 1"),
         (["--ranks", "9"], "--ranks 9: 1 (one process) to 8"),
         (["--sizes", "0"], "each >= 1 MiB"),
         (["--sizes", "1g"], "MiB as whole numbers"),
