@@ -9,7 +9,7 @@ bench/README.md) that runs itself in a subprocess (``run(args, tmp, notes)``: it
 - ``persistent_tier.py`` (S3 upload/restore vs. s3torchconnector, training slowdown) at one size;
 - ``peer_tier.py`` (replication, restore from a peer) and ``multi_node.py`` (commit across nodes);
 - ``stall.py`` (the stall against torch's reused DefaultStager, 64 MiB-4 GiB);
-- ``peers.py`` (beside DLRover, GEMINI and torch's stager);
+- ``peers.py`` (beside DLRover, GEMINI and torch's stager; 1 rank, then 2 but in smoke mode);
 - ``verified_copy.py``: the verified copy out of memory (hash while copying) against memcpy, 1 GiB;
 - ``issue24.py``: issue 24's three figures (``--no-issue24`` skips them), for 1 rank, 2 ranks
   and PROCESS mode, from ``restore.py`` and ``stall.py`` runs;
