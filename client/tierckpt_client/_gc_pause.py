@@ -1,6 +1,7 @@
 """Python's cyclic garbage collector paused while tierckpt works on the trainer's behalf: a stage
-(the ``async_save`` stall), a load's read, and the :class:`~tierckpt_client.Checkpointer`'s
-whole load and background save (DCP's planning included).
+(the ``async_save`` stall), a load's read, the :class:`~tierckpt_client.Checkpointer`'s
+whole load, and the planning of its background saves (not their commit, which may wait for
+replicas, nor a degraded save's upload: minutes, and the trainer runs meanwhile).
 
 A trainer's process holds hundreds of thousands of objects (torch's own, the model's), and DCP
 with tierckpt allocates several objects per tensor (plan items, views, copies to land). With
@@ -10,7 +11,7 @@ collections, and one load in three ran a full one that took ~300 ms of a ~600 ms
 collector paused the same loads took ~350 ms (docs/benchmarks.md, "Thousands of tensors").
 Paused, nothing is lost: reference counting frees what it always frees, the collections that
 came due run at the first allocation after the pause (one instead of dozens), and a pause lasts
-one stage, read or save, each bounded by its own timeouts.
+one stage, read, load or save planning, each bounded by its own timeouts.
 
 The collector is process-wide: the first section to start disables it if it was enabled, the
 last to end enables it again; a collector the user disabled stays disabled. A child forked

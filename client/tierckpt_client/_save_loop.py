@@ -9,9 +9,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from tierckpt_client import _gc_pause
 from tierckpt_client.dcp import _async_staging
 from tierckpt_core.errors import TierCkptError
 
@@ -97,15 +99,47 @@ def staging_done(fut: Future[Any]) -> Future[None]:
     return out
 
 
-def caching_planner(key: str) -> DefaultSavePlanner:
+class _Planner(DefaultSavePlanner):
+    """DCP's default save planner, its planning with the cyclic collector paused
+    (:mod:`tierckpt_client._gc_pause`): several objects per tensor, in a process of hundreds
+    of thousands. Only the planning: the rest of a save (a commit waiting for replicas, a
+    degraded save's upload) may take minutes, and the collector is not held off that long."""
+
+    pause_gc = True
+
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:  # (DCP reads this signature: storage_meta by name)
+        with _gc_pause.paused(self.pause_gc):
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        with _gc_pause.paused(self.pause_gc):
+            return super().create_local_plan()
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        with _gc_pause.paused(self.pause_gc):
+            return super().create_global_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        with _gc_pause.paused(self.pause_gc):
+            return super().finish_plan(new_plan)
+
+
+def caching_planner(key: str, pause_gc: bool = True) -> DefaultSavePlanner:
     """DCP's default save planner with its plan caching on, under ``key`` (one per save loop):
     a save whose local plan is the last one's sends the coordinator an empty plan, and the
     coordinator reuses its global plan and metadata (with 2048 tensors the global planning was
     ~100 ms of every save's background work on the 2-core box). DCP keys its caches by the
     planner's class name, shared by every planner of the process: two loops of other layouts,
     or of other groups, must not meet there, hence a key of their own. Where torch has no such
-    key, caching stays off. :func:`forget_plans` drops the key's entries."""
-    planner = DefaultSavePlanner()
+    key, caching stays off. :func:`forget_plans` drops the key's entries. The planning runs
+    with the collector paused unless ``pause_gc`` is False (:class:`_Planner`)."""
+    planner = _Planner()
+    planner.pause_gc = pause_gc
     if hasattr(planner, "_cached_plans_key") and hasattr(planner, "_enable_plan_caching"):
         planner._enable_plan_caching = True
         planner._cached_plans_key = key

@@ -238,7 +238,7 @@ class Checkpointer:
             result = dcp.async_save(
                 state,
                 storage_writer=writer,
-                planner=caching_planner(self._plans),
+                planner=caching_planner(self._plans, self.config.pause_gc),
                 process_group=self.process_group,
                 async_checkpointer_type=ASYNC_MODES[self.async_mode],
                 no_dist=self.no_dist,
@@ -274,14 +274,13 @@ class Checkpointer:
     def _save_staged(self, writer: TieredStorageWriter, staged: Any) -> Any:
         if isinstance(staged, concurrent.futures.Future):
             staged = staged.result()
-        with _gc_pause.paused(self.config.pause_gc):  # DCP's planning: objects per tensor
-            return dcp.save(
-                staged,
-                storage_writer=writer,
-                planner=caching_planner(self._plans),
-                process_group=self.process_group,
-                no_dist=self.no_dist,
-            )
+        return dcp.save(
+            staged,
+            storage_writer=writer,
+            planner=caching_planner(self._plans, self.config.pause_gc),
+            process_group=self.process_group,
+            no_dist=self.no_dist,
+        )
 
     def wait_staged(self) -> None:
         """Return once the save in flight has copied the state (at once without one, or when

@@ -48,7 +48,7 @@ class ClientConfig:
             optimizer step waits for it (``TIERCKPT_ASYNC_STAGING``, default on; ``0`` copies
             before ``save`` returns). A bare ``TieredStorageWriter`` takes its own argument.
         pause_gc: pause Python's cyclic garbage collector during a stage, a load's read, and
-            the ``Checkpointer``'s loads and background saves (``TIERCKPT_PAUSE_GC``, default
+            the ``Checkpointer``'s loads and its saves' planning (``TIERCKPT_PAUSE_GC``, default
             on; ``0`` leaves it alone): with thousands of tensors its collections were a large
             part of the stall and of a restore. A collector the caller disabled stays disabled.
     """

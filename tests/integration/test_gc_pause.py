@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierckpt_client import Checkpointer, _gc_pause
@@ -74,12 +75,27 @@ def test_a_stage_and_a_read_run_with_the_collector_paused_and_give_it_back(
 
 
 def test_the_checkpointer_saves_and_restores_with_the_collector_paused(
-    client_env: DaemonProcess,
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # DCP's planning of the background save runs paused; its commit (which may wait for
+    # replicas, or a degraded save's upload) does not.
+    for owner, name, where in (
+        (DefaultSavePlanner, "create_local_plan", "plan"),
+        (TieredStorageWriter, "finish", "commit"),
+    ):
+        real = getattr(owner, name)
+
+        def seen(*args: Any, _real: Any = real, _where: str = where, **kwargs: Any) -> Any:
+            SEEN.append((_where, gc.isenabled()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, seen)
     sd = _state()
     with Checkpointer("gcc", async_staging=False, handle_signals=False) as ckpt:
         ckpt.save(1, sd)
         ckpt.wait()
+        assert ("plan", False) in SEEN and ("commit", True) in SEEN
+        SEEN[:] = [x for x in SEEN if x[0] not in ("plan", "commit")]
         assert gc.isenabled()
         dst = {"model": {k: torch.zeros(100) for k in sd["model"]}, "p": Probe("y")}
         assert ckpt.restore(dst) == 1
