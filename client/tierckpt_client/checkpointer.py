@@ -334,13 +334,7 @@ class Checkpointer:
             self.namespace, config=self.config, process_group=self.process_group
         )
         try:
-            with _gc_pause.paused(self.config.pause_gc):  # DCP's planning as well
-                dcp.load(
-                    state,
-                    storage_reader=reader,
-                    process_group=self.process_group,
-                    no_dist=self.no_dist,
-                )
+            self._load(state, reader)
         except CheckpointException as e:
             older = _fallback_step(e)
             if older is None:
@@ -352,18 +346,18 @@ class Checkpointer:
             reader = TieredStorageReader(
                 self.namespace, older, config=self.config, process_group=self.process_group
             )
-            with _gc_pause.paused(self.config.pause_gc):
-                dcp.load(
-                    state,
-                    storage_reader=reader,
-                    process_group=self.process_group,
-                    no_dist=self.no_dist,
-                )
+            self._load(state, reader)
         step = reader.resolved_step
         assert step is not None
         self.last_saved_step = step
         logger.info("%s: restored step %d", self.namespace, step)
         return step
+
+    def _load(self, state: dict[str, Any], reader: TieredStorageReader) -> None:
+        with _gc_pause.paused(self.config.pause_gc):  # DCP's planning as well as the read
+            dcp.load(
+                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
+            )
 
     # -- preemption ----------------------------------------------------------------------
     def preempt_requested(self) -> bool:

@@ -97,15 +97,16 @@ def _check(t: torch.Tensor) -> None:
 
 def staging_size(state_dict: dict[str, Any], skip: Skip = None) -> int:
     """Bytes of the file that :func:`stage_into` needs for ``state_dict`` (without ``skip``)."""
-    sizes: list[int] = []
+    total = 0
 
     def count(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
         _check(t)
-        sizes.append(t.nbytes)
+        total += align(_nbytes(t))
         return t
 
     _walk_tensors_only(state_dict, count, skip)
-    return sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes)
+    return total
 
 
 def _walk_tensors_only(

@@ -233,12 +233,10 @@ class LocalFiles:
             raise CheckpointFormatError(f"{self.where}: a tensor lies beyond the end of {name}")
         if not length:
             return None
-        self._record(name, offset, length, "a tensor")
+        rec = self._record(name, offset, length, "a tensor")
         sums = self._sums.get(name)
         if sums is None:  # one per file, not per tensor (thousands of tensors a load)
-            sums = self._sums[name] = BlockSums.of(
-                self._records[name], where=self.where, remedy=_CHANGED
-            )
+            sums = self._sums[name] = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
         dest: Any = target.reshape(-1).view(torch.uint8).numpy()
         # key: a block that small tensors side by side share is read and checked once per load.
         if fd is None:
