@@ -9,11 +9,11 @@ Each round saves a new step (a resume reads a step it never read) and then times
   the load does once DCP and the daemon are out of the way: the checks' cost to the DMA);
 - ``restore``: ``dcp.load`` through ``TieredStorageReader``, verified, phase by phase
   (``_restore_phases``);
-- ``land_front`` and ``restore_front``: the same with the copies following the checks' front
-  (``_device_copy.CHECK_FIRST``: each block copied once it is checked);
 - ``restore_unverified``: the same with ``verify_reads=False``.
 
-Then one more restore under ``cProfile`` (the functions by own time and by cumulative time), so
+(Copying each block only once it is checked, the DMA following the checks' front, was tried
+and measured slower at 64 MiB, 1 and 4 GiB: docs/benchmarks.md.) Then one more restore under
+``cProfile`` (the functions by own time and by cumulative time), so
 the milliseconds outside the DMA can be named.
 
     python bench/cuda_restore_profile.py --gib 1 --iters 7 --out results/cuda_restore.json
@@ -86,12 +86,7 @@ def run(args: argparse.Namespace, d: Any) -> int:
     dst = [torch.empty_like(t) for t in src]
     res: dict[str, list[float]] = {}
     phases = RestorePhases().install()
-    front_default = _device_copy.CHECK_FIRST
-    phase_runs: dict[str, list[dict[str, float]]] = {
-        "restore": [],
-        "restore_front": [],
-        "restore_unverified": [],
-    }
+    phase_runs: dict[str, list[dict[str, float]]] = {"restore": [], "restore_unverified": []}
 
     def add(key: str, s: float) -> None:
         res.setdefault(key, []).append(s)
@@ -107,11 +102,7 @@ def run(args: argparse.Namespace, d: Any) -> int:
                 )
             phase_runs[key].append(ph)
 
-        _device_copy.CHECK_FIRST = key.endswith("_front")
-        try:
-            add(key, timed(load))
-        finally:
-            _device_copy.CHECK_FIRST = front_default
+        add(key, timed(load))
         assert out["extra"]["step"] == step
         assert all(torch.equal(out[f"w{i:02d}"], t) for i, t in enumerate(src)), key
 
@@ -126,9 +117,6 @@ def run(args: argparse.Namespace, d: Any) -> int:
         restore(step, cfg, "restore")
         step += 1
         save(step)
-        restore(step, cfg, "restore_front")
-        step += 1
-        save(step)
         restore(step, unverified, "restore_unverified")
         refs = TieredStorageReader(NS, step, config=cfg).read_metadata().storage_data
         pin = daemon.pin(NS, step)
@@ -136,15 +124,8 @@ def run(args: argparse.Namespace, d: Any) -> int:
             copies = device_copies(refs, pin.step.files, pin.paths, dst)
             add("raw_h2d", timed(lambda: h2d(dst, pinned)))
             add("mapped_h2d", timed(lambda c=copies: h2d(dst, [sliced(x) for x in c])))
-            for key in ("land", "land_front"):
-                _device_copy.CHECK_FIRST = key == "land_front"
-                try:
-                    add(key, timed(lambda c=copies: _device_copy.land(c, pin=True)))
-                finally:
-                    _device_copy.CHECK_FIRST = front_default
-                assert all(torch.equal(x, y) for x, y in zip(dst, src, strict=True)), key
-                for x in dst:
-                    x.zero_()
+            add("land", timed(lambda c=copies: _device_copy.land(c, pin=True)))
+            assert all(torch.equal(x, y) for x, y in zip(dst, src, strict=True)), "land"
         finally:
             daemon.unpin(NS, step, pin.pin_id)
     res = {k: v[1:] for k, v in res.items()}  # the first round maps and registers

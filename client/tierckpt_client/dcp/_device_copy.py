@@ -35,16 +35,11 @@ import torch
 from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._helpers import VERIFY, on_helpers
 from tierckpt_core.verified import BlockSums
-from tierckpt_core.verified_copy import GIL_HELD_MAX, check_all
-from tierckpt_core.verified_front import check_in_order
+from tierckpt_core.verified_copy import check_all
 
 VERIFY_THREADS: int | None = None
 """Threads that check a load's blocks beside the DMA, the caller's included (None: torch's
 intra-op threads). A knob for ``bench/gpu_staging.py``'s sweep, not a setting."""
-
-CHECK_FIRST: bool = False
-"""Copy each block once it is checked (the copies follow the checks' front,
-:mod:`tierckpt_core.verified_front`) rather than all at once beside the checks."""
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 _STREAMS_LOCK = threading.Lock()
@@ -88,82 +83,31 @@ def land(copies: list[DeviceCopy], *, pin: bool) -> int:
     if pin:
         for c in copies:
             _arena.pin_holding(c.src)
-    threads = VERIFY_THREADS or torch.get_num_threads()
-    if all(c.sums.size <= GIL_HELD_MAX for c in copies):
-        threads = 1  # xxhash holds the GIL for such blocks: one thread checks them (check_all)
-    spawn = functools.partial(on_helpers, VERIFY)
     streams: dict[int, torch.cuda.Stream] = {}
     try:
-        if CHECK_FIRST and threads > 1:
-            order = sorted(copies, key=lambda c: (c.sums.name, c.offset))
-            blocks, marks = _blocks(order)
-            issued = [0] * len(order)
-            first = [0]  # the copies before it are all queued
-
-            def ready(front: int) -> None:
-                # Copies and blocks go in the same order: the first copy that must wait for a
-                # block past the front is the last to look at.
-                for i in range(first[0], len(order)):
-                    c = order[i]
-                    n = c.target.numel() * c.target.element_size()
-                    upto = issued[i]
-                    for need, end in marks[i]:
-                        if need >= front:
-                            break
-                        upto = end
-                    if upto > issued[i]:
-                        _issue(c, issued[i], upto, streams)
-                        issued[i] = upto
-                    if issued[i] < n and front:
-                        return
-                    if issued[i] == n and first[0] == i:
-                        first[0] = i + 1
-
-            ready(0)  # what this load checked before
-            return check_in_order(blocks, threads=threads, spawn=spawn, ready=ready)
         for c in copies:
-            _issue(c, 0, c.target.numel() * c.target.element_size(), streams)
-        return check_all(_blocks(copies)[0], threads=threads, spawn=spawn)
+            dev = c.target.device.index if c.target.device.index is not None else 0
+            side = streams.get(dev)
+            if side is None:
+                side = streams[dev] = _stream(dev)
+                side.wait_stream(torch.cuda.current_stream(dev))
+            n = c.target.numel() * c.target.element_size()
+            with torch.cuda.stream(side):
+                flat = c.target.reshape(-1).view(torch.uint8)
+                flat.copy_(c.src[c.offset : c.offset + n], non_blocking=True)
+        seen: set[tuple[str, int]] = set()
+        blocks: list[tuple[Any, BlockSums, int]] = []
+        for c in copies:
+            view: Any = c.src.numpy()
+            for b in c.blocks:
+                if (c.sums.name, b) not in seen:
+                    seen.add((c.sums.name, b))
+                    blocks.append((view, c.sums, b))
+        return check_all(
+            blocks,
+            threads=VERIFY_THREADS or torch.get_num_threads(),
+            spawn=functools.partial(on_helpers, VERIFY),
+        )
     finally:
         for side in streams.values():
             side.synchronize()
-
-
-def _issue(c: DeviceCopy, lo: int, hi: int, streams: dict[int, torch.cuda.Stream]) -> None:
-    """Queue the copy of bytes ``[lo, hi)`` of ``c`` on its device's side stream (which first
-    waits for the work the loop queued on the device)."""
-    dev = c.target.device.index if c.target.device.index is not None else 0
-    side = streams.get(dev)
-    if side is None:
-        side = streams[dev] = _stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        flat = c.target.reshape(-1).view(torch.uint8)
-        flat[lo:hi].copy_(c.src[c.offset + lo : c.offset + hi], non_blocking=True)
-
-
-def _blocks(
-    copies: list[DeviceCopy],
-) -> tuple[list[tuple[Any, BlockSums, int]], list[list[tuple[int, int]]]]:
-    """The blocks ``copies`` still need checked, each once, in their order; and for each copy,
-    its marks: ``(k, end)``, its bytes up to ``end`` may be copied once the first ``k`` blocks
-    are checked (k -1: checked earlier in this load)."""
-    at: dict[tuple[str, int], int] = {}
-    blocks: list[tuple[Any, BlockSums, int]] = []
-    marks: list[list[tuple[int, int]]] = []
-    for c in copies:
-        view: Any = c.src.numpy()
-        todo = set(c.blocks)
-        n = c.target.numel() * c.target.element_size()
-        need = -1
-        mine = []
-        for b in range(c.sums.block_of(c.offset), c.sums.block_of(c.offset + n - 1) + 1):
-            if b in todo:
-                key = (c.sums.name, b)
-                if key not in at:
-                    at[key] = len(blocks)
-                    blocks.append((view, c.sums, b))
-                need = max(need, at[key])
-            mine.append((need, min(c.sums.bounds(b)[1] - c.offset, n)))
-        marks.append(mine)
-    return blocks, marks
