@@ -26,7 +26,6 @@ import cProfile
 import io
 import json
 import pstats
-import shutil
 import statistics
 import sys
 import tempfile
@@ -71,8 +70,7 @@ def main() -> int:
     try:
         return run(args, d)
     finally:
-        d.stop()
-        shutil.rmtree(shm, ignore_errors=True)
+        d.cleanup()  # its dir and its log
 
 
 def run(args: argparse.Namespace, d: Any) -> int:

@@ -160,8 +160,10 @@ async def open_read(
     while the service's lock is free; fetching the metadata (from another node, for a step
     spanning nodes) goes to the thread pool."""
     req = req or ReadRequest()
-    answer, info = await under_lock(service, _open_read, service, namespace, step, owner, req.pin)
-    if req.known != answer.version:
+    answer, info = await under_lock(
+        service, _open_read, service, namespace, step, owner, req.pin, req.known
+    )
+    if req.known != answer.version and answer.metadata is None:
         try:
             # A step spanning nodes keeps its metadata on a few of them: the restorer fetches it
             # from one (checked against its digest) where this node keeps only the digest.
@@ -177,8 +179,16 @@ async def open_read(
 
 
 def _open_read(
-    service: TierService, namespace: str, step: int, owner: str | None, pin: bool
+    service: TierService,
+    namespace: str,
+    step: int,
+    owner: str | None,
+    pin: bool,
+    known: str | None,
 ) -> tuple[ReadResponse, StepInfo]:
+    """The answer, with the step's metadata and records where the reader does not hold this
+    version and this node keeps the metadata (its commit record here, read under the lock with
+    the version: no thread-pool hop on a first load's path); else the route fetches them."""
     if pin:
         pinned = service.pin(namespace, step, owner=owner)
         info = pinned.step
@@ -192,6 +202,15 @@ def _open_read(
         info = service.get_step(namespace, step, owner=owner)
         answer = ReadResponse(version=_version(info))
     answer.stamp = _stamp(service.record(namespace, step, owner=owner))
+    if known != answer.version:
+        try:
+            manifest = service.manifest(namespace, step, owner=owner)
+        except BaseException:
+            if answer.pin_id is not None:
+                service.unpin(namespace, step, answer.pin_id)
+            raise
+        if not manifest.metadata_elsewhere:
+            answer.metadata, answer.files = manifest.metadata, info.files
     return answer, info
 
 
