@@ -143,7 +143,7 @@ def pin(namespace: str, step: int, service: Service, owner: Owner) -> PinRespons
     return service.pin(namespace, step, owner=owner)
 
 
-@router.post("/{namespace}/steps/{step}/reads")
+@router.post("/{namespace}/steps/{step}/reads", response_model=ReadResponse)
 async def open_read(
     namespace: str,
     step: int,
@@ -151,7 +151,7 @@ async def open_read(
     node: NodeDep,
     owner: Owner,
     req: ReadRequest | None = None,
-) -> ReadResponse:
+) -> Response:
     """A load's one round trip per phase: the step's version, pinned (as ``pins``) when asked,
     and its metadata and file records unless the reader holds those of this very commit already
     (``known``).
@@ -175,7 +175,9 @@ async def open_read(
                 service.unpin(namespace, step, answer.pin_id)
             raise
         answer.files = info.files
-    return answer
+    # Encoded once by the model itself (the framework would validate the answer against its
+    # model again first: the file records' block checksums are most of a first load's answer).
+    return Response(answer.model_dump_json(), media_type="application/json")
 
 
 def _open_read(
