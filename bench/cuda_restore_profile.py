@@ -60,6 +60,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--iters", type=int, default=7)
+    p.add_argument(
+        "--verify-threads",
+        default="",
+        help="comma-separated thread counts checking the blocks (default: torch's intra-op "
+        "threads); each one more contender, restore_t<N>",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -84,7 +90,10 @@ def run(args: argparse.Namespace, d: Any) -> int:
     dst = [torch.empty_like(t) for t in src]
     res: dict[str, list[float]] = {}
     phases = RestorePhases().install()
-    phase_runs: dict[str, list[dict[str, float]]] = {"restore": [], "restore_unverified": []}
+    sweep = [int(t) for t in args.verify_threads.split(",") if t]
+    phase_runs: dict[str, list[dict[str, float]]] = {
+        k: [] for k in ["restore", *(f"restore_t{t}" for t in sweep), "restore_unverified"]
+    }
 
     def add(key: str, s: float) -> None:
         res.setdefault(key, []).append(s)
@@ -113,6 +122,14 @@ def run(args: argparse.Namespace, d: Any) -> int:
         step += 1  # each load a step this process never read, as a resume's
         save(step)
         restore(step, cfg, "restore")
+        for t in sweep:
+            step += 1
+            save(step)
+            _device_copy.VERIFY_THREADS = t
+            try:
+                restore(step, cfg, f"restore_t{t}")
+            finally:
+                _device_copy.VERIFY_THREADS = None
         step += 1
         save(step)
         restore(step, unverified, "restore_unverified")
