@@ -181,3 +181,46 @@ def test_a_pending_pre_lease_can_be_released_before_its_commit(tmp_path: Path) -
     commit(svc, "job", 2)
     assert not os.path.exists(pre.path)
     assert svc.arena.pool_files == 1
+
+
+def test_each_rank_gets_back_the_file_it_wrote_whichever_asks_first(tmp_path: Path) -> None:
+    """The files a commit frees go back to the ranks that wrote them: a rank that gets another
+    rank's file maps it afresh in its process (page faults on the stall's copy, a CUDA
+    registration again), however the ranks' requests interleave."""
+    svc = make(tmp_path / "tier")
+
+    def two_rank_save(step: int) -> dict[int, int]:
+        inodes = {}
+        for rank in (0, 1):
+            lease = svc.lease("job", rank, MiB)
+            inodes[rank] = os.stat(lease.path).st_ino
+            files = [SealFile(lease_id=lease.lease_id, name=f"r{rank}", length=MiB)]
+            svc.seal("job", step, f"a{step}", SealRequest(rank=rank, files=files))
+        return inodes
+
+    def commit_two(step: int) -> None:
+        req = CommitRequest(files=["r0", "r1"], metadata={"step": step}, world_size=2)
+        svc.commit("job", step, f"a{step}", req)
+
+    first = two_rank_save(1)
+    commit_two(1)
+    two_rank_save(2)
+    # Rank 1 asks first: the pool lists rank 0's file first (the step's files in order).
+    pre = {
+        rank: svc.lease("job", rank, MiB, after=LeaseAfter(step=2, attempt="a2"))
+        for rank in (1, 0)
+    }
+    commit_two(2)  # retires step 1: its two files become the pre-leases
+    assert {rank: os.stat(p.path).st_ino for rank, p in pre.items()} == first
+    # A plain lease too: step 2's files come back to their ranks when step 3 retires it.
+    pinned = svc.pin("job", 2)
+    second = {rank: os.stat(pinned.paths[f"r{rank}"]).st_ino for rank in (0, 1)}
+    svc.unpin("job", 2, pinned.pin_id)
+    svc.leases.release("job", pre[0].lease_id)
+    svc.leases.release("job", pre[1].lease_id)
+    third = two_rank_save(3)
+    commit_two(3)
+    assert sorted(third.values()) == sorted(first.values())
+    for rank in (1, 0):
+        lease = svc.lease("job", rank, MiB)
+        assert os.stat(lease.path).st_ino == second[rank], rank

@@ -36,11 +36,16 @@ def round_up(size: int, align: int = PAGE) -> int:
     return (size + align - 1) // align * align
 
 
+Holder = tuple[str, int]
+"""Whose file a pooled one was: (namespace, rank)."""
+
+
 @dataclass
 class PoolFile:
     path: Path
     size: int
     since: float
+    holder: Holder | None = None  # the rank that last wrote it, if known
 
 
 class Arena:
@@ -77,9 +82,11 @@ class Arena:
         return self._sizes[path]
 
     # -- pool -------------------------------------------------------------------------------
-    def adopt_into_pool(self, path: Path) -> None:
-        """Move a file (known or found on disk) into the pool for reuse. Anything but a regular
-        file (a link planted in the tier directory, say) is removed, never followed."""
+    def adopt_into_pool(self, path: Path, holder: Holder | None = None) -> None:
+        """Move a file (known or found on disk) into the pool for reuse, remembering ``holder``,
+        the rank that wrote it (:meth:`take_from_pool` gives it back to that rank first). Anything
+        but a regular file (a link planted in the tier directory, say) is removed, never
+        followed."""
         st = _lstat(path)
         if st is None or not stat.S_ISREG(st.st_mode):
             if st is not None:
@@ -93,7 +100,7 @@ class Arena:
         os.rename(path, dst)
         self._sizes.pop(path, None)
         self._sizes[dst] = size
-        self._pool[dst] = PoolFile(dst, size, time.monotonic())
+        self._pool[dst] = PoolFile(dst, size, time.monotonic(), holder)
 
     def add_to_pool(self, path: Path, size: int) -> None:
         self._sizes[path] = size
@@ -111,17 +118,23 @@ class Arena:
             else:
                 _remove(p)
 
-    def take_from_pool(self, size: int, dst: Path) -> bool:
-        """Move a pooled file of ``size`` bytes (exact, else the best larger fit) to ``dst``."""
+    def take_from_pool(self, size: int, dst: Path, holder: Holder | None = None) -> bool:
+        """Move a pooled file of ``size`` bytes (exact, else the best larger fit) to ``dst``: of
+        those, one ``holder`` wrote last if there is one. A rank that gets back its own file
+        finds it mapped in its process still (and registered with CUDA): a file another rank
+        wrote is mapped afresh, a page fault per 64 KiB or so on the stall's copy, and
+        registered again (docs/benchmarks.md, "Beside the peers on the 16-core GPU host")."""
         best: PoolFile | None = None
-        for f in self._pool.values():
-            if f.size == size:
-                best = f
-                break
-            # A larger file is shrunk: truncation frees the tail pages, the head stays faulted in.
-            fits = size < f.size <= size + max(size // 4, 1 << 20)
-            if fits and (best is None or f.size < best.size):
-                best = f
+        exact = [f for f in self._pool.values() if f.size == size]
+        if exact:
+            best = next((f for f in exact if holder is not None and f.holder == holder), exact[0])
+        else:
+            for f in self._pool.values():
+                # A larger file is shrunk: truncation frees the tail pages, the head stays
+                # faulted in.
+                fits = size < f.size <= size + max(size // 4, 1 << 20)
+                if fits and (best is None or f.size < best.size):
+                    best = f
         if best is None:
             return False
         del self._pool[best.path]

@@ -238,7 +238,7 @@ class StepIndex:
         manifest.unlink(missing_ok=True)  # first: a crash from here on leaves an uncommitted dir
         for f in rec.files.values():
             if to_pool:
-                self.arena.adopt_into_pool(rec.dir / f.name)
+                self.arena.adopt_into_pool(rec.dir / f.name, (rec.namespace, f.rank))
             else:
                 self.arena.delete(rec.dir / f.name)
         self.reclaim_dir(rec.dir)

@@ -171,7 +171,7 @@ class Leases:
         path = self.arena.lease_dir / f"{lease_id}.bin"
         with self._lock:
             self.spares.wait_for(size)
-            if self.arena.take_from_pool(size, path):
+            if self.arena.take_from_pool(size, path, (namespace, rank)):
                 if prefault:
                     self.spares.maybe_make(namespace, size)
                 return self._grant(
@@ -275,7 +275,9 @@ class Leases:
             if le.pre and (le.namespace, le.rank) == (a.namespace, a.rank)
         ]:
             self._take_back(old)
-        if a.expires < time.monotonic() or not self.arena.take_from_pool(a.size, a.path):
+        if a.expires < time.monotonic() or not self.arena.take_from_pool(
+            a.size, a.path, (a.namespace, a.rank)
+        ):
             logger.debug(
                 "pre-lease %s of %s rank %d: no file freed", a.lease_id, a.namespace, a.rank
             )
@@ -294,7 +296,7 @@ class Leases:
             return False
         try:
             del self._leases[lease.lease_id]
-            self.arena.adopt_into_pool(lease.path)
+            self.arena.adopt_into_pool(lease.path, (lease.namespace, lease.rank))
         finally:
             if fd is not None and fd >= 0:
                 os.close(fd)
@@ -355,7 +357,7 @@ class Leases:
             if lease is None:
                 raise LeaseNotFoundError(f"namespace {namespace}: no lease {lease_id}")
             del self._leases[lease_id]
-            self.arena.adopt_into_pool(lease.path)
+            self.arena.adopt_into_pool(lease.path, (lease.namespace, lease.rank))
 
     def expire(self, now: float) -> None:
         for a in [a for a in self._ahead.values() if a.expires < now]:
@@ -383,7 +385,7 @@ class Leases:
                 extra=step_fields(lease.namespace, rank=lease.rank),
             )
             del self._leases[lease.lease_id]
-            self.arena.adopt_into_pool(lease.path)
+            self.arena.adopt_into_pool(lease.path, (lease.namespace, lease.rank))
 
     # -- room -------------------------------------------------------------------------------
     def _make_room(self, size: int, namespace: str) -> None:

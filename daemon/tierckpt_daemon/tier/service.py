@@ -297,7 +297,7 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
                     f"never sealed: {', '.join(missing[:8])}"
                 )
             for name in sorted(set(rec.files) - set(names)):
-                self.arena.adopt_into_pool(rec.dir / name)
+                self.arena.adopt_into_pool(rec.dir / name, (rec.namespace, rec.files[name].rank))
                 del rec.files[name]
 
     def install(
