@@ -207,8 +207,7 @@ def test_each_rank_gets_back_the_file_it_wrote_whichever_asks_first(tmp_path: Pa
     two_rank_save(2)
     # Rank 1 asks first: the pool lists rank 0's file first (the step's files in order).
     pre = {
-        rank: svc.lease("job", rank, MiB, after=LeaseAfter(step=2, attempt="a2"))
-        for rank in (1, 0)
+        rank: svc.lease("job", rank, MiB, after=LeaseAfter(step=2, attempt="a2")) for rank in (1, 0)
     }
     commit_two(2)  # retires step 1: its two files become the pre-leases
     assert {rank: os.stat(p.path).st_ino for rank, p in pre.items()} == first
