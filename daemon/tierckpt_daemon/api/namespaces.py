@@ -6,8 +6,10 @@ what it shows of peers and of the persistent tier is that owner's steps only."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Response
@@ -164,16 +166,12 @@ async def open_read(
         service, _open_read, service, namespace, step, owner, req.pin, req.known
     )
     if req.known != answer.version and answer.metadata is None:
-        try:
+        with _unpinned_on_error(service, namespace, step, answer):
             # A step spanning nodes keeps its metadata on a few of them: the restorer fetches it
             # from one (checked against its digest) where this node keeps only the digest.
             answer.metadata = await run_in_threadpool(
                 node.restorer.metadata, namespace, step, owner=owner
             )
-        except BaseException:
-            if answer.pin_id is not None:
-                service.unpin(namespace, step, answer.pin_id)
-            raise
         answer.files = info.files
     # Encoded once by the model itself (the framework would validate the answer against its
     # model again first: the file records' block checksums are most of a first load's answer).
@@ -203,17 +201,27 @@ def _open_read(
     else:
         info = service.get_step(namespace, step, owner=owner)
         answer = ReadResponse(version=_version(info))
-    answer.stamp = _stamp(service.record(namespace, step, owner=owner))
-    if known != answer.version:
-        try:
+    with _unpinned_on_error(service, namespace, step, answer):
+        answer.stamp = _stamp(service.record(namespace, step, owner=owner))
+        if known != answer.version:
             manifest = service.manifest(namespace, step, owner=owner)
-        except BaseException:
-            if answer.pin_id is not None:
-                service.unpin(namespace, step, answer.pin_id)
-            raise
-        if not manifest.metadata_elsewhere:
-            answer.metadata, answer.files = manifest.metadata, info.files
+            if not manifest.metadata_elsewhere:
+                answer.metadata, answer.files = manifest.metadata, info.files
     return answer, info
+
+
+@contextlib.contextmanager
+def _unpinned_on_error(
+    service: TierService, namespace: str, step: int, answer: ReadResponse
+) -> Iterator[None]:
+    """Release the pin ``answer`` holds (if any) when the block fails, then let the error go on:
+    an answer that is never sent must not hold the step in memory."""
+    try:
+        yield
+    except BaseException:
+        if answer.pin_id is not None:
+            service.unpin(namespace, step, answer.pin_id)
+        raise
 
 
 def _stamp(rec: StepRecord) -> ReadStamp | None:
