@@ -23,9 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.stateful import Stateful
 
-from tierckpt_client import _gc_pause
+from tierckpt_client import _gc_pause, _stateful
 from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
@@ -258,8 +257,7 @@ class Checkpointer:
         after the new thread has begun the save and holds the GIL (docs/benchmarks.md). Used
         with the Checkpointer's own checkpoint group only (a group given by the caller goes
         through ``async_save``, which checks that it has a CPU backend)."""
-        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-        staged = writer.stage(plain)
+        staged = writer.stage(_stateful.state_dicts(state))
         if self._saver is None:
             self._saver = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"tierckpt-save-{self.namespace}"
@@ -355,7 +353,7 @@ class Checkpointer:
 
     def _load(self, state: dict[str, Any], reader: TieredStorageReader) -> None:
         with _gc_pause.paused(self.config.pause_gc):  # DCP's planning as well as the read
-            dcp.load(
+            _stateful.load(
                 state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
             )
 
