@@ -318,19 +318,17 @@ class Checkpointer:
         namespace has no step yet (a fresh start: ``state`` is left as it is)."""
         self._check_open()
         self.wait()
-        probe = TieredStorageReader(
-            self.namespace, config=self.config, process_group=self.process_group
-        )
-        try:
-            probe.read_metadata()  # resolves "latest" on rank 0 and broadcasts it
-        except (NamespaceNotFoundError, StepNotFoundError) as e:
-            logger.info("%s: no step to restore, starting fresh (%s)", self.namespace, e)
-            return None
-        # "latest" again, not the probe's step: a step found corrupt while it is read falls
-        # back to the newest older one that verifies, on every rank together.
         reader = TieredStorageReader(
             self.namespace, config=self.config, process_group=self.process_group
         )
+        try:
+            # "latest" resolved on rank 0 and broadcast, kept for the load. It stays "latest":
+            # a step found corrupt while it is read falls back to the newest older one that
+            # verifies, on every rank together.
+            reader.resolve()
+        except (NamespaceNotFoundError, StepNotFoundError) as e:
+            logger.info("%s: no step to restore, starting fresh (%s)", self.namespace, e)
+            return None
         try:
             self._load(state, reader)
         except CheckpointException as e:

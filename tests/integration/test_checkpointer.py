@@ -185,3 +185,22 @@ def test_preemption_missing_the_deadline_exits_1(
         assert c.step("slow", 3).state.value == "committed"
     assert "slow: step 3 not durable within the preemption deadline" in caplog.text
     assert "no persistent tier" not in caplog.text
+
+
+def test_resolve_chooses_the_step_of_the_next_load_only(client_env: DaemonProcess) -> None:
+    """``resolve()`` (what a Checkpointer restore does first) fixes the step the next load
+    reads, even if a newer one is committed in between; the load after that resolves again."""
+    with Checkpointer("rs") as ckpt:
+        ckpt.save(1, {"w": torch.full((64,), 1.0)})
+        ckpt.wait()
+        reader = TieredStorageReader("rs")
+        assert reader.resolve() == 1
+        ckpt.save(2, {"w": torch.full((64,), 2.0)})
+        ckpt.wait()
+    state = {"w": torch.zeros(64)}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, storage_reader=reader)
+    assert reader.resolved_step == 1 and torch.equal(state["w"], torch.full((64,), 1.0))
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, storage_reader=reader)
+    assert reader.resolved_step == 2 and torch.equal(state["w"], torch.full((64,), 2.0))

@@ -161,6 +161,8 @@ class TieredStorageReader(StorageReader):
         self.read_bytes = 0
         self.fetched_bytes = 0
         self._fetched: set[str] = set()
+        # The metadata resolve() fetched, for the load's read_metadata to answer with.
+        self._ahead: Metadata | None = None
 
     @property
     def memory_fill(self) -> threading.Thread | None:
@@ -171,6 +173,7 @@ class TieredStorageReader(StorageReader):
 
     # -- identity ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._ahead = None
         self._resolved = None
         self._agreement = None
         self._plan = None
@@ -199,10 +202,22 @@ class TieredStorageReader(StorageReader):
             )
         return self.namespace
 
+    def resolve(self) -> int:
+        """Choose the step the next load reads (``latest``: the newest good one, the same on
+        every rank: call it on every rank) and fetch its metadata, which that load's
+        ``read_metadata`` then uses instead of asking again (a Checkpointer restore tells a
+        fresh start from a resume this way). NamespaceNotFoundError or StepNotFoundError."""
+        self._ahead = self.read_metadata()
+        assert self._resolved is not None
+        return self._resolved
+
     # -- StorageReader ----------------------------------------------------------------------
     # No **kwargs on purpose: DCP then does not retry with rank-local metadata (which tierckpt
     # does not have), and the user sees this reader's error rather than a second, misleading one.
     def read_metadata(self) -> Metadata:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # resolve() just chose the step and planned its source
+            return ahead
         namespace = self._require_namespace()
         # Each load starts from this node's daemon (DCP calls reset() only when given a
         # checkpoint_id): a reader reused after a load from elsewhere must not stay there.
