@@ -164,6 +164,50 @@ def test_small_tensors_are_copied_in_runs_of_many_and_land_bit_exact() -> None:
     assert all(torch.equal(staged[k], v) for k, v in sd.items())
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_tensors_of_every_dtype_beside_large_ones_land_bit_exact(threads: int) -> None:
+    """Small tensors go to torch in runs (``_foreach_copy_``), large ones as bytes: side by side,
+    of mixed dtypes and shapes (0-d, empty, odd sizes) and random bytes (NaN payloads, bools
+    other than 0 and 1), all land bit-exact and where the staged tensor says, and the bytes
+    between them stay untouched."""
+    gen = torch.Generator().manual_seed(5)
+    sd: dict[str, Any] = {}
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64]
+    dtypes += [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+    for i in range(660):
+        dtype = dtypes[i % len(dtypes)]
+        shape = [(), (0,), (3, 7), (1000 + i,), (_byte_copy.SMALL_NUMEL - 1,)][i % 5]
+        raw = torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), generator=gen)
+        sd[f"s{i}"] = raw.to(torch.uint8).view(dtype).view(shape)
+    sd["big"] = torch.randn(3 * _byte_copy.SMALL_NUMEL, generator=gen)
+    sd["nested"] = {"x": torch.randn(17, generator=gen).to(torch.float64)}
+    size = staging_size(sd)
+    mm = mmap.mmap(-1, size)
+    mm.write(b"\xa5" * size)
+    mapping = FileMapping(-1, -1, -1, size, torch.frombuffer(mm, dtype=torch.uint8))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        staged = stage_into(sd, mapping).state_dict
+    finally:
+        torch.set_num_threads(before)
+    used = torch.zeros(size, dtype=torch.bool)
+    pairs = [(staged[k], v) for k, v in sd.items() if k != "nested"]
+    pairs.append((staged["nested"]["x"], sd["nested"]["x"]))
+    for i, (got, want) in enumerate(pairs):
+        assert got.dtype == want.dtype and got.shape == want.shape, i
+        assert torch.equal(_bytes_of(got), _bytes_of(want)), i
+        if want.numel():
+            at = got.data_ptr() - mapping.base
+            used[at : at + want.numel() * want.element_size()] = True
+    untouched = torch.frombuffer(mm, dtype=torch.uint8)[~used]
+    assert bool((untouched == 0xA5).all())
+
+
 def test_a_stage_that_fails_midway_leaves_no_helper_writing_into_the_file() -> None:
     """Helpers start on the first tensors while the rest are laid out; when a later tensor
     fails, stage_into returns only once no helper is copying, and none copies after."""

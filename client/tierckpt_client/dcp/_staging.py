@@ -178,7 +178,7 @@ def stage_into(
         dst = mapping.tensor_at(at, t.dtype, t.shape)
         if t.device.type == "cpu":
             if plain(t):
-                host.add(base + at, t, n)
+                host.add(base + at, t, n, dst)
             else:
                 copy_tensor(dst, t)
         else:
