@@ -377,22 +377,26 @@ class TieredStorageReader(StorageReader):
     def _copy_items(self, plan: LoadPlan, planner: LoadPlanner, files: StepFiles) -> None:
         """Copy every item of ``plan`` out of the step's stored files."""
         where = files.where
+        # Of the items looked at for the prefetch: the stored data, the destination, and
+        # whether it takes the data whole (thousands of items a load: each found once).
+        refs: dict[int, ShardRef | None] = {}
         targets: dict[int, torch.Tensor] = {}
+        whole: dict[int, bool] = {}
         if files.prefetches:  # reads straight from the persistent tier or peers: all at once
             wants: list[tuple[ShardRef, torch.Tensor | None]] = []
             for i, item in enumerate(plan.items):
-                ref = self._storage.get(item.storage_index)
+                ref = refs[i] = self._storage.get(item.storage_index)
                 if ref is None:
                     continue
                 target = None
                 if item.type != LoadItemType.BYTE_IO and ref.dtype is not None:
                     targets[i] = planner.resolve_tensor(item).detach()
-                    if self._whole(item, ref, targets[i]):
+                    if whole.setdefault(i, self._whole(item, ref, targets[i])):
                         target = targets[i]
                 wants.append((ref, target))
             files.prefetch(wants)
         for i, item in enumerate(plan.items):
-            ref = self._storage.get(item.storage_index)
+            ref = refs[i] if i in refs else self._storage.get(item.storage_index)
             if ref is None:
                 raise CheckpointFormatError(f"{where}: no stored data for {item.storage_index.fqn}")
             if item.type == LoadItemType.BYTE_IO:
@@ -405,7 +409,7 @@ class TieredStorageReader(StorageReader):
                 )
             dtype = DTYPES[ref.dtype]
             target = targets[i] if i in targets else planner.resolve_tensor(item).detach()
-            if self._whole(item, ref, target) and files.read_into(
+            if (whole[i] if i in whole else self._whole(item, ref, target)) and files.read_into(
                 ref.file, ref.offset, ref.length, target
             ):
                 planner.commit_tensor(item, target)

@@ -237,7 +237,7 @@ class LocalFiles:
         sums = self._sums.get(name)
         if sums is None:  # one per file, not per tensor (thousands of tensors a load)
             sums = self._sums[name] = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
-        dest: Any = target.reshape(-1).view(torch.uint8).numpy()
+        dest = _as_array(target)
         # key: a block that small tensors side by side share is read and checked once per load.
         if fd is None:
             src = self._arrays.get(name)
@@ -260,8 +260,8 @@ class LocalFiles:
             spawn=functools.partial(on_helpers, VERIFY),  # woken off this thread's core
         )
         for job in jobs:
-            sums, end = job.sums, job.offset + len(job.dest)
-            self._filled.add((sums.name, job.offset, len(job.dest), int(job.dest.ctypes.data)))
+            sums, end = job.sums, job.offset + job.dest.nbytes
+            self._filled.add((sums.name, job.offset, job.dest.nbytes, int(job.dest.ctypes.data)))
             done = self._verified.setdefault(sums.name, set())
             done.update(range(sums.block_of(job.offset), sums.block_of(end - 1) + 1))
 
@@ -360,3 +360,29 @@ class LocalFiles:
 def _unit(rec: FileRecord) -> int:
     """The span one checksum of ``rec`` covers: a block, or the whole file when it has no blocks."""
     return rec.block_size if rec.blocks is not None and rec.block_size else rec.length
+
+
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+
+
+def _as_array(target: torch.Tensor) -> Any:
+    """A numpy array over the bytes of contiguous CPU tensor ``target`` (keeping it alive), for
+    a :class:`Copy`'s destination (which takes its bytes). Its own dtype where numpy has it: one
+    call instead of three (``reshape``, ``view``, ``numpy``: ~3 us a tensor, thousands a load)."""
+    if target.dtype in _NUMPY_DTYPES:
+        return target.numpy()
+    return target.reshape(-1).view(torch.uint8).numpy()
