@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict_loader
+from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -46,15 +47,22 @@ def load(
     storage_reader: StorageReader,
     process_group: dist.ProcessGroup | None,
     no_dist: bool,
+    planner: LoadPlanner | None = None,
 ) -> None:
-    """``dcp.load(state, storage_reader=..., process_group=..., no_dist=...)``, with the same
+    """``dcp.load(state, storage_reader=..., process_group=..., no_dist=..., planner=...)``, with the same
     handling of ``Stateful`` values (their ``state_dict()`` loaded into, then handed to their
     ``load_state_dict``; other values replaced by what was loaded) but the protocol test skipped
     for plain values (see the module). DCP's own ``load`` is this around its
     ``_load_state_dict``; where torch lacks that function as expected, ``dcp.load`` runs."""
     inner = _inner_load()
     if inner is None:
-        dcp.load(state, storage_reader=storage_reader, process_group=process_group, no_dist=no_dist)
+        dcp.load(
+            state,
+            storage_reader=storage_reader,
+            process_group=process_group,
+            no_dist=no_dist,
+            planner=planner,
+        )
         return
     no_dist = no_dist or not dist.is_available() or not dist.is_initialized()
     keys = sorted(state)  # every rank loads the keys in the same order, as DCP does
@@ -65,6 +73,7 @@ def load(
         storage_reader=storage_reader,
         process_group=process_group,
         no_dist=no_dist,
+        planner=planner,
     )
     for k in keys:
         if k in stateful:
@@ -73,7 +82,7 @@ def load(
             state[k] = loaded[k]
 
 
-_EXPECTED = {"state_dict", "storage_reader", "process_group", "no_dist"}
+_EXPECTED = {"state_dict", "storage_reader", "process_group", "no_dist", "planner"}
 
 
 @functools.cache

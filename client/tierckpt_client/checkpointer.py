@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from tierckpt_client import _gc_pause, _stateful
+from tierckpt_client import _gc_pause, _load_plan, _stateful
 from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
@@ -352,7 +352,11 @@ class Checkpointer:
     def _load(self, state: dict[str, Any], reader: TieredStorageReader) -> None:
         with _gc_pause.paused(self.config.pause_gc):  # DCP's planning as well as the read
             _stateful.load(
-                state, storage_reader=reader, process_group=self.process_group, no_dist=self.no_dist
+                state,
+                storage_reader=reader,
+                process_group=self.process_group,
+                no_dist=self.no_dist,
+                planner=_load_plan.LoadPlanner(),
             )
 
     # -- preemption ----------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""The Checkpointer's load plan for a resume equals DCP's own, item for item; anything else is
+DCP's to plan."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from tierckpt_client import _load_plan
+
+
+def _state(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(64, generator=g),
+        "m": torch.randn(3, 5, 2, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "p": torch.nn.Parameter(torch.randn(9, generator=g)),
+        "nested": {"a": torch.randn(11, generator=g), "step": 12, "tag": "x"},
+    }
+
+
+def _saved(tmp_path: Path, state: dict[str, Any]) -> Any:
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    return dcp.FileSystemReader(str(tmp_path)).read_metadata()
+
+
+def _plans(state: dict[str, Any], metadata: Any) -> tuple[Any, Any, Any]:
+    ours, theirs = _load_plan.LoadPlanner(), DefaultLoadPlanner()
+    ours.set_up_planner(state, metadata, True)
+    theirs.set_up_planner(state, metadata, True)
+    whole = _load_plan.whole_plan(ours.state_dict, metadata.state_dict_metadata)
+    return whole, ours.create_local_plan(), theirs.create_local_plan()
+
+
+def _key(item: Any) -> tuple[Any, ...]:
+    return (
+        item.type,
+        item.dest_index.fqn,
+        item.dest_index.offset,
+        item.dest_index.index,
+        item.dest_offsets,
+        item.storage_index.fqn,
+        item.storage_index.offset,
+        item.storage_index.index,
+        item.storage_offsets,
+        item.lengths,
+    )
+
+
+def test_a_resume_is_planned_here_as_dcp_plans_it(tmp_path: Path) -> None:
+    metadata = _saved(tmp_path, _state(1))
+    whole, ours, theirs = _plans(_state(2), metadata)
+    assert whole is not None  # planned here, not by DCP
+    assert [_key(i) for i in ours.items] == [_key(i) for i in theirs.items]
+    assert len(ours.items) == 7  # the empty tensor has none, as in DCP's plan
+
+    # And the load through it gives the saved values.
+    state = _state(3)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(
+            state,
+            storage_reader=dcp.FileSystemReader(str(tmp_path)),
+            planner=_load_plan.LoadPlanner(),
+            no_dist=True,
+        )
+    want = _state(1)
+    for k in ("w", "m", "scalar", "empty", "p"):
+        assert torch.equal(state[k], want[k]), k
+    assert torch.equal(state["nested"]["a"], want["nested"]["a"])
+    assert state["nested"]["step"] == 12 and state["nested"]["tag"] == "x"
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["a key fewer", "a key more", "another shape", "a tensor stored as bytes"],
+)
+def test_anything_else_is_left_to_dcp(tmp_path: Path, change: str) -> None:
+    metadata = _saved(tmp_path, _state(1))
+    state = _state(2)
+    if change == "a key fewer":  # a partial state: DCP loads the keys it has
+        del state["w"]
+    elif change == "a key more":
+        state["extra"] = torch.zeros(2)
+    elif change == "another shape":
+        state["w"] = torch.zeros(32)
+    else:
+        state["nested"]["step"] = torch.zeros(1)
+    ours, theirs = _load_plan.LoadPlanner(), DefaultLoadPlanner()
+    ours.set_up_planner(state, metadata, True)
+    theirs.set_up_planner(state, metadata, True)
+    assert _load_plan.whole_plan(ours.state_dict, metadata.state_dict_metadata) is None
+    try:
+        expected = [_key(i) for i in theirs.create_local_plan().items]
+    except Exception as e:  # DCP's own error, raised by ours as well
+        with pytest.raises(type(e), match=re.escape(str(e))):
+            ours.create_local_plan()
+        return
+    assert [_key(i) for i in ours.create_local_plan().items] == expected
+
+
+def test_a_tensor_stored_in_chunks_is_left_to_dcp() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    size = torch.Size([8])
+    halves = [
+        ChunkStorageMetadata(torch.Size([0]), torch.Size([4])),
+        ChunkStorageMetadata(torch.Size([4]), torch.Size([4])),
+    ]
+    md = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, halves)
+    assert _load_plan.whole_plan({"w": torch.zeros(8)}, {"w": md}) is None
+    one = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, halves[:1])
+    assert _load_plan.whole_plan({"w": torch.zeros(8)}, {"w": one}) is None  # not whole
