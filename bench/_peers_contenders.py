@@ -95,7 +95,8 @@ class Tierckpt:
 
 
 class TierckptCheckpointer(Tierckpt):
-    """``Checkpointer.save`` (THREAD, staged synchronously) through a real daemon of its own."""
+    """``Checkpointer.save`` (THREAD, staged synchronously) through a real daemon of its own;
+    restored by ``Checkpointer.restore`` (the newest step, verified), as its users resume."""
 
     name = "tierckpt_ckpt"
     namespace = "peers-ckpt"
@@ -113,6 +114,14 @@ class TierckptCheckpointer(Tierckpt):
         stall = time.perf_counter() - t0
         self.ckpt.wait()
         return stall, time.perf_counter() - t0
+
+    def restore(self, dst: dict[str, torch.Tensor], verified: bool = True) -> float:
+        t0 = time.perf_counter()
+        step = self.ckpt.restore(dst)  # "latest", as a resume does
+        took = time.perf_counter() - t0
+        if step != self.step:
+            raise RuntimeError(f"{self.name}: restored step {step}, saved {self.step}")
+        return took
 
     def close(self) -> None:
         try:

@@ -16,7 +16,7 @@ Contenders (``_peers_contenders.py``), each used the way its documentation shows
   ``TIERCKPT_VERIFY_READS=0`` (``tierckpt_unverified``: the same save, read without the check).
 - ``tierckpt_ckpt``: the same through ``Checkpointer(async_staging=False).save`` (THREAD: the
   state staged on this thread, then ``dcp.save`` on the Checkpointer's one long-lived thread);
-  complete at ``wait()``; restore as ``tierckpt``'s, verified.
+  complete at ``wait()``; restore by ``Checkpointer.restore`` ("latest", verified).
 - ``torch``: ``dcp.async_save`` with one reused ``DefaultStager`` (synchronous, not pinned: its
   fastest honest CPU setting, as in ``stall.py``) and ``FileSystemWriter`` into /dev/shm; restore
   ``dcp.load`` with ``FileSystemReader``.
