@@ -24,6 +24,8 @@ def _state() -> dict[str, Any]:
         "mask": torch.rand(5, generator=gen) > 0.5,
         "empty": torch.empty(0),
         "matrix": torch.randn(6, 4, generator=gen),
+        "c64": torch.randn(3, 2, generator=gen, dtype=torch.complex64),
+        "f16": torch.randn(2, 3, 5, generator=gen).to(torch.float16),
         "extra": {"step": 42, "tag": "paths"},
     }
 
