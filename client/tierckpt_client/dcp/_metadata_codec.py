@@ -94,6 +94,19 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
     dst.copy_(src, non_blocking=non_blocking)
 
 
+def takes_whole(item: Any, ref: ShardRef, target: torch.Tensor) -> bool:
+    """Whether read item ``item`` reads all of stored tensor ``ref`` into a ``target`` of its
+    dtype and shape (a copy of bytes, no narrowing nor conversion)."""
+    return (
+        ref.dtype is not None
+        and ref.shape is not None
+        and list(item.lengths) == list(ref.shape)
+        and not any(item.storage_offsets)
+        and target.dtype == DTYPES[ref.dtype]
+        and list(target.size()) == list(ref.shape)
+    )
+
+
 def dtype_from_name(name: object, where: str) -> torch.dtype:
     if not isinstance(name, str) or name not in DTYPES:
         raise CheckpointFormatError(f"{where}: unknown dtype {name!r}")

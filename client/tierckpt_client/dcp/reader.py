@@ -41,6 +41,7 @@ from tierckpt_client.dcp._metadata_codec import (
     ShardRef,
     copy_tensor,
     metadata_from_text,
+    takes_whole,
 )
 from tierckpt_client.dcp.ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
 from tierckpt_client.dcp.read_plan import Planner, ReadPlan
@@ -391,7 +392,7 @@ class TieredStorageReader(StorageReader):
                 target = None
                 if item.type != LoadItemType.BYTE_IO and ref.dtype is not None:
                     targets[i] = planner.resolve_tensor(item).detach()
-                    if whole.setdefault(i, self._whole(item, ref, targets[i])):
+                    if whole.setdefault(i, takes_whole(item, ref, targets[i])):
                         target = targets[i]
                 wants.append((ref, target))
             files.prefetch(wants)
@@ -409,7 +410,7 @@ class TieredStorageReader(StorageReader):
                 )
             dtype = DTYPES[ref.dtype]
             target = targets[i] if i in targets else planner.resolve_tensor(item).detach()
-            if (whole[i] if i in whole else self._whole(item, ref, target)) and files.read_into(
+            if (whole[i] if i in whole else takes_whole(item, ref, target)) and files.read_into(
                 ref.file, ref.offset, ref.length, target
             ):
                 planner.commit_tensor(item, target)
@@ -430,19 +431,6 @@ class TieredStorageReader(StorageReader):
                 _arena.pin_holding(raw)  # a DMA out of the tier file, not through bounce buffers
             copy_tensor(target, src)
             planner.commit_tensor(item, target)
-
-    @staticmethod
-    def _whole(item: Any, ref: ShardRef, target: torch.Tensor) -> bool:
-        """Whether ``item`` reads all of stored tensor ``ref`` into a ``target`` of its dtype
-        and shape (a copy of bytes, no narrowing nor conversion)."""
-        return (
-            ref.dtype is not None
-            and ref.shape is not None
-            and list(item.lengths) == list(ref.shape)
-            and not any(item.storage_offsets)
-            and target.dtype == DTYPES[ref.dtype]
-            and list(target.size()) == list(ref.shape)
-        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
