@@ -120,18 +120,23 @@ def test_the_copy_does_not_wait_for_helpers_that_never_start() -> None:
     assert torch.equal(result[0]["x"], src)
 
 
+def _staged_on(threads: int, sd: dict[str, Any], mapping: FileMapping) -> Any:
+    """``stage_into`` with torch's thread count (which sizes the copy's helpers) at ``threads``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return stage_into(sd, mapping).state_dict
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_stage_into_lands_every_byte_on_any_number_of_threads(threads: int) -> None:
     sd = _state()
     size = staging_size(sd)
     mm = mmap.mmap(-1, size)
     mapping = FileMapping(-1, -1, -1, size, torch.frombuffer(mm, dtype=torch.uint8))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        staged = stage_into(sd, mapping).state_dict
-    finally:
-        torch.set_num_threads(before)
+    staged = _staged_on(threads, sd, mapping)
     for k, v in sd["model"].items():
         assert _exact(staged["model"][k], v), k
         if v.numel():
@@ -189,12 +194,7 @@ def test_small_tensors_of_every_dtype_beside_large_ones_land_bit_exact(threads: 
     mm = mmap.mmap(-1, size)
     mm.write(b"\xa5" * size)
     mapping = FileMapping(-1, -1, -1, size, torch.frombuffer(mm, dtype=torch.uint8))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        staged = stage_into(sd, mapping).state_dict
-    finally:
-        torch.set_num_threads(before)
+    staged = _staged_on(threads, sd, mapping)
     used = torch.zeros(size, dtype=torch.bool)
     pairs = [(staged[k], v) for k, v in sd.items() if k != "nested"]
     pairs.append((staged["nested"]["x"], sd["nested"]["x"]))

@@ -22,6 +22,7 @@ import threading
 import torch
 
 from tierckpt_client.dcp._helpers import STAGE, on_helpers
+from tierckpt_client.dcp._metadata_codec import NUMPY_DTYPES
 from tierckpt_core.verified_copy import copy_bytes
 
 RUN = 4 << 20
@@ -38,21 +39,7 @@ tensor this small on the calling thread (its parallel grain), never on its OpenM
 
 _FOREACH = getattr(torch, "_foreach_copy_", None)
 
-_MOVED_AS_IS = frozenset(
-    {
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-    }
-)
+_MOVED_AS_IS = (NUMPY_DTYPES - {torch.bool}) | {torch.bfloat16}
 """dtypes whose every bit pattern torch's same-dtype ``copy_`` writes as it is (NaN payloads
 included; tested with random bytes). Not ``bool``: ``copy_`` writes a byte other than 0 or 1 as
 1, and staging keeps every byte as it was."""

@@ -94,6 +94,24 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False
     dst.copy_(src, non_blocking=non_blocking)
 
 
+NUMPY_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
+"""The dtypes numpy has: ``tensor.numpy()`` takes a contiguous CPU tensor of these as it is."""
+
+
 def takes_whole(item: Any, ref: ShardRef, target: torch.Tensor) -> bool:
     """Whether read item ``item`` reads all of stored tensor ``ref`` into a ``target`` of its
     dtype and shape (a copy of bytes, no narrowing nor conversion)."""

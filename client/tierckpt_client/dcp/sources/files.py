@@ -25,7 +25,7 @@ from tierckpt_client.dcp import _arena
 from tierckpt_client.dcp._device_copy import DeviceCopy, takes_bytes
 from tierckpt_client.dcp._device_copy import land as land_on_device
 from tierckpt_client.dcp._helpers import VERIFY, on_helpers, quiet_openmp
-from tierckpt_client.dcp._metadata_codec import ShardRef
+from tierckpt_client.dcp._metadata_codec import NUMPY_DTYPES, ShardRef
 from tierckpt_core.errors import BlockMismatchError, CheckpointFormatError, IntegrityError
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
@@ -362,27 +362,10 @@ def _unit(rec: FileRecord) -> int:
     return rec.block_size if rec.blocks is not None and rec.block_size else rec.length
 
 
-_NUMPY_DTYPES = frozenset(
-    {
-        torch.float16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    }
-)
-
-
 def _as_array(target: torch.Tensor) -> Any:
     """A numpy array over the bytes of contiguous CPU tensor ``target`` (keeping it alive), for
     a :class:`Copy`'s destination (which takes its bytes). Its own dtype where numpy has it: one
     call instead of three (``reshape``, ``view``, ``numpy``: ~3 us a tensor, thousands a load)."""
-    if target.dtype in _NUMPY_DTYPES:
+    if target.dtype in NUMPY_DTYPES:
         return target.numpy()
     return target.reshape(-1).view(torch.uint8).numpy()
