@@ -208,6 +208,27 @@ def test_small_tensors_of_every_dtype_beside_large_ones_land_bit_exact(threads: 
     assert bool((untouched == 0xA5).all())
 
 
+@pytest.mark.parametrize("made_in", [True, False], ids=["file-in-inference", "file-outside"])
+@pytest.mark.parametrize("staged_in", [True, False], ids=["save-in-inference", "save-outside"])
+def test_small_tensors_stage_in_and_out_of_inference_mode(made_in: bool, staged_in: bool) -> None:
+    """A tier file first mapped during a save inside ``torch.inference_mode()`` holds inference
+    tensors; a later save outside it (and the reverse) still lands every small tensor (torch
+    refuses in-place updates of inference tensors outside inference mode)."""
+    gen = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(100 + i, generator=gen) for i in range(300)}
+    sd["big"] = torch.randn(3 * _byte_copy.RUN // 4, generator=gen)  # the helpers run too
+    size = staging_size(sd)
+    mm = mmap.mmap(-1, size)
+    with torch.inference_mode(made_in):
+        mapping = FileMapping(-1, -1, -1, size, torch.frombuffer(mm, dtype=torch.uint8))
+        _staged_on(2, sd, mapping)
+    for v in sd.values():
+        v.add_(1.0)
+    with torch.inference_mode(staged_in):
+        staged = _staged_on(2, sd, mapping)
+    assert all(torch.equal(staged[k], v) for k, v in sd.items())
+
+
 def test_a_stage_that_fails_midway_leaves_no_helper_writing_into_the_file() -> None:
     """Helpers start on the first tensors while the rest are laid out; when a later tensor
     fails, stage_into returns only once no helper is copying, and none copies after."""

@@ -162,7 +162,11 @@ def small_runs(small: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[Run]
 def _copy_run(run: Run) -> None:
     if isinstance(run, tuple):
         assert _FOREACH is not None
-        _FOREACH(run[0], run[1])
+        # In inference mode whatever the caller's: the tier file's tensors may have been made
+        # in it (a save from inside torch.inference_mode()), and torch refuses an in-place
+        # update of those outside it (the byte copy never asked).
+        with torch.inference_mode():
+            _FOREACH(run[0], run[1])
         return
     for piece in run:
         _move(*piece)
