@@ -16,7 +16,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _byte_copy, _helpers
+from tierckpt_client.dcp import (
+    TieredStorageReader,
+    TieredStorageWriter,
+    _arena,
+    _byte_copy,
+    _helpers,
+)
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._staging import stage_into, staging_size
 from tierckpt_core.errors import CheckpointFormatError
@@ -227,6 +233,28 @@ def test_small_tensors_stage_in_and_out_of_inference_mode(made_in: bool, staged_
     with torch.inference_mode(staged_in):
         staged = _staged_on(2, sd, mapping)
     assert all(torch.equal(staged[k], v) for k, v in sd.items())
+
+
+def test_a_tier_file_first_mapped_in_inference_mode_takes_later_saves(tmp_path: Any) -> None:
+    """A save from inside ``torch.inference_mode()`` that maps a tier file first leaves it
+    usable by the saves after it, outside inference mode: non-contiguous, bfloat16 and small
+    tensors, every kind of copy into the file (torch refused in-place updates of the file's
+    tensors when they were made in inference mode)."""
+    gen = torch.Generator().manual_seed(4)
+    sd = {"nc": torch.randn(64, 32, generator=gen).t(), "bf": torch.randn(9).to(torch.bfloat16)}
+    sd.update({f"s{i}": torch.randn(100 + i, generator=gen) for i in range(100)})
+    path = tmp_path / "tier-file"
+    path.write_bytes(b"")
+    os.truncate(path, staging_size(sd))
+    try:
+        with torch.inference_mode():
+            _staged_on(2, sd, _arena.map_file(str(path)))
+        for v in sd.values():
+            v.add_(1)
+        staged = _staged_on(2, sd, _arena.map_file(str(path)))  # the same mapping, cached
+        assert all(torch.equal(staged[k], v) for k, v in sd.items())
+    finally:
+        _arena.clear_cache()
 
 
 def test_a_stage_that_fails_midway_leaves_no_helper_writing_into_the_file() -> None:

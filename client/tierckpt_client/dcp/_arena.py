@@ -80,7 +80,8 @@ class FileMapping:
         nbytes = numel * itemsize
         typed = self._typed.get(dtype) if offset % itemsize == 0 else None
         if typed is None and offset % itemsize == 0 and self.size % itemsize == 0:
-            typed = self._typed[dtype] = self.buffer.view(dtype)
+            with torch.inference_mode(False):  # (as the buffer: see _new_mapping)
+                typed = self._typed[dtype] = self.buffer.view(dtype)
         if typed is None:
             return self.view(offset, nbytes).view(dtype).view(shape)
         if offset < 0 or offset + nbytes > self.size:
@@ -125,11 +126,14 @@ def map_file(path: str) -> FileMapping:
 
 
 def _new_mapping(fd: int, dev: int, ino: int, size: int) -> FileMapping:
-    if size == 0:
-        buf = torch.empty(0, dtype=torch.uint8)
-    else:
-        mm = mmap.mmap(fd, size, flags=_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        buf = torch.frombuffer(mm, dtype=torch.uint8)  # holds mm alive as long as views exist
+    # Never an inference tensor, whatever mode the first save that maps the file runs in: torch
+    # refuses in-place updates of those outside inference mode, and later saves copy into it.
+    with torch.inference_mode(False):
+        if size == 0:
+            buf = torch.empty(0, dtype=torch.uint8)
+        else:
+            mm = mmap.mmap(fd, size, flags=_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            buf = torch.frombuffer(mm, dtype=torch.uint8)  # holds mm alive while views exist
     return FileMapping(dev=dev, ino=ino, fd=fd, size=size, buffer=buf)
 
 
