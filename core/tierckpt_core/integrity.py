@@ -65,13 +65,23 @@ def checksum_file(path: str, length: int) -> str:
 
 MIN_BLOCK = 16 << 10
 MAX_BLOCKS = 1024
+FEW_BLOCKS = 64
+"""Files under 64 MiB have at most this many blocks: 16 KiB to 1 MiB each."""
+LARGE_BLOCK = 1 << 20
 
 
 def block_size(length: int) -> int:
     """The block size of a file of ``length`` bytes: a power of two, at least 16 KiB, with at
-    most 1024 blocks (1 GiB: 1 MiB blocks)."""
+    most 64 blocks up to blocks of 1 MiB (a 64 MiB file), at most 1024 beyond (1 GiB: 1 MiB
+    blocks; 4 GiB: 4 MiB).
+
+    Blocks over 64 KiB (every file of 8 MiB or more) are hashed with the GIL released
+    (python-xxhash hashes shorter inputs holding it), so several threads check them at once;
+    until 2026-11-28 a file held up to 1024 blocks of at least 16 KiB whatever its size (a
+    64 MiB file: 1024 blocks of 64 KiB, hashed one at a time however many threads copied them),
+    and such records stay valid (:func:`check_digests`)."""
     size = MIN_BLOCK
-    while size * MAX_BLOCKS < length:
+    while size * MAX_BLOCKS < length or (size < LARGE_BLOCK and size * FEW_BLOCKS < length):
         size *= 2
     return size
 
@@ -130,8 +140,14 @@ def check_digests(
         return None
     if size is None or blocks is None:
         return "block_size and blocks go together"
-    if size != block_size(length):
-        return f"block size {size} is not {block_size(length)} for {length} bytes"
+    # Any power of two from 16 KiB to this version's size with at most 1024 blocks: the sizes
+    # earlier versions chose (up to 1024 blocks of 16 KiB and more) and this one's.
+    most = block_size(length)
+    if size & (size - 1) or not MIN_BLOCK <= size <= most or -(-length // size) > MAX_BLOCKS:
+        return (
+            f"block size {size} is not a power of two from {MIN_BLOCK} to {most} with at most "
+            f"{MAX_BLOCKS} blocks for {length} bytes"
+        )
     if len(blocks) != -(-length // size):
         return f"{len(blocks)} block checksums for {-(-length // size)} blocks"
     if any(len(b) != 32 for b in blocks):

@@ -353,10 +353,10 @@ threads (handing a run over costs a thread wake-up)."""
 
 GIL_HELD_MAX: int = getattr(getattr(xxhash, "_xxhash", None), "_GIL_MINSIZE", 65536)
 """xxhash hashes an input of at most this many bytes without releasing the GIL (python-xxhash:
-``len > _GIL_MINSIZE`` releases it): blocks no larger (every file of up to 64 MiB: 1024 blocks
-of at most 64 KiB) are hashed one thread at a time however many threads take them, so
-:func:`check_all` checks them on the caller's thread alone (more threads would only hand the GIL
-around). Hashing them through ctypes, which releases the GIL for the call, was tried and
+``len > _GIL_MINSIZE`` releases it): blocks no larger (those of files under 8 MiB:
+:func:`tierckpt_core.integrity.block_size`) are hashed one thread at a time however many threads
+take them, so :func:`check_all` checks them on the caller's thread alone (more threads would
+only hand the GIL around). Hashing them through ctypes, which releases the GIL for the call, was tried and
 measured slower over 2 to 16 threads than one thread with xxhash's call (docs/benchmarks.md,
 "The GIL-free block hash, measured on a quiet host")."""
 

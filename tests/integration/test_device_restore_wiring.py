@@ -57,13 +57,13 @@ def device_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[int, _Stream]]
     yield streams
 
 
-def _state(seed: int) -> dict[str, Any]:
+def _state(seed: int, n: int = N) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    return {"a": torch.randn(N, generator=g), "b": torch.randn(999, generator=g), "n": seed}
+    return {"a": torch.randn(n, generator=g), "b": torch.randn(999, generator=g), "n": seed}
 
 
-def _blank() -> dict[str, Any]:
-    return {"a": torch.zeros(N), "b": torch.zeros(999), "n": -1}
+def _blank(n: int = N) -> dict[str, Any]:
+    return {"a": torch.zeros(n), "b": torch.zeros(999), "n": -1}
 
 
 def test_device_restore_lands_exact_checks_and_falls_back(
@@ -92,43 +92,52 @@ def test_device_restore_lands_exact_checks_and_falls_back(
     assert torch.equal(out["a"], old["a"]) and torch.equal(out["b"], old["b"]) and out["n"] == 1
 
 
-def test_small_blocks_are_checked_on_the_loads_thread_alone(
-    client_env: DaemonProcess, device_path: dict[int, _Stream], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("n", "helpers"),
+    [(N, True), (1 << 19, False)],  # 12 MiB: blocks of 256 KiB; 2 MiB: blocks of 64 KiB
+)
+def test_blocks_hashed_under_the_gil_are_checked_on_the_loads_thread_alone(
+    client_env: DaemonProcess,
+    device_path: dict[int, _Stream],
+    monkeypatch: pytest.MonkeyPatch,
+    n: int,
+    helpers: bool,
 ) -> None:
-    """Blocks no larger than xxhash hashes under the GIL (every file of up to 64 MiB) are checked
-    on the load's thread alone: helpers could only hand the GIL around (a 64 MiB restore into
-    CUDA tensors paid ~25 ms over its 1.4 ms copy on an H200, and the same hash through ctypes
-    was slower over 4 and 16 threads than one). Every block is checked: a flipped byte fails the
-    load."""
+    """Blocks no larger than xxhash hashes under the GIL (64 KiB: files under 8 MiB) are checked
+    on the load's thread alone: helpers could only hand the GIL around (the same hash through
+    ctypes was slower over 4 and 16 threads than one). Larger blocks (every file of 8 MiB or
+    more) are shared with helpers, which hash them at once. Every block is checked either way:
+    a flipped byte fails the load."""
     woken: list[int] = []
     real = _device_copy.on_helpers
     monkeypatch.setattr(
-        _device_copy, "on_helpers", lambda kind, n, fn: woken.append(n) or real(kind, n, fn)
+        _device_copy, "on_helpers", lambda kind, k, fn: woken.append(k) or real(kind, k, fn)
     )
     monkeypatch.setattr(verified_copy, "PARALLEL_MIN", 1 << 20)  # several runs of blocks
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    sd = _state(3)
+    ns = f"blocks{n}"
+    sd = _state(3, n)
     for step in (1, 2):
-        dcp.async_save(sd, storage_writer=TieredStorageWriter("small", step), no_dist=True).result()
+        dcp.async_save(sd, storage_writer=TieredStorageWriter(ns, step), no_dist=True).result()
     data = {
-        step: next(p for name, p in step_paths("small", step).items() if name.endswith(".data"))
+        step: next(p for name, p in step_paths(ns, step).items() if name.endswith(".data"))
         for step in (1, 2)
     }
 
     def load_and_flip(step: int) -> list[int]:
         woken.clear()
-        out = _blank()
-        dcp.load(out, storage_reader=TieredStorageReader("small", step), no_dist=True)
+        out = _blank(n)
+        dcp.load(out, storage_reader=TieredStorageReader(ns, step), no_dist=True)
         assert torch.equal(out["a"], sd["a"])
-        flip_byte(data[step], 5 << 20)
+        flip_byte(data[step], n * 4 * 5 // 6)
         with pytest.raises(CheckpointException) as e:
-            dcp.load(_blank(), storage_reader=TieredStorageReader("small", step), no_dist=True)
+            dcp.load(_blank(n), storage_reader=TieredStorageReader(ns, step), no_dist=True)
         ((err, _),) = e.value.failures.values()
         assert isinstance(err, BlockMismatchError)
         return woken
 
-    assert load_and_flip(1) == []
-    assert load_and_flip(2) == []
+    for step in (1, 2):
+        assert bool(load_and_flip(step)) is helpers
 
 
 def test_the_benchmarks_restore_phases_add_up(

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _arena
+from tierckpt_core import integrity
 from tierckpt_core.errors import ProtocolError
 from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.protocol import CommitRequest, SealFile
@@ -167,3 +168,69 @@ def test_malformed_checksums_are_refused_at_seal(daemon: DaemonProcess) -> None:
             c.seal("raw", 1, "a", 0, [bad])
         ok = bad.model_copy(update={"checksum": None})
         c.seal("raw", 1, "a", 0, [ok])  # the lease was not taken by the refused seal
+
+
+def _earlier_block_size(length: int) -> int:
+    """The block size versions before 2026-11-28 chose: up to 1024 blocks of 16 KiB and more."""
+    size = 16 << 10
+    while size * 1024 < length:
+        size *= 2
+    return size
+
+
+def test_a_step_with_an_earlier_versions_block_size_is_committed_and_read_verified(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint written by an earlier client (blocks of 16 KiB for a 2 MiB file, where this
+    version chooses 32 KiB) is accepted by this daemon and loads bit-exact, each of its blocks
+    checked: a flipped byte fails the load and names its 16 KiB block."""
+    g = torch.Generator().manual_seed(11)
+    sd = {"w": torch.randn(1 << 19, generator=g)}  # 2 MiB
+    with monkeypatch.context() as m:
+        m.setattr(integrity, "block_size", _earlier_block_size)
+        dcp.save(sd, storage_writer=TieredStorageWriter("older", 1), no_dist=True)
+    with DaemonClient() as c:
+        rec = max(c.step("older", 1).files, key=lambda f: f.length)
+    assert rec.block_size == 16 << 10 and integrity.block_size(rec.length) == 32 << 10
+    out = {"w": torch.zeros(1 << 19)}
+    dcp.load(out, storage_reader=TieredStorageReader("older", 1), no_dist=True)
+    assert torch.equal(out["w"], sd["w"])
+    at = 1 << 20  # in block 64 of 16 KiB (block 32 of 32 KiB)
+    flip_byte(step_paths("older", 1)[rec.name], at)
+    with pytest.raises(CheckpointException, match=rf"\(block {at // (16 << 10)}, "):
+        dcp.load(
+            {"w": torch.zeros(1 << 19)},
+            storage_reader=TieredStorageReader("older", 1),
+            no_dist=True,
+        )
+
+
+@pytest.mark.parametrize(
+    ("size", "problem"),
+    [
+        (48 << 10, r"block size 49152 is not a power of two from 16384 to 65536"),
+        (8 << 10, r"block size 8192 is not a power of two from 16384 to 65536"),
+        (1 << 20, r"block size 1048576 is not a power of two from 16384 to 65536"),
+    ],
+    ids=["not-a-power-of-two", "below-16-KiB", "above-this-versions"],
+)
+def test_a_block_size_no_version_chooses_is_refused_at_seal(
+    daemon: DaemonProcess, size: int, problem: str
+) -> None:
+    """Block sizes are bounded: at least 16 KiB (a record's checksums stay small) and at most
+    this version's choice (a ranged read never reads more than its blocks)."""
+    data = os.urandom((2 << 20) + 5)
+    whole = checksum_blocks(memoryview(data))[0]
+    blocks = ["0" * 32] * -(-len(data) // size)
+    with DaemonClient.from_socket(daemon.socket) as c:
+        lease = c.lease("raw", 0, len(data))
+        bad = SealFile(
+            lease_id=lease.lease_id,
+            name="r0",
+            length=len(data),
+            checksum=whole,
+            block_size=size,
+            blocks=blocks,
+        )
+        with pytest.raises(ProtocolError, match=problem):
+            c.seal("raw", 1, "a", 0, [bad])
