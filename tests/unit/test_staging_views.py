@@ -1,4 +1,4 @@
-"""``FileMapping.tensor_at``: the tensor staging copies into is exactly the bytes at its offset, of
+"""``FileMapping.tensor_at`` and ``placed``: the tensor staging copies into is exactly the bytes at its offset, of
 its dtype and shape, for every dtype; ranges outside the file are refused."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 from tierckpt_client.dcp._arena import FileMapping
 from tierckpt_client.dcp._metadata_codec import DTYPES
+from tierckpt_client.dcp._staging import align, stage_into
 from tierckpt_core.errors import CheckpointFormatError
 
 SIZE = 1 << 16
@@ -41,3 +42,102 @@ def test_tensor_at_refuses_bytes_beyond_the_file() -> None:
         m.tensor_at(SIZE - 8, torch.float64, torch.Size((2,)))
     with pytest.raises(CheckpointFormatError, match="outside"):
         m.tensor_at(-64, torch.float32, torch.Size((1,)))
+
+
+def _raw(m: FileMapping, t: torch.Tensor) -> bytes:
+    """The bytes of the file under staged tensor ``t``."""
+    at = t.data_ptr() - m.base
+    return bytes(m.buffer[at : at + t.numel() * t.element_size()].numpy())
+
+
+def _source(
+    seed: int, layout: list[tuple[torch.dtype, tuple[int, ...]]]
+) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (dtype, shape) in enumerate(layout):
+        b = torch.randint(0, 256, (torch.Size(shape).numel() * dtype.itemsize,), generator=g)
+        out[f"t{i}"] = b.to(torch.uint8).view(dtype).reshape(shape)
+    return out
+
+
+LAYOUT = [
+    (torch.float32, (100,)),
+    (torch.bfloat16, (3, 7)),
+    (torch.int64, (5,)),
+    (torch.uint8, (33,)),
+]
+
+
+def test_a_second_save_of_the_same_layout_reuses_its_tensors_and_lands_exact() -> None:
+    """Staging into a file it staged into before, with the same layout, hands back the same
+    tensor objects (no view made again), and each holds the new save's bytes."""
+    m = _mapping()
+    first = stage_into(_source(1, LAYOUT), m).state_dict
+    src = _source(2, LAYOUT)
+    second = stage_into(src, m).state_dict
+    assert all(second[k] is first[k] for k in src)
+    for k, t in src.items():
+        assert _raw(m, second[k]) == bytes(t.reshape(-1).view(torch.uint8).numpy())
+        assert second[k].dtype == t.dtype and second[k].shape == t.shape
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        [
+            (torch.float32, (100,)),
+            (torch.bfloat16, (7, 3)),
+            (torch.int64, (5,)),
+            (torch.uint8, (33,)),
+        ],
+        [
+            (torch.float32, (100,)),
+            (torch.float16, (3, 7)),
+            (torch.int64, (5,)),
+            (torch.uint8, (33,)),
+        ],
+        [
+            (torch.float32, (117,)),
+            (torch.bfloat16, (3, 7)),
+            (torch.int64, (5,)),
+            (torch.uint8, (33,)),
+        ],
+        [
+            (torch.bfloat16, (3, 7)),
+            (torch.float32, (100,)),
+            (torch.int64, (5,)),
+            (torch.uint8, (33,)),
+        ],
+    ],
+    ids=["a-shape", "a-dtype", "a-size-shifts-the-rest", "reordered"],
+)
+def test_a_changed_layout_never_gets_a_tensor_of_the_old_one(
+    changed: list[tuple[torch.dtype, tuple[int, ...]]],
+) -> None:
+    """Every staged tensor is exactly its source's dtype, shape and bytes, at the offset a fresh
+    layout gives it, whatever the file held before; and the layout before still works after."""
+    m = _mapping()
+    for layout, seed in ((LAYOUT, 1), (changed, 2), (LAYOUT, 3)):
+        src = _source(seed, layout)
+        staged = stage_into(src, m).state_dict
+        at = 0
+        for k, t in src.items():
+            s = staged[k]
+            assert s.dtype == t.dtype and s.shape == t.shape and s.is_contiguous()
+            assert s.data_ptr() - m.base == at
+            assert _raw(m, s) == bytes(t.reshape(-1).view(torch.uint8).numpy())
+            at += align(t.numel() * t.element_size())
+
+
+def test_tensors_made_inside_inference_mode_take_a_later_save_outside_it() -> None:
+    """A save inside ``torch.inference_mode()`` makes the file's tensors; a later save outside it
+    copies into them in place (a transposed, non-contiguous source: ``copy_``), which torch refuses
+    for a view made inside inference mode."""
+    m = _mapping()
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        stage_into({"w": torch.randn(6, 4, generator=g)}, m)
+    src = torch.randn(4, 6, generator=g).t()
+    staged = stage_into({"w": src}, m).state_dict
+    assert torch.equal(staged["w"], src)

@@ -175,7 +175,7 @@ def stage_into(
             return torch.empty(t.shape, dtype=t.dtype)
         assert mapping is not None
         at, offset = offset, offset + align(n)
-        dst = mapping.tensor_at(at, t.dtype, t.shape)
+        dst = mapping.placed(at, t.dtype, t.shape)
         if t.device.type == "cpu":
             if plain(t):
                 host.add(base + at, t, n, dst)
