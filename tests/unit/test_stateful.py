@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -70,12 +71,17 @@ def _state(seed: int) -> dict[str, Any]:
     }
 
 
+def _inner_or_not(inner: bool, monkeypatch: Any) -> None:
+    if not inner:  # torch without the inner functions as expected: dcp.load and dcp.save
+        monkeypatch.setattr(_stateful, "_inner", lambda *args: None)
+    else:  # this torch has them
+        assert _stateful._inner(state_dict_loader, "_load_state_dict", "storage_reader")
+        assert _stateful._inner(state_dict_saver, "_save_state_dict", "storage_writer")
+
+
 @pytest.mark.parametrize("inner", [True, False], ids=["torch-inner", "dcp-load"])
 def test_load_matches_dcp_load(tmp_path: Path, inner: bool, monkeypatch: Any) -> None:
-    if not inner:  # torch without the inner function as expected: dcp.load itself
-        monkeypatch.setattr(_stateful, "_inner_load", lambda: None)
-    else:
-        assert _stateful._inner_load() is not None  # this torch has it
+    _inner_or_not(inner, monkeypatch)
     torch.manual_seed(0)
     saved = _state(1)
     with pytest.warns(UserWarning, match="single process"):
@@ -118,3 +124,31 @@ def test_load_fails_on_a_missing_key_as_dcp_does(tmp_path: Path) -> None:
         )
     (why,) = caught.value.failures.values()
     assert "Missing key in checkpoint state_dict: extra" in str(why)
+
+
+@pytest.mark.parametrize("inner", [True, False], ids=["torch-inner", "dcp-save"])
+def test_save_matches_dcp_save(tmp_path: Path, inner: bool, monkeypatch: Any) -> None:
+    """The same step as ``dcp.save``'s: the same metadata, and the same values loaded back
+    (``Stateful`` ones saved as their state dicts)."""
+    _inner_or_not(inner, monkeypatch)
+    torch.manual_seed(0)
+    state = _state(3)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    meta = _stateful.save(
+        state,
+        storage_writer=dcp.FileSystemWriter(str(ours)),
+        process_group=None,
+        no_dist=True,
+    )
+    with pytest.warns(UserWarning, match="single process"):
+        want = dcp.save(state, storage_writer=dcp.FileSystemWriter(str(theirs)), no_dist=True)
+    assert meta.state_dict_metadata == want.state_dict_metadata
+    for where in (ours, theirs):
+        got = _state(4)
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load(got, storage_reader=dcp.FileSystemReader(str(where)), no_dist=True)
+        assert torch.equal(got["w"], state["w"])
+        assert torch.equal(got["nested"]["a"], state["nested"]["a"])
+        assert torch.equal(got["model"].weight, state["model"].weight)
+        assert got["count"].n == 8
+        assert torch.equal(got["box"]["v"], state["box"]["v"])
