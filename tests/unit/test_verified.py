@@ -3,6 +3,7 @@ fails naming the file, the block and the source, a source that ends early fails.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 import random
@@ -397,3 +398,43 @@ def test_check_all_checks_blocks_in_place_over_threads(
     assert verified_copy.check_all([(bad, sums, b) for b in (0, 1, 8, 10)], threads=threads) == (
         3 * BLOCK + 1234
     )
+
+
+@pytest.mark.parametrize("length", [0, 1000, (4 << 20) + 7, (8 << 20) + 5, (20 << 20) + 123])
+def test_checksum_beside_takes_the_checksums_of_one_pass(length: int) -> None:
+    """The whole file hashed on another thread beside its blocks: the same checksums as one
+    pass, whatever the block size (under 8 MiB the blocks are hashed holding the GIL: one
+    pass); with a helper that starts at once, late, or never (cancelled: the whole hashed on
+    the caller's thread)."""
+    data = memoryview(random.Random(length).randbytes(length))
+    want = checksum_blocks(data)
+    assert verified_copy.checksum_beside(data) == want
+
+    def never(n: int, work: Callable[[], str]) -> list[concurrent.futures.Future[str]]:
+        return [concurrent.futures.Future() for _ in range(n)]  # a helper that never ran
+
+    assert verified_copy.checksum_beside(data, spawn=never) == want
+
+
+def test_checksum_beside_returns_only_once_its_helper_is_done() -> None:
+    """A helper that has started is waited for, however slow (it reads the caller's buffer)."""
+    data = memoryview(random.Random(1).randbytes((16 << 20) + 3))
+    finished: list[float] = []
+
+    def slow(n: int, work: Callable[[], str]) -> list[concurrent.futures.Future[str]]:
+        fut: concurrent.futures.Future[str] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+
+        def run() -> None:
+            time.sleep(0.3)
+            out = work()
+            finished.append(time.monotonic())
+            fut.set_result(out)
+
+        threading.Thread(target=run, daemon=True).start()
+        return [fut]
+
+    got = verified_copy.checksum_beside(data, spawn=slow)
+    returned = time.monotonic()
+    assert finished and finished[0] <= returned
+    assert got == checksum_blocks(data)

@@ -14,8 +14,9 @@ it anywhere, e.g. onto the core the trainer's thread leaves idle while it waits 
 run. (A mask kept for the whole copy measured slower under load: a helper held on a busy core
 could not be moved.)
 
-Each kind of copy has its own helpers (:data:`STAGE`, :data:`VERIFY`): a copy never waits for a
-helper busy with a copy of the other kind (a load in one thread while another stages).
+Each kind of work has its own helpers (:data:`STAGE`, :data:`VERIFY`; :data:`CHECKSUM`, the whole
+file's hash beside its blocks' when a save seals its file): a copy never waits for a helper busy
+with work of another kind (a load in one thread while another stages).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ T = TypeVar("T")
 
 STAGE = "stage"
 VERIFY = "verify"
+CHECKSUM = "checksum"
 
 
 def on_helpers(kind: str, n: int, fn: Callable[[], T]) -> list[Future[T]]:

@@ -3,13 +3,15 @@ a save attempt and committed by the coordinator (a load reads it through ``sourc
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from tierckpt_client.daemon_client import DaemonClient
+from tierckpt_client.dcp._helpers import CHECKSUM, on_helpers
 from tierckpt_client.dcp.targets.base import OutFile, bytes_view, overwrite_refused
 from tierckpt_core.errors import NotFoundError, TierCkptError
-from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.protocol import CommitRequest, SealFile
+from tierckpt_core.verified_copy import checksum_beside
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,10 @@ class MemoryTier:
             # Checksummed here, right after the copy and off the trainer's stall (write_data
             # runs in async_save's background): the one checksum that readers, peers and the
             # persistent tier verify these bytes against from now on.
-            whole, size, blocks = checksum_blocks(bytes_view(f.mapping().buffer[: f.length]))
+            whole, size, blocks = checksum_beside(
+                bytes_view(f.mapping().buffer[: f.length]),
+                spawn=functools.partial(on_helpers, CHECKSUM),  # woken off this thread's core
+            )
             seal.append(
                 SealFile(
                     lease_id=f.lease_id,
