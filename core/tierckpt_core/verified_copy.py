@@ -10,6 +10,7 @@ destination right after it landed, the whole blocks of many copies shared by sev
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import os
 import threading
@@ -63,25 +64,28 @@ def copy_all(
     """Land every :class:`Copy`, checking every block each touches: hash while copying, one pass
     over memory. Each piece of ``chunk`` bytes is hashed in ``dest`` right after it was copied or
     read there, while it is in the cache (the source may be shared memory that others can change:
-    what was checked is what ``dest`` holds). A block a ``dest`` covers only in part is checked
-    as :func:`_edges` says: the parts in their ``dest``, the rest as read.
+    what was checked is what ``dest`` holds). The blocks a ``dest`` covers only in part are
+    checked as :class:`_Edges` says: read into private memory, checked there, then copied out.
 
     ``threads`` > 1: the whole blocks of all the copies, cut into runs of about
-    :data:`PARALLEL_MIN` bytes, are shared by that many workers (the caller's thread and threads
-    of a shared pool; the copy, ``preadv`` and the hash all release the GIL), as torch's own copy
-    uses several cores: one hand-over for a whole load, not one per tensor. Every worker that
-    started is waited for: a block that does not match fails the call, never a later read, and
-    nothing writes into a ``dest`` after the call returned; a worker that has not started when
-    the caller's thread is done (every run taken) is cancelled, not waited for. ``spawn(n, work)`` starts ``work`` on ``n`` other
+    :data:`PARALLEL_MIN` bytes, and the blocks covered in part, are shared by that many workers
+    (the caller's thread and threads of a shared pool; the copy, ``preadv`` and the hash of a
+    block over 64 KiB release the GIL), as torch's own copy uses several cores: one hand-over
+    for a whole load, not one per tensor. Every worker that started is waited for: a block that
+    does not match fails the call, never a later read, and nothing writes into a ``dest`` after
+    the call returned; a worker that has not started when the caller's thread is done (every run
+    taken) is cancelled, not waited for. ``spawn(n, work)`` starts ``work`` on ``n`` other
     threads (default: a pool of this module's; the client's keeps them off the caller's core).
     The bytes checked; BlockMismatchError (a bad block), or ``short`` when a ``read`` ends
     early."""
-    landings = [_Landing(c, chunk, short) for c in copies]
-    checked = _edges(landings)
-    runs = [run for landing in landings for run in landing.runs(PARALLEL_MIN)]
+    views: dict[int, memoryview] = {}  # each source's bytes, made once for all its copies
+    landings = [_Landing(c, chunk, short, views) for c in copies]
+    edges = _Edges.of(landings)
+    runs: list[Any] = [run for landing in landings for run in landing.runs(PARALLEL_MIN)]
+    total = sum(hi - lo for _, lo, hi in runs) + edges.bytes
+    runs.extend(edges.runs(PARALLEL_MIN))
     if not runs:
-        return checked
-    total = sum(hi - lo for _, lo, hi in runs)
+        return 0
     workers = min(threads, len(runs), max(1, total // PARALLEL_MIN))
     # Over many threads, pieces twice as large: each piece takes the GIL a few times between its
     # copy and its hash, and with 16 threads 1 MiB pieces spent more time waiting for it than 2
@@ -89,96 +93,116 @@ def copy_all(
     # behind the code's choices").
     piece = chunk if workers <= 8 else 2 * chunk
 
-    def land(run: tuple[_Landing, int, int]) -> int:
+    def land(run: Any) -> int:
+        if type(run) is list:  # chunks of blocks covered in part
+            return _Edges.land(run)
         landing, lo, hi = run
-        return landing.whole(lo, hi, piece)
+        return int(landing.whole(lo, hi, piece))
 
-    return checked + _share(runs, workers, land, spawn)
-
-
-def _edges(landings: list[_Landing]) -> int:
-    """Check the blocks each ``dest`` covers only in part, once per block for all the copies of
-    one ``key`` that cover it: each part landed straight in its ``dest`` and hashed there, the
-    bytes no copy takes (gaps between small tensors) read into a scratch buffer and hashed in
-    between, one streaming hash per block (:func:`_in_place`), as whole blocks are checked in
-    ``dest``: a bad block fails the call, and its bytes may be in ``dest`` by then. Copies read
-    with ``read`` (one ``preadv`` per block, not one per part) and copies that overlap within a
-    block take the block through a private copy instead (:func:`_via_private`)."""
-    users: dict[tuple[Any, int], list[_Landing]] = {}
-    for i, landing in enumerate(landings):
-        key = landing.key if landing.key is not None else ("copy", i)
-        for block in landing.partial():
-            users.setdefault((key, block), []).append(landing)
-    checked = 0
-    scratch: memoryview | None = None
-    for (_, block), them in users.items():
-        sums = them[0].sums
-        lo, hi = sums.bounds(block)
-        parts = sorted(((max(lo, t.offset), min(hi, t.stop), t) for t in them), key=_span)
-        overlap = any(a < b for (a, _, _), (_, b, _) in zip(parts[1:], parts, strict=False))
-        if overlap or any(t.src is None for t in them):
-            _via_private(block, lo, hi, them)
-        else:
-            if scratch is None or len(scratch) < hi - lo:
-                scratch = memoryview(bytearray(hi - lo))
-            _in_place(block, lo, hi, parts, scratch)
-        checked += hi - lo
-    return checked
+    return _share(runs, workers, land, spawn)
 
 
-def _span(part: tuple[int, int, _Landing]) -> tuple[int, int]:
-    return part[0], part[1]
+_Part = tuple[int, int, "_Landing"]  # file bytes [lo, hi) of one copy, in blocks it covers in part
+_Chunk = tuple["_Landing", int, int, list[_Part]]  # read by, file bytes [lo, hi), its parts
 
 
-def _in_place(
-    block: int,
-    lo: int,
-    hi: int,
-    parts: list[tuple[int, int, _Landing]],
-    scratch: memoryview,
-) -> None:
-    """Land ``parts`` (disjoint, in order) of ``block`` in their destinations and check the
-    block: what is hashed is what each ``dest`` holds, and the gaps as read (no copy delivers
-    them). Thousands of tensors of a few KiB share blocks: a private copy of each block, then a
-    copy out of it, doubled the bytes moved."""
+class _Edges:
+    """The blocks copies cover only in part (small tensors side by side, and the first and last
+    block of larger ones), for all the copies of one ``key`` (one file) together: consecutive
+    such blocks are read in chunks of about :data:`CHUNK` bytes into private memory (one copy or
+    ``preadv`` per chunk, not one per block or per tensor), every block of the chunk is checked
+    there, and each copy's part is copied out of it. Private memory: what was checked is what
+    each ``dest`` gets, whoever can write into the source; a bad block fails the call before
+    any byte of its chunk is copied out. Thousands of tensors of a few KiB: one copy out of a
+    chunk each, in place of the per-block hashing across each tensor's bytes where they landed
+    (docs/benchmarks.md, "Thousands of tensors")."""
+
+    def __init__(self, chunks: list[_Chunk]) -> None:
+        self.chunks = chunks
+        self.bytes = sum(hi - lo for _, lo, hi, _ in chunks)
+
+    @classmethod
+    def of(cls, landings: list[_Landing]) -> _Edges:
+        by_key: dict[Any, list[_Part]] = {}
+        for i, landing in enumerate(landings):
+            parts = landing.edge_parts()
+            if parts:
+                key = landing.key if landing.key is not None else ("copy", i)
+                by_key.setdefault(key, []).extend(parts)
+        chunks: list[_Chunk] = []
+        for parts in by_key.values():
+            chunks.extend(_chunks_of(parts))
+        return cls(chunks)
+
+    def runs(self, about: int) -> list[list[_Chunk]]:
+        """The chunks in runs of about ``about`` bytes, in file order."""
+        runs: list[list[_Chunk]] = []
+        size = about
+        for c in self.chunks:
+            if size >= about:
+                runs.append([])
+                size = 0
+            runs[-1].append(c)
+            size += c[2] - c[1]
+        return runs
+
+    @staticmethod
+    def land(run: list[_Chunk]) -> int:
+        buf = memoryview(bytearray(max(hi - lo for _, lo, hi, _ in run)))
+        for reader, lo, hi, parts in run:
+            private = buf[: hi - lo]
+            reader.fetch(private, lo)
+            sums = reader.sums
+            for block in range(sums.block_of(lo), sums.block_of(hi - 1) + 1):
+                a, b = sums.bounds(block)
+                got = xxhash.xxh3_128_hexdigest(private[a - lo : b - lo])
+                if got != sums.digests[block]:
+                    raise sums.mismatch(block)
+            for a, b, landing in parts:
+                a, b = max(a, lo), min(b, hi)
+                landing.out[a - landing.offset : b - landing.offset] = private[a - lo : b - lo]
+        return sum(hi - lo for _, lo, hi, _ in run)
+
+
+def _chunks_of(parts: list[_Part]) -> list[_Chunk]:
+    """The chunks of the blocks ``parts`` (of one file) touch: runs of consecutive blocks of at
+    most :data:`CHUNK` bytes (at least one block), each with the parts that overlap it."""
     sums = parts[0][2].sums
-    h = xxhash.xxh3_128()
-    at = lo
-    for a, b, landing in parts:
-        if a > at:
-            landing.fetch(scratch[: a - at], at)
-            h.update(scratch[: a - at])
-        view = landing.out[a - landing.offset : b - landing.offset]
-        landing.fetch(view, a)
-        h.update(view)
-        at = b
-    if at < hi:
-        parts[-1][2].fetch(scratch[: hi - at], at)
-        h.update(scratch[: hi - at])
-    if h.hexdigest() != sums.digests[block]:
-        raise sums.mismatch(block)
-
-
-def _via_private(block: int, lo: int, hi: int, them: list[_Landing]) -> None:
-    """Check ``block`` in a private copy, then land each copy's part of it from there."""
-    first = them[0]
-    private = memoryview(bytearray(hi - lo))
-    first.fetch(private, lo)
-    first.sums.check(block, private)
-    for landing in them:
-        a, b = max(lo, landing.offset), min(hi, landing.stop)
-        landing.out[a - landing.offset : b - landing.offset] = private[a - lo : b - lo]
+    blocks = sorted({b for lo, hi, _ in parts for b in (sums.block_of(lo), sums.block_of(hi - 1))})
+    per = max(1, CHUNK // sums.size)  # blocks a chunk
+    spans: list[list[int]] = []  # [first block, last block]
+    for b in blocks:
+        if spans and b == spans[-1][1] + 1 and b - spans[-1][0] < per:
+            spans[-1][1] = b
+        else:
+            spans.append([b, b])
+    starts = [sums.bounds(first)[0] for first, _ in spans]
+    chunks: list[_Chunk] = [
+        (parts[0][2], lo, sums.bounds(last)[1], [])
+        for (first, last), lo in zip(spans, starts, strict=True)
+    ]
+    for part in parts:
+        lo, hi, _ = part
+        for i in range(bisect.bisect_right(starts, lo) - 1, bisect.bisect_left(starts, hi)):
+            chunks[i][3].append(part)
+    return chunks
 
 
 class _Landing:
     """One :class:`Copy` under way: its edges checked privately, its whole blocks by runs."""
 
-    def __init__(self, c: Copy, chunk: int, short: type[TierCkptError]) -> None:
+    def __init__(
+        self, c: Copy, chunk: int, short: type[TierCkptError], views: dict[int, memoryview]
+    ) -> None:
         self.sums, self.offset, self.chunk, self.short = c.sums, c.offset, chunk, short
         self.key = c.key
         self.out = _bytes(c.dest)
         self.stop = c.offset + len(self.out)
-        self.src = _bytes(c.src) if c.src is not None else None
+        self.src = None
+        if c.src is not None:  # (kept by id for the call: every copy holds its source alive)
+            self.src = views.get(id(c.src))
+            if self.src is None:
+                self.src = views[id(c.src)] = _bytes(c.src)
         self.read = c.read
         sums = c.sums
         if self.src is None and self.read is None:
@@ -193,12 +217,15 @@ class _Landing:
         if self.offset == self.stop:
             self.inner = (self.offset, self.offset)
             return
-        lo, hi = sums.span(self.offset, self.stop)
         # The whole blocks inside [offset, stop): landed and hashed in place. The blocks at
-        # either edge, which dest covers only in part: checked in a private copy.
+        # either edge, which dest covers only in part: checked in a private copy (_Edges).
+        # (sums.span and sums.bounds, inline: thousands of small copies make one call each.)
+        size, origin, end = sums.size, sums.origin, sums.end
+        first = origin + (self.offset - origin) // size * size  # where the first block starts
+        last = origin + (self.stop - 1 - origin) // size * size  # and the last
         self.inner = (
-            lo if lo == self.offset else sums.bounds(sums.block_of(self.offset))[1],
-            hi if hi == self.stop else sums.bounds(sums.block_of(self.stop - 1))[0],
+            self.offset if first == self.offset else min(first + size, end),
+            self.stop if min(last + size, end) == self.stop else last,
         )
 
     def fetch(self, view: memoryview, at: int) -> None:
@@ -214,17 +241,18 @@ class _Landing:
                 raise self.sums.short(got, at, at + len(view), self.short)
             got += n
 
-    def partial(self) -> list[int]:
-        """The blocks ``dest`` covers only in part (none, one or two)."""
-        if self.offset == self.stop:
-            return []
-        sums, (inner_lo, inner_hi) = self.sums, self.inner
-        found = []
-        for block in sorted({sums.block_of(self.offset), sums.block_of(self.stop - 1)}):
-            lo, hi = sums.bounds(block)
-            if not (inner_lo <= lo and hi <= inner_hi):
-                found.append(block)
-        return found
+    def edge_parts(self) -> list[_Part]:
+        """The bytes of ``dest`` in blocks it covers only in part: all of them where it covers
+        no block whole, else the bytes before and after its whole blocks (none, one or two)."""
+        lo, hi = self.inner
+        if hi <= lo:
+            return [(self.offset, self.stop, self)] if self.offset < self.stop else []
+        parts = []
+        if self.offset < lo:
+            parts.append((self.offset, lo, self))
+        if hi < self.stop:
+            parts.append((hi, self.stop, self))
+        return parts
 
     def runs(self, about: int) -> list[tuple[_Landing, int, int]]:
         """The whole blocks inside, in runs of about ``about`` bytes (whole blocks each)."""

@@ -4,6 +4,7 @@ fails naming the file, the block and the source, a source that ends early fails.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import pickle
 import random
@@ -303,7 +304,12 @@ def test_copy_all_reads_a_block_small_copies_share_once(monkeypatch: pytest.Monk
     ]
     assert copy_all(copies, threads=3) == 3 * BLOCK + 5 * BLOCK
     assert all(d == data[at : at + n] for d, (at, n) in zip(dests, spans, strict=True))
-    assert reads.count((0, BLOCK)) == 1  # block 0, once for the ten small copies
+    # Every byte read once: block 0 for the ten small copies (with block 1, the large copy's
+    # first, in one chunk), and no block twice.
+    assert sum(n for _, n in reads) == 8 * BLOCK
+    assert sum(1 for off, n in reads if off <= 0 < off + n) == 1
+    ends = sorted((off, off + n) for off, n in reads)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))
     for flip in (200, 50, 3500):  # in a small copy's part; in the gaps before and after them
         dests = [bytearray(n) for _, n in small]
         for source in ({"src": _flipped(data, flip)}, {"read": _reader(_flipped(data, flip))}):
@@ -322,6 +328,44 @@ def test_copy_all_reads_a_block_small_copies_share_once(monkeypatch: pytest.Monk
         ]
     )
     assert all(d == data[at : at + n] for d, (at, n) in zip(dests, small, strict=True))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("how", ["src", "read"])
+def test_small_copies_land_from_checked_chunks(
+    monkeypatch: pytest.MonkeyPatch, threads: int, how: str
+) -> None:
+    """Hundreds of small copies side by side, some across a block's edge, some over the same
+    bytes, beside a large one, with chunks of two blocks (so parts cross chunks too): exact
+    bytes land; a flipped byte in any block fails the call naming it, and no copy that lies
+    wholly in the chunk of that block gets a byte of it (checked before any is copied out)."""
+    monkeypatch.setattr(verified_copy, "PARALLEL_MIN", BLOCK)
+    monkeypatch.setattr(verified_copy, "CHUNK", 2 * BLOCK)
+    data, sums = _file()
+    rng = random.Random(7)
+    spans = [(at, rng.randrange(1, 700)) for at in sorted(rng.sample(range(LENGTH - 700), 400))]
+    spans += [(2 * BLOCK - 10, 20), (2 * BLOCK - 10, 20), (100, 5 * BLOCK)]  # the same bytes twice
+    rng.shuffle(spans)
+
+    def copies(src: bytes, dests: list[bytearray]) -> list[Copy]:
+        source: dict[str, object] = {"src": src} if how == "src" else {"read": _reader(src)}
+        return [
+            Copy(d, sums, at, key="r0.data", **source)  # type: ignore[arg-type]
+            for d, (at, _) in zip(dests, spans, strict=True)
+        ]
+
+    dests = [bytearray(n) for _, n in spans]
+    assert copy_all(copies(data, dests), threads=threads) >= LENGTH  # every block, at least once
+    assert all(d == data[at : at + n] for d, (at, n) in zip(dests, spans, strict=True))
+    for flip in (5, 3 * BLOCK + 77, 6 * BLOCK + 1, LENGTH - 3):
+        block = flip // BLOCK
+        chunk_lo, chunk_hi = block // 2 * 2 * BLOCK, min(LENGTH, (block // 2 + 1) * 2 * BLOCK)
+        dests = [bytearray(b"\xee" * n) for _, n in spans]
+        with pytest.raises(BlockMismatchError, match=rf"\(block {block}, "):
+            copy_all(copies(_flipped(data, flip), dests), threads=threads)
+        for d, (at, n) in zip(dests, spans, strict=True):
+            if chunk_lo <= at and at + n <= chunk_hi and n < BLOCK:
+                assert d == b"\xee" * n, (at, n)
 
 
 def test_copy_all_from_a_read_that_ends_early_fails() -> None:

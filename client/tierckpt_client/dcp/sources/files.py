@@ -188,8 +188,8 @@ class LocalFiles:
         Each piece is checked in ``target`` right after it landed there (the bytes are still in
         the cache, and ``target`` is this process's own memory, so what was checked is what the
         caller gets); a block the tensor covers only in part is copied whole into a private
-        buffer, checked there, and its part copied from it, or with small tensors side by side
-        the parts landed and the block hashed across them (:func:`copy_all`). The copy is
+        buffer (with its neighbours: one read for consecutive blocks small tensors share),
+        checked there, and its part copied from it (:func:`copy_all`). The copy is
         ``preadv`` from a file this process has not mapped (no page-table cost), else out of
         the mapping.
         """
