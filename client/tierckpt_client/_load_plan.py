@@ -27,14 +27,30 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, with :func:`whole_plan` tried first."""
+    """DCP's default load planner, with :func:`whole_plan` tried first. The destination of one
+    of its items is the state dict's tensor itself (DCP finds it by key and narrows it to the
+    whole of itself: ~6 us a tensor); any other item is resolved by DCP."""
+
+    _targets: dict[int, tuple[ReadItem, torch.Tensor]] = {}
 
     def create_local_plan(self) -> LoadPlan:
+        self._targets = {}
         if self.metadata is not None and not self.allow_partial_load:
             plan = whole_plan(self.state_dict, self.metadata.state_dict_metadata)
             if plan is not None:
+                self._targets = {
+                    id(item): (item, self.state_dict[item.dest_index.fqn])
+                    for item in plan.items
+                    if item.type == LoadItemType.TENSOR
+                }
                 return plan
         return super().create_local_plan()
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        mine = self._targets.get(id(read_item))
+        if mine is not None and mine[0] is read_item:
+            return mine[1]
+        return super().resolve_tensor(read_item)
 
 
 def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -> LoadPlan | None:
@@ -43,6 +59,7 @@ def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -
     if len(state_dict) != len(stored):
         return None
     items: list[ReadItem] = []
+    origins: dict[int, torch.Size] = {}  # the zero offsets of each number of dimensions
     for fqn, obj in state_dict.items():
         md = stored.get(fqn)
         if md is None:
@@ -65,15 +82,9 @@ def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -
             return None
         if not obj.numel():
             continue  # nothing to read (DCP plans no item for it either)
-        zeros = torch.Size([0] * len(size))
-        items.append(
-            ReadItem(
-                LoadItemType.TENSOR,
-                MetadataIndex(fqn, zeros, 0),
-                zeros,
-                MetadataIndex(fqn, chunk.offsets, 0),
-                zeros,
-                size,
-            )
-        )
+        zeros = origins.get(len(size))
+        if zeros is None:
+            zeros = origins[len(size)] = torch.Size([0] * len(size))
+        index = MetadataIndex(fqn, zeros, 0)  # the chunk's offsets are zeros too
+        items.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, size))
     return LoadPlan(items)

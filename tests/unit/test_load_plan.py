@@ -123,3 +123,26 @@ def test_a_tensor_stored_in_chunks_is_left_to_dcp() -> None:
     assert _load_plan.whole_plan({"w": torch.zeros(8)}, {"w": md}) is None
     one = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, halves[:1])
     assert _load_plan.whole_plan({"w": torch.zeros(8)}, {"w": one}) is None  # not whole
+
+
+def test_its_items_resolve_to_the_state_dicts_own_tensors(tmp_path: Path) -> None:
+    """Each item of the plan made here resolves to the tensor DCP resolves it to (the same
+    bytes, shape and dtype: the state dict's own tensor); an item it did not make, even an equal
+    one, is DCP's to resolve."""
+    import dataclasses
+
+    metadata = _saved(tmp_path, _state(1))
+    state = _state(2)
+    ours, theirs = _load_plan.LoadPlanner(), DefaultLoadPlanner()
+    ours.set_up_planner(state, metadata, True)
+    theirs.set_up_planner(state, metadata, True)
+    plan = ours.create_local_plan()
+    tensors = [i for i in plan.items if i.type == _load_plan.LoadItemType.TENSOR]
+    assert len(tensors) == 5  # w, m, scalar, p, nested.a (the empty tensor has no item)
+    for item in tensors:
+        got, want = ours.resolve_tensor(item), theirs.resolve_tensor(item)
+        assert got.data_ptr() == want.data_ptr()
+        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+        assert got is ours.state_dict[item.dest_index.fqn]
+        copy = dataclasses.replace(item)  # resolved by DCP: the same tensor
+        assert ours.resolve_tensor(copy).data_ptr() == want.data_ptr()

@@ -88,12 +88,13 @@ class LocalFiles:
         if not self._verify_tensors:
             return  # DCP's copy out of the mapping, or one preadv per tensor, as asked
         jobs = []
+        at: list[int] = []  # each job's target's address
         device: list[DeviceCopy] = []
         for ref, target in wants:
-            if (
-                target is None
-                or (ref.file, ref.offset, ref.length, target.data_ptr()) in self._filled
-            ):
+            if target is None:
+                continue
+            ptr = target.data_ptr()
+            if (ref.file, ref.offset, ref.length, ptr) in self._filled:
                 continue
             if self._on_device(ref.file, ref.length, target):
                 device.append(self._device_copy(ref.file, ref.offset, ref.length, target))
@@ -103,8 +104,9 @@ class LocalFiles:
             job = self._copy(ref.file, ref.offset, ref.length, target)
             if job is not None:
                 jobs.append(job)
+                at.append(ptr)
         self._land_on_device(device)
-        self._land(jobs)
+        self._land(jobs, at)
 
     def _on_device(self, name: str, length: int, target: torch.Tensor) -> bool:
         """Whether CUDA tensor ``target`` takes ``length`` bytes of local file ``name`` as
@@ -210,7 +212,7 @@ class LocalFiles:
             return True
         job = self._copy(name, offset, length, target)
         if job is not None:
-            self._land([job])
+            self._land([job], [target.data_ptr()])
         return True
 
     def _direct(self, name: str, length: int, target: torch.Tensor) -> bool:
@@ -246,8 +248,9 @@ class LocalFiles:
             return Copy(dest, sums, offset, src=src, key=name)
         return Copy(dest, sums, offset, read=lambda view, at: os.preadv(fd, [view], at), key=name)
 
-    def _land(self, jobs: list[Copy]) -> None:
-        """Run the copies (a bad block or a short file fails here, naming file and block)."""
+    def _land(self, jobs: list[Copy], at: list[int]) -> None:
+        """Run the copies (a bad block or a short file fails here, naming file and block);
+        ``at``: the address of each one's target (the key of what was filled)."""
         if not jobs:
             return
         threads = torch.get_num_threads()
@@ -259,11 +262,11 @@ class LocalFiles:
             short=CheckpointFormatError,
             spawn=functools.partial(on_helpers, VERIFY),  # woken off this thread's core
         )
-        for job in jobs:
-            sums, end = job.sums, job.offset + job.dest.nbytes
-            self._filled.add((sums.name, job.offset, job.dest.nbytes, int(job.dest.ctypes.data)))
+        for job, ptr in zip(jobs, at, strict=True):
+            sums, n = job.sums, job.dest.nbytes
+            self._filled.add((sums.name, job.offset, n, ptr))
             done = self._verified.setdefault(sums.name, set())
-            done.update(range(sums.block_of(job.offset), sums.block_of(end - 1) + 1))
+            done.update(range(sums.block_of(job.offset), sums.block_of(job.offset + n - 1) + 1))
 
     def _pread_into(self, fd: int, name: str, view: memoryview, offset: int) -> None:
         done = 0
