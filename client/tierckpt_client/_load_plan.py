@@ -5,8 +5,8 @@ stored (a sweep over the chunks' bounds, for any resharding): ~20-25 us a tensor
 box, ~50 ms of a 2048-tensor restore of 64 MiB. When a :class:`~tierckpt_client.Checkpointer`
 resumes the job that saved, every tensor is read whole from one stored chunk of its own shape:
 the plan is one read item per tensor, which :class:`LoadPlanner` writes out directly (the same
-items, equal field by field, as DCP's planner makes: tested). Anything else (a key missing on
-either side, a tensor stored in several chunks or of another shape, a ``DTensor``, a
+items, equal field by field, as DCP's planner makes: tested). Anything else (a key the step
+lacks, a tensor stored in several chunks or of another shape, a ``DTensor``, a
 ``ShardedTensor``, an object DCP asks for its own chunks) leaves the whole plan to DCP.
 """
 
@@ -54,10 +54,10 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -> LoadPlan | None:
-    """The load plan of a flattened ``state_dict`` whose keys are ``stored``'s and whose every
-    tensor is a plain one, stored whole in one chunk of its shape; else None."""
-    if len(state_dict) != len(stored):
-        return None
+    """The load plan of a flattened ``state_dict`` whose every key ``stored`` has and whose
+    every tensor is a plain one, stored whole in one chunk of its shape; else None. Keys stored
+    that ``state_dict`` lacks are not read, as DCP does (a rank of a pipeline stage loads its
+    own layers out of a step that holds every stage's)."""
     items: list[ReadItem] = []
     origins: dict[int, torch.Size] = {}  # the zero offsets of each number of dimensions
     for fqn, obj in state_dict.items():

@@ -79,16 +79,32 @@ def test_a_resume_is_planned_here_as_dcp_plans_it(tmp_path: Path) -> None:
     assert state["nested"]["step"] == 12 and state["nested"]["tag"] == "x"
 
 
-@pytest.mark.parametrize(
-    "change",
-    ["a key fewer", "a key more", "another shape", "a tensor stored as bytes"],
-)
+def test_a_state_with_fewer_keys_than_the_step_is_planned_as_dcp_plans_it(tmp_path: Path) -> None:
+    """A rank that loads some of a step's keys (its own stage's): planned here, the same items
+    as DCP's plan, and the load gives the saved values of those keys."""
+    metadata = _saved(tmp_path, _state(1))
+    state = _state(2)
+    del state["w"], state["nested"]
+    whole, ours, theirs = _plans(state, metadata)
+    assert whole is not None
+    assert [_key(i) for i in ours.items] == [_key(i) for i in theirs.items]
+    assert {i.dest_index.fqn for i in ours.items} == {"m", "scalar", "p"}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(
+            state,
+            storage_reader=dcp.FileSystemReader(str(tmp_path)),
+            planner=_load_plan.LoadPlanner(),
+            no_dist=True,
+        )
+    want = _state(1)
+    assert all(torch.equal(state[k], want[k]) for k in ("m", "scalar", "empty", "p"))
+
+
+@pytest.mark.parametrize("change", ["a key more", "another shape", "a tensor stored as bytes"])
 def test_anything_else_is_left_to_dcp(tmp_path: Path, change: str) -> None:
     metadata = _saved(tmp_path, _state(1))
     state = _state(2)
-    if change == "a key fewer":  # a partial state: DCP loads the keys it has
-        del state["w"]
-    elif change == "a key more":
+    if change == "a key more":
         state["extra"] = torch.zeros(2)
     elif change == "another shape":
         state["w"] = torch.zeros(32)
