@@ -41,6 +41,17 @@ def _plans(state: dict[str, Any], metadata: Any) -> tuple[Any, Any, Any]:
     return whole, ours.create_local_plan(), theirs.create_local_plan()
 
 
+def _load(state: dict[str, Any], tmp_path: Path) -> None:
+    """``dcp.load`` of the step saved in ``tmp_path`` into ``state``, planned by ours."""
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(
+            state,
+            storage_reader=dcp.FileSystemReader(str(tmp_path)),
+            planner=_load_plan.LoadPlanner(),
+            no_dist=True,
+        )
+
+
 def _key(item: Any) -> tuple[Any, ...]:
     return (
         item.type,
@@ -65,13 +76,7 @@ def test_a_resume_is_planned_here_as_dcp_plans_it(tmp_path: Path) -> None:
 
     # And the load through it gives the saved values.
     state = _state(3)
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.load(
-            state,
-            storage_reader=dcp.FileSystemReader(str(tmp_path)),
-            planner=_load_plan.LoadPlanner(),
-            no_dist=True,
-        )
+    _load(state, tmp_path)
     want = _state(1)
     for k in ("w", "m", "scalar", "empty", "p"):
         assert torch.equal(state[k], want[k]), k
@@ -89,13 +94,7 @@ def test_a_state_with_fewer_keys_than_the_step_is_planned_as_dcp_plans_it(tmp_pa
     assert whole is not None
     assert [_key(i) for i in ours.items] == [_key(i) for i in theirs.items]
     assert {i.dest_index.fqn for i in ours.items} == {"m", "scalar", "p"}
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.load(
-            state,
-            storage_reader=dcp.FileSystemReader(str(tmp_path)),
-            planner=_load_plan.LoadPlanner(),
-            no_dist=True,
-        )
+    _load(state, tmp_path)
     want = _state(1)
     assert all(torch.equal(state[k], want[k]) for k in ("m", "scalar", "empty", "p"))
 

@@ -4,6 +4,7 @@ its dtype and shape, for every dtype; ranges outside the file are refused."""
 from __future__ import annotations
 
 import mmap
+from typing import Any
 
 import pytest
 import torch
@@ -82,33 +83,19 @@ def test_a_second_save_of_the_same_layout_reuses_its_tensors_and_lands_exact() -
         assert second[k].dtype == t.dtype and second[k].shape == t.shape
 
 
+def _changed(at: int, entry: tuple[torch.dtype, tuple[int, ...]]) -> list[Any]:
+    out = list(LAYOUT)
+    out[at] = entry
+    return out
+
+
 @pytest.mark.parametrize(
     "changed",
     [
-        [
-            (torch.float32, (100,)),
-            (torch.bfloat16, (7, 3)),
-            (torch.int64, (5,)),
-            (torch.uint8, (33,)),
-        ],
-        [
-            (torch.float32, (100,)),
-            (torch.float16, (3, 7)),
-            (torch.int64, (5,)),
-            (torch.uint8, (33,)),
-        ],
-        [
-            (torch.float32, (117,)),
-            (torch.bfloat16, (3, 7)),
-            (torch.int64, (5,)),
-            (torch.uint8, (33,)),
-        ],
-        [
-            (torch.bfloat16, (3, 7)),
-            (torch.float32, (100,)),
-            (torch.int64, (5,)),
-            (torch.uint8, (33,)),
-        ],
+        _changed(1, (torch.bfloat16, (7, 3))),
+        _changed(1, (torch.float16, (3, 7))),
+        _changed(0, (torch.float32, (117,))),
+        [LAYOUT[1], LAYOUT[0], *LAYOUT[2:]],
     ],
     ids=["a-shape", "a-dtype", "a-size-shifts-the-rest", "reordered"],
 )
