@@ -3,8 +3,9 @@ verifying every byte read from the persistent tier or a peer costs little next t
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
 
@@ -157,3 +158,45 @@ def check_digests(
 
 def block_digest(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128(data).hexdigest()
+
+
+GIL_HELD_MAX: int = getattr(getattr(xxhash, "_xxhash", None), "_GIL_MINSIZE", 65536)
+"""xxhash hashes an input of at most this many bytes without releasing the GIL (python-xxhash:
+``len > _GIL_MINSIZE`` releases it): blocks no larger (those of files under 8 MiB:
+:func:`block_size`) are hashed one thread at a time however many threads take them, so
+:func:`tierckpt_core.verified_copy.check_all` checks them on the caller's thread alone (more
+threads would only hand the GIL around). Hashing them through ctypes, which releases the GIL
+for the call, was tried and measured slower over 2 to 16 threads than one thread with
+xxhash's call (docs/benchmarks.md, "The GIL-free block hash, measured on a quiet host")."""
+
+
+def checksum_beside(
+    data: memoryview,
+    *,
+    spawn: Callable[[int, Callable[[], str]], Sequence[concurrent.futures.Future[str]]]
+    | None = None,
+) -> tuple[str, int, list[str]]:
+    """:func:`checksum_blocks` of ``data`` (the same checksums), the
+    whole file hashed on another thread while this one hashes the blocks: both hashes release
+    the GIL where the blocks are over :data:`GIL_HELD_MAX` (files of 8 MiB and more), so the two
+    run at once. One pass hashes each block twice from the cache, one after the other (1 GiB:
+    143 ms on the 2-core box, where this took 117: there the two threads share the memory's
+    bandwidth). ``spawn(1, work)`` starts ``work`` on another thread (without: one pass on this
+    one); a helper that has not started when the blocks are done is cancelled and the whole
+    hashed here. Returns once no thread reads ``data``."""
+    size = block_size(len(data))
+    if spawn is None or size <= GIL_HELD_MAX:
+        return checksum_blocks(data)
+
+    def whole() -> str:
+        h = Hasher()
+        h.update(data)
+        return h.hexdigest()
+
+    (other,) = spawn(1, whole)
+    try:
+        blocks = [block_digest(data[at : at + size]) for at in range(0, len(data), size)]
+    finally:
+        if not other.cancel():
+            concurrent.futures.wait([other])  # it reads data: never return before it is done
+    return (whole() if other.cancelled() else other.result()), size, blocks

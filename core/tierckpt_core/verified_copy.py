@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from tierckpt_core.errors import IntegrityError, TierCkptError
-from tierckpt_core.integrity import Hasher, block_digest, block_size, checksum_blocks
+from tierckpt_core.integrity import GIL_HELD_MAX
 from tierckpt_core.verified import CHUNK, BlockStream, BlockSums, Read, _bytes
 
 _R = TypeVar("_R")  # one run of work that _share hands a worker
@@ -376,50 +376,9 @@ def _on_pool(n: int, work: Callable[[], _R]) -> list[concurrent.futures.Future[_
     return [_pool().submit(work) for _ in range(n)]
 
 
-def checksum_beside(
-    data: memoryview,
-    *,
-    spawn: Callable[[int, Callable[[], str]], Sequence[concurrent.futures.Future[str]]]
-    | None = None,
-) -> tuple[str, int, list[str]]:
-    """:func:`tierckpt_core.integrity.checksum_blocks` of ``data`` (the same checksums), the
-    whole file hashed on another thread while this one hashes the blocks: both hashes release
-    the GIL where the blocks are over :data:`GIL_HELD_MAX` (files of 8 MiB and more), so the two
-    run at once. One pass hashes each block twice from the cache, one after the other (1 GiB:
-    143 ms on the 2-core box, where this took 117: there the two threads share the memory's
-    bandwidth). ``spawn(1, work)`` starts ``work`` on another thread (default: a pool of this
-    module's); a helper that has not started when the blocks are done is cancelled and the
-    whole hashed here. Returns once no thread reads ``data``."""
-    size = block_size(len(data))
-    if size <= GIL_HELD_MAX:
-        return checksum_blocks(data)
-
-    def whole() -> str:
-        h = Hasher()
-        h.update(data)
-        return h.hexdigest()
-
-    (other,) = (spawn or _on_pool)(1, whole)
-    try:
-        blocks = [block_digest(data[at : at + size]) for at in range(0, len(data), size)]
-    finally:
-        if not other.cancel():
-            concurrent.futures.wait([other])  # it reads data: never return before it is done
-    return (whole() if other.cancelled() else other.result()), size, blocks
-
-
 PARALLEL_MIN = 8 << 20
 """Bytes of whole blocks one worker takes at a time; and below which a copy is not split over
 threads (handing a run over costs a thread wake-up)."""
-
-GIL_HELD_MAX: int = getattr(getattr(xxhash, "_xxhash", None), "_GIL_MINSIZE", 65536)
-"""xxhash hashes an input of at most this many bytes without releasing the GIL (python-xxhash:
-``len > _GIL_MINSIZE`` releases it): blocks no larger (those of files under 8 MiB:
-:func:`tierckpt_core.integrity.block_size`) are hashed one thread at a time however many threads
-take them, so :func:`check_all` checks them on the caller's thread alone (more threads would
-only hand the GIL around). Hashing them through ctypes, which releases the GIL for the call, was tried and
-measured slower over 2 to 16 threads than one thread with xxhash's call (docs/benchmarks.md,
-"The GIL-free block hash, measured on a quiet host")."""
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt_core import verified_copy
+from tierckpt_core import integrity, verified_copy
 from tierckpt_core.errors import (
     BlockMismatchError,
     IntegrityError,
@@ -452,12 +452,18 @@ def test_checksum_beside_takes_the_checksums_of_one_pass(length: int) -> None:
     the caller's thread)."""
     data = memoryview(random.Random(length).randbytes(length))
     want = checksum_blocks(data)
-    assert verified_copy.checksum_beside(data) == want
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+
+        def now(n: int, work: Callable[[], str]) -> list[concurrent.futures.Future[str]]:
+            return [pool.submit(work) for _ in range(n)]
+
+        assert integrity.checksum_beside(data, spawn=now) == want
+    assert integrity.checksum_beside(data) == want  # no helper: one pass
 
     def never(n: int, work: Callable[[], str]) -> list[concurrent.futures.Future[str]]:
         return [concurrent.futures.Future() for _ in range(n)]  # a helper that never ran
 
-    assert verified_copy.checksum_beside(data, spawn=never) == want
+    assert integrity.checksum_beside(data, spawn=never) == want
 
 
 def test_checksum_beside_returns_only_once_its_helper_is_done() -> None:
@@ -478,7 +484,7 @@ def test_checksum_beside_returns_only_once_its_helper_is_done() -> None:
         threading.Thread(target=run, daemon=True).start()
         return [fut]
 
-    got = verified_copy.checksum_beside(data, spawn=slow)
+    got = integrity.checksum_beside(data, spawn=slow)
     returned = time.monotonic()
     assert finished and finished[0] <= returned
     assert got == checksum_blocks(data)

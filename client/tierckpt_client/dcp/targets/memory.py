@@ -10,8 +10,8 @@ from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp._helpers import CHECKSUM, on_helpers
 from tierckpt_client.dcp.targets.base import OutFile, bytes_view, overwrite_refused
 from tierckpt_core.errors import NotFoundError, TierCkptError
+from tierckpt_core.integrity import checksum_beside
 from tierckpt_core.protocol import CommitRequest, SealFile
-from tierckpt_core.verified_copy import checksum_beside
 
 logger = logging.getLogger(__name__)
 
