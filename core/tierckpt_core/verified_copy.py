@@ -128,7 +128,7 @@ class _Edges:
             parts = landing.edge_parts()
             if parts:
                 key = landing.key if landing.key is not None else ("copy", i)
-                by_key.setdefault(key, []).extend(parts)
+                by_key.setdefault((key, id(landing.sums)), []).extend(parts)  # one file's
         chunks: list[_Chunk] = []
         for parts in by_key.values():
             chunks.extend(_chunks_of(parts))
