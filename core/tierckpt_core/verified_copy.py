@@ -155,9 +155,7 @@ class _Edges:
             sums = reader.sums
             for block in range(sums.block_of(lo), sums.block_of(hi - 1) + 1):
                 a, b = sums.bounds(block)
-                got = xxhash.xxh3_128_hexdigest(private[a - lo : b - lo])
-                if got != sums.digests[block]:
-                    raise sums.mismatch(block)
+                sums.check(block, private[a - lo : b - lo])
             for a, b, landing in parts:
                 a, b = max(a, lo), min(b, hi)
                 landing.out[a - landing.offset : b - landing.offset] = private[a - lo : b - lo]
