@@ -269,10 +269,10 @@ def test_the_handoff_socket_dials_only_peers_and_hands_over_just_the_range(
 BIG = 1 << 21  # float32 rows of 1: 8 MiB per rank, above what is fetched as small ranges
 
 
-def _spanning(rank: int, world: int, sockets: list[str]) -> None:
+def _spanning(rank: int, world: int, sockets: list[str], numel: int = BIG) -> None:
     os.environ["TIERCKPT_SOCKET"] = sockets[rank]  # rank 0 on node A, rank 1 on node B
     mesh = init_device_mesh("cpu", (world,))
-    full = torch.randn(2 * BIG, generator=torch.Generator().manual_seed(5))
+    full = torch.randn(2 * numel, generator=torch.Generator().manual_seed(5))
     sd = {"w": distribute_tensor(full, mesh, [Shard(0)]), "meta": {"step": 9}}
     dcp.save(sd, storage_writer=TieredStorageWriter(NS, 9), process_group=dist.group.WORLD)
 
@@ -298,3 +298,38 @@ def test_a_rank_reads_what_another_node_holds_straight_from_it(
         assert reader.fetched_bytes >= 4 * BIG
         with DaemonClient(_config(b)) as c:
             assert {f.name for f in c.step(NS, 9).files} == held  # nothing copied into B
+
+
+def test_a_file_that_reaches_the_readers_node_during_the_load_is_read_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small part of a file another node holds is fetched as ranges; when that file comes to
+    this node between the load's pin and the fetch (a replica or another reader's hydration
+    lands), the daemon refuses to send what it holds: the load pins again and reads it here."""
+    small = 1000
+    with running(_ring(2, replicas=0)) as (a, b):
+        run_ranks(_spanning, 2, [str(a.socket), str(b.socket)], small)
+        with DaemonClient(_config(b)) as c:
+            held = {f.name for f in c.step(NS, 9).files}
+        asked: list[str] = []
+        fetch = DaemonClient.read_ranges
+
+        def arrives_first(
+            self: DaemonClient, namespace: str, step: int, name: str, ranges: list[Any]
+        ) -> bytes:
+            if not asked:  # the file lands on this node just before the first fetch
+                self.hydrate(namespace, step, [name])
+            asked.append(name)
+            return fetch(self, namespace, step, name, ranges)
+
+        monkeypatch.setattr(DaemonClient, "read_ranges", arrives_first)
+        out = {"w": torch.zeros(2 * small), "meta": {"step": -1}}
+        reader = TieredStorageReader(NS, 9, config=_config(b))
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        assert asked  # the race happened: the first fetch found the file already here
+        assert torch.equal(
+            out["w"], torch.randn(2 * small, generator=torch.Generator().manual_seed(5))
+        )
+        assert out["meta"] == {"step": 9}
+        with DaemonClient(_config(b)) as c:
+            assert {f.name for f in c.step(NS, 9).files} > held

@@ -141,6 +141,16 @@ class MemorySource:
                 "%s/step %d: could not unpin: %s (it expires by itself)", namespace, step, e
             )
 
+    def _repinned(self, namespace: str, step: int, name: str, error: StepStateError) -> _Opened:
+        """The step pinned again, now that the daemon holds ``name`` (which it did not when the
+        load pinned it); ``error`` (the daemon's refusal to send it) if it still does not."""
+        again = self._open(namespace, step, pin=True)
+        if name not in again.paths:
+            self._unpin(namespace, step, again.pin_id, wait=False)
+            raise error
+        self._check_served(namespace, step, again)
+        return again
+
     @contextlib.contextmanager
     def open_files(self, namespace: str, step: int, refs: list[ShardRef]) -> Iterator[StepFiles]:
         daemon = self.daemon
@@ -174,16 +184,29 @@ class MemorySource:
             pin = self._open(namespace, step, pin=True)
             self._check_served(namespace, step, pin)
         ranged: dict[str, dict[tuple[int, int], bytes]] = {}
-        for name, ranges in wants.items():
-            if name in whole:
-                continue
-            unique = sorted(set(ranges))
-            data = daemon.read_ranges(namespace, step, name, unique)
-            parts, at = {}, 0
-            for off, length in unique:
-                parts[(off, length)] = data[at : at + length]
-                at += length
-            ranged[name] = parts
+        try:
+            for name, ranges in wants.items():
+                if name in whole:
+                    continue
+                unique = sorted(set(ranges))
+                try:
+                    data = daemon.read_ranges(namespace, step, name, unique)
+                except StepStateError as e:
+                    # Here since the pin (a replica, or another reader's fetch, landed in
+                    # between): the daemon sends only what other nodes hold; read it pinned.
+                    again = self._repinned(namespace, step, name, e)
+                    self._unpin(namespace, step, pin.pin_id, wait=False)
+                    pin = again
+                    fetched.discard(name)
+                    continue
+                parts, at = {}, 0
+                for off, length in unique:
+                    parts[(off, length)] = data[at : at + length]
+                    at += length
+                ranged[name] = parts
+        except BaseException:
+            self._unpin(namespace, step, pin.pin_id, wait=False)
+            raise
 
         def mapped(name: str) -> torch.Tensor:
             return _arena.map_file(pin.paths[name]).buffer
