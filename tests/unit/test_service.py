@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 from pathlib import Path
@@ -15,10 +16,13 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     StepStateError,
 )
+from tierckpt_core.manifest import FileRecord
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.hydration import fill_step
+from tierckpt_daemon.tier.records import read_manifest
 from tierckpt_daemon.tier.restore import Restorer
 from tierckpt_daemon.tier.service import TierService
 
@@ -252,3 +256,44 @@ def test_overwrite_false_refuses_to_replace_a_committed_step(root: Path) -> None
     }  # the committed step is untouched
     svc.commit("job", 4, "second", req.model_copy(update={"overwrite": True}))
     assert unpack_metadata(svc.metadata("job", 4), where="test") == {"step": "new"}
+
+
+def test_files_fetched_for_a_step_that_leaves_memory_meanwhile_go_back_to_the_pool(
+    root: Path,
+) -> None:
+    """A share's files are fetched into leases for a step held here; retention drops the step
+    before they join it (newer saves during the fetch): the fill fails by name, and the fetched
+    files are not left in ``leases/``, unaccounted, for good (the crash harness found one)."""
+    svc = make(root, keep_last=2)
+    save(svc, "job", 1)
+    manifest = read_manifest(svc.committed_record("job", 1).manifest_path())  # type: ignore[union-attr]
+    share = [FileRecord(name="r1", rank=1, length=MiB)]
+
+    def fetch(f: FileRecord, path: str) -> None:
+        with open(path, "r+b") as fh:
+            fh.write(b"x" * f.length)
+        save(svc, "job", 2, attempt="a2")  # two newer steps: retention drops step 1
+        save(svc, "job", 3, attempt="a3")
+
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        pytest.raises(StepNotFoundError, match="left this node's memory while files of it"),
+    ):
+        fill_step(
+            svc,
+            "job",
+            1,
+            share,
+            metadata="",
+            world_size=1,
+            fetch=fetch,
+            pool=pool,
+            attempt_prefix="h",
+            replicate=False,
+            spanning=manifest,
+        )
+    assert os.listdir(root / "leases") == []
+    assert svc.usage().leased_bytes == 0
+    assert sorted(r.step for r in svc.committed_records("job")) == [2, 3]
+    held = sum(os.path.getsize(p) for p in root.rglob("*") if p.is_file() and "ns" not in p.parts)
+    assert held == svc.arena.pool_bytes  # the fetched file is in the pool, counted

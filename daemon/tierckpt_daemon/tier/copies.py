@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from tierckpt_core.errors import LeaseNotFoundError, StepStateError
+from tierckpt_core.errors import LeaseNotFoundError, StepNotFoundError, StepStateError
 from tierckpt_core.manifest import FileRecord, StepManifest, ring_of
 from tierckpt_daemon.tier.records import StepRecord, update_manifest
 
@@ -32,12 +32,18 @@ class Copies:
         """Files of a step spanning nodes, fetched into leases, join this node's record of it (a
         reader here needs them, or they are a replica of a peer's share)."""
         with self.lock:
+            if not self.index.holds(rec):  # retention or pressure dropped it during the fetch
+                raise StepNotFoundError(
+                    f"{rec.namespace}/step {rec.step} left this node's memory while files of it "
+                    "were fetched"
+                )
             for f, lease_id in leased:
                 lease = self.leases.get(rec.namespace, lease_id)
                 if lease is None:
                     raise LeaseNotFoundError(f"{rec.namespace}: lease {lease_id} expired")
-                self.leases.take(lease)
+                # Moved first: a move that fails leaves the lease for the caller to give back.
                 self.arena.move(lease.path, rec.dir / f.name)
+                self.leases.take(lease)
                 rec.files[f.name] = f.model_copy(update={"size": lease.size})
             if rec.manifest_path().exists():
                 update_manifest(rec)

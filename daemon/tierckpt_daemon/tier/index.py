@@ -278,6 +278,15 @@ class StepIndex:
             yield rec
         yield from (r for r in self.retiring if r.namespace == namespace and r.step == step)
 
+    def holds(self, rec: StepRecord) -> bool:
+        """``rec`` is still one of this index's records (being written, committed, or retiring
+        while readers pin it): not dropped, its directory in place."""
+        return (
+            self.committed.get(rec.namespace, {}).get(rec.step) is rec
+            or self.writing.get((rec.namespace, rec.step, rec.attempt)) is rec
+            or any(r is rec for r in self.retiring)
+        )
+
     def all_committed(self) -> list[StepRecord]:
         return [r for steps in self.committed.values() for r in steps.values()]
 
