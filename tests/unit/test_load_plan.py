@@ -142,9 +142,10 @@ def test_a_tensor_stored_in_chunks_is_left_to_dcp() -> None:
 
 def test_its_items_resolve_to_the_state_dicts_own_tensors(tmp_path: Path) -> None:
     """Each item of the plan made here resolves to the tensor DCP resolves it to (the same
-    bytes, shape and dtype: the state dict's own tensor); an item it did not make, even an equal
-    one, is DCP's to resolve."""
+    bytes, shape and dtype: the state dict's own tensor), also as the copy DCP hands back after
+    shipping the plans through its coordinator; an item it did not plan is DCP's to resolve."""
     import dataclasses
+    import pickle
 
     metadata = _saved(tmp_path, _state(1))
     state = _state(2)
@@ -159,5 +160,97 @@ def test_its_items_resolve_to_the_state_dicts_own_tensors(tmp_path: Path) -> Non
         assert got.data_ptr() == want.data_ptr()
         assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
         assert got is ours.state_dict[item.dest_index.fqn]
-        copy = dataclasses.replace(item)  # resolved by DCP: the same tensor
-        assert ours.resolve_tensor(copy).data_ptr() == want.data_ptr()
+        shipped = pickle.loads(pickle.dumps(item))  # as a load of several ranks gets it back
+        assert ours.resolve_tensor(shipped) is ours.state_dict[item.dest_index.fqn]
+        if not item.lengths:
+            continue  # (a 0-d tensor has no smaller item)
+        other = dataclasses.replace(item, lengths=torch.Size([1] * len(item.lengths)))
+        got = ours.resolve_tensor(other)  # not an item of this plan: DCP's narrowed view
+        assert got is not ours.state_dict[item.dest_index.fqn]
+        assert got.shape == other.lengths and got.data_ptr() == want.data_ptr()
+
+
+# -- DTensors (FSDP2, HSDP) resumed on their mesh ------------------------------------------------
+
+
+def _dtensors(mesh: Any, placements: Any, seed: int) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    full = {
+        "w": torch.randn(6, 4, generator=g),
+        "b": torch.randn(5, generator=g),  # uneven: 3 and 2 rows
+        "one": torch.randn(1, 3, generator=g),  # one rank's shard is empty
+        "w2": torch.randn(6, 4, generator=g).to(torch.bfloat16),  # a shape met before
+        "p": torch.nn.Parameter(torch.randn(8, generator=g)),
+    }
+    sd: dict[str, Any] = {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
+    sd["p"] = torch.nn.Parameter(sd["p"])  # as FSDP2's parameters are
+    sd["step"] = seed
+    return sd
+
+
+def _dtensor_ranks(rank: int, world: int, path: str) -> None:
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    flat = init_device_mesh("cpu", (world,))
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    for name, mesh, placements in [
+        ("fsdp", flat, [Shard(0)]),
+        ("hsdp", hsdp, [Replicate(), Shard(0)]),
+    ]:
+        where = f"{path}/{name}"
+        dcp.save(_dtensors(mesh, placements, 1), storage_writer=dcp.FileSystemWriter(where))
+        metadata = dcp.FileSystemReader(where).read_metadata()
+        state = _dtensors(mesh, placements, 2)
+        ours, theirs = _load_plan.LoadPlanner(), DefaultLoadPlanner()
+        ours.set_up_planner(state, metadata, rank == 0)
+        theirs.set_up_planner(state, metadata, rank == 0)
+        assert _load_plan.whole_plan(ours.state_dict, metadata.state_dict_metadata) is not None
+        mine = ours.create_local_plan().items
+        dcps = [
+            i
+            for i in theirs.create_local_plan().items
+            if i.type != _load_plan.LoadItemType.TENSOR or i.lengths.numel()
+        ]
+        assert [_key(i) for i in mine] == [_key(i) for i in dcps], (name, rank)
+        for item in mine:
+            if item.type == _load_plan.LoadItemType.TENSOR:
+                got, want = ours.resolve_tensor(item), theirs.resolve_tensor(item)
+                assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+                shipped = pickle.loads(pickle.dumps(item))  # DCP's plans go through rank 0
+                assert ours.resolve_tensor(shipped) is state[item.dest_index.fqn]._local_tensor
+        dcp.load(
+            state, storage_reader=dcp.FileSystemReader(where), planner=_load_plan.LoadPlanner()
+        )
+        want = _dtensors(mesh, placements, 1)
+        for k in ("w", "b", "one", "w2", "p"):
+            assert torch.equal(state[k].to_local(), want[k].to_local()), (name, k)
+            assert torch.equal(state[k].full_tensor(), want[k].full_tensor()), (name, k)
+        assert state["step"] == 1
+
+    # Resharded (saved sharded, loaded replicated): not one stored chunk, so DCP plans it.
+    where = f"{path}/fsdp"
+    metadata = dcp.FileSystemReader(where).read_metadata()
+    state = _dtensors(flat, [Replicate()], 3)
+    planner = _load_plan.LoadPlanner()
+    planner.set_up_planner(state, metadata, rank == 0)
+    assert _load_plan.whole_plan(planner.state_dict, metadata.state_dict_metadata) is None
+    dcp.load(state, storage_reader=dcp.FileSystemReader(where), planner=_load_plan.LoadPlanner())
+    want = _dtensors(flat, [Shard(0)], 1)
+    for k in ("w", "b", "one", "w2", "p"):
+        assert torch.equal(state[k].to_local(), want[k].full_tensor()), ("resharded", k)
+    dist.barrier()
+
+
+def test_dtensors_resumed_on_their_mesh_are_planned_as_dcp_plans_them(tmp_path: Path) -> None:
+    """FSDP2 (``Shard(0)``, uneven shards, an empty one) and HSDP (``Replicate``, ``Shard``)
+    states on 2 ranks: the plan made here has DCP's items (less reads of no bytes), resolves
+    to the same shards and loads the saved values; a resharded load is DCP's to plan."""
+    from helpers import run_ranks
+
+    run_ranks(_dtensor_ranks, 2, str(tmp_path))
