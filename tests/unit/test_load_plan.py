@@ -3,6 +3,7 @@ DCP's to plan."""
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,14 @@ def _plans(state: dict[str, Any], metadata: Any) -> tuple[Any, Any, Any]:
     ours.set_up_planner(state, metadata, True)
     theirs.set_up_planner(state, metadata, True)
     whole = _load_plan.whole_plan(ours.state_dict, metadata.state_dict_metadata)
-    return whole, ours.create_local_plan(), theirs.create_local_plan()
+    return whole, _final(ours), theirs.create_local_plan()
+
+
+def _final(planner: Any) -> Any:
+    """The plan a rank reads with: its local plan, shipped through DCP's coordinator (pickled
+    there and back, as in a load of a process group) and finished by the planner."""
+    shipped = pickle.loads(pickle.dumps(planner.create_local_plan()))
+    return planner.finish_plan(shipped)
 
 
 def _load(state: dict[str, Any], tmp_path: Path) -> None:
@@ -72,6 +80,10 @@ def test_a_resume_is_planned_here_as_dcp_plans_it(tmp_path: Path) -> None:
     whole, ours, theirs = _plans(_state(2), metadata)
     assert whole is not None  # planned here, not by DCP
     assert [_key(i) for i in ours.items] == [_key(i) for i in theirs.items]
+    # What DCP ships through its coordinator has none of the items: they stay on the rank.
+    planner = _load_plan.LoadPlanner()
+    planner.set_up_planner(_state(2), metadata, True)
+    assert planner.create_local_plan().items == []
     assert len(ours.items) == 7  # the empty tensor has none, as in DCP's plan
 
     # And the load through it gives the saved values.
@@ -119,7 +131,7 @@ def test_anything_else_is_left_to_dcp(tmp_path: Path, change: str) -> None:
         with pytest.raises(type(e), match=re.escape(str(e))):
             ours.create_local_plan()
         return
-    assert [_key(i) for i in ours.create_local_plan().items] == expected
+    assert [_key(i) for i in _final(ours).items] == expected
 
 
 def test_a_tensor_stored_in_chunks_is_left_to_dcp() -> None:
@@ -145,14 +157,13 @@ def test_its_items_resolve_to_the_state_dicts_own_tensors(tmp_path: Path) -> Non
     bytes, shape and dtype: the state dict's own tensor), also as the copy DCP hands back after
     shipping the plans through its coordinator; an item it did not plan is DCP's to resolve."""
     import dataclasses
-    import pickle
 
     metadata = _saved(tmp_path, _state(1))
     state = _state(2)
     ours, theirs = _load_plan.LoadPlanner(), DefaultLoadPlanner()
     ours.set_up_planner(state, metadata, True)
     theirs.set_up_planner(state, metadata, True)
-    plan = ours.create_local_plan()
+    plan = _final(ours)
     tensors = [i for i in plan.items if i.type == _load_plan.LoadItemType.TENSOR]
     assert len(tensors) == 5  # w, m, scalar, p, nested.a (the empty tensor has no item)
     for item in tensors:
@@ -191,7 +202,6 @@ def _dtensors(mesh: Any, placements: Any, seed: int) -> dict[str, Any]:
 
 
 def _dtensor_ranks(rank: int, world: int, path: str) -> None:
-    import pickle
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -211,7 +221,7 @@ def _dtensor_ranks(rank: int, world: int, path: str) -> None:
         ours.set_up_planner(state, metadata, rank == 0)
         theirs.set_up_planner(state, metadata, rank == 0)
         assert _load_plan.whole_plan(ours.state_dict, metadata.state_dict_metadata) is not None
-        mine = ours.create_local_plan().items
+        mine = _final(ours).items
         dcps = [
             i
             for i in theirs.create_local_plan().items
