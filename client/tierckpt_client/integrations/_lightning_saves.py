@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from tierckpt_client import _load_plan
 from tierckpt_client._preemption import Outcome, wait_durable
 from tierckpt_client.checkpointer import (
     ASYNC_MODES,
@@ -211,7 +212,10 @@ class _TieredSaves:
         reader = TieredStorageReader(
             namespace, step, config=self.config, process_group=self._ckpt_group
         )
-        dcp.load(state, storage_reader=reader, process_group=self._ckpt_group)
+        # The Checkpointer's load plan: an FSDP2 resume on its mesh without DCP's per-tensor
+        # planning (anything else is planned by DCP as before).
+        planner = _load_plan.LoadPlanner()
+        dcp.load(state, storage_reader=reader, process_group=self._ckpt_group, planner=planner)
         model.load_state_dict(state[self._model_key], strict=self.lightning_module.strict_loading)
         for idx, optim in enumerate(optimizers):
             set_optimizer_state_dict(
