@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, Sto
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from tierckpt_client import _gc_pause
+from tierckpt_client import _gc_pause, _save_plan
 from tierckpt_client.dcp import _async_staging
 from tierckpt_core.errors import TierCkptError
 
@@ -118,7 +118,16 @@ class _Planner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         with _gc_pause.paused(self.pause_gc):
-            return super().create_local_plan()
+            # DTensors' items made without DCP's per-DTensor work (tierckpt_client._save_plan);
+            # DCP plans (and caches) as always over the stand-ins, only for this call.
+            known = _save_plan.with_known_items(self.state_dict)
+            if known is None:
+                return super().create_local_plan()
+            state, self.state_dict = self.state_dict, known
+            try:
+                return super().create_local_plan()
+            finally:
+                self.state_dict = state
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         with _gc_pause.paused(self.pause_gc):

@@ -1,0 +1,107 @@
+"""The save loops' planner makes a ``DTensor``'s write item without DCP's per-``DTensor`` work:
+the plan equals DCP's own, item for item, on FSDP2 and HSDP meshes of two ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from tierckpt_client import _save_loop, _save_plan
+
+from helpers import run_ranks
+
+
+def _state(mesh: Any, placements: Any, seed: int) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    full = {
+        "w": torch.randn(6, 4, generator=g),
+        "b": torch.randn(5, generator=g),  # uneven: 3 and 2 rows
+        "one": torch.randn(1, 3, generator=g),  # one rank's shard is empty
+        "w2": torch.randn(6, 4, generator=g).to(torch.bfloat16),  # a shape met before
+        "p": torch.randn(8, generator=g),
+    }
+    sd: dict[str, Any] = {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
+    sd["p"] = torch.nn.Parameter(sd["p"])  # as FSDP2's parameters are: requires_grad
+    sd["plain"] = torch.arange(4.0)
+    sd["nested"] = {"m": distribute_tensor(torch.randn(6, 4, generator=g), mesh, placements)}
+    sd["step"] = seed
+    return sd
+
+
+def _counting(asked: list[str], own: Any) -> Any:
+    """``own`` (a method), noting in ``asked`` the key of each call."""
+
+    def counted(self: Any, fqn: str, obj: Any) -> Any:
+        asked.append(fqn)
+        return own(self, fqn, obj)
+
+    return counted
+
+
+def _items(planner: Any, state: dict[str, Any], rank: int) -> list[Any]:
+    planner.set_up_planner(state, None, rank == 0)
+    return planner.create_local_plan().items
+
+
+def _ranks(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    flat = init_device_mesh("cpu", (world,))
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    for name, mesh, placements in [
+        ("fsdp", flat, [Shard(0)]),
+        ("hsdp", hsdp, [Replicate(), Shard(0)]),
+    ]:
+        for grad in (True, False):
+            state = _state(mesh, placements, 1)
+            asked: list[str] = []
+            counted = _counting(asked, DTensor.__create_write_items__)
+            own = DTensor.__create_write_items__
+
+            with torch.set_grad_enabled(grad):
+                DTensor.__create_write_items__ = counted  # type: ignore[method-assign]
+                try:
+                    ours = _items(_save_loop.caching_planner(f"test-{name}-{grad}"), state, rank)
+                finally:
+                    DTensor.__create_write_items__ = own  # type: ignore[method-assign]
+                # One DTensor asked per shape (w, w2 and nested.m share theirs), not each.
+                assert sorted(asked) == ["b", "one", "p", "w"], asked
+                theirs = _items(DefaultSavePlanner(), state, rank)
+                flat_state = DefaultSavePlanner()
+                flat_state.set_up_planner(state, None, rank == 0)
+                known = _save_plan.with_known_items(flat_state.state_dict)
+            assert ours == theirs, (name, grad, rank)  # every field of every item
+            assert known is not None
+            stood_in = {k for k, v in known.items() if isinstance(v, _save_plan._Known)}
+            assert stood_in == {"w", "b", "one", "w2", "p", "nested.m"}, stood_in
+            _save_loop.forget_plans(f"test-{name}-{grad}")
+        # Saved with it and loaded back: the values.
+        where = f"{path}/{name}"
+        dcp.save(
+            _state(mesh, placements, 1),
+            storage_writer=dcp.FileSystemWriter(where),
+            planner=_save_loop.caching_planner(f"save-{name}"),
+        )
+        _save_loop.forget_plans(f"save-{name}")
+        back = _state(mesh, placements, 2)
+        dcp.load(back, storage_reader=dcp.FileSystemReader(where))
+        want = _state(mesh, placements, 1)
+        for k in ("w", "b", "one", "w2", "p"):
+            assert torch.equal(back[k].full_tensor(), want[k].full_tensor()), (name, k)
+        assert torch.equal(back["nested"]["m"].full_tensor(), want["nested"]["m"].full_tensor())
+        assert back["step"] == 1
+
+
+def test_dtensor_write_items_equal_dcps_and_the_save_loads_back(tmp_path: Path) -> None:
+    run_ranks(_ranks, 2, str(tmp_path))
+
+
+def test_a_state_without_dtensors_is_left_to_dcp() -> None:
+    assert _save_plan.with_known_items({"w": torch.zeros(3), "step": 1}) is None
