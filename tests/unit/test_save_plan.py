@@ -67,13 +67,22 @@ def _ranks(rank: int, world: int, path: str) -> None:
 
             with torch.set_grad_enabled(grad):
                 DTensor.__create_write_items__ = counted  # type: ignore[method-assign]
+                mine = _save_loop.caching_planner(f"test-{name}-{grad}")
                 try:
-                    ours = _items(_save_loop.caching_planner(f"test-{name}-{grad}"), state, rank)
+                    ours = _items(mine, state, rank)
                 finally:
                     DTensor.__create_write_items__ = own  # type: ignore[method-assign]
                 # One DTensor asked per shape (w, w2 and nested.m share theirs), not each.
                 assert sorted(asked) == ["b", "one", "p", "w"], asked
-                theirs = _items(DefaultSavePlanner(), state, rank)
+                dcps = DefaultSavePlanner()
+                theirs = _items(dcps, state, rank)
+                for item in ours:  # each resolves to the data DCP resolves it to
+                    got, want = mine.resolve_data(item), dcps.resolve_data(item)
+                    if isinstance(want, torch.Tensor):
+                        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
+                        assert got.dtype == want.dtype and torch.equal(got, want)
+                    else:
+                        assert got.getvalue() == want.getvalue()
                 flat_state = DefaultSavePlanner()
                 flat_state.set_up_planner(state, None, rank == 0)
                 known = _save_plan.with_known_items(flat_state.state_dict)
