@@ -251,3 +251,42 @@ def cli_json(
     proc = cli(*args, "--json", node=node, env=env)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
+
+
+# -- DTensor states (FSDP2, HSDP) on a mesh of the ranks ----------------------------------------
+
+
+def dtensor_meshes(world: int) -> list[tuple[str, Any, list[Any]]]:
+    """FSDP2's layout (``Shard(0)`` over the ranks) and HSDP's (``Replicate`` over ``world``
+    replica groups of one shard each), as (name, mesh, placements); call in every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    flat = init_device_mesh("cpu", (world,))
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    return [("fsdp", flat, [Shard(0)]), ("hsdp", hsdp, [Replicate(), Shard(0)])]
+
+
+DTENSOR_KEYS = ("w", "b", "one", "w2", "p")
+
+
+def dtensor_state(mesh: Any, placements: Any, seed: int) -> dict[str, Any]:
+    """A state of ``DTensor``s on ``mesh`` (:data:`DTENSOR_KEYS`, an uneven one and one with an
+    empty shard on the second rank, two of one shape, a parameter) and ``nested.m``, beside a
+    plain tensor and a value; the same values on every rank for a ``seed``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    g = torch.Generator().manual_seed(seed)
+    full = {
+        "w": torch.randn(6, 4, generator=g),
+        "b": torch.randn(5, generator=g),  # uneven: 3 and 2 rows
+        "one": torch.randn(1, 3, generator=g),  # one rank's shard is empty
+        "w2": torch.randn(6, 4, generator=g).to(torch.bfloat16),  # a shape met before
+        "p": torch.randn(8, generator=g),
+    }
+    sd: dict[str, Any] = {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
+    sd["p"] = torch.nn.Parameter(sd["p"])  # as FSDP2's parameters are: requires_grad
+    sd["plain"] = torch.arange(4.0)
+    sd["nested"] = {"m": distribute_tensor(torch.randn(6, 4, generator=g), mesh, placements)}
+    sd["step"] = seed
+    return sd

@@ -15,6 +15,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from tierckpt_client import _load_plan
 
+from helpers import run_ranks
+from kit import DTENSOR_KEYS, dtensor_meshes, dtensor_state
+
 
 def _state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
@@ -184,39 +187,16 @@ def test_its_items_resolve_to_the_state_dicts_own_tensors(tmp_path: Path) -> Non
 # -- DTensors (FSDP2, HSDP) resumed on their mesh ------------------------------------------------
 
 
-def _dtensors(mesh: Any, placements: Any, seed: int) -> dict[str, Any]:
-    from torch.distributed.tensor import distribute_tensor
-
-    g = torch.Generator().manual_seed(seed)
-    full = {
-        "w": torch.randn(6, 4, generator=g),
-        "b": torch.randn(5, generator=g),  # uneven: 3 and 2 rows
-        "one": torch.randn(1, 3, generator=g),  # one rank's shard is empty
-        "w2": torch.randn(6, 4, generator=g).to(torch.bfloat16),  # a shape met before
-        "p": torch.nn.Parameter(torch.randn(8, generator=g)),
-    }
-    sd: dict[str, Any] = {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
-    sd["p"] = torch.nn.Parameter(sd["p"])  # as FSDP2's parameters are
-    sd["step"] = seed
-    return sd
-
-
 def _dtensor_ranks(rank: int, world: int, path: str) -> None:
-
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
 
-    flat = init_device_mesh("cpu", (world,))
-    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-    for name, mesh, placements in [
-        ("fsdp", flat, [Shard(0)]),
-        ("hsdp", hsdp, [Replicate(), Shard(0)]),
-    ]:
+    meshes = dtensor_meshes(world)
+    for name, mesh, placements in meshes:
         where = f"{path}/{name}"
-        dcp.save(_dtensors(mesh, placements, 1), storage_writer=dcp.FileSystemWriter(where))
+        dcp.save(dtensor_state(mesh, placements, 1), storage_writer=dcp.FileSystemWriter(where))
         metadata = dcp.FileSystemReader(where).read_metadata()
-        state = _dtensors(mesh, placements, 2)
+        state = dtensor_state(mesh, placements, 2)
         ours, theirs = _load_plan.LoadPlanner(), DefaultLoadPlanner()
         ours.set_up_planner(state, metadata, rank == 0)
         theirs.set_up_planner(state, metadata, rank == 0)
@@ -233,26 +213,31 @@ def _dtensor_ranks(rank: int, world: int, path: str) -> None:
                 got, want = ours.resolve_tensor(item), theirs.resolve_tensor(item)
                 assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
                 shipped = pickle.loads(pickle.dumps(item))  # DCP's plans go through rank 0
-                assert ours.resolve_tensor(shipped) is state[item.dest_index.fqn]._local_tensor
+                obj = ours.state_dict[item.dest_index.fqn]
+                local = obj if item.dest_index.fqn == "plain" else obj._local_tensor
+                assert ours.resolve_tensor(shipped) is local
         dcp.load(
             state, storage_reader=dcp.FileSystemReader(where), planner=_load_plan.LoadPlanner()
         )
-        want = _dtensors(mesh, placements, 1)
-        for k in ("w", "b", "one", "w2", "p"):
+        want = dtensor_state(mesh, placements, 1)
+        for k in DTENSOR_KEYS:
             assert torch.equal(state[k].to_local(), want[k].to_local()), (name, k)
             assert torch.equal(state[k].full_tensor(), want[k].full_tensor()), (name, k)
-        assert state["step"] == 1
+        m = state["nested"]["m"]
+        assert torch.equal(m.full_tensor(), want["nested"]["m"].full_tensor()), name
+        assert torch.equal(state["plain"], want["plain"]) and state["step"] == 1
 
     # Resharded (saved sharded, loaded replicated): not one stored chunk, so DCP plans it.
     where = f"{path}/fsdp"
     metadata = dcp.FileSystemReader(where).read_metadata()
-    state = _dtensors(flat, [Replicate()], 3)
+    flat = meshes[0][1]
+    state = dtensor_state(flat, [Replicate()], 3)
     planner = _load_plan.LoadPlanner()
     planner.set_up_planner(state, metadata, rank == 0)
     assert _load_plan.whole_plan(planner.state_dict, metadata.state_dict_metadata) is None
     dcp.load(state, storage_reader=dcp.FileSystemReader(where), planner=_load_plan.LoadPlanner())
-    want = _dtensors(flat, [Shard(0)], 1)
-    for k in ("w", "b", "one", "w2", "p"):
+    want = dtensor_state(flat, [Shard(0)], 1)
+    for k in DTENSOR_KEYS:
         assert torch.equal(state[k].to_local(), want[k].full_tensor()), ("resharded", k)
     dist.barrier()
 
@@ -261,6 +246,4 @@ def test_dtensors_resumed_on_their_mesh_are_planned_as_dcp_plans_them(tmp_path: 
     """FSDP2 (``Shard(0)``, uneven shards, an empty one) and HSDP (``Replicate``, ``Shard``)
     states on 2 ranks: the plan made here has DCP's items (less reads of no bytes), resolves
     to the same shards and loads the saved values; a resharded load is DCP's to plan."""
-    from helpers import run_ranks
-
     run_ranks(_dtensor_ranks, 2, str(tmp_path))

@@ -13,25 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from tierckpt_client import _save_loop, _save_plan
 
 from helpers import run_ranks
-
-
-def _state(mesh: Any, placements: Any, seed: int) -> dict[str, Any]:
-    from torch.distributed.tensor import distribute_tensor
-
-    g = torch.Generator().manual_seed(seed)
-    full = {
-        "w": torch.randn(6, 4, generator=g),
-        "b": torch.randn(5, generator=g),  # uneven: 3 and 2 rows
-        "one": torch.randn(1, 3, generator=g),  # one rank's shard is empty
-        "w2": torch.randn(6, 4, generator=g).to(torch.bfloat16),  # a shape met before
-        "p": torch.randn(8, generator=g),
-    }
-    sd: dict[str, Any] = {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
-    sd["p"] = torch.nn.Parameter(sd["p"])  # as FSDP2's parameters are: requires_grad
-    sd["plain"] = torch.arange(4.0)
-    sd["nested"] = {"m": distribute_tensor(torch.randn(6, 4, generator=g), mesh, placements)}
-    sd["step"] = seed
-    return sd
+from kit import DTENSOR_KEYS, dtensor_meshes, dtensor_state
 
 
 def _counting(asked: list[str], own: Any) -> Any:
@@ -50,17 +32,11 @@ def _items(planner: Any, state: dict[str, Any], rank: int) -> list[Any]:
 
 
 def _ranks(rank: int, world: int, path: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
-    flat = init_device_mesh("cpu", (world,))
-    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
-    for name, mesh, placements in [
-        ("fsdp", flat, [Shard(0)]),
-        ("hsdp", hsdp, [Replicate(), Shard(0)]),
-    ]:
+    for name, mesh, placements in dtensor_meshes(world):
         for grad in (True, False):
-            state = _state(mesh, placements, 1)
+            state = dtensor_state(mesh, placements, 1)
             asked: list[str] = []
             counted = _counting(asked, DTensor.__create_write_items__)
             own = DTensor.__create_write_items__
@@ -94,15 +70,15 @@ def _ranks(rank: int, world: int, path: str) -> None:
         # Saved with it and loaded back: the values.
         where = f"{path}/{name}"
         dcp.save(
-            _state(mesh, placements, 1),
+            dtensor_state(mesh, placements, 1),
             storage_writer=dcp.FileSystemWriter(where),
             planner=_save_loop.caching_planner(f"save-{name}"),
         )
         _save_loop.forget_plans(f"save-{name}")
-        back = _state(mesh, placements, 2)
+        back = dtensor_state(mesh, placements, 2)
         dcp.load(back, storage_reader=dcp.FileSystemReader(where))
-        want = _state(mesh, placements, 1)
-        for k in ("w", "b", "one", "w2", "p"):
+        want = dtensor_state(mesh, placements, 1)
+        for k in DTENSOR_KEYS:
             assert torch.equal(back[k].full_tensor(), want[k].full_tensor()), (name, k)
         assert torch.equal(back["nested"]["m"].full_tensor(), want["nested"]["m"].full_tensor())
         assert back["step"] == 1
