@@ -149,6 +149,8 @@ def _shard_items(
     shard: nothing to read); None if it is not one (DCP plans the state)."""
     if md.size != obj.size() or type(obj._local_tensor) not in _PLAIN:
         return None  # (a subclass shard, e.g. a low-precision training tensor, chunks itself)
+    if obj.device_mesh.get_coordinate() is None:
+        return []  # a DTensor of a mesh this rank is not part of: DCP reads nothing for it
     key = (obj.size(), obj.device_mesh, obj.placements)
     if key in shards:
         known = shards[key]

@@ -20,6 +20,8 @@ from tierckpt_client import _gc_pause, _save_plan
 from tierckpt_client.dcp import _async_staging
 from tierckpt_core.errors import TierCkptError
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 # Public (re-exported by checkpointer, as checkpoint_groups is): async_mode -> DCP's type.
 ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 
@@ -137,8 +139,8 @@ class _Planner(DefaultSavePlanner):
         # no_grad, ~60 us) is the local tensor, which the writer takes detached.
         if write_item.type == WriteItemType.SHARD:
             obj = self.state_dict.get(write_item.index.fqn)
-            if type(obj) is DTensor:
-                return obj._local_tensor
+            if type(obj) is DTensor and type(obj._local_tensor) in _PLAIN:
+                return obj._local_tensor  # (a subclass shard may give DCP its own shard)
         return super().resolve_data(write_item)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
