@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.tensor import DTensor
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+from tierckpt_client._shards import PLAIN, plain_shard
+
 # A local plan made here, shipped through DCP's coordinator without its items.
 _KEPT = "tierckpt: items kept on the rank"
 
@@ -84,10 +85,9 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 def _local(obj: Any) -> torch.Tensor:
-    """What an item of :func:`whole_plan` lands in: the tensor, or a ``DTensor``'s shard (the
-    tensor ``to_local()`` returns outside autograd, or a view of it for a parameter: the same
-    memory; taken as is, ~5 us a tensor less)."""
-    return obj._local_tensor if type(obj) is DTensor else obj
+    """What an item of :func:`whole_plan` lands in: the tensor, or a ``DTensor``'s shard."""
+    shard = plain_shard(obj)
+    return obj if shard is None else shard
 
 
 def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -> LoadPlan | None:
@@ -120,7 +120,7 @@ def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -
                 return None
             items += shard
             continue
-        if type(obj) not in _PLAIN:
+        if type(obj) not in PLAIN:
             return None
         assert isinstance(obj, torch.Tensor)
         size = obj.size()
@@ -147,11 +147,12 @@ def _shard_items(
 ) -> list[ReadItem] | None:
     """The read item of a ``DTensor`` whose local shard is a stored chunk (none for an empty
     shard: nothing to read); None if it is not one (DCP plans the state)."""
-    if md.size != obj.size() or type(obj._local_tensor) not in _PLAIN:
-        return None  # (a subclass shard, e.g. a low-precision training tensor, chunks itself)
+    size = obj.size()
+    if md.size != size or plain_shard(obj) is None:
+        return None
     if obj.device_mesh.get_coordinate() is None:
         return []  # a DTensor of a mesh this rank is not part of: DCP reads nothing for it
-    key = (obj.size(), obj.device_mesh, obj.placements)
+    key = (size, obj.device_mesh, obj.placements)
     if key in shards:
         known = shards[key]
     else:

@@ -14,13 +14,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
-from torch.distributed.tensor import DTensor
 
 from tierckpt_client import _gc_pause, _save_plan
+from tierckpt_client._shards import plain_shard
 from tierckpt_client.dcp import _async_staging
 from tierckpt_core.errors import TierCkptError
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # Public (re-exported by checkpointer, as checkpoint_groups is): async_mode -> DCP's type.
 ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
@@ -138,9 +136,9 @@ class _Planner(DefaultSavePlanner):
         # A DTensor's shard: what DCP's lookup returns (to_local(), an autograd call outside
         # no_grad, ~60 us) is the local tensor, which the writer takes detached.
         if write_item.type == WriteItemType.SHARD:
-            obj = self.state_dict.get(write_item.index.fqn)
-            if type(obj) is DTensor and type(obj._local_tensor) in _PLAIN:
-                return obj._local_tensor  # (a subclass shard may give DCP its own shard)
+            shard = plain_shard(self.state_dict.get(write_item.index.fqn))
+            if shard is not None:
+                return shard
         return super().resolve_data(write_item)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

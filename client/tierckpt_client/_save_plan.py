@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+from tierckpt_client._shards import plain_shard
 
 
 class _Known:
@@ -54,7 +54,7 @@ def with_known_items(state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     known = 0
     for fqn, obj in state_dict.items():
-        if type(obj) is DTensor and type(obj._local_tensor) in _PLAIN:
+        if plain_shard(obj) is not None:
             item = _item(fqn, obj, chunks, grad)
             if item is not None:
                 out[fqn] = _Known(item)
