@@ -25,6 +25,7 @@ from tierckpt_core.errors import DaemonUnavailableError, ProtocolError, TierCkpt
 from tierckpt_core.http import decode_body
 from tierckpt_core.protocol import (
     AttemptInfo,
+    CandidatesRead,
     ClusterListing,
     CommitRequest,
     CorruptionReport,
@@ -283,6 +284,19 @@ class DaemonClient:
     def candidates(self, namespace: str) -> list[StepCandidate]:
         doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates")
         return [StepCandidate.model_validate(x) for x in doc]
+
+    def candidates_read(self, namespace: str) -> CandidatesRead:
+        """:meth:`candidates`, and the newest one's answer to an unpinned :meth:`open_read`
+        where the daemon holds it (a load of "latest" in one round trip before DCP plans); a
+        daemon older than this answers the list alone (``read`` None)."""
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates?read=true")
+        if isinstance(doc, list):
+            return CandidatesRead(candidates=[StepCandidate.model_validate(x) for x in doc])
+        answer = CandidatesRead.model_validate(doc)
+        if answer.read is not None and answer.candidates:
+            step = answer.candidates[0].step
+            _reads.remember((str(self.config.socket), namespace, step), answer.read)
+        return answer
 
     def hydrate(self, namespace: str, step: int, files: list[str] | None = None) -> StepInfo:
         """Bring a step into this node's memory from a peer or the persistent tier (a long

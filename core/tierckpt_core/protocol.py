@@ -294,6 +294,17 @@ class ReadResponse(BaseModel):
     files: list[FileRecord] | None = None
 
 
+class CandidatesRead(BaseModel):
+    """``GET .../candidates?read=true``: the candidates, and the newest one's :class:`ReadResponse`
+    (unpinned, with its metadata and file records) when this node's memory holds it and keeps its
+    metadata: a load of "latest" then needs no second request before DCP plans (None otherwise:
+    the load asks ``POST .../reads`` as for any step). A daemon older than this answers the
+    plain list."""
+
+    candidates: list[StepCandidate]
+    read: ReadResponse | None = None
+
+
 class StatusResponse(BaseModel):
     version: str
     api_version: str

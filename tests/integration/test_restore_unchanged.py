@@ -232,6 +232,81 @@ def test_a_first_load_sends_its_pin_ahead_with_the_metadata_answer(
         load("first", blank_state(N), 2)
 
 
+def test_a_load_of_latest_has_the_steps_metadata_with_the_candidates(
+    client_env: DaemonProcess, reads: list[str]
+) -> None:
+    """ "latest" in a process that never read the step: the daemon answers the candidates with the
+    newest step's metadata and records, so the one request before DCP plans is the candidates'
+    (then the pin, sent ahead); the bytes are verified against those records (a flipped byte
+    fails the load, naming file and block, and the load falls back to the older step)."""
+    save("newest", 1, seeded_state(1, N))
+    save("newest", 2, seeded_state(2, N))
+    step, out = load("newest", blank_state(N))
+    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])
+    assert out["meta"] == {"step": 2}
+    assert reads == ["pin"]
+    with DaemonClient() as c:
+        answer = c.candidates_read("newest")
+    assert [x.step for x in answer.candidates] == [2, 1]
+    assert answer.read is not None and answer.read.pin_id is None
+    assert answer.read.files is not None and answer.read.metadata is not None
+    save("newest", 3, seeded_state(3, N))
+    data = next(p for name, p in step_paths("newest", 3).items() if name.endswith(".data"))
+    flip_byte(data, 100)
+    reads.clear()
+    step, out = load("newest", blank_state(N))
+    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])
+
+
+@pytest.mark.parametrize("layout", ["same", "other"])
+def test_a_step_saved_again_after_the_candidates_answered_is_read_as_saved_again(
+    client_env: DaemonProcess, reads: list[str], monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """The metadata that came with the candidates is of the step as it was then: saved again
+    before the load reads it, the load asks for the metadata again and reads the new bytes."""
+    ns = f"raced-{layout}"
+    save(ns, 1, seeded_state(1, N))
+    new = seeded_state(1, N, seed=7)
+    if layout == "other":
+        new = {"a": torch.full((1000,), 5.0), **new}
+    real = DaemonClient.candidates_read
+
+    def then_saved_again(self: DaemonClient, namespace: str) -> Any:
+        answer = real(self, namespace)
+        assert answer.read is not None
+        save(ns, 1, new)
+        return answer
+
+    monkeypatch.setattr(DaemonClient, "candidates_read", then_saved_again)
+    reads.clear()
+    dest = {**({"a": torch.zeros(1000)} if layout == "other" else {}), **blank_state(N)}
+    step, out = load(ns, dest)
+    assert step == 1 and torch.equal(out["w"], new["w"])
+    if layout == "other":
+        assert torch.equal(out["a"], new["a"])
+    assert reads == ["metadata", "pin"]
+
+
+def test_a_daemon_that_answers_the_candidates_alone_is_asked_for_the_metadata(
+    client_env: DaemonProcess, reads: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon older than the candidates' read ignores ``read=true`` and answers the list: the
+    load asks for the metadata itself, as before."""
+    real = DaemonClient._request
+
+    def older(self: DaemonClient, method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        return real(self, method, path.replace("?read=true", ""), *args, **kwargs)
+
+    monkeypatch.setattr(DaemonClient, "_request", older)
+    save("older", 1, seeded_state(1, N))
+    with DaemonClient() as c:
+        answer = c.candidates_read("older")
+    assert [x.step for x in answer.candidates] == [1] and answer.read is None
+    step, out = load("older", blank_state(N))
+    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
+    assert reads == ["metadata", "pin"]
+
+
 def test_a_new_step_of_the_layout_loaded_last_decodes_no_metadata(
     client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

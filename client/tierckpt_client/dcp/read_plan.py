@@ -106,10 +106,14 @@ class Planner:
 
     def _newest_through_daemon(self, namespace: str, below: int | None) -> ReadPlan:
         skipped: list[str] = []
-        for cand in self.daemon.candidates(namespace):
+        found = self.daemon.candidates_read(namespace)
+        for cand in found.candidates:
             if below is not None and cand.step >= below:
                 continue
             if cand.in_memory:
+                if found.read is not None and cand is found.candidates[0]:
+                    # Its metadata came with the candidates: the load asks only for the pin.
+                    self.memory.adopt(namespace, cand.step, found.read)
                 return self.in_memory(cand.step)
             try:
                 plan = self._elsewhere(namespace, cand)

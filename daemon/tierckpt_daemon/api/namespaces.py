@@ -15,8 +15,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 from starlette.concurrency import run_in_threadpool
 
+from tierckpt_core.errors import TierCkptError
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import (
+    CandidatesRead,
     CorruptionReport,
     HydrateRequest,
     NamespaceInfo,
@@ -66,9 +68,33 @@ def latest(namespace: str, service: Service, owner: Owner) -> StepInfo:
     return service.latest(namespace, owner=owner)
 
 
-@router.get("/{namespace}/candidates")
-def candidates(namespace: str, node: NodeDep, owner: Owner) -> list[StepCandidate]:
-    return node.restorer.candidates(namespace, owner=owner)
+@router.get("/{namespace}/candidates", response_model=list[StepCandidate] | CandidatesRead)
+def candidates(
+    namespace: str, node: NodeDep, service: Service, owner: Owner, read: bool = False
+) -> Any:
+    """Steps "latest" may pick, newest first; with ``read``, also the newest one's answer to an
+    unpinned ``POST .../reads`` where this node holds it (a load of "latest" in one round trip
+    before DCP plans: :class:`~tierckpt_core.protocol.CandidatesRead`)."""
+    found = node.restorer.candidates(namespace, owner=owner)
+    if not read:
+        return found
+    answer = CandidatesRead(candidates=found, read=_newest_read(service, namespace, found, owner))
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
+def _newest_read(
+    service: TierService, namespace: str, found: list[StepCandidate], owner: str | None
+) -> ReadResponse | None:
+    """The answer to an unpinned read of the newest candidate, if this node's memory holds it and
+    keeps its metadata (a step spanning nodes keeps it on a few of them); else None."""
+    if not found or not found[0].in_memory:
+        return None
+    with service.lock:  # the version, the stamp and the records of one state of the step
+        try:
+            answer, _ = _open_read(service, namespace, found[0].step, owner, False, None)
+        except TierCkptError:  # it left memory since the candidates were listed: the load asks
+            return None
+    return answer if answer.metadata is not None else None
 
 
 @router.post("/{namespace}/steps/{step}/hydrate")

@@ -38,6 +38,7 @@ from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_client.dcp.sources.peers import PeerSource
 from tierckpt_core.errors import NotFoundError, ProtocolError, StepStateError, TierCkptError
 from tierckpt_core.manifest import FileRecord
+from tierckpt_core.protocol import ReadResponse
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +119,7 @@ class MemorySource:
             known = _KNOWN.get(key)
         answer = self.daemon.open_read(namespace, step, known.version if known else None, pin=pin)
         if answer.metadata is not None and answer.files is not None:
-            known = _Known(answer.version, answer.metadata, {f.name: f for f in answer.files})
-            with _KNOWN_LOCK:
-                _KNOWN[key] = known
-                _KNOWN.move_to_end(key)
-                while len(_KNOWN) > _KNOWN_MAX:
-                    _KNOWN.popitem(last=False)
+            known = self.adopt(namespace, step, answer)
         elif known is None or known.version != answer.version:
             if answer.pin_id is not None:
                 self._unpin(namespace, step, answer.pin_id)
@@ -132,6 +128,20 @@ class MemorySource:
                 f"this process does not hold ({answer.version})"
             )
         return _Opened(answer.pin_id or "", answer.paths, known)
+
+    def adopt(self, namespace: str, step: int, answer: ReadResponse) -> _Known:
+        """Hold the step's metadata and file records as the daemon answered them (to this
+        source's ``open_read``, or with the candidates of a load of "latest": its next
+        ``open_read`` of this version then asks for neither)."""
+        assert answer.metadata is not None and answer.files is not None
+        key = (str(self.config.socket), namespace, step)
+        known = _Known(answer.version, answer.metadata, {f.name: f for f in answer.files})
+        with _KNOWN_LOCK:
+            _KNOWN[key] = known
+            _KNOWN.move_to_end(key)
+            while len(_KNOWN) > _KNOWN_MAX:
+                _KNOWN.popitem(last=False)
+        return known
 
     def _unpin(self, namespace: str, step: int, pin_id: str, *, wait: bool = True) -> None:
         try:
