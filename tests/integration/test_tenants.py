@@ -124,6 +124,10 @@ def call(sock: str, what: str, ns: str, step: int = 0) -> Any:
             return c.pin(ns, step).paths
         if what == "candidates":
             return [x.step for x in c.candidates(ns)]
+        if what == "candidates+read":  # a load of "latest"
+            return [x.step for x in c.candidates_read(ns).candidates]
+        if what == "reads":  # a load's metadata request
+            return c.open_read(ns, step, pin=False).version
         if what == "hydrate":
             return c.hydrate(ns, step).step
         if what == "delete":
@@ -187,7 +191,10 @@ def test_a_namespace_belongs_to_the_uid_that_saved_it(node: DaemonProcess) -> No
     as_user(VICTIM, save, sock, "teamB", 1, "victim-1")
 
     # Another uid reaches nothing of it: every call is a 403 with a code that names the cause.
-    for what in ("lease", "latest", "steps", "metadata", "pin", "candidates", "hydrate", "delete"):
+    for what in (
+        *("lease", "latest", "steps", "metadata", "pin", "candidates", "candidates+read"),
+        *("reads", "hydrate", "delete"),
+    ):
         got = _refused(as_user(ATTACKER, call, sock, what, "teamB", 1), "namespace_owner")
         assert "teamB" in got["detail"] and f"uid:{VICTIM}" in got["detail"], got
     _refused(as_user(ATTACKER, save, sock, "teamB", 2, "attacker"), "namespace_owner")

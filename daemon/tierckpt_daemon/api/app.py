@@ -18,6 +18,8 @@ from tierckpt_core.errors import ForbiddenError, NotFoundError, ProtocolError, T
 from tierckpt_core.protocol import API_VERSION, ErrorBody
 from tierckpt_daemon import __version__
 from tierckpt_daemon.api.cluster import router as cluster_router
+from tierckpt_daemon.api.errors import error_response
+from tierckpt_daemon.api.fast_reads import FastReads
 from tierckpt_daemon.api.health import router as health_router
 from tierckpt_daemon.api.namespaces import router as namespaces_router
 from tierckpt_daemon.api.peer_gate import PEER_PREFIX, PeerGate
@@ -120,12 +122,7 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
 
     @app.exception_handler(TierCkptError)
     async def _tierckpt_error(request: Request, exc: TierCkptError) -> JSONResponse:
-        if exc.http_status >= 500:
-            logger.warning("%s %s failed: %s", request.method, request.url.path, exc)
-        headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
-        return JSONResponse(
-            {"code": exc.code, "detail": str(exc)}, status_code=exc.http_status, headers=headers
-        )
+        return error_response(request.method, request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -170,7 +167,8 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
     app.include_router(peers_router)
     app.include_router(cluster_router)
     # The last added runs first: the wrong port is refused, then a peer route's token checked and
-    # every body capped, all before a body is read.
+    # every body capped, all before a body is read; then a load's reads, past the routing.
+    app.add_middleware(FastReads, node=node)
     app.add_middleware(
         PeerGate,
         secret=settings.peer_secret,

@@ -69,16 +69,21 @@ def latest(namespace: str, service: Service, owner: Owner) -> StepInfo:
 
 
 @router.get("/{namespace}/candidates", response_model=list[StepCandidate] | CandidatesRead)
-def candidates(
-    namespace: str, node: NodeDep, service: Service, owner: Owner, read: bool = False
-) -> Any:
+def candidates(namespace: str, node: NodeDep, owner: Owner, read: bool = False) -> Any:
     """Steps "latest" may pick, newest first; with ``read``, also the newest one's answer to an
     unpinned ``POST .../reads`` where this node holds it (a load of "latest" in one round trip
     before DCP plans: :class:`~tierckpt_core.protocol.CandidatesRead`)."""
-    found = node.restorer.candidates(namespace, owner=owner)
     if not read:
-        return found
-    answer = CandidatesRead(candidates=found, read=_newest_read(service, namespace, found, owner))
+        return node.restorer.candidates(namespace, owner=owner)
+    return candidates_read(node, namespace, owner)
+
+
+def candidates_read(node: Node, namespace: str, owner: str | None) -> Response:
+    """The answer to ``GET .../candidates?read=true`` (blocking: peers and the persistent tier
+    are asked; served by :mod:`tierckpt_daemon.api.fast_reads` in the thread pool)."""
+    found = node.restorer.candidates(namespace, owner=owner)
+    read = _newest_read(node.service, namespace, found, owner)
+    answer = CandidatesRead(candidates=found, read=read)
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
@@ -182,12 +187,22 @@ async def open_read(
 ) -> Response:
     """A load's one round trip per phase: the step's version, pinned (as ``pins``) when asked,
     and its metadata and file records unless the reader holds those of this very commit already
-    (``known``).
+    (``known``). Served by :mod:`tierckpt_daemon.api.fast_reads` before the framework's routing
+    (this route documents it, and answers what that path leaves to the framework)."""
+    return await read_response(service, node, namespace, step, owner, req or ReadRequest())
 
-    On the trainer's path twice per load, so it runs on the event loop (no thread-pool hops)
-    while the service's lock is free; fetching the metadata (from another node, for a step
-    spanning nodes) goes to the thread pool."""
-    req = req or ReadRequest()
+
+async def read_response(
+    service: TierService,
+    node: Node,
+    namespace: str,
+    step: int,
+    owner: str | None,
+    req: ReadRequest,
+) -> Response:
+    """The answer to ``POST .../reads``. On the trainer's path twice per load, so it runs on the
+    event loop (no thread-pool hops) while the service's lock is free; fetching the metadata
+    (from another node, for a step spanning nodes) goes to the thread pool."""
     answer, info = await under_lock(
         service, _open_read, service, namespace, step, owner, req.pin, req.known
     )

@@ -1,0 +1,22 @@
+"""Errors as every route answers them."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi.responses import JSONResponse
+
+from tierckpt_core.errors import TierCkptError
+
+logger = logging.getLogger("tierckpt_daemon.api.app")  # where these warnings always were
+
+
+def error_response(method: str, path: str, exc: TierCkptError) -> JSONResponse:
+    """A :class:`TierCkptError` as every route answers it: its status, ``{"code", "detail"}``
+    (``ErrorBody``); one the daemon's side caused (5xx) is logged as a warning."""
+    if exc.http_status >= 500:
+        logger.warning("%s %s failed: %s", method, path, exc)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+    return JSONResponse(
+        {"code": exc.code, "detail": str(exc)}, status_code=exc.http_status, headers=headers
+    )
