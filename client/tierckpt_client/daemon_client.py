@@ -285,11 +285,14 @@ class DaemonClient:
         doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates")
         return [StepCandidate.model_validate(x) for x in doc]
 
-    def candidates_read(self, namespace: str) -> CandidatesRead:
-        """:meth:`candidates`, and the newest one's answer to an unpinned :meth:`open_read`
-        where the daemon holds it (a load of "latest" in one round trip before DCP plans); a
-        daemon older than this answers the list alone (``read`` None)."""
-        doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates?read=true")
+    def candidates_read(self, namespace: str, below: int | None = None) -> CandidatesRead:
+        """The candidates of a load of "latest" (older than ``below``; of the persistent tier
+        only its newest durable steps: ``more`` says when it may hold older ones), and the
+        newest one's answer to an unpinned :meth:`open_read` where the daemon holds it (a load
+        of "latest" in one round trip before DCP plans); a daemon older than this answers every
+        candidate and no read."""
+        query = "read=true" if below is None else f"read=true&below={below}"
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates?{query}")
         if isinstance(doc, list):
             return CandidatesRead(candidates=[StepCandidate.model_validate(x) for x in doc])
         answer = CandidatesRead.model_validate(doc)

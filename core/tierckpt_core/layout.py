@@ -95,6 +95,39 @@ def durable_steps(store: ObjectStore, namespace: str) -> list[int]:
     return sorted(steps)
 
 
+DURABLE_WANT = 2
+"""Durable steps a load of "latest" is offered at a time (:func:`newest_durable_steps`): the
+newest, and one to fall back on."""
+
+
+def newest_durable_steps(
+    store: ObjectStore, namespace: str, *, below: int | None = None, want: int = DURABLE_WANT
+) -> tuple[list[int], bool]:
+    """Up to ``want`` durable steps of ``namespace`` (older than ``below``), newest first, and
+    whether older step directories were left unchecked. The step directories are listed (one
+    request per thousand steps), then their commit markers looked up newest first (one request
+    each) until ``want`` are found: :func:`durable_steps` lists every object of the namespace,
+    one request per thousand, and a namespace keeps every file of every durable step (all of them
+    unless ``TIERCKPT_PERSIST_KEEP_LAST``): 3,400 objects took ~0.95 s on a loopback SeaweedFS."""
+    steps = sorted(
+        (
+            int(m.group(1))
+            for d in store.list_dirs(f"{namespace}/")
+            if (m := _STEP_DIR.fullmatch(d))
+        ),
+        reverse=True,
+    )
+    if below is not None:
+        steps = [s for s in steps if s < below]
+    found: list[int] = []
+    for step in steps:
+        if len(found) == want:
+            return found, True
+        if store.exists(marker_key(namespace, step)):
+            found.append(step)
+    return found, False
+
+
 def read_step_manifest(store: ObjectStore, namespace: str, step: int) -> StepManifest:
     """The verified manifest of a durable step; StepNotFoundError if it has no commit marker."""
     where = f"{store.url}/{step_prefix(namespace, step)}"

@@ -295,7 +295,9 @@ class ReadResponse(BaseModel):
 
 
 class CandidatesRead(BaseModel):
-    """``GET .../candidates?read=true``: the candidates, and the newest one's :class:`ReadResponse`
+    """``GET .../candidates?read=true[&below=N]``: the candidates for a load of "latest" (of the
+    persistent tier, only its newest durable steps: see ``more``), and the newest one's
+    :class:`ReadResponse`
     (unpinned, with its metadata and file records) when this node's memory holds it and keeps its
     metadata: a load of "latest" then needs no second request before DCP plans (None otherwise:
     the load asks ``POST .../reads`` as for any step). A daemon older than this answers the
@@ -303,6 +305,9 @@ class CandidatesRead(BaseModel):
 
     candidates: list[StepCandidate]
     read: ReadResponse | None = None
+    # The persistent tier may hold durable steps older than the candidates name (only its
+    # newest are looked up for a load): ask again with ``below`` the oldest of them.
+    more: bool = False
 
 
 class StatusResponse(BaseModel):

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient, DaemonUnavailableError
 from tierckpt_client.dcp import TieredStorageWriter
+from tierckpt_core.layout import newest_durable_steps
 from tierckpt_core.objectstore import StoreSettings, open_store
 
 from helpers import DaemonProcess
@@ -103,6 +104,43 @@ def test_corrupt_object_falls_back_to_older_step(
     assert len(warnings) == 1 and "skipping step 20" in warnings[0] and "corrupt" in warnings[0]
     with pytest.raises(CheckpointException, match=r"file r00000\.data .* is corrupt"):
         load("job", blank_like(seeded_state(0, **LAYOUT)), 20)
+
+
+def test_latest_looks_up_only_the_newest_durable_steps_and_walks_on_past_corrupt_ones(
+    node: DaemonProcess, tier_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A load of "latest" is offered the newest two durable steps (the step directories listed,
+    then their markers newest first: not every object of the namespace), and asks again below
+    them when both are corrupt; `candidates` without `read` still lists every durable step."""
+    for step in (10, 20, 30, 40):
+        save("walk", step, seeded_state(step, **LAYOUT))
+        wait_durable("walk", {step})  # (memory keeps the last two)
+    store = open_store(tier_url, StoreSettings.from_env())
+    store.put_bytes("walk/step_000000000050/r00000.data", b"an upload under way")  # no marker
+    assert store.list_dirs("walk/") == [f"step_0000000000{s}" for s in (10, 20, 30, 40, 50)]
+    assert newest_durable_steps(store, "walk") == ([40, 30], True)
+    assert newest_durable_steps(store, "walk", below=30) == ([20, 10], False)
+    assert newest_durable_steps(store, "walk", below=10) == ([], False)
+    for step in (30, 40):  # corrupt in the persistent tier
+        key = next(
+            o.key for o in store.list(f"walk/step_0000000000{step}/") if o.key.endswith(".data")
+        )
+        data = bytearray(store.get_bytes(key))
+        data[100] ^= 0xFF
+        store.put_bytes(key, bytes(data))
+    _reboot(node)
+    with DaemonClient() as c:
+        assert {x.step for x in c.candidates("walk") if x.durable} == {10, 20, 30, 40}
+        first = c.candidates_read("walk")
+        assert [x.step for x in first.candidates] == [40, 30] and first.more
+        assert [x.step for x in c.candidates_read("walk", 30).candidates] == [20, 10]
+    with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
+        step, out = load("walk", blank_like(seeded_state(0, **LAYOUT)))
+    assert step == 20
+    _assert_state(out, 20)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("skipping step 40" in w and "corrupt" in w for w in warnings), warnings
+    assert any("skipping step 30" in w and "corrupt" in w for w in warnings), warnings
 
 
 def test_upload_failure_is_reported_and_resumes_after_restart(

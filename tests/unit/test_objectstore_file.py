@@ -98,6 +98,24 @@ def test_list_sorted_relative_and_prefix(store: FileStore) -> None:
     assert store.list("missing/") == []
 
 
+def test_list_dirs_names_each_directory_once_and_follows_no_link(
+    store: FileStore, tmp_path: Path
+) -> None:
+    for key in ["s/step_2/b", "s/step_10/a", "s/step_1/z", "s/step_1/deep/a", "s/top", "t/x"]:
+        store.put_bytes(key, key.encode())
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    os.symlink(outside, store.root / "s" / "step_99")  # a link is no directory of the store
+    assert store.list_dirs("s/") == ["step_1", "step_10", "step_2"]
+    assert store.list_dirs("") == ["s", "t"]
+    assert store.list_dirs("s/step_1/") == ["deep"]
+    assert store.list_dirs("missing/") == []
+    with pytest.raises(InvalidNameError, match="ends with '/'"):
+        store.list_dirs("s/step_")
+    with pytest.raises(InvalidNameError):
+        store.list_dirs("../")
+
+
 def test_delete(store: FileStore, tmp_path: Path) -> None:
     store.put_bytes("s/step_1/a", b"1")
     store.put_bytes("s/step_1/b", b"2")

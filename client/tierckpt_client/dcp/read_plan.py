@@ -106,28 +106,41 @@ class Planner:
 
     def _newest_through_daemon(self, namespace: str, below: int | None) -> ReadPlan:
         skipped: list[str] = []
-        found = self.daemon.candidates_read(namespace)
-        for cand in found.candidates:
-            if below is not None and cand.step >= below:
-                continue
-            if cand.in_memory:
-                if found.read is not None and cand is found.candidates[0]:
-                    # Its metadata came with the candidates: the load asks only for the pin.
-                    self.memory.adopt(namespace, cand.step, found.read)
-                return self.in_memory(cand.step)
+        ask = below
+        while True:  # the persistent tier's durable steps come a few at a time, newest first
             try:
-                plan = self._elsewhere(namespace, cand)
-                if plan is not None:
-                    return plan
-                self.daemon.hydrate(namespace, cand.step)
-            except (CheckpointFormatError, NotFoundError) as e:
-                logger.warning("%s: skipping step %d for an older one: %s", namespace, cand.step, e)
-                skipped.append(f"step {cand.step}: {e}")
-                continue
-            return self.in_memory(cand.step)
-        older = f" older than step {below}" if below is not None else ""
+                found = self.daemon.candidates_read(namespace, ask)
+            except StepNotFoundError:
+                if ask == below:
+                    raise
+                break  # none older than those skipped
+            for cand in found.candidates:
+                if ask is not None and cand.step >= ask:
+                    continue  # (a daemon older than ``below`` answers every candidate)
+                if cand.in_memory:
+                    if found.read is not None and cand is found.candidates[0]:
+                        # Its metadata came with the candidates: the load asks only for the pin.
+                        self.memory.adopt(namespace, cand.step, found.read)
+                    return self.in_memory(cand.step)
+                try:
+                    plan = self._elsewhere(namespace, cand)
+                    if plan is not None:
+                        return plan
+                    self.daemon.hydrate(namespace, cand.step)
+                except (CheckpointFormatError, NotFoundError) as e:
+                    logger.warning(
+                        "%s: skipping step %d for an older one: %s", namespace, cand.step, e
+                    )
+                    skipped.append(f"step {cand.step}: {e}")
+                    continue
+                return self.in_memory(cand.step)
+            older = [c.step for c in found.candidates if ask is None or c.step < ask]
+            if not found.more or not older:
+                break
+            ask = min(older)
+        older_than = f" older than step {below}" if below is not None else ""
         raise StepNotFoundError(
-            f"namespace {namespace}: no step{older} could be restored ({'; '.join(skipped)})"
+            f"namespace {namespace}: no step{older_than} could be restored ({'; '.join(skipped)})"
         )
 
     # -- from where ---------------------------------------------------------------------------
@@ -150,7 +163,10 @@ class Planner:
         try:
             return self.in_memory(step), self.memory.metadata(namespace, step)
         except NotFoundError:
-            cand = next((c for c in self.daemon.candidates(namespace) if c.step == step), None)
+            # (``below``: the persistent tier's newest durable step below it is the step itself,
+            # if it is durable; its whole listing is not needed)
+            found = self.daemon.candidates_read(namespace, step + 1).candidates
+            cand = next((c for c in found if c.step == step), None)
             plan = self._elsewhere(namespace, cand) if cand is not None else None
             if plan is not None:
                 return plan, plan.source.metadata(namespace, step)

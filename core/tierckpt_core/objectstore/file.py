@@ -189,6 +189,21 @@ class FileStore:
         out.sort(key=lambda o: o.key)
         return out
 
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        validate_prefix(prefix)
+        if prefix and not prefix.endswith("/"):
+            raise InvalidNameError(f"a directory listing's prefix ends with '/', not {prefix!r}")
+        base = self.root / prefix if prefix else self.root
+        try:
+            with os.scandir(base) as entries:
+                # (an empty directory is named too, where S3 has nothing: a caller finds no key
+                # under it)
+                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise self._fail("listing", prefix, e) from e
+
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 

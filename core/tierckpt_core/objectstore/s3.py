@@ -15,6 +15,7 @@ from typing import Any
 
 from tierckpt_core.errors import (
     IntegrityError,
+    InvalidNameError,
     NotFoundError,
     PersistentTierError,
 )
@@ -213,6 +214,23 @@ class S3Store(S3Calls):
         out = self._control("listing", None, run)
         out.sort(key=lambda o: o.key)
         return out
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        validate_prefix(prefix)
+        if prefix and not prefix.endswith("/"):
+            raise InvalidNameError(f"a directory listing's prefix ends with '/', not {prefix!r}")
+        full_prefix = f"{self.prefix}/{prefix}" if self.prefix else prefix
+
+        def run(client: Any) -> builtins.list[str]:
+            out: builtins.list[str] = []
+            paginator = client.get_paginator("list_objects_v2")
+            pages = paginator.paginate(Bucket=self.bucket, Prefix=full_prefix, Delimiter="/")
+            for page in pages:
+                for common in page.get("CommonPrefixes", []):
+                    out.append(common["Prefix"][len(full_prefix) :].rstrip("/"))
+            return out
+
+        return sorted(self._control("listing", None, run))
 
     def exists(self, key: str) -> bool:
         full = self._full(key)

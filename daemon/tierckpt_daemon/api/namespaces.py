@@ -69,21 +69,30 @@ def latest(namespace: str, service: Service, owner: Owner) -> StepInfo:
 
 
 @router.get("/{namespace}/candidates", response_model=list[StepCandidate] | CandidatesRead)
-def candidates(namespace: str, node: NodeDep, owner: Owner, read: bool = False) -> Any:
-    """Steps "latest" may pick, newest first; with ``read``, also the newest one's answer to an
-    unpinned ``POST .../reads`` where this node holds it (a load of "latest" in one round trip
-    before DCP plans: :class:`~tierckpt_core.protocol.CandidatesRead`)."""
+def candidates(
+    namespace: str,
+    node: NodeDep,
+    owner: Owner,
+    read: bool = False,
+    below: Annotated[int | None, Query(ge=0)] = None,
+) -> Any:
+    """Steps "latest" may pick, newest first (every durable step of the persistent tier); with
+    ``read``, for a load of "latest": of the persistent tier only its newest durable steps
+    (older than ``below``), and the newest candidate's answer to an unpinned ``POST .../reads``
+    where this node holds it (:class:`~tierckpt_core.protocol.CandidatesRead`)."""
     if not read:
         return node.restorer.candidates(namespace, owner=owner)
-    return candidates_read(node, namespace, owner)
+    return candidates_read(node, namespace, owner, below)
 
 
-def candidates_read(node: Node, namespace: str, owner: str | None) -> Response:
+def candidates_read(
+    node: Node, namespace: str, owner: str | None, below: int | None = None
+) -> Response:
     """The answer to ``GET .../candidates?read=true`` (blocking: peers and the persistent tier
     are asked; served by :mod:`tierckpt_daemon.api.fast_reads` in the thread pool)."""
-    found = node.restorer.candidates(namespace, owner=owner)
+    found, more = node.restorer.newest_candidates(namespace, owner=owner, below=below)
     read = _newest_read(node.service, namespace, found, owner)
-    answer = CandidatesRead(candidates=found, read=read)
+    answer = CandidatesRead(candidates=found, read=read, more=more)
     return Response(answer.model_dump_json(), media_type="application/json")
 
 

@@ -15,7 +15,13 @@ from concurrent.futures import Executor
 
 from tierckpt_core.errors import IntegrityError, NotFoundError, StepNotFoundError
 from tierckpt_core.integrity import checksum_file_blocks
-from tierckpt_core.layout import durable_steps, file_key, read_step_manifest, verify_file
+from tierckpt_core.layout import (
+    durable_steps,
+    file_key,
+    newest_durable_steps,
+    read_step_manifest,
+    verify_file,
+)
 from tierckpt_core.manifest import FileRecord, StepManifest
 from tierckpt_core.objectstore import ObjectStore
 from tierckpt_core.protocol import StepInfo
@@ -39,6 +45,11 @@ class DurableReads:
     def durable_steps(self, namespace: str) -> list[int]:
         """Steps with a commit marker in the persistent tier, oldest first."""
         return durable_steps(self.store, namespace)
+
+    def newest_durable_steps(self, namespace: str, below: int | None) -> tuple[list[int], bool]:
+        """The newest few steps with a commit marker (older than ``below``), newest first, and
+        whether older ones may be there (:func:`tierckpt_core.layout.newest_durable_steps`)."""
+        return newest_durable_steps(self.store, namespace, below=below)
 
     def manifest(self, namespace: str, step: int) -> StepManifest:
         """The manifest of a durable step, as the persistent tier holds it."""

@@ -78,6 +78,11 @@ class RingSource(Protocol):
 class DurableSource(Protocol):
     def durable_steps(self, namespace: str) -> list[int]: ...
 
+    def newest_durable_steps(self, namespace: str, below: int | None) -> tuple[list[int], bool]:
+        """The newest few durable steps (older than ``below``), newest first, and whether
+        older ones may be there."""
+        ...
+
     def manifest(self, namespace: str, step: int) -> StepManifest:
         """The manifest of a durable step (NotFoundError if it is not durable)."""
         ...
@@ -121,22 +126,44 @@ class Restorer:
 
     def candidates(self, namespace: str, *, owner: str | None = None) -> list[StepCandidate]:
         """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
-        durable; of peers' copies, only ``owner``'s (None: anyone's). Unreachable peers are
-        skipped (with a warning), never waited for long."""
+        durable (every durable step: the persistent tier's whole listing, for ``tierckpt ls``);
+        of peers' copies, only ``owner``'s (None: anyone's). Unreachable peers are skipped
+        (with a warning), never waited for long."""
+        return self._candidates(namespace, owner, None, whole=True)[0]
+
+    def newest_candidates(
+        self, namespace: str, *, owner: str | None = None, below: int | None = None
+    ) -> tuple[list[StepCandidate], bool]:
+        """:meth:`candidates` (older than ``below``) for a load of "latest", with only the newest
+        durable steps of the persistent tier looked up (its step directories listed, then their
+        markers newest first: not every object of the namespace); and whether it may hold older
+        durable steps than those (asked for with ``below``)."""
+        return self._candidates(namespace, owner, below, whole=False)
+
+    def _candidates(
+        self, namespace: str, owner: str | None, below: int | None, *, whole: bool
+    ) -> tuple[list[StepCandidate], bool]:
         validate_namespace(namespace)
         on_peers = self.peers.peer_steps(namespace, owner=owner) if self.peers is not None else {}
         in_memory = {r.step: r.state for r in self.service.records(namespace, owner=owner)}
         durable: set[int] = set()
+        more = False
         tier_error: PersistentTierError | None = None
         if self.durable is not None:
             try:
-                durable = set(self.durable.durable_steps(namespace))
+                if whole:
+                    durable = set(self.durable.durable_steps(namespace))
+                else:
+                    newest, more = self.durable.newest_durable_steps(namespace, below)
+                    durable = set(newest)
             except PersistentTierError as e:
                 # A broken persistent tier must not take the memory tier down with it.
                 logger.warning("%s: listing the persistent tier failed: %s", namespace, e)
                 tier_error = e
         durable |= {s for s, state in in_memory.items() if state == StepState.DURABLE}
         steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
+        if below is not None:
+            steps = [s for s in steps if s < below]
         # "latest" must be whole: skip steps spanning nodes whose lost shares are nowhere.
         while (
             steps
@@ -145,20 +172,26 @@ class Restorer:
             and self.ring.lost(namespace, steps[0], owner, on_peers.get(steps[0], []))
         ):
             steps.pop(0)
-        if not steps:
+        if not steps and not more:
             if tier_error is not None:
                 raise tier_error
             where = " or the persistent tier" if self.durable else ""
             where += ", nor do its peers hold one" if self.peers else ""
+            if below is not None:
+                raise StepNotFoundError(
+                    f"namespace {namespace} has no committed step older than step {below} in "
+                    f"memory{where}"
+                )
             raise NamespaceNotFoundError(
                 f"namespace {namespace} has no committed step in memory{where}"
             )
-        return [
+        cands = [
             StepCandidate(
                 step=s, in_memory=s in in_memory, durable=s in durable, peers=on_peers.get(s, [])
             )
             for s in steps
         ]
+        return cands, more
 
     def hydrate(
         self,

@@ -28,7 +28,7 @@ from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_client.dcp.sources.streamed import CONCURRENCY, StreamedFiles
 from tierckpt_client.dcp.targets.base import bytes_view
 from tierckpt_core.errors import CheckpointFormatError, NotFoundError, StepNotFoundError
-from tierckpt_core.layout import durable_steps, file_key, read_step_manifest, verify_file
+from tierckpt_core.layout import file_key, newest_durable_steps, read_step_manifest, verify_file
 from tierckpt_core.manifest import StepManifest
 from tierckpt_core.objectstore import ObjectStore, StoreSettings, open_store
 
@@ -60,16 +60,19 @@ class PersistentSource(MemoryFill):
         """The newest durable step (older than ``below``) whose manifest reads; older ones are
         tried when a newer one is corrupt or incomplete, with a warning naming the step."""
         skipped = []
-        for step in reversed(durable_steps(self.store, namespace)):
-            if below is not None and step >= below:
-                continue
-            try:
-                self.manifest(namespace, step)
-            except (CheckpointFormatError, NotFoundError) as e:
-                logger.warning("%s: skipping step %d for an older one: %s", namespace, step, e)
-                skipped.append(f"step {step}: {e}")
-                continue
-            return step
+        ask, more = below, True
+        while more:  # a few at a time, newest first: not the listing of every object
+            steps, more = newest_durable_steps(self.store, namespace, below=ask)
+            for step in steps:
+                try:
+                    self.manifest(namespace, step)
+                except (CheckpointFormatError, NotFoundError) as e:
+                    logger.warning("%s: skipping step %d for an older one: %s", namespace, step, e)
+                    skipped.append(f"step {step}: {e}")
+                    continue
+                return step
+            if steps:
+                ask = steps[-1]
         raise StepNotFoundError(
             f"namespace {namespace} has no durable step"
             + (f" older than step {below}" if below is not None else "")
