@@ -143,6 +143,17 @@ def test_latest_looks_up_only_the_newest_durable_steps_and_walks_on_past_corrupt
     assert any("skipping step 30" in w and "corrupt" in w for w in warnings), warnings
 
 
+def test_overwrite_false_refuses_a_step_that_is_only_durable(node: DaemonProcess) -> None:
+    for step in (10, 20, 30):
+        save("kept", step, seeded_state(step, **LAYOUT))
+        wait_durable("kept", {step})  # (memory keeps the last two: step 10 only durable)
+    with pytest.raises(CheckpointException, match=r"kept/step 10 .*overwrite=False"):
+        save("kept", 10, seeded_state(99, **LAYOUT), overwrite=False)
+    save("kept", 15, seeded_state(15, **LAYOUT), overwrite=False)  # a new step is saved
+    step, out = load("kept", blank_like(seeded_state(0, **LAYOUT)), 10)
+    _assert_state(out, 10)
+
+
 def test_upload_failure_is_reported_and_resumes_after_restart(
     tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:

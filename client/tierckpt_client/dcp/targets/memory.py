@@ -37,8 +37,10 @@ class MemoryTier:
         if self.overwrite:
             return
         try:
-            candidates = self.daemon.candidates(namespace)
-        except NotFoundError:  # the namespace's first save
+            # Below step + 1: the step itself first if any tier holds it (of the persistent
+            # tier only the newest durable steps below that are looked up, not every object).
+            candidates = self.daemon.candidates_read(namespace, step + 1).candidates
+        except NotFoundError:  # the namespace's first save, or no step up to this one
             return
         if any(c.step == step for c in candidates):
             raise overwrite_refused(namespace, step)
