@@ -271,8 +271,8 @@ def test_a_step_saved_again_after_the_candidates_answered_is_read_as_saved_again
         new = {"a": torch.full((1000,), 5.0), **new}
     real = DaemonClient.candidates_read
 
-    def then_saved_again(self: DaemonClient, namespace: str) -> Any:
-        answer = real(self, namespace)
+    def then_saved_again(self: DaemonClient, namespace: str, *args: Any) -> Any:
+        answer = real(self, namespace, *args)
         assert answer.read is not None
         save(ns, 1, new)
         return answer

@@ -165,7 +165,10 @@ class Planner:
         except NotFoundError:
             # (``below``: the persistent tier's newest durable step below it is the step itself,
             # if it is durable; its whole listing is not needed)
-            found = self.daemon.candidates_read(namespace, step + 1).candidates
+            try:
+                found = self.daemon.candidates_read(namespace, step + 1).candidates
+            except StepNotFoundError:  # none up to it: the daemon's hydrate says what is missing
+                found = []
             cand = next((c for c in found if c.step == step), None)
             plan = self._elsewhere(namespace, cand) if cand is not None else None
             if plan is not None:
