@@ -287,7 +287,7 @@ class DaemonClient:
 
     def candidates_read(self, namespace: str, below: int | None = None) -> CandidatesRead:
         """The candidates of a load of "latest" (older than ``below``; of the persistent tier
-        only its newest durable steps: ``more`` says when it may hold older ones), and the
+        only its newest durable steps: ``next_below`` says where to ask for older ones), and the
         newest one's answer to an unpinned :meth:`open_read` where the daemon holds it (a load
         of "latest" in one round trip before DCP plans); a daemon older than this answers every
         candidate and no read."""

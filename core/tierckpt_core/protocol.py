@@ -296,7 +296,7 @@ class ReadResponse(BaseModel):
 
 class CandidatesRead(BaseModel):
     """``GET .../candidates?read=true[&below=N]``: the candidates for a load of "latest" (of the
-    persistent tier, only its newest durable steps: see ``more``), and the newest one's
+    persistent tier, only its newest durable steps: see ``next_below``), and the newest one's
     :class:`ReadResponse`
     (unpinned, with its metadata and file records) when this node's memory holds it and keeps its
     metadata: a load of "latest" then needs no second request before DCP plans (None otherwise:
@@ -305,9 +305,10 @@ class CandidatesRead(BaseModel):
 
     candidates: list[StepCandidate]
     read: ReadResponse | None = None
-    # The persistent tier may hold durable steps older than the candidates name (only its
-    # newest are looked up for a load): ask again with ``below`` the oldest of them.
-    more: bool = False
+    # The persistent tier may hold durable steps older than this one, the oldest it looked up
+    # (only its newest are, for a load; the candidates stop there, older ones in memory or on
+    # peers included): ask again with ``below`` this. None: the candidates are all there is.
+    next_below: int | None = None
 
 
 class StatusResponse(BaseModel):

@@ -111,7 +111,8 @@ def test_latest_looks_up_only_the_newest_durable_steps_and_walks_on_past_corrupt
 ) -> None:
     """A load of "latest" is offered the newest two durable steps (the step directories listed,
     then their markers newest first: not every object of the namespace), and asks again below
-    them when both are corrupt; `candidates` without `read` still lists every durable step."""
+    them when both are corrupt, newest first (never an older step in memory before the durable
+    ones between); `candidates` without `read` still lists every durable step."""
     for step in (10, 20, 30, 40):
         save("walk", step, seeded_state(step, **LAYOUT))
         wait_durable("walk", {step})  # (memory keeps the last two)
@@ -129,11 +130,17 @@ def test_latest_looks_up_only_the_newest_durable_steps_and_walks_on_past_corrupt
         data[100] ^= 0xFF
         store.put_bytes(key, bytes(data))
     _reboot(node)
+    save("walk", 5, seeded_state(5, **LAYOUT))  # in memory, older than every durable step
+    wait_durable("walk", {5})
     with DaemonClient() as c:
-        assert {x.step for x in c.candidates("walk") if x.durable} == {10, 20, 30, 40}
+        assert {x.step for x in c.candidates("walk") if x.durable} == {5, 10, 20, 30, 40}
         first = c.candidates_read("walk")
-        assert [x.step for x in first.candidates] == [40, 30] and first.more
-        assert [x.step for x in c.candidates_read("walk", 30).candidates] == [20, 10]
+        assert [x.step for x in first.candidates] == [40, 30] and first.next_below == 30
+        then = c.candidates_read("walk", 30)
+        assert [x.step for x in then.candidates] == [20, 10] and then.next_below == 10
+        last = c.candidates_read("walk", 10)
+        assert [(x.step, x.in_memory) for x in last.candidates] == [(5, True)]
+        assert last.next_below is None
     with caplog.at_level(logging.WARNING, logger="tierckpt_client.dcp.reader"):
         step, out = load("walk", blank_like(seeded_state(0, **LAYOUT)))
     assert step == 20

@@ -134,10 +134,9 @@ class Planner:
                     skipped.append(f"step {cand.step}: {e}")
                     continue
                 return self.in_memory(cand.step)
-            older = [c.step for c in found.candidates if ask is None or c.step < ask]
-            if not found.more or not older:
+            if found.next_below is None or (ask is not None and found.next_below >= ask):
                 break
-            ask = min(older)
+            ask = found.next_below
         older_than = f" older than step {below}" if below is not None else ""
         raise StepNotFoundError(
             f"namespace {namespace}: no step{older_than} could be restored ({'; '.join(skipped)})"

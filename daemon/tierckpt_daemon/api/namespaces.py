@@ -90,9 +90,9 @@ def candidates_read(
 ) -> Response:
     """The answer to ``GET .../candidates?read=true`` (blocking: peers and the persistent tier
     are asked; served by :mod:`tierckpt_daemon.api.fast_reads` in the thread pool)."""
-    found, more = node.restorer.newest_candidates(namespace, owner=owner, below=below)
+    found, next_below = node.restorer.newest_candidates(namespace, owner=owner, below=below)
     read = _newest_read(node.service, namespace, found, owner)
-    answer = CandidatesRead(candidates=found, read=read, more=more)
+    answer = CandidatesRead(candidates=found, read=read, next_below=next_below)
     return Response(answer.model_dump_json(), media_type="application/json")
 
 

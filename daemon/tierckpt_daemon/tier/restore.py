@@ -133,21 +133,22 @@ class Restorer:
 
     def newest_candidates(
         self, namespace: str, *, owner: str | None = None, below: int | None = None
-    ) -> tuple[list[StepCandidate], bool]:
+    ) -> tuple[list[StepCandidate], int | None]:
         """:meth:`candidates` (older than ``below``) for a load of "latest", with only the newest
         durable steps of the persistent tier looked up (its step directories listed, then their
-        markers newest first: not every object of the namespace); and whether it may hold older
-        durable steps than those (asked for with ``below``)."""
+        markers newest first: not every object of the namespace); where it may hold older
+        durable steps than those, the candidates stop at the oldest of them, which is returned
+        (the next call's ``below``: the walk stays newest first), else None."""
         return self._candidates(namespace, owner, below, whole=False)
 
     def _candidates(
         self, namespace: str, owner: str | None, below: int | None, *, whole: bool
-    ) -> tuple[list[StepCandidate], bool]:
+    ) -> tuple[list[StepCandidate], int | None]:
         validate_namespace(namespace)
         on_peers = self.peers.peer_steps(namespace, owner=owner) if self.peers is not None else {}
         in_memory = {r.step: r.state for r in self.service.records(namespace, owner=owner)}
         durable: set[int] = set()
-        more = False
+        floor: int | None = None  # the oldest durable step looked up, where older ones may be
         tier_error: PersistentTierError | None = None
         if self.durable is not None:
             try:
@@ -156,6 +157,7 @@ class Restorer:
                 else:
                     newest, more = self.durable.newest_durable_steps(namespace, below)
                     durable = set(newest)
+                    floor = newest[-1] if more else None
             except PersistentTierError as e:
                 # A broken persistent tier must not take the memory tier down with it.
                 logger.warning("%s: listing the persistent tier failed: %s", namespace, e)
@@ -164,6 +166,8 @@ class Restorer:
         steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
         if below is not None:
             steps = [s for s in steps if s < below]
+        if floor is not None:  # older ones come with the next call, in order
+            steps = [s for s in steps if s >= floor]
         # "latest" must be whole: skip steps spanning nodes whose lost shares are nowhere.
         while (
             steps
@@ -172,7 +176,7 @@ class Restorer:
             and self.ring.lost(namespace, steps[0], owner, on_peers.get(steps[0], []))
         ):
             steps.pop(0)
-        if not steps and not more:
+        if not steps:
             if tier_error is not None:
                 raise tier_error
             where = " or the persistent tier" if self.durable else ""
@@ -191,7 +195,7 @@ class Restorer:
             )
             for s in steps
         ]
-        return cands, more
+        return cands, floor
 
     def hydrate(
         self,
