@@ -296,8 +296,8 @@ class ReadResponse(BaseModel):
 
 class CandidatesRead(BaseModel):
     """``GET .../candidates?read=true[&below=N]``: the candidates for a load of "latest" (of the
-    persistent tier, only its newest durable steps: see ``next_below``), and the newest one's
-    :class:`ReadResponse`
+    persistent tier, only its newest durable steps: see ``next_below``), and (without ``below``)
+    the newest one's :class:`ReadResponse`
     (unpinned, with its metadata and file records) when this node's memory holds it and keeps its
     metadata: a load of "latest" then needs no second request before DCP plans (None otherwise:
     the load asks ``POST .../reads`` as for any step). A daemon older than this answers the

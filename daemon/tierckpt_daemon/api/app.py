@@ -18,7 +18,7 @@ from tierckpt_core.errors import ForbiddenError, NotFoundError, ProtocolError, T
 from tierckpt_core.protocol import API_VERSION, ErrorBody
 from tierckpt_daemon import __version__
 from tierckpt_daemon.api.cluster import router as cluster_router
-from tierckpt_daemon.api.errors import error_response
+from tierckpt_daemon.api.errors import error_response, invalid_request
 from tierckpt_daemon.api.fast_reads import FastReads
 from tierckpt_daemon.api.health import router as health_router
 from tierckpt_daemon.api.namespaces import router as namespaces_router
@@ -126,12 +126,7 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for e in exc.errors():
-            loc = ".".join(str(x) for x in e.get("loc", ()))
-            parts.append(f"{loc}: {e.get('msg')}")
-        detail = f"invalid request to {request.url.path}: " + "; ".join(parts)
-        return JSONResponse({"code": ProtocolError.code, "detail": detail}, status_code=422)
+        return invalid_request(request.url.path, exc.errors())
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from tierckpt_core.errors import TierCkptError
+from tierckpt_core.errors import ProtocolError, TierCkptError
 
 logger = logging.getLogger("tierckpt_daemon.api.app")  # where these warnings always were
 
@@ -20,3 +22,10 @@ def error_response(method: str, path: str, exc: TierCkptError) -> JSONResponse:
     return JSONResponse(
         {"code": exc.code, "detail": str(exc)}, status_code=exc.http_status, headers=headers
     )
+
+
+def invalid_request(path: str, errors: Iterable[Mapping[str, Any]]) -> JSONResponse:
+    """A request that is not what its route takes: 422, each error as ``location: message``."""
+    parts = [f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in errors]
+    detail = f"invalid request to {path}: " + "; ".join(parts)
+    return JSONResponse({"code": ProtocolError.code, "detail": detail}, status_code=422)

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tierckpt_core.errors import ProtocolError, TierCkptError
 from tierckpt_core.protocol import ReadRequest
 from tierckpt_daemon.api.deps import under_lock
-from tierckpt_daemon.api.errors import error_response
+from tierckpt_daemon.api.errors import error_response, invalid_request
 from tierckpt_daemon.api.namespaces import candidates_read, read_response
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.tier.tenants import request_caller
@@ -95,16 +95,9 @@ class FastReads:
         try:
             body = await _body(receive, path)
             req = ReadRequest.model_validate_json(body) if body.strip() else ReadRequest()
-        except ValidationError as e:
-            parts = [
-                f"body.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
-            ]
-            return JSONResponse(
-                {
-                    "code": ProtocolError.code,
-                    "detail": f"invalid request to {path}: " + "; ".join(parts),
-                },
-                status_code=422,
+        except ValidationError as e:  # (located in the body, as the framework says it)
+            return invalid_request(
+                path, [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
             )
         except _TooLarge as e:  # the rest of the body unread: the connection closes
             return JSONResponse(

@@ -89,9 +89,11 @@ def candidates_read(
     node: Node, namespace: str, owner: str | None, below: int | None = None
 ) -> Response:
     """The answer to ``GET .../candidates?read=true`` (blocking: peers and the persistent tier
-    are asked; served by :mod:`tierckpt_daemon.api.fast_reads` in the thread pool)."""
+    are asked; served by :mod:`tierckpt_daemon.api.fast_reads` in the thread pool). The newest
+    candidate's read only for a load's first ask (no ``below``): asked with ``below`` (a fallback
+    past a skipped step, whether a step exists) it is seldom the step loaded next."""
     found, next_below = node.restorer.newest_candidates(namespace, owner=owner, below=below)
-    read = _newest_read(node.service, namespace, found, owner)
+    read = _newest_read(node.service, namespace, found, owner) if below is None else None
     answer = CandidatesRead(candidates=found, read=read, next_below=next_below)
     return Response(answer.model_dump_json(), media_type="application/json")
 
