@@ -247,3 +247,128 @@ def test_dtensors_resumed_on_their_mesh_are_planned_as_dcp_plans_them(tmp_path: 
     states on 2 ranks: the plan made here has DCP's items (less reads of no bytes), resolves
     to the same shards and loads the saved values; a resharded load is DCP's to plan."""
     run_ranks(_dtensor_ranks, 2, str(tmp_path))
+
+
+class _Opaque:
+    """An object DCP stores pickled (not a scalar, tensor, dict or list)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Opaque)
+
+    __hash__ = object.__hash__
+
+
+def _training_state(seed: int) -> dict[str, Any]:
+    """A model's and an optimizer's state as a training loop hands them over: an OrderedDict of
+    parameters, the optimizer's per-parameter state under int keys, its param groups a list of
+    dicts (with a tuple of betas), and lists that DCP walks into or stores whole."""
+    from collections import OrderedDict
+
+    g = torch.Generator().manual_seed(seed)
+    model = OrderedDict((f"layers.{i}.w", torch.randn(4, 3, generator=g)) for i in range(3))
+    optim = {
+        "state": {
+            i: {"step": torch.tensor(5.0), "exp_avg": torch.randn(4, 3, generator=g)}
+            for i in range(3)
+        },
+        "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1, 2], "foreach": None}],
+    }
+    return {
+        "model": model,
+        "optim": optim,
+        "step": 12,
+        "tensors": [torch.randn(2, generator=g), [torch.randn(3, generator=g), 4]],
+        "history": [[1.5, 2.5], [], "done"],
+        "empty": {},
+        "none": None,
+    }
+
+
+def _dcp_set_up(state: dict[str, Any]) -> DefaultLoadPlanner:
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, None, True)
+    return planner
+
+
+def test_a_training_state_is_flattened_as_dcp_flattens_it() -> None:
+    """The Checkpointer's planner flattens a state of dicts, lists and scalars itself (DCP's
+    set-up walks it three times); the flattened state (its keys in DCP's order, the same
+    objects) and the mappings equal DCP's, and a load through it restores every value."""
+    state = _training_state(1)
+    flat = _load_plan.flat_state(state)
+    assert flat is not None  # flattened here, not by DCP
+    theirs = _dcp_set_up(_training_state(1))
+    assert list(flat[0]) == list(theirs.state_dict)
+    assert flat[1] == theirs.mappings
+    assert "optim.param_groups.0.betas" in flat[0] and "tensors.1.0" in flat[0]
+    for key, value in flat[0].items():
+        want = theirs.state_dict[key]
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, want), key
+        else:
+            assert value == want, key
+
+    ours = _load_plan.LoadPlanner()
+    ours.set_up_planner(state, None, True)
+    assert ours.original_state_dict is state and ours.is_coordinator
+    assert list(ours.state_dict) == list(flat[0])
+    assert all(ours.state_dict[k] is v for k, v in flat[0].items())
+    assert ours.mappings == theirs.mappings
+
+
+def test_a_training_state_loads_through_the_flattening_as_through_dcps(tmp_path: Path) -> None:
+    _saved(tmp_path, _training_state(1))
+    ours, theirs = _training_state(2), _training_state(2)
+    ours["optim"]["param_groups"][0]["lr"] = theirs["optim"]["param_groups"][0]["lr"] = 0.5
+    _load(ours, tmp_path)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(theirs, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    want = _training_state(1)
+    assert ours["optim"]["param_groups"][0]["lr"] == 0.1  # the saved value, as DCP loads it
+    flat_ours, flat_theirs, flat_want = (_dcp_set_up(s).state_dict for s in (ours, theirs, want))
+    assert list(flat_ours) == list(flat_want)
+    for key, value in flat_ours.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, flat_want[key]) and torch.equal(value, flat_theirs[key]), key
+        else:
+            assert value == flat_want[key] == flat_theirs[key], key
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        "a meta tensor",
+        "an object",
+        "a tuple holding a tensor",
+        "a list holding an object",
+        "a Mapping",
+    ],
+)
+def test_any_other_state_is_flattened_by_dcp(odd: str) -> None:
+    """What the flattening here does not take is DCP's to set up, with DCP's result."""
+    from types import MappingProxyType
+
+    value: Any = {
+        "a meta tensor": torch.empty(3, device="meta"),
+        "an object": _Opaque(),
+        "a tuple holding a tensor": (torch.zeros(1), 2),
+        "a list holding an object": [torch.zeros(1), _Opaque()],
+        "a Mapping": MappingProxyType({"x": torch.zeros(1)}),
+    }[odd]
+    state = {"w": torch.zeros(2), "odd": value}
+    assert _load_plan.flat_state(state) is None
+    if odd == "a meta tensor":
+        return  # (DCP makes it a real tensor on the process group's device: none here)
+    ours = _load_plan.LoadPlanner()
+    ours.set_up_planner(dict(state), None, True)
+    theirs = _dcp_set_up(dict(state))
+    assert list(ours.state_dict) == list(theirs.state_dict)
+    assert ours.mappings == theirs.mappings
+
+
+def test_two_paths_of_one_name_are_dcps_error() -> None:
+    state = {"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}}
+    with pytest.raises(ValueError) as theirs:
+        _dcp_set_up(dict(state))
+    with pytest.raises(ValueError, match=re.escape(str(theirs.value))):
+        _load_plan.LoadPlanner().set_up_planner(state, None, True)
