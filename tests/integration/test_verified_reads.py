@@ -98,6 +98,35 @@ def test_a_flipped_byte_fails_the_first_restore_of_a_process(
         dcp.load(blank(), storage_reader=TieredStorageReader("fresh", 1), no_dist=True)
 
 
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "first-restore"])
+def test_hundreds_of_small_tensors_land_exact_and_a_flip_among_them_fails(
+    client_env: DaemonProcess, mapped: bool
+) -> None:
+    """Hundreds of tensors smaller than a block (a model's biases and norms), each landed from
+    the checked private copy of its blocks: out of this process's mapping (it saved the step)
+    or with ``preadv`` (a new process): bit-exact, and a flipped byte in any of them fails."""
+    g = torch.Generator().manual_seed(5)
+    sd = {f"t{i}": torch.randn(1 + (i * 37) % 900, generator=g) for i in range(400)}
+
+    def blank() -> dict[str, torch.Tensor]:
+        return {k: torch.full_like(v, -1.0) for k, v in sd.items()}
+
+    dcp.async_save(sd, storage_writer=TieredStorageWriter("small", 1), no_dist=True).result()
+    if not mapped:
+        _arena.clear_cache()
+    out = blank()
+    dcp.load(out, storage_reader=TieredStorageReader("small", 1), no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    assert bool(_arena._by_identity) == mapped, "the test needs the path it names"
+
+    data = max(step_paths("small", 1).values(), key=os.path.getsize)
+    flip_byte(data, os.path.getsize(data) // 2)
+    if not mapped:
+        _arena.clear_cache()
+    with pytest.raises(CheckpointException, match=r"does not match the checksum taken when"):
+        dcp.load(blank(), storage_reader=TieredStorageReader("small", 1), no_dist=True)
+
+
 class _Planted:
     """A pickle that, when loaded, leaves a file behind: code run in the trainer."""
 

@@ -4,6 +4,7 @@ fails naming the file, the block and the source, a source that ends early fails.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import itertools
 import os
 import pickle
@@ -37,7 +38,7 @@ from tierckpt_core.verified import (
     receive_into,
     receive_to,
 )
-from tierckpt_core.verified_copy import Copy, copy_all, copy_verified
+from tierckpt_core.verified_copy import Copy, Pieces, copy_all, copy_verified
 
 BLOCK = 16 << 10
 LENGTH = 10 * BLOCK + 1234  # a short last block
@@ -366,6 +367,70 @@ def test_small_copies_land_from_checked_chunks(
         for d, (at, n) in zip(dests, spans, strict=True):
             if chunk_lo <= at and at + n <= chunk_hi and n < BLOCK:
                 assert d == b"\xee" * n, (at, n)
+
+
+def _address(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if buf else 0
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("how", ["src", "read"])
+def test_pieces_land_by_address_from_checked_chunks(
+    monkeypatch: pytest.MonkeyPatch, threads: int, how: str
+) -> None:
+    """Hundreds of small tensors of one file landed by address (``Pieces``), some across a
+    block's edge, some of no bytes, beside a large copy sharing their blocks, with chunks of two
+    blocks: exact bytes land, and not a byte beyond each piece; a flipped byte in any block
+    fails the call naming it, and no piece wholly in that block's chunk gets a byte of it."""
+    monkeypatch.setattr(verified_copy, "PARALLEL_MIN", BLOCK)
+    monkeypatch.setattr(verified_copy, "CHUNK", 2 * BLOCK)
+    data, sums = _file()
+    rng = random.Random(11)
+    spans = [(at, rng.randrange(0, 700)) for at in sorted(rng.sample(range(LENGTH - 700), 400))]
+    spans += [(2 * BLOCK - 10, 20), (LENGTH - 5, 5), (0, BLOCK + 3)]
+    large = (3 * BLOCK + 100, 4 * BLOCK)  # blocks 3 and 7 in part, 4-6 whole
+    guard = b"\xee" * 8
+
+    def run(src: bytes) -> tuple[list[bytearray], bytearray, int]:
+        # Each piece's bytes between guards: a write past either end shows.
+        bufs = [bytearray(guard + b"\xee" * n + guard) for _, n in spans]
+        parts = [(at, n, _address(b) + len(guard)) for b, (at, n) in zip(bufs, spans, strict=True)]
+        big = bytearray(large[1])
+        source: dict[str, object] = {"src": src} if how == "src" else {"read": _reader(src)}
+        checked = copy_all(
+            [Copy(big, sums, large[0], key="r0.data", **source)],  # type: ignore[arg-type]
+            threads=threads,
+            pieces=[Pieces(sums, parts, **source)],  # type: ignore[arg-type]
+        )
+        return bufs, big, checked
+
+    bufs, big, checked = run(data)
+    assert checked >= large[1]
+    assert big == data[large[0] : large[0] + large[1]]
+    for b, (at, n) in zip(bufs, spans, strict=True):
+        assert b == guard + data[at : at + n] + guard, (at, n)
+    for flip in (5, 2 * BLOCK + 77, 7 * BLOCK + 1, LENGTH - 3):
+        block = flip // BLOCK
+        chunk_lo, chunk_hi = block // 2 * 2 * BLOCK, min(LENGTH, (block // 2 + 1) * 2 * BLOCK)
+        with pytest.raises(BlockMismatchError, match=rf"\(block {block}, "):
+            run(_flipped(data, flip))
+        # (the bufs of the failed call are gone with it: run once more, keeping them)
+        bufs = [bytearray(b"\xee" * n) for _, n in spans]
+        parts = [(at, n, _address(b)) for b, (at, n) in zip(bufs, spans, strict=True)]
+        with pytest.raises(BlockMismatchError):
+            copy_all([], threads=threads, pieces=[Pieces(sums, parts, src=_flipped(data, flip))])
+        for b, (at, n) in zip(bufs, spans, strict=True):
+            if chunk_lo <= at and at + n <= chunk_hi:
+                assert b == b"\xee" * n, (at, n)
+
+
+def test_a_piece_outside_its_file_is_refused_before_any_byte_lands() -> None:
+    data, sums = _file()
+    buf = bytearray(b"\xee" * 16)
+    for at, n in ((LENGTH - 8, 16), (-1, 4)):
+        with pytest.raises(ValueError, match="outside"):
+            copy_all([], pieces=[Pieces(sums, [(0, 16, _address(buf)), (at, n, 0)], src=data)])
+    assert buf == b"\xee" * 16
 
 
 def test_copy_all_from_a_read_that_ends_early_fails() -> None:

@@ -30,7 +30,7 @@ from tierckpt_core.errors import BlockMismatchError, CheckpointFormatError, Inte
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.verified import BlockSums
-from tierckpt_core.verified_copy import PARALLEL_MIN, Copy, copy_all
+from tierckpt_core.verified_copy import PARALLEL_MIN, Copy, Pieces, copy_all
 
 _CHANGED = (
     "the copy in this node's memory changed; restore the step from the persistent tier or a peer"
@@ -90,23 +90,34 @@ class LocalFiles:
         jobs = []
         at: list[int] = []  # each job's target's address
         device: list[DeviceCopy] = []
+        # Tensors smaller than a block, by file: (offset, length, the target's address).
+        small: dict[str, list[tuple[int, int, int]]] = {}
+        filled = self._filled
         for ref, target in wants:
             if target is None:
                 continue
-            ptr = target.data_ptr()
-            if (ref.file, ref.offset, ref.length, ptr) in self._filled:
+            name, offset, length, ptr = ref.file, ref.offset, ref.length, target.data_ptr()
+            if (name, offset, length, ptr) in filled:
                 continue
-            if self._on_device(ref.file, ref.length, target):
-                device.append(self._device_copy(ref.file, ref.offset, ref.length, target))
+            if self._on_device(name, length, target):
+                device.append(self._device_copy(name, offset, length, target))
                 continue
-            if not self._direct(ref.file, ref.length, target):
+            if not self._direct(name, length, target):
                 continue
-            job = self._copy(ref.file, ref.offset, ref.length, target)
+            sums = self._sums.get(name) or self._block_sums(name, offset, length)
+            if 0 < length < sums.size:  # (no whole block: checked in a private copy)
+                if offset + length > sums.length:
+                    raise CheckpointFormatError(
+                        f"{self.where}: a tensor lies beyond the end of {name}"
+                    )
+                small.setdefault(name, []).append((offset, length, ptr))
+                continue
+            job = self._copy(name, offset, length, target)
             if job is not None:
                 jobs.append(job)
                 at.append(ptr)
         self._land_on_device(device)
-        self._land(jobs, at)
+        self._land(jobs, at, [self._pieces(name, parts) for name, parts in small.items()])
 
     def _on_device(self, name: str, length: int, target: torch.Tensor) -> bool:
         """Whether CUDA tensor ``target`` takes ``length`` bytes of local file ``name`` as
@@ -235,10 +246,8 @@ class LocalFiles:
             raise CheckpointFormatError(f"{self.where}: a tensor lies beyond the end of {name}")
         if not length:
             return None
-        rec = self._record(name, offset, length, "a tensor")
-        sums = self._sums.get(name)
-        if sums is None:  # one per file, not per tensor (thousands of tensors a load)
-            sums = self._sums[name] = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
+        self._record(name, offset, length, "a tensor")  # (within the file's record)
+        sums = self._sums.get(name) or self._block_sums(name, offset, length)
         dest = _as_array(target)
         # key: a block that small tensors side by side share is read and checked once per load.
         if fd is None:
@@ -248,25 +257,58 @@ class LocalFiles:
             return Copy(dest, sums, offset, src=src, key=name)
         return Copy(dest, sums, offset, read=lambda view, at: os.preadv(fd, [view], at), key=name)
 
-    def _land(self, jobs: list[Copy], at: list[int]) -> None:
+    def _land(self, jobs: list[Copy], at: list[int], pieces: list[Pieces] | None = None) -> None:
         """Run the copies (a bad block or a short file fails here, naming file and block);
-        ``at``: the address of each one's target (the key of what was filled)."""
-        if not jobs:
+        ``at``: the address of each one's target (the key of what was filled); ``pieces``:
+        small tensors, by file (:meth:`_pieces`)."""
+        pieces = pieces or []
+        nbytes = sum(j.dest.nbytes for j in jobs) + sum(n for p in pieces for _, n, _ in p.parts)
+        if not nbytes:
             return
         threads = torch.get_num_threads()
-        if threads > 1 and sum(j.dest.nbytes for j in jobs) >= 2 * PARALLEL_MIN:
+        if threads > 1 and nbytes >= 2 * PARALLEL_MIN:
             quiet_openmp()  # torch's spinning workers off the cores the copy's helpers take
         self.verified_bytes += copy_all(
             jobs,
             threads=threads,
             short=CheckpointFormatError,
             spawn=functools.partial(on_helpers, VERIFY),  # woken off this thread's core
+            pieces=pieces,
         )
+        filled = self._filled
         for job, ptr in zip(jobs, at, strict=True):
             sums, n = job.sums, job.dest.nbytes
-            self._filled.add((sums.name, job.offset, n, ptr))
+            filled.add((sums.name, job.offset, n, ptr))
             done = self._verified.setdefault(sums.name, set())
             done.update(range(sums.block_of(job.offset), sums.block_of(job.offset + n - 1) + 1))
+        for p in pieces:
+            name, size = p.sums.name, p.sums.size
+            done = self._verified.setdefault(name, set())
+            for offset, length, ptr in p.parts:
+                filled.add((name, offset, length, ptr))
+                done.update(range(offset // size, (offset + length - 1) // size + 1))
+
+    def _block_sums(self, name: str, offset: int, length: int) -> BlockSums:
+        """Local file ``name``'s block checksums: one per file, not per tensor (thousands of
+        tensors a load); ``offset`` and ``length``: the tensor that asks first."""
+        rec = self._record(name, offset, length, "a tensor")
+        sums = self._sums[name] = BlockSums.of(rec, where=self.where, remedy=_CHANGED)
+        return sums
+
+    def _pieces(self, name: str, parts: list[tuple[int, int, int]]) -> Pieces:
+        """The small tensors of local file ``name`` to land: from this process's mapping, else
+        ``preadv`` from the file (as :meth:`_copy`)."""
+        sums = self._sums[name]
+        fd = self._unmapped_fd(name)
+        if fd is not None:
+            self._check_range(fd, name, 0, sums.length, "its bytes")
+            return Pieces(sums, parts, read=lambda view, at: os.preadv(fd, [view], at))
+        if sums.length > self.buffer(name).numel():
+            raise CheckpointFormatError(f"{self.where}: {name} ends before its record says")
+        src = self._arrays.get(name)
+        if src is None:
+            src = self._arrays[name] = self.buffer(name).numpy()
+        return Pieces(sums, parts, src=src)
 
     def _pread_into(self, fd: int, name: str, view: memoryview, offset: int) -> None:
         done = 0
