@@ -115,13 +115,14 @@ NUMPY_DTYPES = frozenset(
 def takes_whole(item: Any, ref: ShardRef, target: torch.Tensor) -> bool:
     """Whether read item ``item`` reads all of stored tensor ``ref`` into a ``target`` of its
     dtype and shape (a copy of bytes, no narrowing nor conversion)."""
+    shape = ref.shape  # (a tuple: torch.Size compares equal to it; thousands of items a load)
     return (
         ref.dtype is not None
-        and ref.shape is not None
-        and list(item.lengths) == list(ref.shape)
+        and shape is not None
+        and tuple(item.lengths) == shape
         and not any(item.storage_offsets)
         and target.dtype == DTYPES[ref.dtype]
-        and list(target.size()) == list(ref.shape)
+        and target.size() == shape
     )
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -90,6 +90,14 @@ def _decoded(doc: str, *, where: str) -> Metadata:
         planner_data=dict(metadata.planner_data) if metadata.planner_data is not None else None,
         storage_data=dict(metadata.storage_data or {}),
     )
+
+
+def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
+    """Where ``item`` lands: the planner's tensor, detached where it needs it (DCP's readers
+    detach every one; a state dict's tensors seldom require grad, and ``detach`` makes a new
+    tensor object: ~1 us a tensor, thousands a load)."""
+    target = planner.resolve_tensor(item)
+    return target.detach() if target.requires_grad else target
 
 
 class TieredStorageReader(StorageReader):
@@ -329,10 +337,12 @@ class TieredStorageReader(StorageReader):
     def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Copy every item of ``plan`` out of the step's files, from the read plan's source (a
         failed read from the peers is read again the daemon's way)."""
-        refs = [ref for i in plan.items if (ref := self._storage.get(i.storage_index))]
+        storage = self._storage
+        found = [storage.get(i.storage_index) for i in plan.items]  # each item's, looked up once
+        refs = [ref for ref in found if ref is not None]
         try:
             with self.open_files(refs) as files:
-                self._copy_items(plan, planner, files)
+                self._copy_items(plan, planner, files, found)
         except (IntegrityError, PeerUnavailableError) as e:
             source = self._plan.source if self._plan is not None else None
             report(self._daemon, self.namespace, self._resolved, e, source)
@@ -350,7 +360,7 @@ class TieredStorageReader(StorageReader):
             )
             try:
                 with self.open_files(refs, instead) as files:
-                    self._copy_items(plan, planner, files)
+                    self._copy_items(plan, planner, files, found)
             except IntegrityError as again:
                 report(self._daemon, self.namespace, self._resolved, again, instead)
                 raise
@@ -375,29 +385,35 @@ class TieredStorageReader(StorageReader):
             self._fetched = files.fetched
             yield files
 
-    def _copy_items(self, plan: LoadPlan, planner: LoadPlanner, files: StepFiles) -> None:
-        """Copy every item of ``plan`` out of the step's stored files."""
+    def _copy_items(
+        self,
+        plan: LoadPlan,
+        planner: LoadPlanner,
+        files: StepFiles,
+        refs: list[ShardRef | None],
+    ) -> None:
+        """Copy every item of ``plan`` out of the step's stored files; ``refs``: where each item
+        is stored (None: not in the step)."""
         where = files.where
-        # Of the items looked at for the prefetch: the stored data, the destination, and
-        # whether it takes the data whole (thousands of items a load: each found once).
-        refs: dict[int, ShardRef | None] = {}
-        targets: dict[int, torch.Tensor] = {}
-        whole: dict[int, bool] = {}
-        if files.prefetches:  # reads straight from the persistent tier or peers: all at once
+        # Of the items looked at for the prefetch: the destination where it takes the stored
+        # data whole (thousands of items a load: each found once).
+        targets: list[torch.Tensor | None] = [None] * len(refs)
+        whole = [False] * len(refs)
+        looked = files.prefetches
+        if looked:  # reads straight from the persistent tier or peers: all at once
             wants: list[tuple[ShardRef, torch.Tensor | None]] = []
-            for i, item in enumerate(plan.items):
-                ref = refs[i] = self._storage.get(item.storage_index)
+            for i, (item, ref) in enumerate(zip(plan.items, refs, strict=True)):
                 if ref is None:
                     continue
                 target = None
                 if item.type != LoadItemType.BYTE_IO and ref.dtype is not None:
-                    targets[i] = planner.resolve_tensor(item).detach()
-                    if whole.setdefault(i, takes_whole(item, ref, targets[i])):
-                        target = targets[i]
+                    target = targets[i] = _destination(planner, item)
+                    whole[i] = takes_whole(item, ref, target)
+                    if not whole[i]:
+                        target = None
                 wants.append((ref, target))
             files.prefetch(wants)
-        for i, item in enumerate(plan.items):
-            ref = refs[i] if i in refs else self._storage.get(item.storage_index)
+        for i, (item, ref) in enumerate(zip(plan.items, refs, strict=True)):
             if ref is None:
                 raise CheckpointFormatError(f"{where}: no stored data for {item.storage_index.fqn}")
             if item.type == LoadItemType.BYTE_IO:
@@ -409,8 +425,10 @@ class TieredStorageReader(StorageReader):
                     f"{where}: {item.storage_index.fqn} is stored as bytes, not a tensor"
                 )
             dtype = DTYPES[ref.dtype]
-            target = targets[i] if i in targets else planner.resolve_tensor(item).detach()
-            if (whole[i] if i in whole else takes_whole(item, ref, target)) and files.read_into(
+            target = targets[i]
+            if target is None:
+                target = _destination(planner, item)
+            if (whole[i] if looked else takes_whole(item, ref, target)) and files.read_into(
                 ref.file, ref.offset, ref.length, target
             ):
                 planner.commit_tensor(item, target)
