@@ -263,3 +263,18 @@ def test_a_block_size_no_version_chooses_is_refused_at_seal(
         )
         with pytest.raises(ProtocolError, match=problem):
             c.seal("raw", 1, "a", 0, [bad])
+
+
+def test_parameters_that_require_grad_are_restored_in_place(client_env: DaemonProcess) -> None:
+    """A state holding a module's parameters themselves (``keep_vars``: they require grad)
+    restores into them, verified, and they still require grad; tensors that do not are landed
+    in without a detached copy of each."""
+    g = torch.Generator().manual_seed(9)
+    saved = {"w": torch.randn(1 << 16, generator=g), "b": torch.randn(7, generator=g)}
+    dcp.save(saved, storage_writer=TieredStorageWriter("grad", 1), no_dist=True)
+    params = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in saved.items()}
+    before = {k: p.data_ptr() for k, p in params.items()}
+    dcp.load(params, storage_reader=TieredStorageReader("grad", 1), no_dist=True)
+    for k, p in params.items():
+        assert p.requires_grad and p.data_ptr() == before[k]
+        assert torch.equal(p.detach(), saved[k])
