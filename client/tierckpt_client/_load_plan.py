@@ -90,13 +90,15 @@ class LoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         self._targets, self._kept = {}, None
         if self.metadata is not None and not self.allow_partial_load:
-            plan = whole_plan(self.state_dict, self.metadata.state_dict_metadata)
+            targets: dict[str, tuple[ReadItem, torch.Tensor]] = {}
+            plan = whole_plan(
+                self.state_dict,
+                self.metadata.state_dict_metadata,
+                targets=targets,
+                keys=_first_chunks(self.metadata.storage_data),
+            )
             if plan is not None:
-                self._targets = {
-                    item.dest_index.fqn: (item, _local(self.state_dict[item.dest_index.fqn]))
-                    for item in plan.items
-                    if item.type == LoadItemType.TENSOR
-                }
+                self._targets = targets
                 self._kept = plan
                 return LoadPlan([], planner_data=_KEPT)
         return super().create_local_plan()
@@ -193,12 +195,30 @@ def _local(obj: Any) -> torch.Tensor:
     return obj if shard is None else shard
 
 
-def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -> LoadPlan | None:
+def _first_chunks(storage: Any) -> dict[str, MetadataIndex]:
+    """The storage keys of the steps' first chunks by name (``storage``: a step metadata's
+    ``storage_data``), for :func:`whole_plan`'s items to hold: the reader's lookup of each
+    item's bytes then finds its own key (the same object: no comparison of fields)."""
+    if not isinstance(storage, dict):
+        return {}
+    return {k.fqn: k for k in storage if type(k) is MetadataIndex and k.index == 0}
+
+
+def whole_plan(
+    state_dict: Mapping[str, object],
+    stored: Mapping[str, object],
+    *,
+    targets: dict[str, tuple[ReadItem, torch.Tensor]] | None = None,
+    keys: Mapping[str, MetadataIndex] | None = None,
+) -> LoadPlan | None:
     """The load plan of a flattened ``state_dict`` whose every key ``stored`` has and whose
     every tensor is a plain one stored whole in one chunk of its shape, or a ``DTensor`` whose
     local shard is one stored chunk; else None. Keys stored that ``state_dict`` lacks are not
     read, as DCP does (a rank of a pipeline stage loads its own layers out of a step that holds
-    every stage's)."""
+    every stage's). ``targets``: filled with each tensor item and what it lands in (the tensor,
+    or a ``DTensor``'s shard); ``keys``: the stored chunks' keys by name, which the items take
+    where equal (:func:`_first_chunks`)."""
+    keys = keys or {}
     items: list[ReadItem] = []
     origins: dict[int, torch.Size] = {}  # the zero offsets of each number of dimensions
     # Each shape, mesh and placements' local chunk, and where the last tensor found it stored.
@@ -222,6 +242,8 @@ def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -
             if shard is None:
                 return None
             items += shard
+            if targets is not None and shard:
+                targets[fqn] = (shard[0], _local(obj))
             continue
         if type(obj) not in PLAIN:
             return None
@@ -237,8 +259,12 @@ def whole_plan(state_dict: Mapping[str, object], stored: Mapping[str, object]) -
         zeros = origins.get(len(size))
         if zeros is None:
             zeros = origins[len(size)] = torch.Size([0] * len(size))
-        index = MetadataIndex(fqn, zeros, 0)  # the chunk's offsets are zeros too
-        items.append(ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, size))
+        key = keys.get(fqn)  # (the chunk's offsets are zeros too)
+        index = key if key is not None and key.offset == zeros else MetadataIndex(fqn, zeros, 0)
+        item = ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, size)
+        items.append(item)
+        if targets is not None:
+            targets[fqn] = (item, obj)
     return LoadPlan(items)
 
 

@@ -88,6 +88,11 @@ def test_a_resume_is_planned_here_as_dcp_plans_it(tmp_path: Path) -> None:
     planner.set_up_planner(_state(2), metadata, True)
     assert planner.create_local_plan().items == []
     assert len(ours.items) == 7  # the empty tensor has none, as in DCP's plan
+    # Each tensor item holds the step's own key of its chunk (the reader finds it by identity).
+    keys = {k: k for k in metadata.storage_data}
+    assert all(
+        keys[i.storage_index] is i.storage_index for i in ours.items if i.type.name == "TENSOR"
+    )
 
     # And the load through it gives the saved values.
     state = _state(3)
