@@ -7,8 +7,9 @@ verify each block as it lands, so corruption is found during ``read_data``, afte
 load on the step's metadata. Checking the step before the plan would read it twice; instead each
 rank says after its read whether it found the step corrupt (one small all-reduce on a gloo
 group; the messages are gathered only when a rank did not read it), and if any did, every rank
-reads the older step that rank 0 picks, into the same destinations: a step of the same layout (the common case: the same model and sharding, saved a few steps earlier) serves the
-same plan, and every byte that plan reads is overwritten, so the load is wholly the older step.
+reads the older step that rank 0 picks, into the same destinations: a step of the same layout
+(the common case: the same model and sharding, saved a few steps earlier) serves the same plan,
+and every byte that plan reads is overwritten, so the load is wholly the older step.
 """
 
 from __future__ import annotations
