@@ -1,5 +1,7 @@
 """What a load's ``POST .../reads`` requests to its daemon may leave out or send early (issue 24,
-goal 2; used by :meth:`DaemonClient.open_read <tierckpt_client.daemon_client.DaemonClient.open_read>`).
+goal 2; used by :meth:`DaemonClient.open_read <tierckpt_client.daemon_client.DaemonClient.open_read>`,
+which sends, claims and gives back its pins sent ahead through :func:`pin_ahead` and
+:func:`claimed`).
 
 A load asks twice: for the step's metadata (``read_metadata``) and for a pin (``read_data``).
 
@@ -23,13 +25,21 @@ stamp that lies (the directory is writable by the node's trainers) costs a clear
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tierckpt_client._uds_http import Answer, collect_owed
-from tierckpt_core.protocol import ReadResponse, ReadStamp
+from tierckpt_core.errors import DaemonUnavailableError, TierCkptError
+from tierckpt_core.protocol import ReadRequest, ReadResponse, ReadStamp
+
+if TYPE_CHECKING:  # (the client sends what this module decides)
+    from tierckpt_client.daemon_client import DaemonClient
+
+logger = logging.getLogger(__name__)
 
 Key = tuple[str, str, int]  # (socket, namespace, step)
 
@@ -38,6 +48,7 @@ Key = tuple[str, str, int]  # (socket, namespace, step)
 _STAMPS: OrderedDict[Key, tuple[str, ReadStamp]] = OrderedDict()
 _STAMPS_MAX = 64
 _LOCK = threading.Lock()
+GIVE_BACK_S = 5.0  # the bound on releasing a pin sent ahead that no load claimed
 
 
 def remember(key: Key, answer: ReadResponse) -> None:
@@ -120,6 +131,69 @@ def claim(key: Key) -> Ahead | None:
             return None  # (one that arrived unclaimed was given back already)
         ahead.claimed = True
         return ahead
+
+
+def pin_ahead(client: DaemonClient, key: Key, version: str) -> bool:
+    """Send the pin of the next ``open_read`` of version ``version`` of the step ``key`` names
+    ahead through ``client`` (not waiting for its answer); False if it could not be sent."""
+    _, namespace, step = key
+    path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
+    ahead = Ahead(key, version, _give_back(client, namespace, step))
+    body = ReadRequest(known=version, pin=True).model_dump()
+    try:
+        send_ahead(ahead, lambda: client._request("POST", path, body, later=True, done=ahead.done))
+    except DaemonUnavailableError:
+        return False  # asked when needed, as before: a daemon gone is the load's to handle
+    return True
+
+
+def claimed(client: DaemonClient, ahead: Ahead, known: str | None) -> ReadResponse | None:
+    """The answer to the pin sent ahead, claimed by a load that holds version ``known`` (None:
+    it was for another version, given back)."""
+    _, namespace, step = ahead.key
+    what = f"POST /v1/namespaces/{namespace}/steps/{step}/reads"
+    limit = client.config.timeout_s
+    if not ahead.wait(limit):
+        raise DaemonUnavailableError(
+            f"the tierckpt daemon at {client.config.socket} did not answer {what} within "
+            f"{limit:.0f}s"
+        )
+    if ahead.answer is None:
+        error = ahead.error if isinstance(ahead.error, OSError) else OSError(str(ahead.error))
+        raise client._failed(error, what, limit) from ahead.error
+    if ahead.known != known:
+        _give_back(client, namespace, step)(ahead.answer)
+        return None
+    answer = ReadResponse.model_validate(client._decoded(ahead.answer, what))
+    remember(ahead.key, answer)
+    return answer
+
+
+def _give_back(client: DaemonClient, namespace: str, step: int) -> Callable[[Answer], None]:
+    """Release the pin in an answer to a pin sent ahead that no load claimed (and wait: what
+    this process asks next does not see it)."""
+
+    def give_back(answer: Answer) -> None:
+        try:
+            pin_id = ReadResponse.model_validate_json(answer[1]).pin_id
+        except ValueError:
+            return  # an error: no pin taken
+        if pin_id is None:
+            return
+        path = f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}"
+        try:
+            # Bounded apart: it may run at exit (a daemon that hangs must not hold it up).
+            client._request("DELETE", path, timeout=min(client.config.timeout_s, GIVE_BACK_S))
+        except TierCkptError as e:
+            logger.warning(
+                "%s/step %d: could not give back a pin sent ahead of a load that did not "
+                "read: %s (it expires by itself)",
+                namespace,
+                step,
+                e,
+            )
+
+    return give_back
 
 
 # After _uds_http's (atexit runs the last registered first): read the answers of pins sent

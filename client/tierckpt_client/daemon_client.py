@@ -53,7 +53,6 @@ logger = logging.getLogger(__name__)
 _SHARED: dict[tuple[int, ClientConfig], UnixHTTP] = {}
 _SHARED_LOCK = threading.Lock()
 _NODES: dict[str, str | None] = {}  # socket -> the daemon's node name (see DaemonClient.node)
-GIVE_BACK_S = 5.0  # the bound on releasing a pin sent ahead that no load claimed
 REPORT_TIMEOUT_S = 2.0  # the bound on telling the daemon about corruption a reader found
 
 
@@ -382,13 +381,13 @@ class DaemonClient:
         path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
         if pin:
             ahead = _reads.claim(key)
-            answer = self._claimed(ahead, namespace, step, known) if ahead is not None else None
+            answer = _reads.claimed(self, ahead, known) if ahead is not None else None
             if answer is not None:
                 return answer
         elif (
             known is not None
             and _reads.unchanged(key, known)
-            and self._pin_ahead(key, namespace, step, known)
+            and _reads.pin_ahead(self, key, known)
         ):
             return ReadResponse(version=known)
         body = ReadRequest(known=known, pin=pin).model_dump()
@@ -396,68 +395,8 @@ class DaemonClient:
         _reads.remember(key, answer)
         if not pin and answer.stamp is not None:
             # A first load of this version: its pin goes now too, served while DCP plans.
-            self._pin_ahead(key, namespace, step, answer.version)
+            _reads.pin_ahead(self, key, answer.version)
         return answer
-
-    def _pin_ahead(self, key: _reads.Key, namespace: str, step: int, version: str) -> bool:
-        """Send the pin of the next ``open_read`` of version ``version`` ahead (not waiting for
-        its answer); False if it could not be sent."""
-        path = f"/v1/namespaces/{namespace}/steps/{step}/reads"
-        ahead = _reads.Ahead(key, version, self._give_back(namespace, step))
-        body = ReadRequest(known=version, pin=True).model_dump()
-        try:
-            _reads.send_ahead(
-                ahead, lambda: self._request("POST", path, body, later=True, done=ahead.done)
-            )
-        except DaemonUnavailableError:
-            return False  # asked when needed, as before: a daemon gone is the load's to handle
-        return True
-
-    def _claimed(
-        self, ahead: _reads.Ahead, namespace: str, step: int, known: str | None
-    ) -> ReadResponse | None:
-        """The answer to the pin sent ahead (None: it was for another version, given back)."""
-        what = f"POST /v1/namespaces/{namespace}/steps/{step}/reads"
-        if not ahead.wait(self.config.timeout_s):
-            raise DaemonUnavailableError(
-                f"the tierckpt daemon at {self.config.socket} did not answer {what} within "
-                f"{self.config.timeout_s:.0f}s"
-            )
-        if ahead.answer is None:
-            error = ahead.error if isinstance(ahead.error, OSError) else OSError(str(ahead.error))
-            raise self._failed(error, what, self.config.timeout_s) from ahead.error
-        if ahead.known != known:
-            self._give_back(namespace, step)(ahead.answer)
-            return None
-        answer = ReadResponse.model_validate(self._decoded(ahead.answer, what))
-        _reads.remember(ahead.key, answer)
-        return answer
-
-    def _give_back(self, namespace: str, step: int) -> Callable[[Answer], None]:
-        """Release the pin in an answer to a pin sent ahead that no load claimed (and wait: what
-        this process asks next does not see it)."""
-
-        def give_back(answer: Answer) -> None:
-            try:
-                pin_id = ReadResponse.model_validate_json(answer[1]).pin_id
-            except ValueError:
-                return  # an error: no pin taken
-            if pin_id is None:
-                return
-            path = f"/v1/namespaces/{namespace}/steps/{step}/pins/{pin_id}"
-            try:
-                # Bounded apart: it may run at exit (a daemon that hangs must not hold it up).
-                self._request("DELETE", path, timeout=min(self.config.timeout_s, GIVE_BACK_S))
-            except TierCkptError as e:
-                logger.warning(
-                    "%s/step %d: could not give back a pin sent ahead of a load that did not "
-                    "read: %s (it expires by itself)",
-                    namespace,
-                    step,
-                    e,
-                )
-
-        return give_back
 
     def unpin(self, namespace: str, step: int, pin_id: str, *, wait: bool = True) -> None:
         """Release a pin. ``wait=False``: send the request and return (a load's last request,
