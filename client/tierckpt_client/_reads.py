@@ -30,18 +30,40 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from tierckpt_client._uds_http import Answer, collect_owed
+from tierckpt_client._uds_http import Answer, Done, collect_owed
+from tierckpt_client.config import ClientConfig
 from tierckpt_core.errors import DaemonUnavailableError, TierCkptError
 from tierckpt_core.protocol import ReadRequest, ReadResponse, ReadStamp
-
-if TYPE_CHECKING:  # (the client sends what this module decides)
-    from tierckpt_client.daemon_client import DaemonClient
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str, int]  # (socket, namespace, step)
+
+
+class Client(Protocol):
+    """What the pins sent ahead use of a :class:`~tierckpt_client.daemon_client.DaemonClient`
+    (which sends what this module decides)."""
+
+    config: ClientConfig
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        timeout: float | None = None,
+        raw: bool = False,
+        later: bool = False,
+        done: Done | None = None,
+    ) -> Any: ...
+
+    def _failed(self, e: OSError, what: str, limit: float) -> DaemonUnavailableError: ...
+
+    def _decoded(self, answer: Answer, what: str, *, raw: bool = False) -> Any: ...
+
 
 # What the daemons answered this process's reads of a step last: the version, and the step's
 # commit record as the daemon found it then.
@@ -133,7 +155,7 @@ def claim(key: Key) -> Ahead | None:
         return ahead
 
 
-def pin_ahead(client: DaemonClient, key: Key, version: str) -> bool:
+def pin_ahead(client: Client, key: Key, version: str) -> bool:
     """Send the pin of the next ``open_read`` of version ``version`` of the step ``key`` names
     ahead through ``client`` (not waiting for its answer); False if it could not be sent."""
     _, namespace, step = key
@@ -147,7 +169,7 @@ def pin_ahead(client: DaemonClient, key: Key, version: str) -> bool:
     return True
 
 
-def claimed(client: DaemonClient, ahead: Ahead, known: str | None) -> ReadResponse | None:
+def claimed(client: Client, ahead: Ahead, known: str | None) -> ReadResponse | None:
     """The answer to the pin sent ahead, claimed by a load that holds version ``known`` (None:
     it was for another version, given back)."""
     _, namespace, step = ahead.key
@@ -169,7 +191,7 @@ def claimed(client: DaemonClient, ahead: Ahead, known: str | None) -> ReadRespon
     return answer
 
 
-def _give_back(client: DaemonClient, namespace: str, step: int) -> Callable[[Answer], None]:
+def _give_back(client: Client, namespace: str, step: int) -> Callable[[Answer], None]:
     """Release the pin in an answer to a pin sent ahead that no load claimed (and wait: what
     this process asks next does not see it)."""
 
