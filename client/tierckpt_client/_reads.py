@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tierckpt_client._uds_http import Answer, Done, collect_owed
+from tierckpt_client._uds_http import Answer, collect_owed
 from tierckpt_client.config import ClientConfig
 from tierckpt_core.errors import DaemonUnavailableError, TierCkptError
 from tierckpt_core.protocol import ReadRequest, ReadResponse, ReadStamp
@@ -48,17 +48,8 @@ class Client(Protocol):
 
     config: ClientConfig
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        timeout: float | None = None,
-        raw: bool = False,
-        later: bool = False,
-        done: Done | None = None,
-    ) -> Any: ...
+    @property
+    def _request(self) -> Callable[..., Any]: ...  # (DaemonClient._request: its keywords there)
 
     def _failed(self, e: OSError, what: str, limit: float) -> DaemonUnavailableError: ...
 
