@@ -13,21 +13,17 @@ destination right after it landed, the whole blocks of many copies shared by sev
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import ctypes
-import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import xxhash
 
 from tierckpt_core.errors import IntegrityError, TierCkptError
 from tierckpt_core.integrity import GIL_HELD_MAX
+from tierckpt_core.threads import Spawn, copy_bytes, memmove, share
 from tierckpt_core.verified import CHUNK, BlockStream, BlockSums, Read, _bytes
-
-_R = TypeVar("_R")  # one run of work that _share hands a worker
 
 
 @dataclass(frozen=True)
@@ -119,7 +115,7 @@ def copy_all(
         landing, lo, hi = run
         return int(landing.whole(lo, hi, piece))
 
-    return _share(runs, workers, land, spawn)
+    return share(runs, workers, land, spawn)
 
 
 # File bytes [lo, hi) of one copy in blocks it covers in part, or of a piece: the address of lo.
@@ -186,7 +182,7 @@ class _Edges:
             for start, stop, to in parts:
                 a, b = max(start, lo), min(stop, hi)
                 if isinstance(to, int):  # a piece: its bytes from ``start`` at address ``to``
-                    _memmove(to + a - start, base + a - lo, b - a)
+                    memmove(to + a - start, base + a - lo, b - a)
                 else:
                     to.out[a - to.offset : b - to.offset] = private[a - lo : b - lo]
         return sum(hi - lo for _, lo, hi, _ in run)
@@ -374,116 +370,9 @@ def check_all(
             done += hi - lo
         return done
 
-    return _share(runs, min(threads, len(runs)), check, spawn)
-
-
-def _share(runs: Sequence[_R], workers: int, do: Callable[[_R], int], spawn: Spawn | None) -> int:
-    """``do`` every run, on the caller's thread and ``workers - 1`` others, each taking the next
-    run until none is left; the sum of what ``do`` returned. The first error stops the others at
-    their next run and is raised. Every worker that started is waited for (it may still write
-    into a destination); one that has not started when the caller's thread is done finds no run
-    left: cancelled, it is not waited for."""
-    todo = iter(runs)
-    lock = threading.Lock()
-    failed = threading.Event()
-
-    def work() -> int:
-        done = 0
-        while not failed.is_set():
-            with lock:
-                run = next(todo, None)
-            if run is None:
-                break
-            try:
-                done += do(run)
-            except BaseException:
-                failed.set()  # the others stop at their next run
-                raise
-        return done
-
-    if workers <= 1:
-        return work()
-    futures = (spawn or _on_pool)(workers - 1, work)
-    checked = 0
-    try:
-        checked = work()
-    finally:
-        running = [f for f in futures if not f.cancel()]
-        concurrent.futures.wait(running)
-    return checked + sum(f.result() for f in running)  # a bad block's error
-
-
-Spawn = Callable[[int, Callable[[], int]], Sequence["concurrent.futures.Future[int]"]]
-"""``spawn(n, work)``: ``work`` started on ``n`` other threads, a future for each."""
-
-
-def _on_pool(n: int, work: Callable[[], _R]) -> list[concurrent.futures.Future[_R]]:
-    return [_pool().submit(work) for _ in range(n)]
+    return share(runs, min(threads, len(runs)), check, spawn)
 
 
 PARALLEL_MIN = 8 << 20
 """Bytes of whole blocks one worker takes at a time; and below which a copy is not split over
 threads (handing a run over costs a thread wake-up)."""
-
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(
-                min(16, os.cpu_count() or 1), thread_name_prefix="tierckpt-verify"
-            )
-        return _POOL
-
-
-def _forget_pool() -> None:
-    global _POOL, _POOL_LOCK
-    # A forked child has none of the parent's threads, and the lock may have been held by one.
-    _POOL, _POOL_LOCK = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-_memmove = ctypes.memmove  # (a foreign call: the GIL released while it copies)
-
-
-def _copier() -> Callable[[Any, Any], None]:
-    """``copy(dest, src)`` of two equal byte buffers: numpy's, which releases the GIL (so copies
-    in several threads run at once), where numpy is installed (the client); else Python's.
-
-    numpy's ``positive`` of unsigned bytes (the identity: every byte as it is) and not its
-    ``copyto``: ``copyto`` calls libc's ``memmove``, and ``positive`` runs numpy's vectorised
-    loop, the kind of loop torch's own ``copy_`` runs: it measured faster than glibc's
-    ``memmove`` on one thread, most of all in small pieces, and shortened the ``async_save``
-    stall's copy (docs/benchmarks.md, "Figures behind the code's choices")."""
-    try:
-        import numpy as np
-    except ImportError:
-
-        def assign(dest: Any, src: Any) -> None:
-            memoryview(dest).cast("B")[:] = memoryview(src).cast("B")
-
-        return assign
-
-    u8 = np.uint8
-
-    def positive(dest: Any, src: Any) -> None:
-        np.positive(np.frombuffer(src, u8), out=np.frombuffer(dest, u8))
-
-    return positive
-
-
-_COPY: Callable[[Any, Any], None] | None = None
-
-
-def copy_bytes(dest: Any, src: Any) -> None:
-    """Copy the bytes of buffer ``src`` into buffer ``dest``, of the same length (contiguous,
-    not overlapping); releases the GIL where numpy is installed (:func:`_copier`)."""
-    global _COPY
-    if _COPY is None:  # numpy is imported on the first copy, not with the daemon
-        _COPY = _copier()
-    _COPY(dest, src)

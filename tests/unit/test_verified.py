@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tierckpt_core import integrity, verified_copy
+from tierckpt_core import threads as work_threads
 from tierckpt_core.errors import (
     BlockMismatchError,
     IntegrityError,
@@ -449,11 +450,11 @@ def test_copy_bytes_lands_every_byte_as_it_is(
     and nothing written past the end."""
     if not with_numpy:
         monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy fails
-    monkeypatch.setattr(verified_copy, "_COPY", None)  # chosen again, and put back after
+    monkeypatch.setattr(work_threads, "_COPY", None)  # chosen again, and put back after
     data = random.Random(7).randbytes(3 * BLOCK + 17)
     for at, n in [(0, len(data)), (1, 1), (3, 2 * BLOCK + 5), (BLOCK - 1, 0)]:
         dest = bytearray(b"\xa5" * (n + 9))
-        verified_copy.copy_bytes(memoryview(dest)[2 : 2 + n], memoryview(data)[at : at + n])
+        work_threads.copy_bytes(memoryview(dest)[2 : 2 + n], memoryview(data)[at : at + n])
         assert dest[2 : 2 + n] == data[at : at + n]
         assert dest[:2] == b"\xa5\xa5" and dest[2 + n :] == b"\xa5" * 7
 
@@ -470,7 +471,7 @@ def test_copy_all_does_not_wait_for_a_worker_that_never_starts() -> None:
     )
     sums = BlockSums.of(rec, where="job/step 3", source="in this node's memory")
     release = threading.Event()
-    pool = verified_copy._pool()
+    pool = work_threads.pool()
     held = [pool.submit(release.wait, 60) for _ in range(pool._max_workers)]
     dest = bytearray(length)
     done = threading.Event()

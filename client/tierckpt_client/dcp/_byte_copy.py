@@ -23,7 +23,7 @@ import torch
 
 from tierckpt_client.dcp._helpers import STAGE, on_helpers
 from tierckpt_client.dcp._metadata_codec import NUMPY_DTYPES
-from tierckpt_core.verified_copy import copy_bytes
+from tierckpt_core.threads import copy_bytes
 
 RUN = 4 << 20
 """Bytes one thread copies at a time: handing a run over costs a few microseconds."""
@@ -51,7 +51,7 @@ HELPER_RUNS = 2
 
 def _move(dst: int, src: int, n: int) -> None:
     """Copy ``n`` bytes from address ``src`` to address ``dst`` (not overlapping), the GIL
-    released (:func:`tierckpt_core.verified_copy.copy_bytes`: a vectorised loop, faster than
+    released (:func:`tierckpt_core.threads.copy_bytes`: a vectorised loop, faster than
     libc's ``memmove`` here)."""
     copy_bytes((ctypes.c_uint8 * n).from_address(dst), (ctypes.c_uint8 * n).from_address(src))
 
