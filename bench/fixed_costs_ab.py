@@ -22,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.logger import _dcp_logger
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-import tierckpt_client.dcp.reader as R
+import tierckpt_client.dcp._metadata_codec as codec
+from tierckpt_client import _reads
 from tierckpt_client.config import ClientConfig
-from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_core.launcher import DaemonProcess
 
@@ -45,10 +45,10 @@ numel = MB * (1 << 20) // 16 // 4
 sd = {f"w{i:02d}": torch.randn(numel) for i in range(16)}
 dst = {k: torch.zeros_like(v) for k, v in sd.items()}
 src = {k: torch.ones_like(v) for k, v in sd.items()}
-real_ahead = DaemonClient._pin_ahead
+real_ahead = _reads.pin_ahead
 
 
-def _no_pin_ahead(self: Any, *args: Any) -> bool:
+def _no_pin_ahead(*args: Any) -> bool:
     return False
 
 
@@ -58,10 +58,10 @@ for step in range(1, N + 1):
     after = step % 2 == 0
     _dcp_logger.setLevel(logging.INFO if after else logging.DEBUG)
     if after:
-        DaemonClient._pin_ahead = real_ahead  # type: ignore[method-assign]
+        _reads.pin_ahead = real_ahead
     else:
-        DaemonClient._pin_ahead = _no_pin_ahead  # type: ignore[method-assign]
-        R._DECODED.clear()
+        _reads.pin_ahead = _no_pin_ahead
+        codec._DECODED.clear()
     t0 = time.perf_counter()
     for k in sd:
         src[k].copy_(sd[k])

@@ -311,17 +311,17 @@ def test_a_new_step_of_the_layout_loaded_last_decodes_no_metadata(
     client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steps of one layout share their metadata document: decoded once, for the first load."""
-    import tierckpt_client.dcp.reader as reader_module
+    import tierckpt_client.dcp._metadata_codec as codec
 
     decoded: list[str] = []
-    real = reader_module.metadata_from_text
+    real = codec.metadata_from_text
 
     def counted(doc: str, *, where: str) -> Any:
         decoded.append(where)
         return real(doc, where=where)
 
-    monkeypatch.setattr(reader_module, "metadata_from_text", counted)
-    monkeypatch.setattr(reader_module, "_DECODED", type(reader_module._DECODED)())  # as new
+    monkeypatch.setattr(codec, "metadata_from_text", counted)
+    monkeypatch.setattr(codec, "_DECODED", type(codec._DECODED)())  # as new
     for step in (1, 2, 3):
         save("layout", step, seeded_state(step, N))
         _, out = load("layout", blank_state(N), step)

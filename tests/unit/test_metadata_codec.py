@@ -16,8 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierckpt_client.dcp._metadata_codec import ShardRef, decode_metadata, encode_metadata
-from tierckpt_client.dcp.reader import _decoded
+from tierckpt_client.dcp._metadata_codec import ShardRef, decode_metadata, decoded, encode_metadata
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.metadata_blob import pack_metadata
 
@@ -94,13 +93,13 @@ def test_a_reader_decodes_the_packed_text_and_leaves_the_collector_as_it_found_i
     was = gc.isenabled()
     try:
         gc.enable() if enabled else gc.disable()
-        back = _decoded(text, where="j/step 1")
+        back = decoded(text, where="j/step 1")
         assert back.state_dict_metadata == md.state_dict_metadata
         assert back.storage_data == md.storage_data
         assert gc.isenabled() == enabled
         bad = pack_metadata({**encode_metadata(md), "format": "tierckpt-dcp-metadata/0"})
         with pytest.raises(CheckpointFormatError, match="not in the tierckpt-dcp-metadata/1"):
-            _decoded(bad, where="j/step 1")
+            decoded(bad, where="j/step 1")
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()

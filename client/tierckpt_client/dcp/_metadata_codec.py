@@ -7,7 +7,9 @@ type-checked and dtypes come from a fixed table, and any problem raises
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,6 +73,37 @@ def metadata_from_text(text: str, *, where: str) -> Metadata:
     and decoded with the garbage collector paused (as :func:`metadata_text`)."""
     with _gc_pause.paused():
         return decode_metadata(unpack_metadata(text, where=where))
+
+
+# The metadata of the steps this process loaded, decoded, by the document the source answered
+# with: decoding it costs ~10 us per tensor, on every load, where the document is the same. By its
+# text, not the object: the steps of one layout share it (the same files, offsets and tensors),
+# so a load of a new step of the layout last loaded decodes nothing.
+_DECODED: OrderedDict[str, Metadata] = OrderedDict()
+_DECODED_MAX = 8
+_DECODED_LOCK = threading.Lock()
+
+
+def decoded(doc: str, *, where: str) -> Metadata:
+    """The metadata kept as ``doc`` (tierckpt_core.metadata_blob: inflated, parsed, decoded),
+    decoded once per document; each load gets its own copy of the tables (DCP and a user's
+    planner may keep or change what they are given)."""
+    with _DECODED_LOCK:
+        metadata = _DECODED.get(doc)
+        if metadata is not None:
+            _DECODED.move_to_end(doc)
+    if metadata is None:
+        metadata = metadata_from_text(doc, where=where)
+        with _DECODED_LOCK:
+            _DECODED[doc] = metadata
+            while len(_DECODED) > _DECODED_MAX:
+                _DECODED.popitem(last=False)
+    return replace(
+        metadata,
+        state_dict_metadata=dict(metadata.state_dict_metadata),
+        planner_data=dict(metadata.planner_data) if metadata.planner_data is not None else None,
+        storage_data=dict(metadata.storage_data or {}),
+    )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -8,7 +8,6 @@ import logging
 import os
 import threading
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -40,7 +39,7 @@ from tierckpt_client.dcp._metadata_codec import (
     DTYPES,
     ShardRef,
     copy_tensor,
-    metadata_from_text,
+    decoded,
     takes_whole,
 )
 from tierckpt_client.dcp.ids import format_checkpoint_id, is_checkpoint_id, parse_checkpoint_id
@@ -59,37 +58,6 @@ from tierckpt_core.protocol import validate_namespace, validate_step
 logger = logging.getLogger(__name__)
 
 __all__ = ["RANGED_READ_MAX", "TieredStorageReader"]
-
-
-# The metadata of the steps this process loaded, decoded, by the document the source answered
-# with: decoding it costs ~10 us per tensor, on every load, where the document is the same. By its
-# text, not the object: the steps of one layout share it (the same files, offsets and tensors),
-# so a load of a new step of the layout last loaded decodes nothing.
-_DECODED: OrderedDict[str, Metadata] = OrderedDict()
-_DECODED_MAX = 8
-_DECODED_LOCK = threading.Lock()
-
-
-def _decoded(doc: str, *, where: str) -> Metadata:
-    """The metadata kept as ``doc`` (tierckpt_core.metadata_blob: inflated, parsed, decoded),
-    decoded once per document; each load gets its own copy of the tables (DCP and a user's
-    planner may keep or change what they are given)."""
-    with _DECODED_LOCK:
-        metadata = _DECODED.get(doc)
-        if metadata is not None:
-            _DECODED.move_to_end(doc)
-    if metadata is None:
-        metadata = metadata_from_text(doc, where=where)
-        with _DECODED_LOCK:
-            _DECODED[doc] = metadata
-            while len(_DECODED) > _DECODED_MAX:
-                _DECODED.popitem(last=False)
-    return replace(
-        metadata,
-        state_dict_metadata=dict(metadata.state_dict_metadata),
-        planner_data=dict(metadata.planner_data) if metadata.planner_data is not None else None,
-        storage_data=dict(metadata.storage_data or {}),
-    )
 
 
 def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
@@ -244,7 +212,7 @@ class TieredStorageReader(StorageReader):
         namespace = self._require_namespace()
         self._resolved = chosen.step if isinstance(chosen, ReadPlan) else chosen
         self._plan, doc = self._planner.plan(namespace, chosen)
-        metadata = _decoded(doc, where=f"{namespace}/step {self._resolved}")
+        metadata = decoded(doc, where=f"{namespace}/step {self._resolved}")
         metadata.storage_meta = replace(
             metadata.storage_meta or StorageMeta(), load_id=self.load_id
         )
