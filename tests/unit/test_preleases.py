@@ -92,6 +92,32 @@ def test_no_pre_lease_when_the_commit_frees_no_file(tmp_path: Path) -> None:
         seal(svc, "job", 2, pre.lease_id)
 
 
+def test_a_pre_lease_asked_after_the_commit_is_granted_and_after_an_abort_is_not(
+    tmp_path: Path,
+) -> None:
+    """The trainer asks beside its commit, so the request may come after the attempt ended: a
+    committed attempt's pre-lease is granted at once from the file the commit freed; one of an
+    attempt that was aborted (or never existed) gets no file and takes none from the pool."""
+    svc = make(tmp_path / "tier")
+    first = save(svc, "job", 1)
+    save(svc, "job", 2)  # retires step 1: its file is in the pool
+    pre = svc.lease("job", 0, MiB, after=LeaseAfter(step=2, attempt="a2"))
+    assert os.stat(pre.path).st_ino == first
+    assert svc.leases.held_bytes == MiB
+    svc.release_lease("job", pre.lease_id)
+    lease = svc.lease("job", 0, MiB)
+    seal(svc, "job", 3, lease.lease_id)
+    svc.abort("job", 3, "a3")
+    pool = svc.arena.pool_bytes
+    for step, attempt in ((3, "a3"), (4, "a4"), (2, "older")):
+        late = svc.lease("job", 0, MiB, after=LeaseAfter(step=step, attempt=attempt))
+        assert not os.path.exists(late.path), (step, attempt)
+        assert (svc.arena.pool_bytes, svc.leases.held_bytes) == (pool, 0)
+        with pytest.raises(LeaseNotFoundError):
+            seal(svc, "job", 5, late.lease_id)
+    assert [s.step for s in svc.list_steps("job")] == [2]
+
+
 def test_an_unclaimed_pre_lease_is_taken_back_for_another_jobs_save(tmp_path: Path) -> None:
     svc = make(tmp_path / "tier", capacity=3 * MiB)
     save(svc, "job", 1)

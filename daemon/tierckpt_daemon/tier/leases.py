@@ -228,7 +228,9 @@ class Leases:
         owner: str | None = None,
     ) -> LeaseResponse:
         """Name a file for ``rank``'s next save, put in place when ``attempt`` commits (at once
-        if it already has, from the pool)."""
+        if it already has, from the pool; never for an attempt that was aborted or is unknown
+        here: the request may come after the attempt ended, as the trainer asks beside its
+        commit)."""
         validate_namespace(namespace)
         validate_step(step)
         validate_file_name(attempt)
@@ -246,10 +248,21 @@ class Leases:
         )
         with self._lock:
             ahead.expires = time.monotonic() + self.ttl_s
+            done = self.index.committed.get(namespace, {}).get(step)
             if (namespace, step, attempt) in self.index.writing:
                 self._ahead[lease_id] = ahead
-            else:
+            elif done is not None and done.attempt == attempt:
                 self._grant_ahead(ahead)
+            else:
+                logger.debug(
+                    "pre-lease %s of %s rank %d: attempt %s of step %d is not being written "
+                    "and not committed",
+                    lease_id,
+                    namespace,
+                    rank,
+                    attempt,
+                    step,
+                )
         return LeaseResponse(
             lease_id=lease_id,
             path=str(ahead.path),
