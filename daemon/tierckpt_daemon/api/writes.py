@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
+from starlette.concurrency import run_in_threadpool
 
 from tierckpt_core.protocol import (
     AttemptInfo,
@@ -28,10 +29,14 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
 @router.post("/leases")
-def lease(namespace: str, req: LeaseRequest, service: Service, caller: CallerDep) -> LeaseResponse:
+async def lease(
+    namespace: str, req: LeaseRequest, service: Service, caller: CallerDep
+) -> LeaseResponse:
     """A file to fill now, or with ``after`` a pre-lease: the rank's next file, put in place when
     that save attempt commits (``pending``; its path does not exist until then)."""
-    return service.lease(namespace, req.rank, req.size, after=req.after, owner=caller.identity)
+    return await run_in_threadpool(
+        service.lease, namespace, req.rank, req.size, after=req.after, owner=caller.identity
+    )
 
 
 @router.delete("/leases/{lease_id}", status_code=204)
@@ -41,11 +46,18 @@ def release(namespace: str, lease_id: str, service: Service, caller: CallerDep) 
 
 
 @router.post("/steps/{step}/attempts/{attempt}/seal")
-def seal(
+async def seal(
     namespace: str, step: int, attempt: str, req: SealRequest, service: Service, caller: CallerDep
 ) -> StepInfo:
-    return service.seal(
-        namespace, step, attempt, req, owner=caller.identity, admin=caller.admin, pid=caller.pid
+    return await run_in_threadpool(
+        service.seal,
+        namespace,
+        step,
+        attempt,
+        req,
+        owner=caller.identity,
+        admin=caller.admin,
+        pid=caller.pid,
     )
 
 
@@ -66,5 +78,7 @@ def abort(
 
 
 @router.post("/steps/{step}/attempts/{attempt}/commit")
-def commit(namespace: str, step: int, attempt: str, req: CommitRequest, node: NodeDep) -> StepInfo:
-    return node.commit(namespace, step, attempt, req)
+async def commit(
+    namespace: str, step: int, attempt: str, req: CommitRequest, node: NodeDep
+) -> StepInfo:
+    return await run_in_threadpool(node.commit, namespace, step, attempt, req)
