@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from tierckpt_core.errors import ForbiddenError, ProtocolError
 from tierckpt_core.manifest import StepManifest
@@ -125,22 +126,28 @@ Committer = Annotated[GlobalCommitter, Depends(get_committer)]
 _ATTEMPT = "/namespaces/{namespace}/steps/{step}/attempts/{attempt}"
 
 
+# The two steps of a commit across nodes: async routes that run their work in the thread pool
+# once (a sync route with a response model hops there twice: its answer is validated there too).
 @router.post(_ATTEMPT + "/prepare")
-def prepare(
+async def prepare(
     namespace: str, step: int, attempt: str, req: PrepareRequest, committer: Committer
 ) -> PrepareResponse:
     _check(namespace, step, attempt)
-    return committer.prepare(namespace, step, attempt, req)
+    return await run_in_threadpool(committer.prepare, namespace, step, attempt, req)
 
 
 @router.post(_ATTEMPT + "/commit")
-def decide(
+async def decide(
     namespace: str, step: int, attempt: str, req: DecideRequest, committer: Committer
 ) -> StepInfo:
     _check(namespace, step, attempt)
     m = req.manifest
     if (m.namespace, m.step, m.attempt) != (namespace, step, attempt):
         raise ProtocolError(f"the decision is for {m.namespace}/step {m.step} attempt {m.attempt}")
+    return await run_in_threadpool(_decide, committer, req)
+
+
+def _decide(committer: GlobalCommitter, req: DecideRequest) -> StepInfo:
     info = committer.decide(req).info()
     committer.relay(req)
     # The decider does not need this node's block checksums back: slim records.
