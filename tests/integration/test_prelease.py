@@ -111,7 +111,7 @@ def test_the_commit_does_not_wait_for_the_next_file_and_the_next_stage_does(
     """The next save's file is asked for on a thread of its own: a daemon slow to answer that
     request does not hold the save it follows (committed, loadable), and the next ``stage``
     waits for the answer and claims the file instead of leasing one."""
-    delay = 2.0
+    delay = 3.0  # (under _prelease.ASKED_WAIT_S: the next stage waits it out)
     for step in (1, 2):
         _save_and_check("job", step, _state(step))
     lease = DaemonClient.lease
@@ -126,10 +126,10 @@ def test_the_commit_does_not_wait_for_the_next_file_and_the_next_stage_does(
     t0 = time.monotonic()
     _save_and_check("job", 3, _state(3))  # committed and loaded back while the ask sleeps
     assert time.monotonic() - t0 < delay
-    t0 = time.monotonic()
+    # Step 4's stage came while the answer was still on its way: it waited for it and claimed
+    # the file (without the wait it finds none and leases: a daemon call in stage).
     _save_and_check("job", 4, _state(4))
-    assert traced.calls[1] == []  # step 4's stage waited for its file and claimed it
-    assert time.monotonic() - t0 > delay / 4  # (it did wait: the answer came after step 3)
+    assert traced.calls[1] == []
 
 
 @pytest.mark.daemon_settings(keep_last=1, capacity="3M")
