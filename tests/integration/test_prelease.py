@@ -114,6 +114,7 @@ def test_the_commit_does_not_wait_for_the_next_file_and_the_next_stage_does(
     delay = 3.0  # (under _prelease.ASKED_WAIT_S: the next stage waits it out)
     for step in (1, 2):
         _save_and_check("job", step, _state(step))
+    _prelease.wait_asked()  # step 2's own request answered before the daemon turns slow
     lease = DaemonClient.lease
 
     def slow_pre_lease(client: DaemonClient, ns: str, rank: int, size: int, **kw: Any) -> Any:
@@ -130,6 +131,24 @@ def test_the_commit_does_not_wait_for_the_next_file_and_the_next_stage_does(
     # the file (without the wait it finds none and leases: a daemon call in stage).
     _save_and_check("job", 4, _state(4))
     assert traced.calls[1] == []
+
+
+@pytest.mark.daemon_settings(keep_last=1)
+def test_a_save_at_interpreter_shutdown_asks_for_the_next_file_on_its_own_thread(
+    client_env: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save still writing while the interpreter shuts down (the script returned after its last
+    ``async_save``) cannot start the asking thread: it asks on its own thread and commits."""
+
+    class Refusing:  # what a ThreadPoolExecutor does once the interpreter is shutting down
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(_prelease, "_ask_pool", Refusing)
+    traced = StageCalls(monkeypatch)
+    for step in range(1, 5):
+        _save_and_check("job", step, _state(step))
+    assert traced.calls[2:] == [[], []]  # the pre-leases were still asked for, and claimed
 
 
 @pytest.mark.daemon_settings(keep_last=1, capacity="3M")

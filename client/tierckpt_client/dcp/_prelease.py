@@ -270,7 +270,11 @@ class NextFile:
         if here:
             k = key(daemon.config.socket, namespace, rank)
             ask = functools.partial(ask_next, daemon, namespace, rank, after, size, stale, True)
-            asking = _ask_pool().submit(_logged, ask, namespace)
+            try:
+                asking = _ask_pool().submit(_logged, ask, namespace)
+            except RuntimeError:  # the interpreter is shutting down: no new thread; asked here
+                ask()
+                return
             with _lock:
                 _asking[k] = asking
             return

@@ -115,7 +115,7 @@ def pull(namespace: str, step: int, req: PeerPullRequest, request: Request) -> S
 
 
 # -- commits across nodes (see tierckpt_daemon.peers.commit) -------------------------------
-def get_committer(request: Request) -> GlobalCommitter:
+async def get_committer(request: Request) -> GlobalCommitter:  # (no hop: an attribute)
     committer: GlobalCommitter | None = request.app.state.node.committer
     if committer is None:
         raise ForbiddenError("commits across nodes are off on this daemon (no TIERCKPT_PEERS)")
