@@ -195,15 +195,22 @@ def _at_exit() -> None:
     collect_owed(limit=2.0, report=False)
 
 
-def collect_owed(limit: float | None = None, *, report: bool = True) -> None:
+def collect_owed(
+    limit: float | None = None, *, report: bool = True, path: str | None = None
+) -> None:
     """Read every answer owed to this process (blocking, each under its request's timeout, or
-    ``limit``), and hand each to its request's ``done`` (``report``)."""
+    ``limit``), and hand each to its request's ``done`` (``report``); with ``path``, only those
+    of the daemon at that socket (a request to one daemon never waits on another's answers)."""
     if not _OWED:  # (the common case, without the lock)
         return
     pid = os.getpid()
+
+    def taken(o: _Owed) -> bool:  # a forked child's copies are its parent's
+        return o.pid == pid and (path is None or o.http.path == path)
+
     with _OWED_LOCK:
-        mine = [o for o in _OWED if o.pid == pid]  # a forked child's copies are its parent's
-        _OWED[:] = [o for o in _OWED if o.pid != pid]
+        mine = [o for o in _OWED if taken(o)]
+        _OWED[:] = [o for o in _OWED if not taken(o)]
     for owed in mine:
         owed.collect(limit, report)
 
@@ -225,7 +232,7 @@ class UnixHTTP:
         """``(status, body)`` of the answer. Raises :class:`ConnectFailed` when no connection
         can be made, ``TimeoutError`` when an operation takes longer than ``timeout``, and
         another ``OSError`` when the connection fails."""
-        collect_owed()
+        collect_owed(path=self.path)
         conn, reused = self._send(method, url, body, timeout)
         try:
             try:
@@ -249,7 +256,7 @@ class UnixHTTP:
         """Send the request now; its answer (``(status, body)``, or the error) goes to ``done``
         when this process makes its next request, or exits. Raises as :meth:`request` when the
         request cannot be sent."""
-        collect_owed()
+        collect_owed(path=self.path)
         conn, _ = self._send(method, url, body, timeout)
         with _OWED_LOCK:
             _OWED.append(_Owed(self, conn, timeout, done))
