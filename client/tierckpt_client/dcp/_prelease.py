@@ -4,8 +4,10 @@ The lease round trip to the daemon is the one fixed cost in ``stage`` besides th
 call answered by another process: milliseconds, tens of them on a loaded machine). So after a
 rank has sealed its staged file (``write_data``, in ``async_save``'s background thread) it asks
 its daemon for a file of the same size for its next save, granted when this save attempt commits
-(from the file the commit frees under retention; see the daemon's ``leases`` module). The answer
-names the file; this module keeps it per (daemon socket, namespace, rank), in this process only.
+(from the file the commit frees under retention; see the daemon's ``leases`` module), on a thread
+of its own, so the save's commit does not wait for that round trip. The answer names the file;
+this module keeps it per (daemon socket, namespace, rank), in this process only, and the next
+``stage`` of that key waits for an answer still on its way.
 
 The next ``stage`` of that rank claims it locally: it opens the path, takes ``flock(LOCK_EX |
 LOCK_NB)`` on it and checks that the path still names the file it locked. A file that is not
@@ -23,14 +25,17 @@ the mailbox (no round trip) before it claims.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import fcntl
+import functools
 import json
 import logging
 import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 PAGE = 4096  # the daemon rounds lease sizes up to this
 MARGIN_S = 5.0  # not claimed this close to the daemon's expiry
+ASKED_WAIT_S = 5.0
+"""How long a ``stage`` waits for its rank's pre-lease still being asked for (a save right after
+the previous one committed); past it, the save leases as before."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,10 @@ Key = tuple[str, str, int]  # (daemon socket, namespace, rank)
 _lock = threading.Lock()
 _held: dict[Key, PreLease] = {}
 _boxes = _mailbox.Mailboxes()  # trainer side: where helper processes send pre-leases
+# Pre-leases being asked for in this process, on a thread of their own (not on the way to the
+# commit: :meth:`NextFile.ask`), by key; the next claim of that key waits for its answer.
+_asking: dict[Key, concurrent.futures.Future[None]] = {}
+_asker: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def key(socket: str | Path, namespace: str, rank: int) -> Key:
@@ -156,7 +168,12 @@ def claim_next(
 ) -> tuple[OutFile | None, PreLease | None]:
     """The file the previous save of this rank pre-leased from the daemon at ``socket``, if it can
     be used, and else the pre-lease that could not (for :func:`ask_next` to give back)."""
-    pre = take(key(socket, namespace, rank))
+    k = key(socket, namespace, rank)
+    with _lock:
+        asking = _asking.pop(k, None)
+    if asking is not None:  # (its errors are its own: logged, never the save's)
+        concurrent.futures.wait([asking], timeout=ASKED_WAIT_S)
+    pre = take(k)
     if pre is None:
         return None, None
     claimed = claim(pre, size)
@@ -245,8 +262,58 @@ class NextFile:
         self, daemon: DaemonClient, namespace: str, rank: int, after: tuple[int, str], size: int
     ) -> None:
         """After the seal: give back the stale pre-leases and ask for the next file (see
-        :func:`ask_next`), kept here or sent to the trainer."""
+        :func:`ask_next`), kept here or sent to the trainer. Kept here, it is asked for on a
+        thread of its own: the save goes on to its commit meanwhile (the round trip is not in
+        the time until the step is committed), and the next claim waits for the answer."""
         stale, self.stale = self.stale, []
         here = self.enabled and self.staged_by == os.getpid()
-        to = None if here else self.mailbox
-        ask_next(daemon, namespace, rank, after, size, stale, here or to is not None, to)
+        if here:
+            k = key(daemon.config.socket, namespace, rank)
+            ask = functools.partial(ask_next, daemon, namespace, rank, after, size, stale, True)
+            try:
+                asking = _ask_pool().submit(_logged, ask, namespace)
+            except RuntimeError:  # the interpreter is shutting down: no new thread; asked here
+                ask()
+                return
+            with _lock:
+                _asking[k] = asking
+            return
+        to = self.mailbox
+        ask_next(daemon, namespace, rank, after, size, stale, to is not None, to)
+
+
+def wait_asked(timeout: float = ASKED_WAIT_S) -> None:
+    """Wait (up to ``timeout``) until every pre-lease this process is asking for is answered,
+    kept and the stale ones given back (what the daemon reports then includes them)."""
+    with _lock:
+        pending = list(_asking.values())
+    concurrent.futures.wait(pending, timeout=timeout)
+
+
+def _logged(ask: Callable[[], None], namespace: str) -> None:
+    """``ask`` (:func:`ask_next`) on the asking thread: what it does not expect is logged, not
+    kept in a future nobody reads."""
+    try:
+        ask()
+    except BaseException:
+        logger.warning("%s: asking for the next save's file failed", namespace, exc_info=True)
+
+
+def _ask_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _asker
+    with _lock:
+        if _asker is None:
+            _asker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="tierckpt-prelease"
+            )
+        return _asker
+
+
+def _forget_asking() -> None:
+    global _asker, _lock
+    # A forked child has none of the parent's threads, and the lock may have been held by one.
+    _asker, _lock = None, threading.Lock()
+    _asking.clear()
+
+
+os.register_at_fork(after_in_child=_forget_asking)
