@@ -50,13 +50,16 @@ def load(
     process_group: dist.ProcessGroup | None,
     no_dist: bool,
     planner: LoadPlanner | None = None,
+    loader: Callable[..., None] | None = None,
 ) -> None:
     """``dcp.load(state, storage_reader=..., process_group=..., no_dist=..., planner=...)``, with the same
     handling of ``Stateful`` values (their ``state_dict()`` loaded into, then handed to their
     ``load_state_dict``; other values replaced by what was loaded) but the protocol test skipped
     for plain values (see the module). DCP's own ``load`` is this around its
-    ``_load_state_dict``; where torch lacks that function as expected, ``dcp.load`` runs."""
-    inner = _inner(state_dict_loader, "_load_state_dict", "storage_reader")
+    ``_load_state_dict``; where torch lacks that function as expected, ``dcp.load`` runs.
+    ``loader``: a function with ``_load_state_dict``'s parameters to run instead of it (the
+    Checkpointer's, :mod:`tierckpt_client._local_load`)."""
+    inner = loader or dcp_load_state_dict()
     if inner is None:
         dcp.load(
             state,
@@ -114,6 +117,12 @@ def save(
         no_dist=no_dist or not dist.is_available() or not dist.is_initialized(),
         planner=planner,
     )
+
+
+def dcp_load_state_dict() -> Callable[..., Any] | None:
+    """DCP's ``_load_state_dict`` (what ``dcp.load`` runs around ``Stateful`` values), or None
+    where torch lacks it as expected."""
+    return _inner(state_dict_loader, "_load_state_dict", "storage_reader")
 
 
 _EXPECTED = {"state_dict", "process_group", "no_dist", "planner"}

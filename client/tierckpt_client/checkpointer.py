@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from tierckpt_client import _gc_pause, _load_plan, _stateful
+from tierckpt_client import _gc_pause, _load_plan, _local_load, _stateful
 from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
@@ -357,6 +357,7 @@ class Checkpointer:
                 process_group=self.process_group,
                 no_dist=self.no_dist,
                 planner=_load_plan.LoadPlanner(),
+                loader=_local_load.load_state_dict,  # DCP's steps, no object collectives
             )
 
     # -- preemption ----------------------------------------------------------------------

@@ -78,7 +78,7 @@ def agreement(process_group: dist.ProcessGroup | None) -> Agreement:
     return Agreement(alone=False, group=group)
 
 
-def _on_cpu(group: dist.ProcessGroup | None) -> bool:
+def on_cpu(group: dist.ProcessGroup | None) -> bool:
     """Whether ``group`` takes CPU tensors (gloo, alone or beside NCCL): one small tensor
     collective then stands in for an object collective, which pickles and sends a size first
     (two rounds: 2.2 ms for an all-gather of two ranks on the 2-core box against 0.3 for an
@@ -102,7 +102,7 @@ def decide(how: Agreement, find: Callable[[], int], what: str) -> int:
             failed = e
             code = e.code if isinstance(e, TierCkptError) else TierCkptError.code
             box[0] = ("error", code, str(e))
-    if _on_cpu(group):
+    if on_cpu(group):
         step = torch.tensor([box[0][1] if box[0] and box[0][0] == "step" else -1])
         dist.broadcast(step, src=src, group=group)
         if int(step) >= 0:
@@ -131,7 +131,7 @@ def agree(mine: tuple[int, str], how: Agreement) -> tuple[int, list[str]]:
     when a rank did not read the step (seldom)."""
     if how.alone:
         return mine[0], [mine[1]] if mine[0] == CORRUPT else []
-    if _on_cpu(how.group):
+    if on_cpu(how.group):
         worst = torch.tensor([mine[0]])
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=how.group)
         if int(worst) == OK:  # (the same on every rank: every rank returns here)
