@@ -12,7 +12,9 @@ object collectives carry nothing else than whether a rank failed, and why: two r
 :func:`load_state_dict` takes the same steps in DCP's order on each rank (metadata, the planner
 and reader set up, the local plan, the global plan of that one plan, the finished plan, the read)
 and after the planning and after the read agrees with the group in one all-reduce of a few
-integers: whether any rank failed, and (after planning) the step each rank resolved. A failure
+integers: whether any rank failed, and (after planning) the step each rank resolved. (After the
+read, not where the reader's own agreement on a load of "latest", in ``read_data``, found that
+every rank of the same group read the step.) A failure
 reaches every rank as DCP's would: a ``CheckpointException`` for the step ("plan" or "read")
 holding each failed rank's exception, gathered (an object collective) only then. Ranks that
 resolved different steps fail the plan with the reader's own error, as DCP's coordinator does.
@@ -96,6 +98,13 @@ def load_state_dict(
         storage_reader.read_data(planner.finish_plan(plan), planner).wait()
     except BaseException as e:
         failed = e
+    agreed = getattr(storage_reader, "read_agreed", None)
+    if agreed is not None and not agreed.alone and agreed.group is group:
+        # The reader agreed with this group that every rank read the step (a load of
+        # "latest"): every rank is here, none asks again (~0.8 ms of two ranks on the box).
+        if failed is not None:  # (after that agreement: nothing raises there)
+            raise failed
+        return
     _agree("read", failed, group, [])
 
 

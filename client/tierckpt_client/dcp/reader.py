@@ -140,6 +140,9 @@ class TieredStorageReader(StorageReader):
         self._fetched: set[str] = set()
         # The metadata resolve() fetched, for the load's read_metadata to answer with.
         self._ahead: Metadata | None = None
+        # Set when the last read_data agreed with its group that every rank read the step (a
+        # load that agrees after the read itself, ``_local_load``, need not ask again).
+        self.read_agreed: Agreement | None = None
 
     @property
     def memory_fill(self) -> threading.Thread | None:
@@ -241,6 +244,7 @@ class TieredStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        self.read_agreed = None
         with _gc_pause.paused(self.config.pause_gc):
             if self._agreement is None:  # an explicit step: it is read, or the load fails
                 self._read_plan(plan, planner)
@@ -266,7 +270,8 @@ class TieredStorageReader(StorageReader):
             except Exception as e:  # every rank must reach the agreement, whatever it met
                 error = e
             status, found = agree(outcome(error), how)
-            if status == OK:
+            if status == OK:  # (on every rank of the group: none fails this read)
+                self.read_agreed = how
                 return
             if status == FAILED:  # not corruption: the load fails (the ranks that failed say why)
                 if error is not None:
