@@ -7,7 +7,7 @@ the global plan is each rank's own plan: DCP's default ``create_global_plan`` re
 as they are, the Checkpointer's planner ships them without their items (``_load_plan``), and the
 reader's ``prepare_global_plan`` only checks that every rank resolved the same step. The three
 object collectives carry nothing else than whether a rank failed, and why: two ranks on gloo,
-16 tensors of 1 MiB, they took ~10.7 ms of a 25.6 ms ``Checkpointer.restore`` on the 2-core box.
+16 tensors of 1 MiB, they took ~10-14 ms of a 25-34 ms ``Checkpointer.restore`` on the 2-core box.
 
 :func:`load_state_dict` takes the same steps in DCP's order on each rank (metadata, the planner
 and reader set up, the local plan, the global plan of that one plan, the finished plan, the read)
@@ -18,6 +18,11 @@ every rank of the same group read the step.) A failure
 reaches every rank as DCP's would: a ``CheckpointException`` for the step ("plan" or "read")
 holding each failed rank's exception, gathered (an object collective) only then. Ranks that
 resolved different steps fail the plan with the reader's own error, as DCP's coordinator does.
+
+The errors in the ``CheckpointException`` are the reader's and the planner's own: DCP's
+``_load_state_dict`` (torch 2.13) turns a failing ``read_metadata`` into an ``AssertionError``
+("metadata is None; global metadata read failed: ...") while trying rank-local metadata; here the
+reader's error (a ``StepNotFoundError``, an ``IntegrityError``) is what the rank failed with.
 
 Where the group does not take CPU tensors (NCCL alone), or the load is not distributed, DCP's
 ``_load_state_dict`` runs instead.
@@ -84,7 +89,10 @@ def load_state_dict(
         planner.set_up_planner(state_dict, metadata, coordinator)
         storage_reader.set_up_storage_reader(metadata, coordinator)
         local = storage_reader.prepare_local_plan(planner.create_local_plan())
-        (plan,) = storage_reader.prepare_global_plan(planner.create_global_plan([local]))
+        # (DCP runs these two on rank 0 over every rank's plan; for the Checkpointer's planner
+        # and reader the global plan is each rank's own: a custom planner would need DCP's way)
+        (central,) = storage_reader.prepare_global_plan(planner.create_global_plan([local]))
+        plan = planner.finish_plan(central)  # here: a rank failing it fails the plan agreement
     except BaseException as e:  # every rank must reach the agreement, whatever it met
         failed = e
     step = _step_of(local if failed is None else None)
@@ -95,7 +103,7 @@ def load_state_dict(
 
     failed = None
     try:
-        storage_reader.read_data(planner.finish_plan(plan), planner).wait()
+        storage_reader.read_data(plan, planner).wait()
     except BaseException as e:
         failed = e
     agreed = getattr(storage_reader, "read_agreed", None)
@@ -155,11 +163,13 @@ def _different_steps(
 
 
 def _sendable(e: BaseException) -> Any:
-    """DCP's wrapped exception, or (when ``e`` cannot be pickled) a ``TierCkptError`` naming it:
-    a rank that cannot send its failure must still fail every rank."""
+    """DCP's wrapped exception, or (when ``e`` cannot travel: not picklable, or not made again
+    from its pickle, such as an exception whose ``__init__`` takes other arguments than its
+    ``args``) a ``TierCkptError`` naming it, so that every rank still raises the
+    ``CheckpointException``. (The bytes unpickled are the ones made here, this moment.)"""
     wrapped = _wrap_exception(e)
     try:
-        pickle.dumps(wrapped)
+        pickle.loads(pickle.dumps(wrapped))
     except Exception:
         return _wrap_exception(TierCkptError(f"{type(e).__name__}: {e}"))
     return wrapped

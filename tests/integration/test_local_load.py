@@ -1,7 +1,8 @@
 """A Checkpointer's restore on two ranks (forked + gloo, a real daemon) takes DCP's load steps
 without DCP's object collectives (``_local_load``): a restore that works sends no object at all,
-and a rank that fails to plan, to read, or resolves another step fails the restore on every rank
-with DCP's ``CheckpointException`` naming that rank's error."""
+and a rank that fails to plan, to read (a load of "latest", or of an explicit step), or resolves
+another step fails the restore on every rank with DCP's ``CheckpointException`` naming that
+rank's error."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tierckpt_client import Checkpointer, StepStateError, _local_load
 from tierckpt_client._load_plan import LoadPlanner
 from tierckpt_client.dcp import TieredStorageReader
 from tierckpt_client.dcp.reader import TieredStorageReader as Reader
+from tierckpt_core.errors import TierCkptError
 
 from helpers import DaemonProcess, run_ranks
 
@@ -123,6 +125,33 @@ def test_a_read_failure_on_one_rank_fails_the_restore_on_every_rank(
     run_ranks(_read_failure_worker, WORLD, str(daemon.socket))
 
 
+def _explicit_read_failure_worker(rank: int, world: int, socket: str) -> None:
+    """An explicit step (the Checkpointer's load of an older step with a plan of its own): the
+    reader agrees on nothing itself, so the load's own agreement after the read is the one that
+    carries rank 1's failure to rank 0."""
+    os.environ["TIERCKPT_SOCKET"] = socket
+    with Checkpointer("explicit", async_staging=False, handle_signals=False) as ckpt:
+        _save_steps(ckpt, rank, (1,))
+    if rank == 1:
+
+        def gone(*a: Any, **k: Any) -> None:
+            raise OSError("the tier file went away")
+
+        Reader._copy_items = gone  # type: ignore[method-assign]
+    reader = TieredStorageReader("explicit", 1, process_group=dist.group.WORLD)
+    with pytest.raises(CheckpointException) as err:
+        _local_load.load_state_dict(_zeros(_state(rank, 1)), reader, None, planner=LoadPlanner())
+    assert set(err.value.failures) == {1}, err.value
+    exc, _ = err.value.failures[1]
+    assert isinstance(exc, OSError) and "went away" in str(exc), exc
+
+
+def test_a_read_failure_of_an_explicit_step_fails_the_load_on_every_rank(
+    daemon: DaemonProcess,
+) -> None:
+    run_ranks(_explicit_read_failure_worker, WORLD, str(daemon.socket))
+
+
 def _different_steps_worker(rank: int, world: int, socket: str) -> None:
     os.environ["TIERCKPT_SOCKET"] = socket
     with Checkpointer("steps", async_staging=False, handle_signals=False) as ckpt:
@@ -140,3 +169,21 @@ def test_ranks_that_resolved_different_steps_fail_the_load_on_every_rank(
     daemon: DaemonProcess,
 ) -> None:
     run_ranks(_different_steps_worker, WORLD, str(daemon.socket))
+
+
+class _TwoArgs(Exception):
+    def __init__(self, what: str, where: int) -> None:
+        super().__init__(f"{what} at {where}")
+
+
+def test_an_exception_that_cannot_travel_is_sent_as_one_that_names_it() -> None:
+    """An exception whose pickle cannot make it again (``__init__`` takes other arguments than
+    its ``args``) would fail the gather of the failures on every rank with a TypeError: it is
+    sent as a TierCkptError naming it; one that travels is sent as it is."""
+    try:
+        raise _TwoArgs("disk", 3)
+    except _TwoArgs as e:
+        sent, _ = _local_load._sendable(e)
+    assert isinstance(sent, TierCkptError) and str(sent) == "_TwoArgs: disk at 3"
+    plain, _ = _local_load._sendable(OSError("gone"))
+    assert isinstance(plain, OSError) and str(plain) == "gone"

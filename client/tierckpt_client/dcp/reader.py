@@ -193,7 +193,9 @@ class TieredStorageReader(StorageReader):
 
     # -- StorageReader ----------------------------------------------------------------------
     # No **kwargs on purpose: DCP then does not retry with rank-local metadata (which tierckpt
-    # does not have), and the user sees this reader's error rather than a second, misleading one.
+    # does not have). DCP 2.13 still wraps this method's error in an AssertionError carrying its
+    # message ("metadata is None; global metadata read failed: ..."); a Checkpointer's load
+    # (``_local_load``) keeps the error as it is.
     def read_metadata(self) -> Metadata:
         ahead, self._ahead = self._ahead, None
         if ahead is not None:  # resolve() just chose the step and planned its source
@@ -262,12 +264,12 @@ class TieredStorageReader(StorageReader):
         corrupt: list[str] = []
         older: ReadPlan | int | None = None
         while True:
-            error: Exception | None = None
+            error: BaseException | None = None
             try:
                 if older is not None:
                     self._switch(plan, older)
                 self._read_plan(plan, planner)
-            except Exception as e:  # every rank must reach the agreement, whatever it met
+            except BaseException as e:  # every rank must reach the agreement, whatever it met
                 error = e
             status, found = agree(outcome(error), how)
             if status == OK:  # (on every rank of the group: none fails this read)
