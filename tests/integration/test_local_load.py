@@ -102,21 +102,30 @@ def test_a_planning_failure_on_one_rank_fails_the_restore_on_every_rank(
     run_ranks(_plan_failure_worker, WORLD, str(daemon.socket))
 
 
+def _reads_fail() -> None:
+    """Every read of this rank's tier files fails from now on (this process only)."""
+
+    def gone(*a: Any, **k: Any) -> None:
+        raise OSError("the tier file went away")
+
+    Reader._copy_items = gone  # type: ignore[method-assign]
+
+
+def _assert_rank_1_read_failed(err: CheckpointException) -> None:
+    assert set(err.failures) == {1}, err
+    exc, _ = err.failures[1]
+    assert isinstance(exc, OSError) and "went away" in str(exc), exc
+
+
 def _read_failure_worker(rank: int, world: int, socket: str) -> None:
     os.environ["TIERCKPT_SOCKET"] = socket
     with Checkpointer("read-fails", async_staging=False, handle_signals=False) as ckpt:
         _save_steps(ckpt, rank, (1,))
         if rank == 1:  # rank 1's read fails (not corruption: no older step to fall back to)
-
-            def gone(*a: Any, **k: Any) -> None:
-                raise OSError("the tier file went away")
-
-            Reader._copy_items = gone  # type: ignore[method-assign]
+            _reads_fail()
         with pytest.raises(CheckpointException) as err:
             ckpt.restore(_zeros(_state(rank, 1)))
-    assert set(err.value.failures) == {1}, err.value  # rank 0 read its share, and still fails
-    exc, _ = err.value.failures[1]
-    assert isinstance(exc, OSError) and "went away" in str(exc), exc
+    _assert_rank_1_read_failed(err.value)  # on rank 0 too: it read its share, and still fails
 
 
 def test_a_read_failure_on_one_rank_fails_the_restore_on_every_rank(
@@ -133,17 +142,11 @@ def _explicit_read_failure_worker(rank: int, world: int, socket: str) -> None:
     with Checkpointer("explicit", async_staging=False, handle_signals=False) as ckpt:
         _save_steps(ckpt, rank, (1,))
     if rank == 1:
-
-        def gone(*a: Any, **k: Any) -> None:
-            raise OSError("the tier file went away")
-
-        Reader._copy_items = gone  # type: ignore[method-assign]
+        _reads_fail()
     reader = TieredStorageReader("explicit", 1, process_group=dist.group.WORLD)
     with pytest.raises(CheckpointException) as err:
         _local_load.load_state_dict(_zeros(_state(rank, 1)), reader, None, planner=LoadPlanner())
-    assert set(err.value.failures) == {1}, err.value
-    exc, _ = err.value.failures[1]
-    assert isinstance(exc, OSError) and "went away" in str(exc), exc
+    _assert_rank_1_read_failed(err.value)
 
 
 def test_a_read_failure_of_an_explicit_step_fails_the_load_on_every_rank(
