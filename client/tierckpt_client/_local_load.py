@@ -24,29 +24,37 @@ The errors in the ``CheckpointException`` are the reader's and the planner's own
 ("metadata is None; global metadata read failed: ...") while trying rank-local metadata; here the
 reader's error (a ``StepNotFoundError``, an ``IntegrityError``) is what the rank failed with.
 
-Where the group does not take CPU tensors (NCCL alone), or the load is not distributed, DCP's
-``_load_state_dict`` runs instead.
+Where the group does not take CPU tensors (NCCL alone), or the load is not distributed,
+:func:`loader` answers None and DCP's ``_load_state_dict`` runs instead.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from tierckpt_client import _stateful
 from tierckpt_client.dcp._fallback import on_cpu
 from tierckpt_core.errors import TierCkptError
 
 NO_STEP = -1
 """A plan's step in the agreement when its ``storage_data`` is not the reader's (step, latest)."""
+
+
+def loader(process_group: dist.ProcessGroup | None, no_dist: bool) -> Callable[..., None] | None:
+    """:func:`load_state_dict` where a load on ``process_group`` can take it (distributed, on a
+    group that takes CPU tensors); None where DCP's own load runs (``_stateful.load``'s
+    default)."""
+    if no_dist or not dist.is_available() or not dist.is_initialized():
+        return None
+    return load_state_dict if on_cpu(process_group) else None
 
 
 def load_state_dict(
@@ -57,27 +65,9 @@ def load_state_dict(
     planner: LoadPlanner | None = None,
 ) -> None:
     """Load into ``state_dict`` (top-level ``Stateful`` values already their state dicts), as
-    DCP's ``_load_state_dict`` with the same arguments does; see the module."""
-    no_dist = no_dist or not dist.is_available() or not dist.is_initialized()
-    if no_dist or not on_cpu(process_group):
-        dcp_steps = _stateful.dcp_load_state_dict()
-        if dcp_steps is None:  # (torch without it, as expected: its public load, as _stateful)
-            dcp.load(
-                state_dict,
-                storage_reader=storage_reader,
-                process_group=process_group,
-                no_dist=no_dist,
-                planner=planner,
-            )
-            return
-        dcp_steps(
-            state_dict=state_dict,
-            storage_reader=storage_reader,
-            process_group=process_group,
-            no_dist=no_dist,
-            planner=planner,
-        )
-        return
+    DCP's ``_load_state_dict`` with the same arguments does, on ``process_group`` (one that
+    :func:`loader` chose this for; ``no_dist``: DCP's parameter, False there); see the
+    module."""
     planner = planner or DefaultLoadPlanner()
     group = process_group
     coordinator = dist.get_rank(group) == 0

@@ -59,7 +59,7 @@ def load(
     ``_load_state_dict``; where torch lacks that function as expected, ``dcp.load`` runs.
     ``loader``: a function with ``_load_state_dict``'s parameters to run instead of it (the
     Checkpointer's, :mod:`tierckpt_client._local_load`)."""
-    inner = loader or dcp_load_state_dict()
+    inner = loader or _inner(state_dict_loader, "_load_state_dict", "storage_reader")
     if inner is None:
         dcp.load(
             state,
@@ -117,12 +117,6 @@ def save(
         no_dist=no_dist or not dist.is_available() or not dist.is_initialized(),
         planner=planner,
     )
-
-
-def dcp_load_state_dict() -> Callable[..., Any] | None:
-    """DCP's ``_load_state_dict`` (what ``dcp.load`` runs around ``Stateful`` values), or None
-    where torch lacks it as expected."""
-    return _inner(state_dict_loader, "_load_state_dict", "storage_reader")
 
 
 _EXPECTED = {"state_dict", "process_group", "no_dist", "planner"}

@@ -357,7 +357,7 @@ class Checkpointer:
                 process_group=self.process_group,
                 no_dist=self.no_dist,
                 planner=_load_plan.LoadPlanner(),
-                loader=_local_load.load_state_dict,  # DCP's steps, no object collectives
+                loader=_local_load.loader(self.process_group, self.no_dist),
             )
 
     # -- preemption ----------------------------------------------------------------------
