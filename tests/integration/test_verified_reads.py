@@ -278,3 +278,42 @@ def test_parameters_that_require_grad_are_restored_in_place(client_env: DaemonPr
     for k, p in params.items():
         assert p.requires_grad and p.data_ptr() == before[k]
         assert torch.equal(p.detach(), saved[k])
+
+
+@pytest.mark.parametrize("kind", ["data", "extra"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "link"])
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "first-restore"])
+def test_a_step_whose_file_is_gone_cut_short_or_linked_is_skipped_by_latest(
+    client_env: DaemonProcess, tmp_path: Path, kind: str, damage: str, mapped: bool
+) -> None:
+    """A tier file of a committed step deleted, truncated, or replaced by a link (to a copy of
+    its own bytes: a load that followed it would read the step) is damage, as a changed byte
+    is: a load of "latest" reads the next older step instead, an explicit load fails naming the
+    file, and the link's target is never opened for writing or read as the step."""
+    for step in (1, 2):
+        _save("dmg", step)
+    path = next(p for name, p in step_paths("dmg", 2).items() if name.endswith(f".{kind}"))
+    target = tmp_path / "copy-of-the-file"
+    if damage == "missing":
+        os.unlink(path)
+    elif damage == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    else:
+        target.write_bytes(Path(path).read_bytes())
+        os.unlink(path)
+        os.symlink(target, path)
+    before = target.read_bytes() if damage == "link" else None
+    if not mapped:
+        _arena.clear_cache()  # as in a new process: the step's files are not mapped
+    out = _blank()
+    reader = TieredStorageReader("dmg")
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert reader.resolved_step == 1
+    assert torch.equal(out["w"], _state()["w"]) and out["extra"] == _state()["extra"]  # type: ignore[arg-type]
+    why = {"missing": "is missing", "truncated": "shorter than the", "link": "symbolic link"}
+    with pytest.raises(
+        CheckpointException, match=rf"{Path(path).name} in this node's memory.*{why[damage]}"
+    ):
+        _load("dmg", 2)
+    if before is not None:
+        assert target.read_bytes() == before

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import pytest
 import torch
 
 from tierckpt_client.dcp import _arena
@@ -48,3 +50,31 @@ def test_staged_state_dict_pickles_by_reference(tmp_path: Path) -> None:
     finally:
         _arena.clear_cache()
         path.unlink(missing_ok=True)
+
+
+def test_a_tier_path_that_is_a_link_or_not_a_file_is_never_mapped(tmp_path: Path) -> None:
+    """A member of the daemon's group can put a link where a leased or pinned file was: mapping
+    it read-write would write a save's bytes into whatever it points at. Refused, as is a path
+    that is not a regular file; ``/proc/<pid>/fd/<fd>`` (a link by nature) is followed only
+    when asked (PROCESS mode's hand-over)."""
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"x" * 8192)
+    link = tmp_path / "leased.bin"
+    link.symlink_to(precious)
+    with pytest.raises(OSError) as e:
+        _arena.map_file(str(link))
+    assert e.value.errno == errno.ELOOP
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError) as e:
+        _arena.map_file(str(tmp_path / "fifo"))
+    assert e.value.errno == errno.ENODEV
+    fd = os.open(precious, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError):
+            _arena.map_file(f"/proc/self/fd/{fd}")
+        mapping = _arena.map_file(f"/proc/self/fd/{fd}", follow=True)
+        assert bytes(mapping.buffer[:4].numpy()) == b"xxxx"
+    finally:
+        os.close(fd)
+        _arena.clear_cache()
+    assert precious.read_bytes() == b"x" * 8192

@@ -27,9 +27,11 @@ daemon's tier file: no second host copy, unlike a pinned staging buffer beside t
 from __future__ import annotations
 
 import bisect
+import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,11 +122,20 @@ _bases: list[int] = []  # sorted base addresses, parallel to _by_base
 _by_base: list[FileMapping] = []
 
 
-def map_file(path: str) -> FileMapping:
-    """Map ``path`` (read-write, shared), reusing this process's mapping of the same file if any."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+def map_file(path: str, *, follow: bool = False) -> FileMapping:
+    """Map ``path`` (read-write, shared), reusing this process's mapping of the same file if any.
+
+    A tier file is opened with ``O_NOFOLLOW`` (OSError ``ELOOP`` on a link): every process of
+    the daemon's group can replace entries of the tier directory, and a link planted in place of
+    a leased file would have this process write a save's bytes into whatever it points at
+    (docs/security.md). ``follow``: only for ``/proc/<pid>/fd/<fd>``, which is a link by nature.
+    A path that is not a regular file is an OSError (``ENODEV``) too."""
+    flags = os.O_RDWR | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.ENODEV, "not a regular file", path)
         key = (st.st_dev, st.st_ino)
         with _lock:
             hit = _by_identity.get(key)
@@ -262,7 +273,7 @@ def _rebuild_storage(
     pid: int, fd: int, dev: int, ino: int, offset: int, nbytes: int
 ) -> torch.UntypedStorage:
     path = f"/proc/{pid}/fd/{fd}"
-    mapping = map_file(path)
+    mapping = map_file(path, follow=True)
     if (mapping.dev, mapping.ino) != (dev, ino):
         raise CheckpointFormatError(
             f"staged tensors of process {pid} are no longer reachable: {path} is another file"

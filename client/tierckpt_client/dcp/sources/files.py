@@ -14,8 +14,10 @@ other nodes and files downloaded from the persistent tier are verified where the
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -157,7 +159,12 @@ class LocalFiles:
                 raise CheckpointFormatError(
                     f"{self.where}: metadata names file {name}, which the step does not have"
                 )
-            buf = self._buffers[name] = self._load(name)
+            try:
+                buf = self._load(name)
+            except OSError as e:
+                raise self._unopened(name, e) from None
+            self._check_size(name, buf.numel())
+            self._buffers[name] = buf
         return buf
 
     def region(self, name: str, offset: int, length: int, what: str) -> torch.Tensor:
@@ -382,13 +389,57 @@ class LocalFiles:
             return None
         fd = self._fds.get(name)
         if fd is None:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:  # (O_NOFOLLOW: see _arena.map_file)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError as e:
+                raise self._unopened(name, e) from None
             if _arena.is_mapped(fd):
                 os.close(fd)
                 self.buffer(name)
                 return None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(errno.ENODEV, "not a regular file", path)
+                self._check_size(name, st.st_size)
+            except BaseException as e:
+                os.close(fd)
+                if isinstance(e, OSError):
+                    raise self._unopened(name, e) from None
+                raise
             self._fds[name] = fd
         return fd
+
+    def _unopened(self, name: str, e: OSError) -> Exception:
+        """The error for tier file ``name`` that could not be opened: a step whose file is gone
+        or was replaced by a link or something other than a file is damaged, like one whose
+        bytes changed (a load of "latest" reads the next older step; the daemon is told);
+        anything else (out of descriptors, ...) is the OSError it was, naming the step."""
+        if name not in self._paths or e.errno not in (errno.ENOENT, errno.ELOOP, errno.ENODEV):
+            e.add_note(f"reading {name} of {self.where}")
+            return e
+        why = {
+            errno.ENOENT: "is missing",
+            errno.ELOOP: "was replaced by a symbolic link (not followed)",
+            errno.ENODEV: "was replaced by something other than a regular file",
+        }[e.errno]
+        return self._damaged(name, why)
+
+    def _check_size(self, name: str, size: int) -> None:
+        """A local tier file shorter than its record was cut short after it was written."""
+        rec = self._records.get(name)
+        if name in self._paths and rec is not None and size < rec.length:
+            raise self._damaged(
+                name, f"is {size} bytes, shorter than the {rec.length} it was written with"
+            )
+
+    def _damaged(self, name: str, why: str) -> BlockMismatchError:
+        return BlockMismatchError(
+            f"{self.where}: {name} in this node's memory {why}; restore the step from the "
+            "persistent tier or a peer",
+            file=name,
+            source=MEMORY_SOURCE,
+        )
 
     def _check_range(self, fd: int, name: str, offset: int, length: int, what: str) -> None:
         if offset + length > os.fstat(fd).st_size:
