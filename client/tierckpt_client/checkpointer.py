@@ -91,7 +91,8 @@ class Checkpointer:
         process_group: the group for checkpoint collectives; by default a dedicated gloo group
             over all ranks, created once per process. Never pass the group FSDP trains on.
         async_mode: ``"thread"`` (the save runs in a thread of this process) or ``"process"``
-            (DCP's helper process: no GIL contention with the training step).
+            (DCP's helper process: no GIL contention with the training step; needs
+            ``torch.distributed`` initialized first, ValueError otherwise).
         config: how to reach the daemon (default :meth:`ClientConfig.from_env`).
         on_unavailable: what a save does without a daemon (see :class:`TieredStorageWriter`).
         preempt_signal: a signal besides SIGTERM that means "save and exit" (e.g.
@@ -162,6 +163,14 @@ class Checkpointer:
             raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
         self.wait_for = wait
         self.process_group, self._flag_group = checkpoint_groups(process_group)
+        if async_mode == "process" and self.process_group is None:
+            # torch's helper process joins the trainer's process group: without one, the first
+            # save failed inside torch, and the helper took the interpreter down with it.
+            raise ValueError(
+                "async_mode='process' needs torch.distributed initialized before the "
+                "Checkpointer is made (DCP's save process joins the job's process group): call "
+                "torch.distributed.init_process_group() first, or use async_mode='thread'"
+            )
         # Our own gloo group (or none): THREAD saves run on one long-lived thread (_save_thread).
         self._own_group = process_group is None
         self._saver: concurrent.futures.ThreadPoolExecutor | None = None

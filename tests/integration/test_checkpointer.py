@@ -124,6 +124,11 @@ def test_bad_arguments_say_what_is_wrong() -> None:
         Checkpointer("x", async_mode="fork")
     with pytest.raises(ValueError, match="every"):
         Checkpointer("x", every=0)
+    # PROCESS mode's helper joins the process group: without one it failed at the first save,
+    # inside torch, and took the interpreter down.
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match=r"async_mode='process' needs torch.distributed"):
+        Checkpointer("x", async_mode="process", handle_signals=False)
 
 
 def test_extra_signal_saves_durable_step_and_exits_0(
