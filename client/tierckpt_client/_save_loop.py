@@ -30,6 +30,14 @@ class SaveFailedError(TierCkptError):
 
     code = "save_failed"
 
+    @classmethod
+    def of(cls, what: str, error: BaseException) -> SaveFailedError:
+        """The error for a save (``what``: "ns: the save of step N") that failed with ``error``."""
+        return cls(
+            f"{what} failed: {error}; that step is not checkpointed (steps committed before it "
+            "are not affected)"
+        )
+
 
 def check_save_options(persist_every: int | None, async_mode: str) -> None:
     """ValueError naming the argument, for the options every save loop here takes (the
@@ -80,10 +88,7 @@ class SaveInFlight:
         try:
             fut.result()
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise SaveFailedError(
-                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
-                "checkpointed (the newest good step before it still is)"
-            ) from e
+            raise SaveFailedError.of(f"{self.namespace}: the save of step {step}", e) from e
 
 
 def staging_done(fut: Future[Any]) -> Future[None]:

@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = check_environment(settings, os.environ)
     if unknown and settings.strict_settings:
         for message in unknown:
-            print(f"tierckpt-daemon: {message} (TIERCKPT_STRICT_SETTINGS is on)", file=sys.stderr)
+            print(
+                f"tierckpt-daemon: {message}; not starting (TIERCKPT_STRICT_SETTINGS is on)",
+                file=sys.stderr,
+            )
         return 2
     try:
         serve(settings)

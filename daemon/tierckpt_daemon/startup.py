@@ -73,7 +73,7 @@ def unknown_settings(env: Mapping[str, str]) -> list[str]:
         suffixes = [k.removeprefix(PREFIX) for k in known]
         close = difflib.get_close_matches(name.removeprefix(PREFIX), suffixes, n=1, cutoff=0.6)
         hint = f"did you mean {PREFIX}{close[0]}?" if close else "no setting has a similar name"
-        messages.append(f"{name} is not a tierckpt setting ({hint}); it is ignored")
+        messages.append(f"{name} is not a tierckpt setting ({hint})")
     return messages
 
 
@@ -132,6 +132,9 @@ def check_environment(settings: DaemonSettings, env: Mapping[str, str]) -> list[
     ``TIERCKPT_STRICT_SETTINGS`` turns into a refusal)."""
     unknown = unknown_settings(env)
     if not settings.strict_settings:
-        log_findings(f"{m} (TIERCKPT_STRICT_SETTINGS=1 refuses to start instead)" for m in unknown)
+        log_findings(
+            f"{m}; it is ignored (TIERCKPT_STRICT_SETTINGS=1 refuses to start instead)"
+            for m in unknown
+        )
     log_findings(capacity_findings(settings))
     return unknown

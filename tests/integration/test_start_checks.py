@@ -186,7 +186,8 @@ def test_misspelt_setting_is_named_with_the_closest_one(tmp_path: Path) -> None:
         )
     )
     assert proc.returncode == 2, proc.stderr
-    assert "did you mean TIERCKPT_PERSIST_URL?" in proc.stderr
+    assert "did you mean TIERCKPT_PERSIST_URL?); not starting" in proc.stderr
+    assert "ignored" not in proc.stderr
     assert "TIERCKPT_VERIFY_READS" not in proc.stderr
     assert not (tmp_path / "tier").exists()
 

@@ -42,11 +42,9 @@ def test_unknown_settings_name_the_closest() -> None:
         "OTHER": "1",
     }
     assert unknown_settings(env) == [
-        "TIERCKPT_CAPACITY_BYTES is not a tierckpt setting (did you mean TIERCKPT_CAPACITY?); "
-        "it is ignored",
-        "TIERCKPT_PERIST_URL is not a tierckpt setting (did you mean TIERCKPT_PERSIST_URL?); "
-        "it is ignored",
-        "TIERCKPT_ZZZ is not a tierckpt setting (no setting has a similar name); it is ignored",
+        "TIERCKPT_CAPACITY_BYTES is not a tierckpt setting (did you mean TIERCKPT_CAPACITY?)",
+        "TIERCKPT_PERIST_URL is not a tierckpt setting (did you mean TIERCKPT_PERSIST_URL?)",
+        "TIERCKPT_ZZZ is not a tierckpt setting (no setting has a similar name)",
     ]
 
 

@@ -125,10 +125,7 @@ class TieredSaveRequest:
         except TimeoutError:
             raise
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
-            raise SaveFailedError(
-                f"{self.checkpoint_id}: the save failed: {e}; that step is not checkpointed "
-                "(the newest good step before it still is)"
-            ) from e
+            raise SaveFailedError.of(f"{self.checkpoint_id}: the save", e) from e
 
     def add_done_callback(self, fn: Any) -> None:
         """Call ``fn(self)`` once the save finished (committed or failed), in the thread that

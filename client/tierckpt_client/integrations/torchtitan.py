@@ -194,10 +194,7 @@ class TieredCheckpointManager(CheckpointManager):
             super()._wait_for_saving()
         except (Exception, CheckpointException) as e:  # DCP's is a BaseException
             self.save_future = None
-            raise SaveFailedError(
-                f"{self.namespace}: the save of step {step} failed: {e}; that step is not "
-                "checkpointed (the newest good step before it still is)"
-            ) from e
+            raise SaveFailedError.of(f"{self.namespace}: the save of step {step}", e) from e
 
     def _close(self) -> None:
         try:
