@@ -181,7 +181,13 @@ def test_persist_wait_then_prefetch_after_node_loss(tiered: DaemonProcess) -> No
     }
     status = cli_json("status")
     assert status["persistent"]["url"].startswith("file://")
-    assert "persistent  file://" in cli("status").stdout
+    human = cli("status").stdout
+    assert "persistent  file://" in human
+    # Its namespace table is this node's memory: no DURABLE column that read "-" beside a
+    # healthy persistent tier (ls has the persistent tier's counts).
+    header = next(line for line in human.splitlines() if line.startswith("NAMESPACE"))
+    assert header.split() == ["NAMESPACE", "STEPS", "COMMITTED", "LATEST", "SIZE"]
+    assert "in this node's memory" in human
 
     proc = cli("persist", "job", "20", "--wait", "--timeout", "30")
     assert proc.returncode == 0, proc.stderr

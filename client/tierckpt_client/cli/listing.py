@@ -54,8 +54,27 @@ def cmd_status(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
             )
             for h in progress
         ]
-    lines += ["", _namespaces_table([ns.model_dump(mode="json") for ns in st.namespaces])]
+    lines += ["", _memory_table([ns.model_dump(mode="json") for ns in st.namespaces])]
     r.emit(args.json, st.model_dump(mode="json"), "\n".join(lines))
+
+
+def _memory_table(docs: list[dict[str, Any]]) -> str:
+    """The namespaces in this daemon's memory (``status``): no DURABLE or TIERS column, which
+    need the persistent tier's listing (``tierckpt ls``)."""
+    if not docs:
+        return "no namespaces in memory"
+    rows = [
+        (
+            d["namespace"],
+            d["steps"],
+            d["committed_steps"],
+            r.opt(d["latest_committed"]),
+            r.size(d["bytes"]),
+        )
+        for d in docs
+    ]
+    table = r.table(("NAMESPACE", "STEPS", "COMMITTED", "LATEST", "SIZE"), rows)
+    return table + "\n(in this node's memory; `tierckpt ls` adds the persistent tier)"
 
 
 def _persistent_line(p: PersistentStatus | None) -> str:
