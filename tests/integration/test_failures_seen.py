@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -17,9 +18,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierckpt_client import ClientConfig, DaemonClient
+from tierckpt_core.protocol import CorruptionReport
 
 from helpers import DaemonProcess, free_port, new_shm_dir, wait_until
-from kit import blank_state, cli, flip_byte, load, save, seeded_state, step_paths
+from kit import blank_state, cli, flip_byte, load, save, seeded_state, step_paths, wait_durable
 
 N = 1 << 16
 
@@ -134,9 +136,46 @@ def test_corruption_a_reader_finds_is_counted_and_logged_by_the_daemon(
 
 
 def test_a_report_to_a_daemon_that_is_gone_does_not_slow_or_fail_anything() -> None:
-    from tierckpt_core.protocol import CorruptionReport  # new with the route
-
     client = DaemonClient(ClientConfig(socket=Path("/nonexistent/daemon.sock")))
     t0 = time.monotonic()
     client.report_corruption("job", 1, CorruptionReport(tier="memory", file="x.data"))
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_durable_steps_damaged_memory_copy_is_dropped_and_read_from_the_tier_next(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
+    """A reader that finds a durable step corrupt in memory falls back past it once; the daemon
+    checks the file itself and drops that memory copy, so the next "latest" is the step again,
+    read verified from the persistent tier (before: every restore came back a step behind until
+    someone ran ``tierckpt rm``). A damaged step that is nowhere else keeps its memory copy."""
+    make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", log_json=1)
+    for step in (1, 2):
+        save("heal", step, seeded_state(step, N), persist=True)
+    wait_durable("heal", {1, 2})
+    save("only", 1, seeded_state(1, N), persist=False)
+    save("only", 2, seeded_state(2, N), persist=False)
+    for ns in ("heal", "only"):
+        flip_byte(max(step_paths(ns, 2).values(), key=os.path.getsize), 5000)
+
+    step, out = load("heal", blank_state(N))
+    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
+    with DaemonClient() as c:
+        wait_until(
+            "step 2's memory copy dropped",
+            lambda: 2 not in [s.step for s in c.steps("heal")],
+            timeout=30,
+        )
+    step, out = load("heal", blank_state(N))
+    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])
+
+    step, _ = load("only", blank_state(N))
+    assert step == 1
+    # A report the daemon cannot confirm (step 1 is intact) removes nothing either.
+    intact = next(n for n in step_paths("heal", 1) if n.endswith(".data"))
+    with DaemonClient() as c:
+        c.report_corruption("heal", 1, CorruptionReport(file=intact, tier="memory"))
+    time.sleep(1)  # the daemon's checks of both have run (it keeps the only copy)
+    with DaemonClient() as c:
+        assert [s.step for s in c.steps("only")] == [1, 2]
+        assert [s.step for s in c.steps("heal")] == [1, 2]  # (2: read back in from the tier)

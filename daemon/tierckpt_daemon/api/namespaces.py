@@ -41,7 +41,7 @@ from tierckpt_daemon.api.deps import (
 )
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.peers.replica_wait import MAX_WAIT_S
-from tierckpt_daemon.tier.corruption import corruption_reported
+from tierckpt_daemon.tier.corruption import check_later, corruption_reported
 from tierckpt_daemon.tier.records import StepRecord
 from tierckpt_daemon.tier.service import TierService
 from tierckpt_daemon.tier.tenants import Caller
@@ -141,11 +141,18 @@ def persist(namespace: str, step: int, service: Service, owner: Owner) -> StepIn
 
 @router.post("/{namespace}/steps/{step}/corruption", status_code=204)
 def report_corruption(
-    namespace: str, step: int, req: CorruptionReport, service: Service, owner: Owner
+    namespace: str,
+    step: int,
+    req: CorruptionReport,
+    service: Service,
+    owner: Owner,
 ) -> Response:
     """A reader found part of the step corrupt (its own load fell back, or failed): counted in
-    ``tierckpt_verification_failures_total{tier}`` and logged, for the alerts and the operator."""
+    ``tierckpt_verification_failures_total{tier}`` and logged, for the alerts and the operator;
+    a file of this node's memory is checked again on a thread of its own (``check_later``)."""
     corruption_reported(service.metrics, namespace, step, req)
+    if req.tier == "memory" and req.file is not None:
+        check_later(service, namespace, step, req.file, owner)
     return Response(status_code=204)
 
 

@@ -6,16 +6,36 @@ Each reader reports what it found (``POST /v1/namespaces/{ns}/steps/{step}/corru
 effort), so that ``tierckpt_verification_failures_total{tier}`` and its alert
 (``TierckptVerificationFailures``) count every corrupt block found on the node, and the daemon's
 log names it: namespace, step, file, block, tier.
+
+A file found corrupt in this node's memory is then checked again by the daemon itself
+(:func:`check_later`: on a thread of its own, one per step at a time, the report answered
+at once): where the daemon finds it damaged too and the step
+is durable, the memory copy is dropped, so the next load of "latest" reads the step's verified
+copy from the persistent tier instead of falling back past it on every restore. A step that is
+nowhere else keeps its memory copy (its loads fall back, and the alert stands); a report the
+daemon cannot confirm changes nothing (a reader's word alone never removes a step).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from typing import TYPE_CHECKING
 
-from tierckpt_core.protocol import CorruptionReport, validate_file_name, validate_namespace
+from tierckpt_core.errors import NotFoundError
+from tierckpt_core.integrity import checksum_file_blocks
+from tierckpt_core.protocol import (
+    CorruptionReport,
+    StepState,
+    validate_file_name,
+    validate_namespace,
+)
 from tierckpt_core.protocol import validate_step as check_step
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
+
+if TYPE_CHECKING:
+    from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 
@@ -42,3 +62,75 @@ def corruption_reported(metrics: Metrics, namespace: str, step: int, req: Corrup
             "tier": req.tier,
         },
     )
+
+
+_checking: set[tuple[int, str, int]] = set()  # (service, namespace, step) being checked
+_checking_lock = threading.Lock()
+
+
+def check_later(
+    service: TierService, namespace: str, step: int, file: str, owner: str | None
+) -> None:
+    """:func:`drop_damaged_copy` on a thread of its own, unless one is checking that step (every
+    rank of a node reports the same step)."""
+    key = (id(service), namespace, step)
+    with _checking_lock:
+        if key in _checking:
+            return
+        _checking.add(key)
+
+    def run() -> None:
+        try:
+            drop_damaged_copy(service, namespace, step, file, owner)
+        finally:
+            with _checking_lock:
+                _checking.discard(key)
+
+    threading.Thread(target=run, name="tierckpt-corruption-check", daemon=True).start()
+
+
+def drop_damaged_copy(
+    service: TierService, namespace: str, step: int, file: str, owner: str | None
+) -> None:
+    """Check ``file`` of the step in memory against its record; if it is damaged (its bytes
+    changed, cut short, gone, or not a regular file) and the step is durable, take the step's
+    memory copy out (as ``tierckpt rm`` does; readers that pin it keep it until they are done).
+    Any error is logged, never raised (it runs on a thread nobody waits for)."""
+    where = f"{namespace}/step {step}"
+    try:
+        with service.lock:
+            rec = service.record(namespace, step, owner=owner)
+            f = rec.files.get(file)
+            if f is None or f.checksum is None or rec.state != StepState.DURABLE:
+                return  # nothing to check against, or the only copy: kept
+            path, length, want = rec.dir / file, f.length, f.checksum
+        try:
+            damaged = checksum_file_blocks(str(path), length)[0] != want
+            why = "its bytes changed"
+        except OSError as e:
+            damaged, why = True, f"{type(e).__name__}: {e}"
+        if not damaged:
+            logger.warning(
+                "%s: %s, reported corrupt, matches its checksum here: its memory copy is kept",
+                where,
+                file,
+                extra=step_fields(namespace, step),
+            )
+            return
+        with service.lock:
+            if service.record(namespace, step, owner=owner) is not rec:
+                return  # saved again since: another copy, not the one checked
+            service.index.retire(rec)
+            service.metrics.evictions.labels(reason="corrupt").inc()
+        logger.warning(
+            "%s: %s in memory is damaged (%s) and the step is durable: its memory copy is "
+            "dropped, and the next load reads it from the persistent tier, verified",
+            where,
+            file,
+            why,
+            extra=step_fields(namespace, step),
+        )
+    except NotFoundError:
+        return  # left memory since the report
+    except Exception:  # after the answer: nobody else would see it
+        logger.exception("%s: checking %s, reported corrupt, failed", where, file)
