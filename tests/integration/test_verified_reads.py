@@ -23,7 +23,7 @@ from tierckpt_core.integrity import checksum_blocks
 from tierckpt_core.protocol import CommitRequest, SealFile
 
 from helpers import DaemonProcess, new_shm_dir
-from kit import flip_byte, step_paths
+from kit import cli, flip_byte, step_paths
 
 
 def _state() -> dict[str, object]:
@@ -317,3 +317,28 @@ def test_a_step_whose_file_is_gone_cut_short_or_linked_is_skipped_by_latest(
         _load("dmg", 2)
     if before is not None:
         assert target.read_bytes() == before
+
+
+def test_a_step_whose_metadata_was_damaged_in_memory_is_skipped_by_latest(
+    client_env: DaemonProcess,
+) -> None:
+    """A commit record in memory whose DCP metadata no longer decodes (one character changed
+    inside its compressed text: still valid JSON to the daemon) fails every load of that step.
+    A load of "latest" skips it for the next older step, and ``tierckpt verify`` fails it,
+    naming the metadata (it said "2 of 2 file(s) verified" before)."""
+    for step in (1, 2):
+        _save("meta", step)
+    record = Path(next(iter(step_paths("meta", 2).values()))).parent / "MANIFEST.json"
+    text = record.read_text()
+    at = text.index('"metadata":"zlib+b64:') + 40
+    record.write_text(text[:at] + ("A" if text[at] != "A" else "B") + text[at + 1 :])
+    out = _blank()
+    reader = TieredStorageReader("meta")
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert reader.resolved_step == 1
+    assert torch.equal(out["w"], _state()["w"]) and out["extra"] == _state()["extra"]  # type: ignore[arg-type]
+    verify = cli("verify", "meta", "2", timeout=120)
+    assert verify.returncode != 0, verify.stdout
+    row = next(line for line in verify.stdout.splitlines() if " metadata " in line)
+    assert "CORRUPT" in row and "not readable" in row
+    assert cli("verify", "meta", "1", timeout=120).returncode == 0

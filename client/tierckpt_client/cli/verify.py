@@ -3,7 +3,8 @@
 Memory: the step is pinned through the daemon (so eviction cannot pull it away mid-read) and each
 file is checksummed against the checksum taken when it was written (by the rank that wrote it, or
 by the daemon at the commit). A file the daemon has no checksum for (a step committed by an older
-daemon) is reported as "not yet checksummed", never as passed. Persistent: the commit marker must match the
+daemon) is reported as "not yet checksummed", never as passed; the step's DCP metadata must
+decode (a commit record damaged in memory fails every load of the step). Persistent: the commit marker must match the
 manifest, then every file is streamed from the store and checked against the manifest.
 Replicas on peers are verified by the peer that holds them, when it serves or receives them.
 """
@@ -17,7 +18,13 @@ from dataclasses import asdict, dataclass
 from tierckpt_client.cli import _render as r
 from tierckpt_client.cli._tiers import Persistent
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_core.errors import IntegrityError, NotFoundError, StepNotFoundError, TierCkptError
+from tierckpt_core.errors import (
+    CheckpointFormatError,
+    IntegrityError,
+    NotFoundError,
+    StepNotFoundError,
+    TierCkptError,
+)
 from tierckpt_core.integrity import checksum_file
 from tierckpt_core.layout import file_key
 from tierckpt_core.protocol import CorruptionReport, validate_namespace, validate_step
@@ -62,7 +69,8 @@ def cmd_verify(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
     bad = [x for x in results if x.result in (CORRUPT, MISSING)]
     for x in bad:
         if x.result == CORRUPT and not tier.offline:  # for the daemon's metrics and log
-            report = CorruptionReport(file=x.file, tier=x.tier, detail=x.detail[:2000])
+            name = x.file if x.rank >= 0 else None  # (the metadata, a manifest: no shard file)
+            report = CorruptionReport(file=name, tier=x.tier, detail=x.detail[:2000])
             client.report_corruption(ns, step, report)
     unchecked = [x for x in results if x.result == UNCHECKED]
     doc = {
@@ -110,6 +118,10 @@ def _verify_memory(
                 else:
                     out.append(_compare("memory", f.rank, f.name, f.length, got, f.checksum))
             bar.advance(task, f.length)
+        try:  # the DCP metadata in its commit record: a load of the step decodes it first
+            client.metadata(ns, step)
+        except CheckpointFormatError as e:
+            out.append(Result("memory", -1, "metadata", 0, CORRUPT, str(e)))
         return out
     finally:
         client.unpin(ns, step, pin.pin_id)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp._fallback import Agreement, decide
+from tierckpt_client.dcp._metadata_codec import decoded
 from tierckpt_client.dcp.sources import MemorySource, PeerSource, PersistentSource, Source
 from tierckpt_core.errors import (
     CapacityExceededError,
@@ -38,7 +39,7 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     TierCkptError,
 )
-from tierckpt_core.protocol import StepCandidate
+from tierckpt_core.protocol import CorruptionReport, ReadResponse, StepCandidate
 
 # The reader's logger: where users (and their log filters) find what a load read from.
 logger = logging.getLogger("tierckpt_client.dcp.reader")
@@ -104,6 +105,22 @@ class Planner:
         assert self.direct is not None
         return ReadPlan(self.direct.newest_good_step(namespace, below), self.direct)
 
+    def _unreadable(self, namespace: str, step: int, read: ReadResponse) -> str | None:
+        """Why the metadata the daemon sent with the candidates cannot be decoded (its commit
+        record in this node's memory was damaged), or None. Such a step is skipped for an older
+        one, as a corrupt one is, and the daemon is told; decoded once (the load's own decoding
+        of the same text finds it decoded)."""
+        where = f"{namespace}/step {step}"
+        try:
+            decoded(read.metadata or "", where=where)
+        except CheckpointFormatError as e:
+            logger.warning("%s: skipping step %d for an older one: %s", namespace, step, e)
+            self.daemon.report_corruption(
+                namespace, step, CorruptionReport(tier="memory", detail=str(e)[:2000])
+            )
+            return str(e)
+        return None
+
     def _newest_through_daemon(self, namespace: str, below: int | None) -> ReadPlan:
         skipped: list[str] = []
         ask = below
@@ -120,6 +137,10 @@ class Planner:
                 if cand.in_memory:
                     if found.read is not None and cand is found.candidates[0]:
                         # Its metadata came with the candidates: the load asks only for the pin.
+                        unreadable = self._unreadable(namespace, cand.step, found.read)
+                        if unreadable is not None:
+                            skipped.append(f"step {cand.step}: {unreadable}")
+                            continue
                         self.memory.adopt(namespace, cand.step, found.read)
                     return self.in_memory(cand.step)
                 try:
