@@ -19,7 +19,7 @@ from seaweed import SeaweedS3
 from tierckpt_client import DaemonClient
 
 from helpers import DaemonProcess
-from kit import CLI, cli, cli_json, save, seeded_state
+from kit import CLI, cli, cli_json, flip_byte, save, seeded_state
 
 N = 64 * 1024  # 256 KiB of float32 per step
 
@@ -239,6 +239,26 @@ def test_persist_wait_times_out_with_the_upload_error(
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("tierckpt: job step 2 is not durable after 1s: job/step 2: upload")
     assert _states("job")[2] == ("committed", ["memory"])
+
+
+def test_prefetch_latest_skips_a_corrupt_durable_step_as_a_restore_does(
+    tiered: DaemonProcess, tmp_path: Path
+) -> None:
+    """``latest`` is "the step a restore would pick": a durable step whose object in the
+    persistent tier is corrupt is skipped for the next older one, with a warning (prefetch
+    failed on it before, where a restore and ``export`` went on to the older step)."""
+    for step in (10, 20):
+        save("job", step, seeded_state(step, N), staged=False)
+        cli("persist", "job", str(step), "--wait", "--timeout", "30")
+    data = max((tmp_path / "store" / "job" / "step_000000000020").iterdir(), key=os.path.getsize)
+    flip_byte(data, 100)
+    for step in ("10", "20"):
+        assert cli("rm", "job", step).returncode == 0
+    proc = cli("prefetch", "job", "latest")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith("job step 10 is in memory (durable")
+    assert "skipping step 20 for an older one" in proc.stderr and "corrupt" in proc.stderr
+    assert cli("prefetch", "job", "20").returncode != 0  # an explicit step: its error
 
 
 def test_persist_and_prefetch_errors(tiered: DaemonProcess) -> None:

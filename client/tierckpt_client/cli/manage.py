@@ -13,6 +13,7 @@ from tierckpt_client.cli._tiers import Persistent
 from tierckpt_client.cli.attempts import remove_abandoned
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_core.errors import (
+    CheckpointFormatError,
     InvalidNameError,
     NotFoundError,
     StepNotFoundError,
@@ -161,10 +162,23 @@ def _wait_durable(client: DaemonClient, info: StepInfo, timeout_s: float) -> Ste
 
 def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespace) -> None:
     ns = validate_namespace(args.namespace)
-    if args.step == "latest":
-        step = client.candidates(ns)[0].step  # what a restore's "latest" would pick
-    else:
-        step = validate_step(parse_step(args.step))
+    if args.step != "latest":
+        _prefetch(client, ns, validate_step(parse_step(args.step)), args)
+        return
+    # What a restore's "latest" would pick: the newest that verifies, a corrupt one skipped.
+    candidates = [c.step for c in client.candidates(ns)]
+    for i, step in enumerate(candidates):
+        try:
+            _prefetch(client, ns, step, args)
+            return
+        except CheckpointFormatError as e:
+            if i + 1 == len(candidates):
+                raise
+            r.warn(f"{ns}: skipping step {step} for an older one: {e}")
+
+
+def _prefetch(client: DaemonClient, ns: str, step: int, args: argparse.Namespace) -> None:
+    """Bring ``ns``/``step`` into memory, with a progress bar from the daemon's status."""
     result: list[StepInfo] = []
     failure: list[BaseException] = []
 
