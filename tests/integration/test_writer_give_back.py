@@ -5,6 +5,7 @@ lock is not reentrant), where giving back from that same thread would wait for t
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from typing import Any
@@ -14,6 +15,8 @@ import torch
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
+from tierckpt_client.dcp.targets.base import OutFile
+from tierckpt_client.dcp.targets.memory import release_lease
 
 from helpers import DaemonProcess
 
@@ -57,3 +60,23 @@ def test_a_writer_collected_inside_a_daemon_call_gives_its_file_back(
     connection.release()
     assert not stuck, "the file was given back from the thread that held the connection"
     assert _wait_for(lambda: client.status().leased_bytes == 0), "the staged file was not released"
+
+
+def test_giving_back_a_lease_the_daemon_no_longer_has_is_not_a_warning(
+    client_env: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a daemon restart the leases it had granted are gone: giving one back is what was
+    wanted, not something to warn about (a tolerant loop printed "could not release lease ...:
+    no lease ..." at its exit). A release that fails otherwise is still a warning."""
+    client = DaemonClient.from_socket(client_env.socket)
+    lease = client.lease("gone", 0, 1 << 16)
+    f = OutFile("r00000.data", lease.size, lease_id=lease.lease_id, path=lease.path)
+    client_env.restart()
+    caplog.set_level(logging.INFO, "tierckpt_client.dcp.targets.memory")
+    release_lease(DaemonClient.from_socket(client_env.socket), "gone", f)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "was already given back" in caplog.text
+    client_env.stop()
+    caplog.clear()
+    release_lease(DaemonClient.from_socket(client_env.socket, timeout_s=2), "gone", f)
+    assert [r for r in caplog.records if r.levelno == logging.WARNING], caplog.text

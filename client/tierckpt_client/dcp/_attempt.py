@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp.targets.base import OutFile, SaveTarget
+from tierckpt_client.dcp.targets.memory import release_lease
 from tierckpt_core.errors import NotFoundError, TierCkptError
 
 logger = logging.getLogger(__name__)
@@ -152,11 +153,4 @@ class SaveFiles:
         )
 
     def _release(self, namespace: str, f: OutFile) -> None:
-        if f.lease_id is None:
-            return
-        try:
-            self.daemon.release(namespace, f.lease_id)
-        except TierCkptError as e:  # the lease expires on the daemon by itself
-            logger.warning("%s: could not release lease %s: %s", namespace, f.lease_id, e)
-        finally:
-            f.unlock()
+        release_lease(self.daemon, namespace, f)

@@ -91,12 +91,20 @@ class MemoryTier:
 
     def discard(self, namespace: str, f: OutFile) -> None:
         """Give back a leased file the save will not seal (private memory needs nothing)."""
-        if f.lease_id is None:
-            return
-        try:
-            self.daemon.release(namespace, f.lease_id)
-        except TierCkptError as e:
-            # The lease expires on the daemon by itself; the save's own error is the one to raise.
-            logger.warning("%s: could not release lease %s: %s", namespace, f.lease_id, e)
-        finally:
-            f.unlock()
+        release_lease(self.daemon, namespace, f)
+
+
+def release_lease(daemon: DaemonClient, namespace: str, f: OutFile) -> None:
+    """Give back leased file ``f`` (if it is one); never raises: the lease expires on the daemon
+    by itself, and the save's own error is the one to see. A lease the daemon no longer has
+    (it restarted, or took it back) is what was wanted: said at INFO, not as a warning."""
+    if f.lease_id is None:
+        return
+    try:
+        daemon.release(namespace, f.lease_id)
+    except NotFoundError as e:
+        logger.info("%s: lease %s was already given back: %s", namespace, f.lease_id, e)
+    except TierCkptError as e:
+        logger.warning("%s: could not release lease %s: %s", namespace, f.lease_id, e)
+    finally:
+        f.unlock()
