@@ -167,11 +167,13 @@ def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespac
         return
     # What a restore's "latest" would pick: the newest that verifies, a corrupt one skipped.
     candidates = [c.step for c in client.candidates(ns)]
+    if not candidates:
+        raise StepNotFoundError(f"namespace {ns} has no committed step")
     for i, step in enumerate(candidates):
         try:
             _prefetch(client, ns, step, args)
             return
-        except CheckpointFormatError as e:
+        except (CheckpointFormatError, NotFoundError) as e:
             if i + 1 == len(candidates):
                 raise
             r.warn(f"{ns}: skipping step {step} for an older one: {e}")

@@ -153,7 +153,10 @@ def claim(pre: PreLease, size: int) -> OutFile | None:
             or st.st_size != pre.size
         ):
             return None  # taken back between our open and our lock
-        mapping = _arena.map_file(pre.path)
+        try:
+            mapping = _arena.map_file(pre.path)
+        except OSError:  # replaced (by a link, say) since our open
+            return None
         if (mapping.dev, mapping.ino, mapping.size) != (st.st_dev, st.st_ino, pre.size):
             return None
         claimed = True
