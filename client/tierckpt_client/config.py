@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from tierckpt_core.setting_names import PREFIX, SETTINGS, unknown_settings
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SHM_DIR = Path("/dev/shm/tierckpt")
 
@@ -67,6 +74,8 @@ class ClientConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:
+        if env is None:
+            _warn_unknown(os.environ)
         env = dict(os.environ if env is None else env)
         values: dict[str, Any] = {}
         if "TIERCKPT_SOCKET" in env:
@@ -137,3 +146,20 @@ def _flag(env: dict[str, str], var: str) -> bool | None:
     if text not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
         raise ValueError(f"{var}={text!r} is not 0 or 1")
     return text in ("1", "true", "yes", "on")
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    """A WARNING, once per process and name, for each ``TIERCKPT_*`` variable that is no
+    setting of any part of tierckpt (a misspelt one is otherwise silently ignored)."""
+    if not any(n.startswith(PREFIX) and n not in SETTINGS for n in env):
+        return  # (the common case: nothing to compare)
+    for message in unknown_settings(env):
+        with _warned_lock:
+            if message in _warned:
+                continue
+            _warned.add(message)
+        logger.warning("%s; it is ignored", message)

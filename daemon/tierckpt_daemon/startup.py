@@ -8,17 +8,17 @@ Each finding is one WARNING naming what was found; :func:`unknown_settings` refu
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from collections.abc import Iterable, Mapping
 
+from tierckpt_core import setting_names
 from tierckpt_daemon.config import CAPACITY_FLOOR, DaemonSettings, node_memory_bytes
 from tierckpt_daemon.paths import filesystem_of
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "TIERCKPT_"
+PREFIX = setting_names.PREFIX
 
 # Read by other parts than DaemonSettings, and often set in the same environment (a Slurm job's,
 # a pod spec shared with the trainers): the S3 tier (tierckpt_core.objectstore.settings), the
@@ -66,15 +66,7 @@ def known_settings() -> frozenset[str]:
 def unknown_settings(env: Mapping[str, str]) -> list[str]:
     """One message per ``TIERCKPT_*`` variable in ``env`` that is no setting, naming the closest
     one (or saying there is none)."""
-    known = known_settings()
-    messages = []
-    for name in sorted(n for n in env if n.startswith(PREFIX) and n not in known):
-        # Compared without the prefix, which every name shares.
-        suffixes = [k.removeprefix(PREFIX) for k in known]
-        close = difflib.get_close_matches(name.removeprefix(PREFIX), suffixes, n=1, cutoff=0.6)
-        hint = f"did you mean {PREFIX}{close[0]}?" if close else "no setting has a similar name"
-        messages.append(f"{name} is not a tierckpt setting ({hint})")
-    return messages
+    return setting_names.unknown_settings(env, known_settings())
 
 
 def capacity_findings(

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp.sources._progress import Progress
+from tierckpt_core.setting_names import SETTINGS
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.startup import capacity_findings, known_settings, unknown_settings
 
@@ -31,6 +33,28 @@ def test_every_setting_read_anywhere_is_known() -> None:
         for name in re.findall(r"\bTIERCKPT_[A-Z0-9_]*[A-Z0-9]\b", (ROOT / path).read_text())
     }
     assert read - known_settings() == set()
+
+
+def test_the_list_every_part_warns_with_is_every_setting() -> None:
+    """tierckpt_core.setting_names.SETTINGS, which a trainer's client warns against, is exactly
+    the daemon's settings and the other parts' (a new setting added to one but not the other
+    fails here, not as a false warning in a user's job)."""
+    assert known_settings() == SETTINGS
+
+
+def test_a_trainer_is_warned_once_of_a_misspelt_setting(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TIERCKPT_ASYNC_STAGNG", "0")  # asynchronous staging stays on: said
+    monkeypatch.setenv("TIERCKPT_PERSIST_EVERY", "10")  # the daemon's, in a shared env: fine
+    caplog.set_level(logging.WARNING, "tierckpt_client.config")
+    assert ClientConfig.from_env().async_staging is True
+    ClientConfig.from_env()
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        "TIERCKPT_ASYNC_STAGNG is not a tierckpt setting (did you mean TIERCKPT_ASYNC_STAGING?); "
+        "it is ignored"
+    ]
 
 
 def test_unknown_settings_name_the_closest() -> None:
