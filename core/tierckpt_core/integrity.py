@@ -4,7 +4,9 @@ verifying every byte read from the persistent tier or a peer costs little next t
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import os
+import stat
 from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
@@ -35,9 +37,9 @@ READ_CHUNK = 8 * 1024 * 1024
 
 
 def read_chunks(path: str, length: int, chunk_size: int = READ_CHUNK) -> Iterator[bytes]:
-    """The first ``length`` bytes of the file at ``path``, in chunks; OSError if it is shorter."""
-    # O_NOFOLLOW: the daemon reads tier files, which others in its group could swap for links.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """The first ``length`` bytes of the file at ``path``, in chunks; OSError if it is shorter
+    or is not a regular file (:func:`open_regular`)."""
+    fd = open_regular(path)
     with open(fd, "rb", buffering=0) as f:
         remaining = length
         while remaining > 0:
@@ -46,6 +48,21 @@ def read_chunks(path: str, length: int, chunk_size: int = READ_CHUNK) -> Iterato
                 raise OSError(f"{path} ended {remaining} bytes short of {length}")
             remaining -= len(chunk)
             yield chunk
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``; OSError (``ELOOP``, ``ENODEV``)
+    for a link or anything else. The daemon reads tier files, which others in its group could
+    swap for links (``O_NOFOLLOW``) or FIFOs (``O_NONBLOCK``: opening one would wait for a
+    writer; reads of a regular file ignore the flag)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.ENODEV, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def hashed_chunks(path: str, length: int, hasher: Hasher) -> Iterator[bytes]:
@@ -108,8 +125,7 @@ def checksum_file_blocks(path: str, length: int) -> tuple[str, int, list[str]]:
     blocks: list[str] = []
     buf = bytearray(max(size, READ_CHUNK // size * size))  # whole blocks per read
     view = memoryview(buf)
-    # O_NOFOLLOW: the daemon reads tier files, which others in its group could swap for links.
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_regular(path)
     try:
         done = 0
         while done < length:

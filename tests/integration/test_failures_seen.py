@@ -149,7 +149,7 @@ def test_a_durable_steps_damaged_memory_copy_is_dropped_and_read_from_the_tier_n
     checks the file itself and drops that memory copy, so the next "latest" is the step again,
     read verified from the persistent tier (before: every restore came back a step behind until
     someone ran ``tierckpt rm``). A damaged step that is nowhere else keeps its memory copy."""
-    make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", log_json=1)
+    d = make_node(client=True, persist_url=f"file://{tmp_path / 'store'}", log_json=1)
     for step in (1, 2):
         save("heal", step, seeded_state(step, N), persist=True)
     wait_durable("heal", {1, 2})
@@ -175,7 +175,13 @@ def test_a_durable_steps_damaged_memory_copy_is_dropped_and_read_from_the_tier_n
     intact = next(n for n in step_paths("heal", 1) if n.endswith(".data"))
     with DaemonClient() as c:
         c.report_corruption("heal", 1, CorruptionReport(file=intact, tier="memory"))
-    time.sleep(1)  # the daemon's checks of both have run (it keeps the only copy)
+    wait_until(
+        "the daemon's checks of both",
+        lambda: (
+            "not durable, its memory copy is kept" in (log := d.log())
+            and "matches its checksum here: its memory copy is kept" in log
+        ),
+    )
     with DaemonClient() as c:
         assert [s.step for s in c.steps("only")] == [1, 2]
         assert [s.step for s in c.steps("heal")] == [1, 2]  # (2: read back in from the tier)

@@ -17,9 +17,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter, _arena
+from tierckpt_client.dcp.sources.files import LocalFiles
 from tierckpt_core import integrity
-from tierckpt_core.errors import ProtocolError
+from tierckpt_core.errors import ProtocolError, UnavailableError
 from tierckpt_core.integrity import checksum_blocks
+from tierckpt_core.manifest import FileRecord
 from tierckpt_core.protocol import CommitRequest, SealFile
 
 from helpers import DaemonProcess, new_shm_dir
@@ -281,42 +283,83 @@ def test_parameters_that_require_grad_are_restored_in_place(client_env: DaemonPr
 
 
 @pytest.mark.parametrize("kind", ["data", "extra"])
-@pytest.mark.parametrize("damage", ["missing", "truncated", "link"])
-@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "first-restore"])
-def test_a_step_whose_file_is_gone_cut_short_or_linked_is_skipped_by_latest(
-    client_env: DaemonProcess, tmp_path: Path, kind: str, damage: str, mapped: bool
+@pytest.mark.parametrize("damage", ["missing", "truncated", "link", "fifo", "directory"])
+@pytest.mark.parametrize("dest", ["whole", "strided"])
+def test_a_step_whose_file_is_gone_cut_short_or_replaced_is_skipped_by_latest(
+    client_env: DaemonProcess, tmp_path: Path, kind: str, damage: str, dest: str
 ) -> None:
     """A tier file of a committed step deleted, truncated, or replaced by a link (to a copy of
-    its own bytes: a load that followed it would read the step) is damage, as a changed byte
-    is: a load of "latest" reads the next older step instead, an explicit load fails naming the
-    file, and the link's target is never opened for writing or read as the step."""
+    its own bytes: a load that followed it would read the step), a FIFO (whose open would wait
+    for a writer) or a directory is damage, as a changed byte is: a load of "latest" reads the
+    next older step instead, an explicit load fails naming the file, and the link's target is
+    never opened for writing or read as the step. Into whole tensors (read from the file with
+    ``preadv``) and into strided ones (copied out of this process's mapping of the file)."""
     for step in (1, 2):
         _save("dmg", step)
     path = next(p for name, p in step_paths("dmg", 2).items() if name.endswith(f".{kind}"))
     target = tmp_path / "copy-of-the-file"
-    if damage == "missing":
-        os.unlink(path)
-    elif damage == "truncated":
+    if damage == "truncated":
         os.truncate(path, os.path.getsize(path) // 2)
     else:
         target.write_bytes(Path(path).read_bytes())
         os.unlink(path)
-        os.symlink(target, path)
-    before = target.read_bytes() if damage == "link" else None
-    if not mapped:
-        _arena.clear_cache()  # as in a new process: the step's files are not mapped
-    out = _blank()
+        if damage == "link":
+            os.symlink(target, path)
+        elif damage == "fifo":
+            os.mkfifo(path)
+        elif damage == "directory":
+            os.mkdir(path)
+    before = target.read_bytes() if damage != "truncated" else None
+
+    def blank() -> dict[str, object]:
+        out = _blank()
+        if dest == "strided":
+            out["w"] = torch.zeros(1 << 17)[::2]
+        return out
+
+    _arena.clear_cache()  # as in a new process
+    out = blank()
     reader = TieredStorageReader("dmg")
     dcp.load(out, storage_reader=reader, no_dist=True)
     assert reader.resolved_step == 1
     assert torch.equal(out["w"], _state()["w"]) and out["extra"] == _state()["extra"]  # type: ignore[arg-type]
-    why = {"missing": "is missing", "truncated": "shorter than the", "link": "symbolic link"}
+    why = {
+        "missing": "is missing",
+        "truncated": "shorter than the",
+        "link": "symbolic link",
+        "fifo": "other than a regular file",
+        "directory": "directory|other than a regular file",
+    }
     with pytest.raises(
-        CheckpointException, match=rf"{Path(path).name} in this node's memory.*{why[damage]}"
+        CheckpointException, match=rf"{Path(path).name} in this node's memory .*({why[damage]})"
     ):
-        _load("dmg", 2)
+        dcp.load(blank(), storage_reader=TieredStorageReader("dmg", 2), no_dist=True)
     if before is not None:
         assert target.read_bytes() == before
+
+
+@pytest.mark.parametrize("read", ["whole", "strided", "bytes"])
+def test_a_trainer_that_cannot_see_the_tier_directory_is_told_so(tmp_path: Path, read: str) -> None:
+    """A step directory this process cannot see at all is a trainer whose container does not
+    mount the daemon's tier directory where the daemon says, not a damaged step: the read fails
+    saying so (it does not fall back past every step, raising false corruption alerts). At the
+    seam (the daemon would answer with paths this process cannot see): the files of a step."""
+    data = os.urandom(1 << 16)
+    whole, size, blocks = checksum_blocks(memoryview(data))
+    rec = FileRecord(
+        name="r0.data", rank=0, length=len(data), checksum=whole, block_size=size, blocks=blocks
+    )
+    paths = {"r0.data": str(tmp_path / "not-mounted" / "r0.data")}
+    files = LocalFiles(
+        "job/step 1", lambda n: _arena.map_file(paths[n]).buffer, paths, records={"r0.data": rec}
+    )
+    with pytest.raises(UnavailableError, match="which this process cannot see"):
+        if read == "whole":
+            files.read_into("r0.data", 0, len(data), torch.empty(len(data), dtype=torch.uint8))
+        elif read == "strided":
+            files.region("r0.data", 0, len(data), "a tensor")
+        else:
+            files.read_bytes("r0.data", 0, 100, "an item")
 
 
 def test_a_step_whose_metadata_was_damaged_in_memory_is_skipped_by_latest(

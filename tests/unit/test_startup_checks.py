@@ -4,11 +4,13 @@ tests/integration/test_start_checks.py)."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 
 import pytest
 
+from tierckpt_client import config
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp.sources._progress import Progress
 from tierckpt_core.setting_names import SETTINGS
@@ -45,6 +47,9 @@ def test_the_list_every_part_warns_with_is_every_setting() -> None:
 def test_a_trainer_is_warned_once_of_a_misspelt_setting(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    for name in [n for n in os.environ if n.startswith("TIERCKPT_")]:  # (the suite's own knobs)
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(config, "_warned", set())  # (once per process: as if none yet)
     monkeypatch.setenv("TIERCKPT_ASYNC_STAGNG", "0")  # asynchronous staging stays on: said
     monkeypatch.setenv("TIERCKPT_PERSIST_EVERY", "10")  # the daemon's, in a shared env: fine
     caplog.set_level(logging.WARNING, "tierckpt_client.config")

@@ -130,7 +130,7 @@ def map_file(path: str, *, follow: bool = False) -> FileMapping:
     a leased file would have this process write a save's bytes into whatever it points at
     (docs/security.md). ``follow``: only for ``/proc/<pid>/fd/<fd>``, which is a link by nature.
     A path that is not a regular file is an OSError (``ENODEV``) too."""
-    flags = os.O_RDWR | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
     fd = os.open(path, flags)
     try:
         st = os.fstat(fd)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from tierckpt_core.errors import IntegrityError, PersistentTierError
-from tierckpt_core.integrity import Hasher
+from tierckpt_core.integrity import Hasher, open_regular
 
 CHUNK_SIZE = 8 * 1024 * 1024
 """Bytes per read/write while streaming (also the CRT multipart part size)."""
@@ -92,7 +92,7 @@ def copy_stream(
 ) -> str:
     """Stream the first ``length`` bytes of ``path`` to ``write`` in chunks; return the checksum."""
     h = Hasher()
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb", buffering=0) as src:
+    with open(open_regular(path), "rb", buffering=0) as src:
         remaining = os.fstat(src.fileno()).st_size if length is None else length
         if remaining < 0:
             raise ValueError(f"length must be >= 0, got {length}")

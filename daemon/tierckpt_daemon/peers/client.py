@@ -180,7 +180,7 @@ class PeerClient:
 
         def once() -> str:
             conn = self._t.connection(peer)
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             resp: http.client.HTTPResponse | None = None
             try:
                 with self._t.failures(peer, "GET", url):
@@ -240,7 +240,7 @@ class PeerClient:
 
             def once() -> bool:
                 conn = self._t.connection(peer)
-                fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
                 resp: http.client.HTTPResponse | None = None
                 try:
                     with self._t.failures(peer, "GET", url):

@@ -17,7 +17,7 @@ from tierckpt_core.errors import (
     NotFoundError,
     TierCkptError,
 )
-from tierckpt_core.integrity import checksum_file
+from tierckpt_core.integrity import checksum_file, open_regular
 from tierckpt_core.manifest import LocalState, StepManifest
 from tierckpt_core.protocol import (
     PeerStep,
@@ -77,7 +77,7 @@ class PeerServer:
             f = rec.files.get(name)
             if f is None or name not in pin.paths:
                 raise NotFoundError(f"{namespace}/step {step} has no file {name}")
-            fd = os.open(pin.paths[name], os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = open_regular(pin.paths[name])
         except BaseException:
             self.service.unpin(namespace, step, pin.pin_id)
             raise

@@ -141,7 +141,7 @@ class Arena:
         del self._sizes[best.path]
         os.rename(best.path, dst)
         if best.size != size:
-            fd = os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(dst, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             try:
                 os.ftruncate(fd, size)
             finally:
@@ -206,7 +206,7 @@ class Arena:
         file of a replicated state is mostly items another rank writes; see docs/design.md)."""
         if size >= self._sizes[path]:
             return self._sizes[path]
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             os.ftruncate(fd, size)
         finally:

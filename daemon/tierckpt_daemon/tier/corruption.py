@@ -18,7 +18,10 @@ daemon cannot confirm changes nothing (a reader's word alone never removes a ste
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 import threading
 from typing import TYPE_CHECKING
 
@@ -64,16 +67,16 @@ def corruption_reported(metrics: Metrics, namespace: str, step: int, req: Corrup
     )
 
 
-_checking: set[tuple[int, str, int]] = set()  # (service, namespace, step) being checked
+_checking: set[tuple[int, str, int, str]] = set()  # (service, namespace, step, file) checked now
 _checking_lock = threading.Lock()
 
 
 def check_later(
     service: TierService, namespace: str, step: int, file: str, owner: str | None
 ) -> None:
-    """:func:`drop_damaged_copy` on a thread of its own, unless one is checking that step (every
-    rank of a node reports the same step)."""
-    key = (id(service), namespace, step)
+    """:func:`drop_damaged_copy` on a thread of its own, unless one is checking that file (every
+    rank of a node that reads it reports it)."""
+    key = (id(service), namespace, step, file)
     with _checking_lock:
         if key in _checking:
             return
@@ -101,15 +104,21 @@ def drop_damaged_copy(
         with service.lock:
             rec = service.record(namespace, step, owner=owner)
             f = rec.files.get(file)
-            if f is None or f.checksum is None or rec.state != StepState.DURABLE:
-                return  # nothing to check against, or the only copy: kept
+            if f is None or f.checksum is None:
+                return  # nothing to check against
+            if rec.state != StepState.DURABLE:
+                logger.info(
+                    "%s: %s, reported corrupt: the step is not durable, its memory copy is kept",
+                    where,
+                    file,
+                    extra=step_fields(namespace, step),
+                )
+                return
             path, length, want = rec.dir / file, f.length, f.checksum
-        try:
-            damaged = checksum_file_blocks(str(path), length)[0] != want
-            why = "its bytes changed"
-        except OSError as e:
-            damaged, why = True, f"{type(e).__name__}: {e}"
-        if not damaged:
+        why = _damage(str(path), length, want)
+        if why == "":
+            return  # could not be checked (said)
+        if why is None:
             logger.warning(
                 "%s: %s, reported corrupt, matches its checksum here: its memory copy is kept",
                 where,
@@ -123,7 +132,7 @@ def drop_damaged_copy(
             service.index.retire(rec)
             service.metrics.evictions.labels(reason="corrupt").inc()
         logger.warning(
-            "%s: %s in memory is damaged (%s) and the step is durable: its memory copy is "
+            "%s: %s in memory %s and the step is durable: its memory copy is "
             "dropped, and the next load reads it from the persistent tier, verified",
             where,
             file,
@@ -134,3 +143,27 @@ def drop_damaged_copy(
         return  # left memory since the report
     except Exception:  # after the answer: nobody else would see it
         logger.exception("%s: checking %s, reported corrupt, failed", where, file)
+
+
+def _damage(path: str, length: int, want: str) -> str | None:
+    """What is wrong with the first ``length`` bytes of tier file ``path`` (written with
+    checksum ``want``), None if nothing, "" if it could not be checked. Only what the file
+    itself shows counts: gone, a link or not a regular file, shorter than written, or other
+    bytes; an error of this process (out of descriptors, of memory) is logged and counts as
+    nothing (a copy is never dropped for it)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return "was replaced by something other than a regular file"
+    if st.st_size < length:
+        return f"is {st.st_size} bytes, shorter than the {length} it was written with"
+    try:
+        got = checksum_file_blocks(path, length)[0]
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ELOOP, errno.ENODEV):  # replaced since the lstat
+            return f"was replaced while it was checked ({e})"
+        logger.warning("could not check %s (%s): its memory copy is kept", path, e)
+        return ""
+    return "does not match the checksum taken when it was written" if got != want else None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.integrity import open_regular
 from tierckpt_core.manifest import FileRecord, LocalState, RingRecord, StepManifest, ring_of
 from tierckpt_core.protocol import StepInfo, StepState
 
@@ -213,7 +214,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def read_manifest(path: Path) -> StepManifest:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(str(path))
         try:
             with os.fdopen(fd, "rb", closefd=False) as fh:
                 data = fh.read()

@@ -28,7 +28,12 @@ from tierckpt_client.dcp._device_copy import DeviceCopy, takes_bytes
 from tierckpt_client.dcp._device_copy import land as land_on_device
 from tierckpt_client.dcp._helpers import VERIFY, on_helpers, quiet_openmp
 from tierckpt_client.dcp._metadata_codec import NUMPY_DTYPES, ShardRef
-from tierckpt_core.errors import BlockMismatchError, CheckpointFormatError, IntegrityError
+from tierckpt_core.errors import (
+    BlockMismatchError,
+    CheckpointFormatError,
+    IntegrityError,
+    UnavailableError,
+)
 from tierckpt_core.integrity import block_digest, checksum
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.verified import BlockSums
@@ -162,7 +167,8 @@ class LocalFiles:
             try:
                 buf = self._load(name)
             except OSError as e:
-                raise self._unopened(name, e) from None
+                self._raise_unopened(name, e)
+                raise
             self._check_size(name, buf.numel())
             self._buffers[name] = buf
         return buf
@@ -278,7 +284,7 @@ class LocalFiles:
         self.verified_bytes += copy_all(
             jobs,
             threads=threads,
-            short=CheckpointFormatError,
+            short=IntegrityError,  # a file that shrank since it was opened: damaged
             spawn=functools.partial(on_helpers, VERIFY),  # woken off this thread's core
             pieces=pieces,
         )
@@ -322,7 +328,7 @@ class LocalFiles:
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)
             if n <= 0:
-                raise CheckpointFormatError(f"{self.where}: {name} ended early")
+                raise self._damaged(name, "ended early while it was read")
             done += n
 
     # -- verification ------------------------------------------------------------------------
@@ -379,7 +385,7 @@ class LocalFiles:
         self._check_range(fd, name, offset, length, what)
         data = os.pread(fd, length, offset)
         if len(data) != length:
-            raise CheckpointFormatError(f"{self.where}: {name} ended early")
+            raise self._damaged(name, "ended early while it was read")
         return data
 
     def _unmapped_fd(self, name: str) -> int | None:
@@ -389,41 +395,54 @@ class LocalFiles:
             return None
         fd = self._fds.get(name)
         if fd is None:
-            try:  # (O_NOFOLLOW: see _arena.map_file)
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:  # O_NOFOLLOW: see _arena.map_file; O_NONBLOCK: a FIFO put there opens at once
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        raise OSError(errno.ENODEV, "not a regular file", path)
+                except BaseException:
+                    os.close(fd)
+                    raise
             except OSError as e:
-                raise self._unopened(name, e) from None
+                self._raise_unopened(name, e)
+                raise
             if _arena.is_mapped(fd):
                 os.close(fd)
                 self.buffer(name)
                 return None
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise OSError(errno.ENODEV, "not a regular file", path)
                 self._check_size(name, st.st_size)
-            except BaseException as e:
+            except BaseException:
                 os.close(fd)
-                if isinstance(e, OSError):
-                    raise self._unopened(name, e) from None
                 raise
             self._fds[name] = fd
         return fd
 
-    def _unopened(self, name: str, e: OSError) -> Exception:
-        """The error for tier file ``name`` that could not be opened: a step whose file is gone
-        or was replaced by a link or something other than a file is damaged, like one whose
-        bytes changed (a load of "latest" reads the next older step; the daemon is told);
-        anything else (out of descriptors, ...) is the OSError it was, naming the step."""
-        if name not in self._paths or e.errno not in (errno.ENOENT, errno.ELOOP, errno.ENODEV):
-            e.add_note(f"reading {name} of {self.where}")
-            return e
+    def _raise_unopened(self, name: str, e: OSError) -> None:
+        """Raise the damage tier file ``name`` that could not be opened shows, if it shows
+        any: a step whose file is gone (its step directory still there), or was replaced by a
+        link, a directory or anything else than a file, is damaged, like one whose bytes changed
+        (a load of "latest" reads the next older step; the daemon is told). A step directory
+        this process cannot see at all is a misconfigured trainer (the tier directory not
+        mounted where the daemon says), not damage: an error saying so. Anything else (out of
+        descriptors, ...): returns, for the caller to raise the OSError as it is."""
+        if name not in self._paths:
+            return
+        if e.errno == errno.ENOENT and not os.path.isdir(os.path.dirname(self._paths[name])):
+            raise UnavailableError(
+                f"{self.where}: the daemon keeps it in {os.path.dirname(self._paths[name])}, "
+                "which this process cannot see: is the daemon's tier directory "
+                "(TIERCKPT_SHM_DIR) mounted at the same path in the trainer's container?"
+            ) from e
         why = {
             errno.ENOENT: "is missing",
             errno.ELOOP: "was replaced by a symbolic link (not followed)",
             errno.ENODEV: "was replaced by something other than a regular file",
-        }[e.errno]
-        return self._damaged(name, why)
+            errno.EISDIR: "was replaced by a directory",
+        }.get(e.errno or 0)
+        if why is not None:
+            raise self._damaged(name, why) from None
 
     def _check_size(self, name: str, size: int) -> None:
         """A local tier file shorter than its record was cut short after it was written."""
@@ -443,6 +462,9 @@ class LocalFiles:
 
     def _check_range(self, fd: int, name: str, offset: int, length: int, what: str) -> None:
         if offset + length > os.fstat(fd).st_size:
+            rec = self._records.get(name)
+            if rec is not None and offset + length <= rec.length:  # it was long enough at open
+                raise self._damaged(name, "was cut short while it was read")
             raise CheckpointFormatError(f"{self.where}: {what} lies beyond the end of {name}")
 
     def close(self) -> None:
