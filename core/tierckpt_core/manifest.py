@@ -50,6 +50,11 @@ _LEGACY_LOCAL_FIELDS = (
 )
 
 
+RECORD_FILE = "MANIFEST.json"
+"""The commit record's name in a step's directory of the memory tier (a reader that cannot
+decode a step's metadata reports it as this file)."""
+
+
 class FileRecord(BaseModel):
     """One file of a step: its name, the rank that wrote it, and the bytes it holds."""
 

@@ -185,3 +185,30 @@ def test_a_durable_steps_damaged_memory_copy_is_dropped_and_read_from_the_tier_n
     with DaemonClient() as c:
         assert [s.step for s in c.steps("only")] == [1, 2]
         assert [s.step for s in c.steps("heal")] == [1, 2]  # (2: read back in from the tier)
+
+
+def test_a_durable_steps_damaged_commit_record_in_memory_is_dropped_too(
+    tmp_path: Path, make_node: Callable[..., DaemonProcess]
+) -> None:
+    """A durable step whose commit record in memory no longer decodes is skipped by "latest"
+    once; the daemon checks the record itself and drops the memory copy, and the next restore
+    reads the step from the persistent tier."""
+    make_node(client=True, persist_url=f"file://{tmp_path / 'store'}")
+    for step in (1, 2):
+        save("rec", step, seeded_state(step, N), persist=True)
+    wait_durable("rec", {1, 2})
+    record = Path(next(iter(step_paths("rec", 2).values()))).parent / "MANIFEST.json"
+    text = record.read_text()
+    at = text.index('"metadata":"zlib+b64:') + 40
+    record.write_text(text[:at] + ("A" if text[at] != "A" else "B") + text[at + 1 :])
+
+    step, out = load("rec", blank_state(N))
+    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
+    with DaemonClient() as c:
+        wait_until(
+            "step 2's memory copy dropped",
+            lambda: 2 not in [s.step for s in c.steps("rec")],
+            timeout=30,
+        )
+    step, out = load("rec", blank_state(N))
+    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])

@@ -39,6 +39,7 @@ from tierckpt_core.errors import (
     StepNotFoundError,
     TierCkptError,
 )
+from tierckpt_core.manifest import RECORD_FILE
 from tierckpt_core.protocol import CorruptionReport, ReadResponse, StepCandidate
 
 # The reader's logger: where users (and their log filters) find what a load read from.
@@ -115,8 +116,10 @@ class Planner:
             decoded(read.metadata or "", where=where)
         except CheckpointFormatError as e:
             logger.warning("%s: skipping step %d for an older one: %s", namespace, step, e)
-            self.daemon.report_corruption(
-                namespace, step, CorruptionReport(tier="memory", detail=str(e)[:2000])
+            self.daemon.report_corruption(  # (the commit record: the daemon checks it too)
+                namespace,
+                step,
+                CorruptionReport(file=RECORD_FILE, tier="memory", detail=str(e)[:2000]),
             )
             return str(e)
         return None

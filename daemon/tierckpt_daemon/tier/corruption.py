@@ -25,8 +25,9 @@ import stat
 import threading
 from typing import TYPE_CHECKING
 
-from tierckpt_core.errors import NotFoundError
+from tierckpt_core.errors import CheckpointFormatError, NotFoundError
 from tierckpt_core.integrity import checksum_file_blocks
+from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import (
     CorruptionReport,
     StepState,
@@ -36,6 +37,7 @@ from tierckpt_core.protocol import (
 from tierckpt_core.protocol import validate_step as check_step
 from tierckpt_daemon.logfields import step_fields
 from tierckpt_daemon.metrics import Metrics
+from tierckpt_daemon.tier.records import MANIFEST
 
 if TYPE_CHECKING:
     from tierckpt_daemon.tier.service import TierService
@@ -104,7 +106,7 @@ def drop_damaged_copy(
         with service.lock:
             rec = service.record(namespace, step, owner=owner)
             f = rec.files.get(file)
-            if f is None or f.checksum is None:
+            if file != MANIFEST and (f is None or f.checksum is None):
                 return  # nothing to check against
             if rec.state != StepState.DURABLE:
                 logger.info(
@@ -114,8 +116,11 @@ def drop_damaged_copy(
                     extra=step_fields(namespace, step),
                 )
                 return
-            path, length, want = rec.dir / file, f.length, f.checksum
-        why = _damage(str(path), length, want)
+        if file == MANIFEST:  # its DCP metadata, which a reader could not decode
+            why = _record_damage(service, namespace, step, owner)
+        else:
+            assert f is not None and f.checksum is not None
+            why = _damage(str(rec.dir / file), f.length, f.checksum)
         if why == "":
             return  # could not be checked (said)
         if why is None:
@@ -167,3 +172,17 @@ def _damage(path: str, length: int, want: str) -> str | None:
         logger.warning("could not check %s (%s): its memory copy is kept", path, e)
         return ""
     return "does not match the checksum taken when it was written" if got != want else None
+
+
+def _record_damage(
+    service: TierService, namespace: str, step: int, owner: str | None
+) -> str | None:
+    """What is wrong with the step's commit record in memory as a reader decodes it first (the
+    record, then its DCP metadata inflated and parsed), or None."""
+    try:
+        manifest = service.manifest(namespace, step, owner=owner)
+        if not manifest.metadata_elsewhere:
+            unpack_metadata(manifest.metadata, where=f"{namespace}/step {step}")
+    except CheckpointFormatError as e:
+        return f"is damaged ({e})"
+    return None

@@ -20,12 +20,19 @@ from pathlib import Path
 
 from tierckpt_core.errors import CheckpointFormatError
 from tierckpt_core.integrity import open_regular
-from tierckpt_core.manifest import FileRecord, LocalState, RingRecord, StepManifest, ring_of
+from tierckpt_core.manifest import (
+    RECORD_FILE,
+    FileRecord,
+    LocalState,
+    RingRecord,
+    StepManifest,
+    ring_of,
+)
 from tierckpt_core.protocol import StepInfo, StepState
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST.json"
+MANIFEST = RECORD_FILE
 # A participant's record of a step spanning nodes between its prepare and the decision (in doubt).
 PREPARED = "MANIFEST.prepared.json"
 
