@@ -178,7 +178,7 @@ def test_a_durable_steps_damaged_memory_copy_is_dropped_and_read_from_the_tier_n
     wait_until(
         "the daemon's checks of both",
         lambda: (
-            "not durable, its memory copy is kept" in (log := d.log())
+            "the step is nowhere else" in (log := d.log())
             and "matches its checksum here: its memory copy is kept" in log
         ),
     )

@@ -275,3 +275,30 @@ def test_bad_peer_settings_stop_the_daemon_with_exit_2(
     )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and TOKEN not in proc.stderr
+
+
+def test_a_damaged_memory_copy_with_a_replica_is_dropped_and_read_from_the_peer(
+    ring: list[DaemonProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step replicated to a peer whose copy in this node's memory is damaged: the first
+    restore falls back past it, the daemon confirms the damage and drops its copy, and the next
+    restore reads the step from the peer's replica (every restore fell back before)."""
+    a, b = ring
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(a.socket))
+    for step in (1, 2):
+        save("rep", step, seeded_state(step, N), staged=False)
+    wait_until("step 2 replicated to B", lambda: _replicated(a, "rep", 2, b))
+    with DaemonClient.from_socket(a.socket) as c:
+        pin = c.pin("rep", 2)
+        c.unpin("rep", 2, pin.pin_id)
+    path = max(pin.paths.values(), key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    step, out = load("rep", blank_state(N))
+    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
+    wait_until("A's copy of step 2 dropped", lambda: 2 not in _steps(a, "rep"))
+    step, out = load("rep", blank_state(N))
+    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])

@@ -8,10 +8,10 @@ effort), so that ``tierckpt_verification_failures_total{tier}`` and its alert
 log names it: namespace, step, file, block, tier.
 
 A file found corrupt in this node's memory is then checked again by the daemon itself
-(:func:`check_later`: on a thread of its own, one per step at a time, the report answered
-at once): where the daemon finds it damaged too and the step
-is durable, the memory copy is dropped, so the next load of "latest" reads the step's verified
-copy from the persistent tier instead of falling back past it on every restore. A step that is
+(:func:`check_later`: on a thread of its own, one per file at a time, the report answered
+at once): where the daemon finds it damaged too and the step is durable or replicated to a
+peer, the memory copy is dropped, so the next load of "latest" reads the step's verified copy
+from there instead of falling back past it on every restore. A step that is
 nowhere else keeps its memory copy (its loads fall back, and the alert stands); a report the
 daemon cannot confirm changes nothing (a reader's word alone never removes a step).
 """
@@ -98,8 +98,8 @@ def drop_damaged_copy(
     service: TierService, namespace: str, step: int, file: str, owner: str | None
 ) -> None:
     """Check ``file`` of the step in memory against its record; if it is damaged (its bytes
-    changed, cut short, gone, or not a regular file) and the step is durable, take the step's
-    memory copy out (as ``tierckpt rm`` does; readers that pin it keep it until they are done).
+    changed, cut short, gone, or not a regular file) and the step is durable or has a replica on
+    a peer, take the step's memory copy out (as ``tierckpt rm`` does; readers that pin it keep it until they are done).
     Any error is logged, never raised (it runs on a thread nobody waits for)."""
     where = f"{namespace}/step {step}"
     try:
@@ -108,9 +108,13 @@ def drop_damaged_copy(
             f = rec.files.get(file)
             if file != MANIFEST and (f is None or f.checksum is None):
                 return  # nothing to check against
-            if rec.state != StepState.DURABLE:
+            elsewhere = "the persistent tier" if rec.state == StepState.DURABLE else None
+            if elsewhere is None and rec.replicated_to:
+                elsewhere = f"its replica on {', '.join(rec.replicated_to)}"
+            if elsewhere is None:
                 logger.info(
-                    "%s: %s, reported corrupt: the step is not durable, its memory copy is kept",
+                    "%s: %s, reported corrupt: the step is nowhere else (not durable, no replica), "
+                    "its memory copy is kept",
                     where,
                     file,
                     extra=step_fields(namespace, step),
@@ -137,11 +141,12 @@ def drop_damaged_copy(
             service.index.retire(rec)
             service.metrics.evictions.labels(reason="corrupt").inc()
         logger.warning(
-            "%s: %s in memory %s and the step is durable: its memory copy is "
-            "dropped, and the next load reads it from the persistent tier, verified",
+            "%s: %s in memory %s: its memory copy is dropped, and the next load reads the "
+            "step from %s, verified",
             where,
             file,
             why,
+            elsewhere,
             extra=step_fields(namespace, step),
         )
     except NotFoundError:
