@@ -263,3 +263,25 @@ def test_a_server_that_stops_answering_everything_is_reported_within_the_timeout
     proxy.clear()
     proxy.release()
     wait_durable("job", {1}, timeout=60)
+
+
+def test_an_outage_shows_in_status_while_no_upload_is_queued(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    """Health was the uploads' alone: with nothing to upload, an S3 outage left status
+    "healthy" (and `tierckpt_persistent_healthy` 1) while every "latest" failed to list the
+    tier. A failed listing now marks it unhealthy, and a listing that works again healthy."""
+    start_node(s3_timeout=4.0, s3_max_attempts=1)
+    _wait("the start-up health check", lambda: _persistent().healthy, 30)
+    save("job", 1, seeded_state(1, N))
+    wait_durable("job", {1}, timeout=60)
+    proxy.add("503")  # every call fails, none is forwarded
+    step, out = load("job", blank_state(N))  # from memory: the outage never blocks it
+    assert step == 1
+    _assert_state(out, 1)
+    st = _persistent()
+    assert st.healthy is False and st.queued_steps == 0, st
+    assert "listing job in s3://" in (st.last_error or ""), st.last_error
+    proxy.clear()
+    load("job", blank_state(N))
+    assert _persistent().healthy is True

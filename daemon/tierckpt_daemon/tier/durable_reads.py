@@ -11,9 +11,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import TypeVar
 
-from tierckpt_core.errors import IntegrityError, NotFoundError, StepNotFoundError
+from tierckpt_core.errors import (
+    IntegrityError,
+    NotFoundError,
+    PersistentTierError,
+    StepNotFoundError,
+)
 from tierckpt_core.integrity import checksum_file_blocks
 from tierckpt_core.layout import (
     durable_steps,
@@ -35,6 +42,9 @@ logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 10.0  # between INFO lines of a hydration still running
 
 
+T = TypeVar("T")
+
+
 class DurableReads:
     service: TierService
     store: ObjectStore
@@ -44,12 +54,33 @@ class DurableReads:
 
     def durable_steps(self, namespace: str) -> list[int]:
         """Steps with a commit marker in the persistent tier, oldest first."""
-        return durable_steps(self.store, namespace)
+        return self._listed(namespace, lambda: durable_steps(self.store, namespace))
 
     def newest_durable_steps(self, namespace: str, below: int | None) -> tuple[list[int], bool]:
         """The newest few steps with a commit marker (older than ``below``), newest first, and
         whether older ones may be there (:func:`tierckpt_core.layout.newest_durable_steps`)."""
-        return newest_durable_steps(self.store, namespace, below=below)
+        return self._listed(
+            namespace, lambda: newest_durable_steps(self.store, namespace, below=below)
+        )
+
+    def _listed(self, namespace: str, listing: Callable[[], T]) -> T:
+        """``listing()``, whose outcome is the persistent tier's health as ``tierckpt status``
+        and ``tierckpt_persistent_healthy`` show it: a failed listing (every "latest" lists the
+        tier) marks it unhealthy, so an outage shows while no upload is queued; a listing that
+        works marks it healthy again unless an upload is failing."""
+        try:
+            result = listing()
+        except PersistentTierError as e:
+            self.tier_failed(f"listing {namespace} in {self.store.url} failed: {e}")
+            raise
+        self.tier_answered()
+        return result
+
+    def tier_failed(self, message: str) -> None:
+        """The persistent tier failed a call (the uploader's health records it)."""
+
+    def tier_answered(self) -> None:
+        """The persistent tier answered a call."""
 
     def manifest(self, namespace: str, step: int) -> StepManifest:
         """The manifest of a durable step, as the persistent tier holds it."""

@@ -141,6 +141,14 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             with self._cv:
                 self._healthy = True
 
+    def tier_failed(self, message: str) -> None:
+        self._record_error(message)
+
+    def tier_answered(self) -> None:
+        if not self.failing():  # an upload that keeps failing stays what status shows
+            with self._cv:
+                self._healthy = True
+
     def _record_error(self, message: str, rec: StepRecord | None = None) -> None:
         fields = step_fields(rec.namespace, rec.step, rec.attempt) if rec is not None else {}
         logger.error("%s", message, extra=fields)
