@@ -285,3 +285,28 @@ def test_an_outage_shows_in_status_while_no_upload_is_queued(
     proxy.clear()
     load("job", blank_state(N))
     assert _persistent().healthy is True
+
+
+def test_a_hung_tier_holds_a_restore_from_memory_up_a_few_seconds_not_its_timeout(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    """A persistent tier that stops answering (as SeaweedFS under SIGSTOP) held every restore of
+    "latest" up for its whole timeout (60 s by default) though the newest step was in memory:
+    the listing now gets a few seconds when memory holds steps, and the tier shows unhealthy."""
+    from tierckpt_daemon.tier.restore import LISTING_WAIT_S
+
+    start_node(s3_timeout=30.0, s3_max_attempts=1)
+    _wait("the start-up health check", lambda: _persistent().healthy, 30)
+    save("job", 1, seeded_state(1, N))
+    wait_durable("job", {1}, timeout=60)
+    proxy.add("stall")
+    t0 = time.monotonic()
+    step, out = load("job", blank_state(N))
+    took = time.monotonic() - t0
+    assert step == 1
+    _assert_state(out, 1)
+    assert took < LISTING_WAIT_S + 10, f"a restore from memory took {took:.1f}s"
+    st = _persistent()
+    assert st.healthy is False and "did not answer a listing within" in (st.last_error or "")
+    proxy.clear()
+    proxy.release()

@@ -7,6 +7,7 @@ the persister itself): they share its store, its pool and its service.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -19,6 +20,7 @@ from tierckpt_core.errors import (
     IntegrityError,
     NotFoundError,
     PersistentTierError,
+    PersistentTierUnavailableError,
     StepNotFoundError,
 )
 from tierckpt_core.integrity import checksum_file_blocks
@@ -44,6 +46,11 @@ PROGRESS_INTERVAL_S = 10.0  # between INFO lines of a hydration still running
 
 T = TypeVar("T")
 
+LISTERS = 2
+_LISTINGS = concurrent.futures.ThreadPoolExecutor(LISTERS, thread_name_prefix="tierckpt-listing")
+"""Listings a load waits for only a while (:meth:`DurableReads._listed`): run here, so that one
+the load gave up on ends in the background, and a tier that hangs holds at most these threads."""
+
 
 class DurableReads:
     service: TierService
@@ -52,24 +59,36 @@ class DurableReads:
     _cv: threading.Condition
     _hydrating: dict[tuple[str, int], list[int]]  # -> [done bytes, total bytes]
 
-    def durable_steps(self, namespace: str) -> list[int]:
+    def durable_steps(self, namespace: str, *, wait_s: float | None = None) -> list[int]:
         """Steps with a commit marker in the persistent tier, oldest first."""
-        return self._listed(namespace, lambda: durable_steps(self.store, namespace))
+        return self._listed(namespace, lambda: durable_steps(self.store, namespace), wait_s)
 
-    def newest_durable_steps(self, namespace: str, below: int | None) -> tuple[list[int], bool]:
+    def newest_durable_steps(
+        self, namespace: str, below: int | None, *, wait_s: float | None = None
+    ) -> tuple[list[int], bool]:
         """The newest few steps with a commit marker (older than ``below``), newest first, and
         whether older ones may be there (:func:`tierckpt_core.layout.newest_durable_steps`)."""
         return self._listed(
-            namespace, lambda: newest_durable_steps(self.store, namespace, below=below)
+            namespace, lambda: newest_durable_steps(self.store, namespace, below=below), wait_s
         )
 
-    def _listed(self, namespace: str, listing: Callable[[], T]) -> T:
+    def _listed(self, namespace: str, listing: Callable[[], T], wait_s: float | None) -> T:
         """``listing()``, whose outcome is the persistent tier's health as ``tierckpt status``
         and ``tierckpt_persistent_healthy`` show it: a failed listing (every "latest" lists the
         tier) marks it unhealthy, so an outage shows while no upload is queued; a listing that
-        works marks it healthy again unless an upload is failing."""
+        works marks it healthy again unless an upload is failing. With ``wait_s``, a listing
+        that has not answered by then fails (PersistentTierUnavailableError) and goes on in the
+        background, bounded by the tier's own timeouts (on at most :data:`LISTERS` threads)."""
         try:
-            result = listing()
+            if wait_s is None:
+                result = listing()
+            else:
+                try:
+                    result = _LISTINGS.submit(listing).result(timeout=wait_s)
+                except concurrent.futures.TimeoutError:
+                    raise PersistentTierUnavailableError(
+                        f"{self.store.url} did not answer a listing within {wait_s:g}s"
+                    ) from None
         except PersistentTierError as e:
             self.tier_failed(f"listing {namespace} in {self.store.url} failed: {e}")
             raise

@@ -75,12 +75,21 @@ class RingSource(Protocol):
         ...
 
 
-class DurableSource(Protocol):
-    def durable_steps(self, namespace: str) -> list[int]: ...
+LISTING_WAIT_S = 5.0
+"""How long a load of "latest" waits for the persistent tier's listing when memory or peers hold
+steps of the namespace (a tier that hangs must not hold a restore from memory up for its whole
+timeout); with nothing elsewhere it waits as long as the tier's own timeouts allow."""
 
-    def newest_durable_steps(self, namespace: str, below: int | None) -> tuple[list[int], bool]:
+
+class DurableSource(Protocol):
+    def durable_steps(self, namespace: str, *, wait_s: float | None = None) -> list[int]: ...
+
+    def newest_durable_steps(
+        self, namespace: str, below: int | None, *, wait_s: float | None = None
+    ) -> tuple[list[int], bool]:
         """The newest few durable steps (older than ``below``), newest first, and whether
-        older ones may be there."""
+        older ones may be there; PersistentTierError if the tier does not answer within
+        ``wait_s`` (None: its own timeouts)."""
         ...
 
     def manifest(self, namespace: str, step: int) -> StepManifest:
@@ -150,12 +159,17 @@ class Restorer:
         durable: set[int] = set()
         floor: int | None = None  # the oldest durable step looked up, where older ones may be
         tier_error: PersistentTierError | None = None
+        # With steps in memory, a persistent tier that hangs holds "latest" up a few seconds at
+        # most, not its own timeout (60 s by default): it may hold a newer step only seldom.
+        wait_s = LISTING_WAIT_S if in_memory or on_peers else None
         if self.durable is not None:
             try:
                 if whole:
-                    durable = set(self.durable.durable_steps(namespace))
+                    durable = set(self.durable.durable_steps(namespace, wait_s=wait_s))
                 else:
-                    newest, more = self.durable.newest_durable_steps(namespace, below)
+                    newest, more = self.durable.newest_durable_steps(
+                        namespace, below, wait_s=wait_s
+                    )
                     durable = set(newest)
                     floor = newest[-1] if more else None
             except PersistentTierError as e:
