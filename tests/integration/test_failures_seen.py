@@ -142,6 +142,21 @@ def test_a_report_to_a_daemon_that_is_gone_does_not_slow_or_fail_anything() -> N
     assert time.monotonic() - t0 < 1.0
 
 
+def _a_step_behind_once_then_the_step(ns: str) -> None:
+    """A restore of ``ns`` falls back past its damaged step 2 once, the daemon drops that memory
+    copy, and the next restore reads step 2 from elsewhere (the persistent tier), bit-exact."""
+    step, out = load(ns, blank_state(N))
+    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
+    with DaemonClient() as c:
+        wait_until(
+            "step 2's memory copy dropped",
+            lambda: 2 not in [s.step for s in c.steps(ns)],
+            timeout=30,
+        )
+    step, out = load(ns, blank_state(N))
+    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])
+
+
 def test_a_durable_steps_damaged_memory_copy_is_dropped_and_read_from_the_tier_next(
     tmp_path: Path, make_node: Callable[..., DaemonProcess]
 ) -> None:
@@ -158,16 +173,7 @@ def test_a_durable_steps_damaged_memory_copy_is_dropped_and_read_from_the_tier_n
     for ns in ("heal", "only"):
         flip_byte(max(step_paths(ns, 2).values(), key=os.path.getsize), 5000)
 
-    step, out = load("heal", blank_state(N))
-    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
-    with DaemonClient() as c:
-        wait_until(
-            "step 2's memory copy dropped",
-            lambda: 2 not in [s.step for s in c.steps("heal")],
-            timeout=30,
-        )
-    step, out = load("heal", blank_state(N))
-    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])
+    _a_step_behind_once_then_the_step("heal")
 
     step, _ = load("only", blank_state(N))
     assert step == 1
@@ -202,13 +208,4 @@ def test_a_durable_steps_damaged_commit_record_in_memory_is_dropped_too(
     at = text.index('"metadata":"zlib+b64:') + 40
     record.write_text(text[:at] + ("A" if text[at] != "A" else "B") + text[at + 1 :])
 
-    step, out = load("rec", blank_state(N))
-    assert step == 1 and torch.equal(out["w"], seeded_state(1, N)["w"])
-    with DaemonClient() as c:
-        wait_until(
-            "step 2's memory copy dropped",
-            lambda: 2 not in [s.step for s in c.steps("rec")],
-            timeout=30,
-        )
-    step, out = load("rec", blank_state(N))
-    assert step == 2 and torch.equal(out["w"], seeded_state(2, N)["w"])
+    _a_step_behind_once_then_the_step("rec")
