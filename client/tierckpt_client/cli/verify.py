@@ -4,8 +4,9 @@ Memory: the step is pinned through the daemon (so eviction cannot pull it away m
 file is checksummed against the checksum taken when it was written (by the rank that wrote it, or
 by the daemon at the commit). A file the daemon has no checksum for (a step committed by an older
 daemon) is reported as "not yet checksummed", never as passed; the step's DCP metadata must
-decode (a commit record damaged in memory fails every load of the step). Persistent: the commit marker must match the
-manifest, then every file is streamed from the store and checked against the manifest.
+decode (a commit record damaged in memory fails every load of the step). Persistent: the commit
+marker must match the manifest, then every file is streamed from the store and checked against
+the manifest.
 Replicas on peers are verified by the peer that holds them, when it serves or receives them.
 """
 

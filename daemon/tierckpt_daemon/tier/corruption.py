@@ -99,8 +99,9 @@ def drop_damaged_copy(
 ) -> None:
     """Check ``file`` of the step in memory against its record; if it is damaged (its bytes
     changed, cut short, gone, or not a regular file) and the step is durable or has a replica on
-    a peer, take the step's memory copy out (as ``tierckpt rm`` does; readers that pin it keep it until they are done).
-    Any error is logged, never raised (it runs on a thread nobody waits for)."""
+    a peer, take the step's memory copy out (as ``tierckpt rm`` does; readers that pin it keep
+    it until they are done). Any error is logged, never raised (it runs on a thread nobody
+    waits for)."""
     where = f"{namespace}/step {step}"
     try:
         with service.lock:
