@@ -111,9 +111,10 @@ class Planner:
         record in this node's memory was damaged), or None. Such a step is skipped for an older
         one, as a corrupt one is, and the daemon is told; decoded once (the load's own decoding
         of the same text finds it decoded)."""
-        where = f"{namespace}/step {step}"
+        if read.metadata is None:  # (kept by other nodes: the load fetches and checks it)
+            return None
         try:
-            decoded(read.metadata or "", where=where)
+            decoded(read.metadata, where=f"{namespace}/step {step}")
         except CheckpointFormatError as e:
             logger.warning("%s: skipping step %d for an older one: %s", namespace, step, e)
             self.daemon.report_corruption(  # (the commit record: the daemon checks it too)
