@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ from tierckpt_core.errors import (
     IntegrityError,
     UnavailableError,
 )
-from tierckpt_core.integrity import block_digest, checksum
+from tierckpt_core.integrity import block_digest, checksum, open_regular
 from tierckpt_core.manifest import FileRecord
 from tierckpt_core.verified import BlockSums
 from tierckpt_core.verified_copy import PARALLEL_MIN, Copy, Pieces, copy_all
@@ -395,15 +394,8 @@ class LocalFiles:
             return None
         fd = self._fds.get(name)
         if fd is None:
-            try:  # O_NOFOLLOW: see _arena.map_file; O_NONBLOCK: a FIFO put there opens at once
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-                try:
-                    st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode):
-                        raise OSError(errno.ENODEV, "not a regular file", path)
-                except BaseException:
-                    os.close(fd)
-                    raise
+            try:  # a regular file only, never through a link, a FIFO opened at once
+                fd = open_regular(path)
             except OSError as e:
                 self._raise_unopened(name, e)
                 raise
@@ -412,7 +404,7 @@ class LocalFiles:
                 self.buffer(name)
                 return None
             try:
-                self._check_size(name, st.st_size)
+                self._check_size(name, os.fstat(fd).st_size)
             except BaseException:
                 os.close(fd)
                 raise
