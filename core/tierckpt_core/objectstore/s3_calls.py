@@ -36,6 +36,7 @@ from tierckpt_core.objectstore.s3_clients import (
 from tierckpt_core.objectstore.settings import StoreSettings
 from tierckpt_core.objectstore.streams import RateLimiter
 from tierckpt_core.objectstore.watchdog import Deadline, Expired, run_with_deadline
+from tierckpt_core.retrying import log_before_retry
 
 if TYPE_CHECKING:
     from s3torchconnectorclient._mountpoint_s3_client import MountpointS3Client
@@ -199,7 +200,7 @@ class S3Calls:
             retry=tenacity.retry_if_exception_type(RetryableS3Error),
             stop=tenacity.stop_after_attempt(self.max_attempts),
             wait=tenacity.wait_exponential(multiplier=0.2, max=10.0),
-            before_sleep=tenacity.before_sleep_log(logger, logging.WARNING),
+            before_sleep=log_before_retry(logger, logging.WARNING, self.max_attempts),
             reraise=True,
         )
         return retrying(attempt)

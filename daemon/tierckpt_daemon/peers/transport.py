@@ -30,7 +30,6 @@ from typing import Any, Protocol
 import httpx
 from tenacity import (
     Retrying,
-    before_sleep_log,
     retry_if_exception,
     stop_after_attempt,
     wait_exponential,
@@ -38,6 +37,7 @@ from tenacity import (
 
 from tierckpt_core.errors import PeerUnavailableError, TierCkptError
 from tierckpt_core.http import decode_response
+from tierckpt_core.retrying import log_before_retry
 from tierckpt_daemon.peers.membership import Members
 from tierckpt_daemon.peers.tls import PeerTLS, describe_tls_error
 
@@ -187,7 +187,7 @@ class Transport:
             retry=retry_if_exception(_transient),
             stop=stop_after_attempt(attempts),
             wait=wait_exponential(multiplier=0.25, max=2.0),
-            before_sleep=before_sleep_log(logger, logging.INFO),
+            before_sleep=log_before_retry(logger, logging.INFO, attempts),
             reraise=True,
         )
 
