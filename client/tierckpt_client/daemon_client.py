@@ -280,8 +280,12 @@ class DaemonClient:
         )
         return ClusterListing.model_validate(doc)
 
-    def candidates(self, namespace: str) -> list[StepCandidate]:
-        doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates")
+    def candidates(self, namespace: str, *, complete: bool = False) -> list[StepCandidate]:
+        """Steps "latest" may pick, newest first, and the tiers that hold them. A persistent
+        tier that does not answer leaves its steps out, unless ``complete``: then its error is
+        raised (a :class:`PersistentTierError`; a daemon older than this leaves them out)."""
+        query = "?complete=true" if complete else ""
+        doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates{query}")
         return [StepCandidate.model_validate(x) for x in doc]
 
     def candidates_read(self, namespace: str, below: int | None = None) -> CandidatesRead:

@@ -9,6 +9,7 @@ stays in memory; and the upload queue moves on.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from tierckpt_client import DaemonClient
 from tierckpt_core.protocol import PersistentStatus
 
 from helpers import DaemonProcess, free_port, wait_until
-from kit import blank_state, load, save, seeded_state, step_states, wait_durable
+from kit import blank_state, cli, load, save, seeded_state, step_states, wait_durable
 
 N = 1 << 16
 BIG = 5 << 20  # floats: 20 MiB, three multipart parts of 8 MiB
@@ -147,6 +148,10 @@ def test_transient_faults_every_step_becomes_durable_and_restores_bit_exact(
     _step, out = load("job", blank_state(N), 1)
     _assert_state(out, 1)
     assert proxy.injected() - upload_faults == 9, proxy.faults
+    # Each retry is one line in our words, not tenacity's (which names a private function).
+    log = node.log_path.read_text()
+    assert "(attempt 1 of 4); trying again in" in log
+    assert "Retrying tierckpt" not in log
     print(f"faults injected: {dict(proxy.faults)}; requests: {dict(proxy.requests)}")
 
 
@@ -270,8 +275,10 @@ def test_an_outage_shows_in_status_while_no_upload_is_queued(
 ) -> None:
     """Health was the uploads' alone: with nothing to upload, an S3 outage left status
     "healthy" (and `tierckpt_persistent_healthy` 1) while every "latest" failed to list the
-    tier. A failed listing now marks it unhealthy, and a listing that works again healthy."""
-    start_node(s3_timeout=4.0, s3_max_attempts=1)
+    tier. A failed listing now marks it unhealthy, and a listing that works again healthy.
+    `tierckpt ls` exited 0 with the memory tier's steps only, as if S3 held no other: it now
+    shows them and fails, naming the outage."""
+    node = start_node(s3_timeout=4.0, s3_max_attempts=1)
     _wait("the start-up health check", lambda: _persistent().healthy, 30)
     save("job", 1, seeded_state(1, N))
     wait_durable("job", {1}, timeout=60)
@@ -282,9 +289,14 @@ def test_an_outage_shows_in_status_while_no_upload_is_queued(
     st = _persistent()
     assert st.healthy is False and st.queued_steps == 0, st
     assert "listing job in s3://" in (st.last_error or ""), st.last_error
+    ls = cli("ls", "job", node=node)
+    assert ls.returncode == 1, (ls.stdout, ls.stderr)
+    assert "cannot list the persistent tier s3://" in ls.stderr, ls.stderr
+    assert re.search(r"^1 +durable ", ls.stdout, re.M), ls.stdout  # what memory holds, shown
     proxy.clear()
     load("job", blank_state(N))
     assert _persistent().healthy is True
+    assert cli("ls", "job", node=node).returncode == 0
 
 
 def test_a_hung_tier_holds_a_restore_from_memory_up_a_few_seconds_not_its_timeout(

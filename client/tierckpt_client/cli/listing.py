@@ -241,7 +241,7 @@ def _memory_steps(
     except NotFoundError:
         steps = []  # nothing in memory; the persistent tier may still hold steps
     try:
-        return steps, {c.step: c for c in client.candidates(ns)}, None
+        return steps, {c.step: c for c in client.candidates(ns, complete=True)}, None
     except NotFoundError:
         return steps, {}, None
     except TierCkptError as e:

@@ -166,7 +166,7 @@ def cmd_prefetch(client: DaemonClient, tier: Persistent, args: argparse.Namespac
         _prefetch(client, ns, validate_step(parse_step(args.step)), args)
         return
     # What a restore's "latest" would pick: the newest that verifies, a corrupt one skipped.
-    candidates = [c.step for c in client.candidates(ns)]
+    candidates = [c.step for c in client.candidates(ns, complete=True)]
     if not candidates:
         raise StepNotFoundError(f"namespace {ns} has no committed step")
     for i, step in enumerate(candidates):

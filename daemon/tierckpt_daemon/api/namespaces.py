@@ -75,13 +75,16 @@ def candidates(
     owner: Owner,
     read: bool = False,
     below: Annotated[int | None, Query(ge=0)] = None,
+    complete: bool = False,
 ) -> Any:
-    """Steps "latest" may pick, newest first (every durable step of the persistent tier); with
+    """Steps "latest" may pick, newest first (every durable step of the persistent tier; with
+    ``complete``, a persistent tier that does not answer fails the request rather than leaving
+    its steps out: ``tierckpt ls``); with
     ``read``, for a load of "latest": of the persistent tier only its newest durable steps
     (older than ``below``), and the newest candidate's answer to an unpinned ``POST .../reads``
     where this node holds it (:class:`~tierckpt_core.protocol.CandidatesRead`)."""
     if not read:
-        return node.restorer.candidates(namespace, owner=owner)
+        return node.restorer.candidates(namespace, owner=owner, complete=complete)
     return candidates_read(node, namespace, owner, below)
 
 

@@ -133,12 +133,16 @@ class Restorer:
             )
         return self.ring.metadata(manifest)
 
-    def candidates(self, namespace: str, *, owner: str | None = None) -> list[StepCandidate]:
+    def candidates(
+        self, namespace: str, *, owner: str | None = None, complete: bool = False
+    ) -> list[StepCandidate]:
         """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
         durable (every durable step: the persistent tier's whole listing, for ``tierckpt ls``);
         of peers' copies, only ``owner``'s (None: anyone's). Unreachable peers are skipped
-        (with a warning), never waited for long."""
-        return self._candidates(namespace, owner, None, whole=True)[0]
+        (with a warning), never waited for long. A persistent tier that does not answer leaves
+        its steps out, unless ``complete``: then its PersistentTierError is raised (a listing
+        must not hide durable steps without saying so)."""
+        return self._candidates(namespace, owner, None, whole=True, complete=complete)[0]
 
     def newest_candidates(
         self, namespace: str, *, owner: str | None = None, below: int | None = None
@@ -151,7 +155,13 @@ class Restorer:
         return self._candidates(namespace, owner, below, whole=False)
 
     def _candidates(
-        self, namespace: str, owner: str | None, below: int | None, *, whole: bool
+        self,
+        namespace: str,
+        owner: str | None,
+        below: int | None,
+        *,
+        whole: bool,
+        complete: bool = False,
     ) -> tuple[list[StepCandidate], int | None]:
         validate_namespace(namespace)
         on_peers = self.peers.peer_steps(namespace, owner=owner) if self.peers is not None else {}
@@ -175,6 +185,8 @@ class Restorer:
             except PersistentTierError as e:
                 # A broken persistent tier must not take the memory tier down with it.
                 logger.warning("%s: listing the persistent tier failed: %s", namespace, e)
+                if complete:
+                    raise
                 tier_error = e
         durable |= {s for s, state in in_memory.items() if state == StepState.DURABLE}
         steps = sorted(set(in_memory) | durable | set(on_peers), reverse=True)
