@@ -51,6 +51,8 @@ def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
     save("job", 10, seeded_state(10, **LAYOUT))
     save("job", 20, seeded_state(20, **LAYOUT), staged=False)
     wait_durable("job", {10, 20})
+    with DaemonClient() as c:
+        saved = {s.step: (s.created_at, s.committed_at) for s in c.steps("job")}
     _reboot(node)
     with DaemonClient() as c:
         assert [(x.step, x.in_memory, x.durable) for x in c.candidates("job")] == [
@@ -63,7 +65,13 @@ def test_durable_steps_restore_after_node_loss(node: DaemonProcess) -> None:
     step, out = load("job", blank_like(seeded_state(0, **LAYOUT)), 10)
     _assert_state(out, 10)
     with DaemonClient() as c:
-        assert {s.step: s.state.value for s in c.steps("job")} == {10: "durable", 20: "durable"}
+        steps = c.steps("job")
+    assert {s.step: s.state.value for s in steps} == {10: "durable", 20: "durable"}
+    # A copy is no new save: the steps keep the times they were saved at, and the log says so.
+    assert {s.step: (s.created_at, s.committed_at) for s in steps} == saved
+    log = node.log_path.read_text()
+    assert "job/step 20 copied into memory (committed " in log
+    assert log.count("job/step 20 committed") == 1  # the save's, before the reboot
 
 
 def test_an_older_durable_step_stays_hydrated_until_its_reader_is_done(node: DaemonProcess) -> None:

@@ -102,7 +102,9 @@ def test_a_replacement_node_restores_the_latest_step_from_its_peer(
         10: (_name(a), "committed"),
         20: (_name(a), "committed"),
     }
-    assert {f.name for f in on_b[20].files} == {f.name for f in _steps(a, "job")[20].files}
+    on_a = _steps(a, "job")
+    assert {f.name for f in on_b[20].files} == {f.name for f in on_a[20].files}
+    assert on_b[20].committed_at == on_a[20].committed_at  # a replica is no new save
     with DaemonClient.from_socket(a.socket) as c:
         rep = c.status().replication
     assert rep is not None and rep.node == _name(a) and rep.replicas == 1
@@ -127,6 +129,10 @@ def test_a_replacement_node_restores_the_latest_step_from_its_peer(
     restored = _steps(a, "job")
     assert sorted(restored) == [20]  # only what the restore needed came back
     assert restored[20].replicated_to == [_name(b)]  # B holds the same bytes: nothing is re-sent
+    assert (restored[20].created_at, restored[20].committed_at) == (
+        on_a[20].created_at,
+        on_a[20].committed_at,
+    )
     metrics = httpx.get(f"http://127.0.0.1:{a.settings['port']}/metrics", timeout=10).text
     hydrated = next(
         line

@@ -77,7 +77,12 @@ class Copies:
             if hold_until is not None:
                 rec.hold_until = hold_until
             return self.install(
-                rec, manifest.metadata, persist=False, replicate=False, origin=origin
+                rec,
+                manifest.metadata,
+                persist=False,
+                replicate=False,
+                origin=origin,
+                copy_of=manifest,
             )
 
     # The service's own (ownership.py, service.py).
@@ -101,5 +106,6 @@ class Copies:
         replicate: bool,
         origin: str | None = None,
         checksums: dict[str, str] | None = None,
+        copy_of: StepManifest | None = None,
     ) -> StepRecord:
         raise NotImplementedError

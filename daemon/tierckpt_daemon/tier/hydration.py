@@ -34,8 +34,7 @@ def fill_step(
     step: int,
     files: Sequence[FileRecord],
     *,
-    metadata: str,
-    world_size: int | None,
+    copy_of: StepManifest,
     fetch: Fetch,
     pool: Executor,
     attempt_prefix: str,
@@ -45,7 +44,8 @@ def fill_step(
     hold: bool = False,
     owner: str | None = None,
 ) -> StepRecord:
-    """Lease, fill (``fetch`` on ``pool``), seal and commit ``files`` as ``namespace/step``.
+    """Lease, fill (``fetch`` on ``pool``), seal and commit ``files`` as ``namespace/step``, a
+    copy of the step ``copy_of`` records (its DCP metadata, world size and times kept).
 
     ``owner``: the identity the step belongs to (its manifest's), refused where the namespace
     belongs to another or where it would replace a save of this node's own
@@ -100,13 +100,14 @@ def fill_step(
         attempt,
         CommitRequest(
             files=[f.name for f in files],
-            metadata=metadata,
-            world_size=world_size or 1,
+            metadata=copy_of.metadata,
+            world_size=copy_of.world_size or 1,
             persist=False,
         ),
         replicate=replicate,
         origin=origin,
         checksums={f.name: f.checksum for f in files if f.checksum},
+        copy_of=copy_of,
     )
     return service.record(namespace, step)
 

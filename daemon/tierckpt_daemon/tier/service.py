@@ -32,6 +32,7 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.integrity import checksum_file_blocks
+from tierckpt_core.manifest import StepManifest
 from tierckpt_core.protocol import (
     CommitRequest,
     LeaseAfter,
@@ -181,13 +182,15 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
         replicate: bool = True,
         origin: str | None = None,
         checksums: dict[str, str] | None = None,
+        copy_of: StepManifest | None = None,
     ) -> StepInfo:
         """Commit a save attempt. ``replicate=False`` (a step hydrated from the persistent tier)
         and ``origin`` (a replica received from that peer) keep it from being pushed to peers;
-        ``checksums`` are the files' checksums when already known."""
+        ``checksums`` are the files' checksums when already known; ``copy_of``: see
+        :meth:`install`."""
         with self.metrics.commit_seconds.time():
             self.take_checksums(namespace, step, attempt, req.files, known=checksums or {})
-            rec = self._commit(namespace, step, attempt, req, replicate, origin, checksums)
+            rec = self._commit(namespace, step, attempt, req, replicate, origin, checksums, copy_of)
         self.notify_committed(rec)
         return rec.info()
 
@@ -200,6 +203,7 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
         replicate: bool,
         origin: str | None,
         checksums: dict[str, str] | None,
+        copy_of: StepManifest | None,
     ) -> StepRecord:
         with self.lock:
             rec = self.writing_record(namespace, step, attempt)
@@ -215,6 +219,7 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
                 replicate=replicate,
                 origin=origin,
                 checksums=checksums,
+                copy_of=copy_of,
             )
 
     def abort(self, namespace: str, step: int, attempt: str, *, abandoned: bool = False) -> None:
@@ -309,9 +314,12 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
         replicate: bool,
         origin: str | None = None,
         checksums: dict[str, str] | None = None,
+        copy_of: StepManifest | None = None,
     ) -> StepRecord:
         """Commit the attempt ``rec`` (its files checked): write its commit record, make it its
-        step's record, retire what it supersedes and what retention lets go."""
+        step's record, retire what it supersedes and what retention lets go. ``copy_of``: the
+        record of the step ``rec`` copies (from a peer or the persistent tier), whose times it
+        keeps (a copy is no new save: ``ls`` shows the step's age, not the copy's)."""
         namespace, step = rec.namespace, rec.step
         with self.lock:
             rec.origin = origin
@@ -325,6 +333,9 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
             rec.learn_checksums(checksums or {})
             rec.replication_pending = replicate and origin is None and self.replicas > 0
             rec.committed_at = time.time()
+            if copy_of is not None:
+                rec.created_at = copy_of.created_at or rec.created_at
+                rec.committed_at = copy_of.committed_at or rec.committed_at
             write_manifest(rec, metadata)
             rec.prepared_path().unlink(missing_ok=True)
             rec.state = StepState.COMMITTED
@@ -344,9 +355,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
             # Evictions are logged: the retention's here, with the commit that caused them.
             left = ", ".join(str(r.step) for r in retired)
             logger.info(
-                "%s/step %d committed: %d files, %d bytes%s%s%s%s",
+                "%s/step %d %s: %d files, %d bytes%s%s%s%s",
                 namespace,
                 step,
+                "committed" if copy_of is None else f"copied into memory (committed {_utc(rec)})",
                 len(rec.files),
                 rec.bytes,
                 f", a replica from {origin}" if origin else "",
@@ -420,3 +432,8 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
                 step,
                 extra=step_fields(namespace, step),
             )
+
+
+def _utc(rec: StepRecord) -> str:
+    """When the step a copy was taken of was committed, for the log."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(rec.committed_at or 0))
