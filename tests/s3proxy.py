@@ -30,6 +30,7 @@ _MAX_HEAD = 64 * 1024
 _ERROR_BODIES = {
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),
+    403: ("AccessDenied", "Access Denied"),  # what a policy that lacks the action answers
 }
 
 
@@ -37,7 +38,7 @@ _ERROR_BODIES = {
 class Fault:
     """What to do to a request.
 
-    kind: ``"503"``/``"500"`` (answer with that S3 error, never forwarding), ``"reset"`` (reset
+    kind: ``"503"``/``"500"``/``"403"`` (answer with that S3 error, never forwarding), ``"reset"`` (reset
     the connection after reading the request head), ``"reset_body"`` (forward half the request
     body, then reset both sides), ``"truncate"`` (forward, then send the response's headers and
     half its body, then reset), ``"short"`` (forward, then send a well-formed response whose body
@@ -231,7 +232,7 @@ class S3FaultProxy:
                     _reset(client)
                     return
                 expect = (req.header("Expect") or "").lower() == "100-continue"
-                if kind in ("500", "503"):
+                if kind in ("500", "503", "403"):
                     client.sendall(_error_response(int(kind)))
                     if expect:  # the body never comes: this connection cannot be reused
                         return
@@ -433,7 +434,7 @@ def _error_response(status: int) -> bytes:
         f"<Error><Code>{code}</Code><Message>{message}</Message>"
         f"<RequestId>tierckpt-proxy</RequestId></Error>"
     ).encode()
-    reason = "Slow Down" if status == 503 else "Internal Server Error"
+    reason = {503: "Slow Down", 403: "Forbidden"}.get(status, "Internal Server Error")
     headers = [
         ("Content-Type", "application/xml"),
         ("Content-Length", str(len(body))),

@@ -216,6 +216,22 @@ def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memo
     assert _scrape(port)["tierckpt_persistent_healthy"] == 1
 
 
+def test_a_policy_without_delete_names_the_action_uploads_need(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    """Every upload first removes the step's marker: a policy that denies s3:DeleteObject failed
+    every upload with "deleting from s3://... failed", which reads like retention, not uploads."""
+    start_node(s3_timeout=5, s3_max_attempts=1)
+    proxy.add("403", op="DeleteObjects")
+    save("job", 1, seeded_state(1, N))
+    st = _wait("a failed upload", lambda: (s := _persistent()).failed_uploads and s, 30)
+    assert "job/step 1: upload to s3://" in (st.last_error or ""), st.last_error
+    assert "the S3 policy must allow s3:DeleteObject" in (st.last_error or ""), st.last_error
+    assert "access denied (AccessDenied)" in (st.last_error or ""), st.last_error
+    proxy.clear()
+    wait_durable("job", {1})
+
+
 @pytest.mark.slow
 def test_a_stalled_upload_is_bounded_by_the_timeout_and_the_queue_moves_on(
     start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy

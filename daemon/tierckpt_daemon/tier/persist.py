@@ -20,6 +20,7 @@ import time
 from tierckpt_core.errors import (
     IntegrityError,
     NotFoundError,
+    PersistentTierError,
     TierCkptError,
 )
 from tierckpt_core.layout import (
@@ -213,7 +214,18 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         deciding = not rec.spans_nodes or rec.coordinator == self.service.node
         if deciding:
             # A re-upload (a newer attempt) must never leave an old marker over new files.
-            self.store.delete([marker_key(ns, step)])
+            try:
+                self.store.delete([marker_key(ns, step)])
+            except PersistentTierError as e:  # the first call of every upload: say why it is made
+                needs = (
+                    ": the S3 policy must allow s3:DeleteObject"
+                    if self.store.url[:5] == "s3://"
+                    else ""
+                )
+                why = f"removing the step's {MARKER} marker first (every upload does{needs})"
+                e.message = f"{why} failed: {e}"
+                e.args = (e.message,)
+                raise
         # Of a step spanning nodes, each node uploads the share its own ranks wrote.
         files = [
             f for f in rec.sorted_files() if not rec.spans_nodes or f.node == self.service.node
