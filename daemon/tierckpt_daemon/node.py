@@ -98,6 +98,16 @@ class Node:
         if self.replicator is not None:
             self.replicator.stop()
         if self.persister is not None:
+            if queued := self.persister.queued():  # a stop that waits says why and how long
+                st = self.persister.status()
+                logger.warning(
+                    "stopping: waiting up to %.0fs (TIERCKPT_DRAIN_TIMEOUT_S) for %d queued "
+                    "upload(s) to %s%s",
+                    self.drain_timeout_s,
+                    queued,
+                    st.url,
+                    "" if st.healthy else f"; the tier is unhealthy: {st.last_error}",
+                )
             if not self.persister.drain(self.drain_timeout_s):
                 logger.warning(
                     "uploads not finished after %.0fs; they resume when the daemon restarts",

@@ -232,6 +232,23 @@ def test_a_policy_without_delete_names_the_action_uploads_need(
     wait_durable("job", {1})
 
 
+def test_a_stop_that_waits_for_queued_uploads_says_so(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    """SIGTERM with an upload queued and S3 down waited the drain timeout without a word."""
+    node = start_node(s3_timeout=4, s3_max_attempts=1, drain_timeout_s=3)
+    proxy.add("503", op="UploadPart")
+    save("job", 1, seeded_state(1, N))
+    _wait("a failed upload", lambda: _persistent().failed_uploads, 30)
+    t0 = time.monotonic()
+    node.stop()
+    assert time.monotonic() - t0 < 30
+    log = node.log_path.read_text()
+    assert "stopping: waiting up to 3s (TIERCKPT_DRAIN_TIMEOUT_S) for 1 queued upload(s)" in log
+    assert "the tier is unhealthy: job/step 1: upload to s3://" in log
+    assert "uploads not finished after 3s; they resume when the daemon restarts" in log
+
+
 @pytest.mark.slow
 def test_a_stalled_upload_is_bounded_by_the_timeout_and_the_queue_moves_on(
     start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
