@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -102,6 +103,10 @@ def _setting_error(err: Any) -> str:
     several settings together name theirs in the message."""
     msg = str(err["msg"]).removeprefix("Value error, ")
     loc = [str(x) for x in err["loc"]]
+    # A setting read while another is checked (TIERCKPT_S3_ENDPOINT, by TIERCKPT_PERSIST_URL's
+    # check) is named by its message: that one is the setting to fix.
+    if own := re.match(r"invalid (TIERCKPT_[A-Z0-9_]+) (.*)", msg, re.S):
+        return f"invalid setting {own[1]}: {own[2]}"
     if not loc:
         return f"invalid setting: {msg}"
     return f"invalid setting TIERCKPT_{'_'.join(loc).upper()}: {msg}"

@@ -57,7 +57,7 @@ def test_s3_endpoint_without_a_scheme_is_refused_at_start(tmp_path: Path) -> Non
             s3_endpoint="127.0.0.1:9000",
         )
     )
-    _refused(proc, "TIERCKPT_PERSIST_URL", "TIERCKPT_S3_ENDPOINT '127.0.0.1:9000'")
+    _refused(proc, "TIERCKPT_S3_ENDPOINT", "'127.0.0.1:9000': it needs the scheme")
     assert "http://" in proc.stderr
 
 
