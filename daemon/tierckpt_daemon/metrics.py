@@ -4,13 +4,15 @@ Counters and histograms are updated where things happen; gauges of the tier's st
 from the service when Prometheus scrapes, so they can never drift from the truth.
 
 Labels stay bounded: ``state`` and ``reason`` take a few fixed values; ``namespace`` (only on the
-two "seconds since" gauges) is limited to the most recently active namespaces
+two "seconds since" gauges and ``tierckpt_due_steps_since_durable``) is limited to the most
+recently active namespaces
 (:data:`tierckpt_daemon.tier.freshness.MAX_NAMESPACES`).
 
 ``/metrics`` needs no token (the TCP port serves it to anyone who reaches it), and a namespace's
 name can say whose job it is: by default (``TIERCKPT_METRICS_NAMESPACE_LABELS=hashed``) the label is
 a short hash of the name (:func:`namespace_label`), the same on every node, so that dashboards and
-alerts still group by it; ``plain`` shows names, ``off`` drops the per-namespace series.
+alerts still group by it; ``plain`` shows names, ``off`` drops the per-namespace series (of
+``tierckpt_due_steps_since_durable`` one series is left, the highest count, for its alert).
 """
 
 from __future__ import annotations
@@ -181,6 +183,8 @@ class Snapshot:
     replication_queue: int = 0
     # namespace -> seconds since its last committed step, since its last durable step (None: none)
     ages: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    # namespace -> steps committed for the persistent tier since its last durable step
+    due_steps: dict[str, int] = field(default_factory=dict)
 
 
 def build_labels() -> dict[str, str]:
@@ -259,3 +263,16 @@ class _StateCollector(Collector):
                 since_durable.add_metric([label], durable)
         yield since_commit
         yield since_durable
+        due = GaugeMetricFamily(
+            "tierckpt_due_steps_since_durable",
+            "Steps of the namespace committed here for the persistent tier since this node last "
+            "made one durable (1 or 2 while uploads keep pace)",
+            labels=["namespace"],
+        )
+        if mode == "off":  # one series without the label: the highest count of any namespace
+            if snap.due_steps:
+                due.add_metric([""], max(snap.due_steps.values()))
+        else:
+            for ns, n in sorted(snap.due_steps.items()):
+                due.add_metric([namespace_label(ns, mode)], n)
+        yield due

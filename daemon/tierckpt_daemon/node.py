@@ -130,11 +130,7 @@ class Node:
                     "across nodes with: set TIERCKPT_PEERS, TIERCKPT_NODE_NAME and "
                     "TIERCKPT_PEER_TOKEN on every node's daemon"
                 )
-            info = self.service.commit(namespace, step, attempt, req)
-            # A trainer's commit (hydrations and replicas commit through the service too, and are
-            # not progress of the job); one spanning nodes counts in GlobalCommitter.decide.
-            self.service.freshness.committed(namespace, info.committed_at)
-            return info
+            return self.service.commit(namespace, step, attempt, req)
         return self.committer.commit(namespace, step, attempt, req)
 
     def wait_replicated(
@@ -161,6 +157,7 @@ class Node:
             persistent_healthy=persistent.healthy if persistent else None,
             replication_queue=self.replicator.queued() if self.replicator is not None else 0,
             ages=svc.freshness.ages(),
+            due_steps=svc.freshness.due_steps(),
         )
 
     def status(self, shm_dir: str) -> StatusResponse:

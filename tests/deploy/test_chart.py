@@ -324,7 +324,8 @@ def test_prometheus_rule_alerts_useexported_metrics() -> None:
         "TierckptVerificationFailures",
         "TierckptBackgroundThreadDied",
     } <= alerts.keys()
-    assert "[30m]" in alerts["TierckptNoDurableStep"]
+    assert alerts["TierckptNoDurableStep"] == "tierckpt_due_steps_since_durable > 3"
+    assert {r["alert"]: r.get("for") for r in rules}["TierckptNoDurableStep"] == "30m"
     exported = exported_metrics()
     for alert, expr in alerts.items():
         if alert in ("TierckptDaemonUnavailable", "TierckptMetricsDown"):

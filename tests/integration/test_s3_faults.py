@@ -204,6 +204,7 @@ def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memo
     assert metrics["tierckpt_persistent_healthy"] == 0
     assert metrics["tierckpt_upload_failures_total"] >= 1
     assert metrics["tierckpt_upload_queue_steps"] == 1
+    assert metrics["tierckpt_due_steps_since_durable"] == 1  # TierckptNoDurableStep's count
     assert step_states("job") == {1: "committed"}
     _step, out = load("job", blank_state(N))  # the memory tier keeps serving it
     _assert_state(out, 1)
@@ -213,7 +214,9 @@ def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memo
     wait_durable("job", {1})
     st = _persistent()
     assert st.healthy is True and st.last_error is None and st.queued_steps == 0
-    assert _scrape(port)["tierckpt_persistent_healthy"] == 1
+    metrics = _scrape(port)
+    assert metrics["tierckpt_persistent_healthy"] == 1
+    assert metrics["tierckpt_due_steps_since_durable"] == 0
 
 
 def test_a_policy_without_delete_names_the_action_uploads_need(

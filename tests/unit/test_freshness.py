@@ -76,3 +76,32 @@ def test_seed_takes_the_newest_times_of_own_steps_not_replicas(tmp_path: Path) -
 def test_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         Freshness(0)
+
+
+def test_due_steps_count_commits_for_the_persistent_tier_until_one_is_durable(
+    tmp_path: Path,
+) -> None:
+    """What TierckptNoDurableStep alerts on: the count, not the time, so that a job that saves
+    every 15 minutes and persists every 5th step (75 minutes apart) is not taken for stuck."""
+    f = Freshness(clock=Clock())
+    f.committed("a", due=True)
+    for _ in range(4):
+        f.committed("a")  # steps the policy keeps in memory only
+    assert f.due_steps() == {"a": 1}
+    f.committed("a", due=True)
+    f.committed("a", due=True)
+    assert f.due_steps() == {"a": 3}
+    f.durable("a")
+    assert f.due_steps() == {"a": 0}
+    f.committed("a", due=True)
+    assert f.due_steps() == {"a": 1}
+    # After a restart: the job's steps still queued count, from its newest durable one on.
+    seeded = Freshness(clock=Clock())
+    recs = [
+        StepRecord("b", s, "0123456789abcdef.1", tmp_path, committed_at=900.0 + s)
+        for s in range(1, 4)
+    ]
+    recs[0].durable_at = 902.5
+    recs[1].persist_pending = recs[2].persist_pending = True
+    seeded.seed(recs)
+    assert seeded.due_steps() == {"b": 2}

@@ -174,7 +174,7 @@ class Attempts:
                 )
                 svc.persist_requested(current)
             return current
-        svc.freshness.committed(m.namespace, rec.committed_at)
+        svc.freshness.committed(m.namespace, rec.committed_at, due=rec.persist_pending)
         svc.notify_committed(rec)
         return rec
 

@@ -2,7 +2,11 @@
 
 The ``tierckpt_seconds_since_committed_step`` and ``tierckpt_seconds_since_durable_step`` gauges are
 computed from these wall-clock times at every scrape, so a stalled job shows as a number that keeps
-growing rather than as a counter that merely stops moving.
+growing rather than as a counter that merely stops moving. ``tierckpt_due_steps_since_durable``
+counts the steps committed for the persistent tier (due under ``TIERCKPT_PERSIST_EVERY`` or asked
+for) since this node last made one durable (or uploaded its share of a step spanning nodes, which
+the step's decider makes durable): uploads that keep pace hold it at 1 or 2, whatever
+the time between saves, so an alert on it does not depend on how often a job saves.
 
 What counts: a save committed here (a trainer's commit, or this node's share of a step spanning
 nodes) and an upload that made a step durable from here. Replicas received from peers and steps
@@ -32,6 +36,7 @@ MAX_NAMESPACES = 64
 class Times:
     committed_at: float | None = None
     durable_at: float | None = None
+    due: int = 0  # steps committed for the persistent tier since the last durable one
 
 
 class Freshness:
@@ -47,11 +52,17 @@ class Freshness:
         self._lock = threading.Lock()
         self._times: OrderedDict[str, Times] = OrderedDict()
 
-    def committed(self, namespace: str, at: float | None = None) -> None:
-        self._set(namespace, committed_at=self.clock() if at is None else at)
+    def committed(self, namespace: str, at: float | None = None, *, due: bool = False) -> None:
+        """A step of ``namespace`` committed (``due``: for the persistent tier)."""
+        self._set(namespace, committed_at=self.clock() if at is None else at, due=int(due))
 
     def durable(self, namespace: str, at: float | None = None) -> None:
-        self._set(namespace, durable_at=self.clock() if at is None else at)
+        self._set(namespace, durable_at=self.clock() if at is None else at, due=None)
+
+    def share_uploaded(self, namespace: str) -> None:
+        """This node's share of a step spanning nodes is uploaded (the step's decider makes it
+        durable): the due count starts again here too."""
+        self._set(namespace, due=None)
 
     def seed(self, records: Iterable[StepRecord]) -> None:
         """Take the times from the commit records of steps in memory (after a restart)."""
@@ -59,7 +70,8 @@ class Freshness:
             if rec.origin is not None or filled_by_daemon(rec.attempt):
                 continue  # a replica of a peer's step, or one brought back for a reader
             if rec.committed_at:
-                self._set(rec.namespace, committed_at=rec.committed_at, newer_only=True)
+                due = int(rec.persist_pending)  # still to be uploaded
+                self._set(rec.namespace, committed_at=rec.committed_at, newer_only=True, due=due)
             if rec.durable_at:
                 self._set(rec.namespace, durable_at=rec.durable_at, newer_only=True)
 
@@ -76,6 +88,11 @@ class Freshness:
                 for ns, t in self._times.items()
             }
 
+    def due_steps(self) -> dict[str, int]:
+        """Steps committed for the persistent tier since the last durable one, per namespace."""
+        with self._lock:
+            return {ns: t.due for ns, t in self._times.items()}
+
     def _set(
         self,
         namespace: str,
@@ -83,11 +100,15 @@ class Freshness:
         committed_at: float | None = None,
         durable_at: float | None = None,
         newer_only: bool = False,
+        due: int | None = 0,
     ) -> None:
+        """Set the times given (``newer_only``: only where newer) and add ``due`` to the count of
+        due steps (None: a step became durable, the count starts again)."""
         with self._lock:
             t = self._times.get(namespace)
             if t is None:
                 t = self._times[namespace] = Times()
+            t.due = 0 if due is None else t.due + due
             for name, value in (("committed_at", committed_at), ("durable_at", durable_at)):
                 old = getattr(t, name)
                 if value is not None and not (newer_only and old is not None and old >= value):

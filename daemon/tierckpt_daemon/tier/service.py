@@ -191,6 +191,10 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
         with self.metrics.commit_seconds.time():
             self.take_checksums(namespace, step, attempt, req.files, known=checksums or {})
             rec = self._commit(namespace, step, attempt, req, replicate, origin, checksums, copy_of)
+        if copy_of is None:
+            # A trainer's commit (copies are no progress of the job; one spanning nodes counts
+            # in GlobalCommitter.decide). Before the uploader hears of it: its durable comes after.
+            self.freshness.committed(namespace, rec.committed_at, due=rec.persist_pending)
         self.notify_committed(rec)
         return rec.info()
 
