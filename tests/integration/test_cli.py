@@ -222,6 +222,11 @@ def test_persist_wait_then_prefetch_after_node_loss(tiered: DaemonProcess) -> No
     assert "\x1b[" in term  # redrawn in place (cursor control), ending complete
     assert "prefetch job step 10" in term and "257.2/257.2 KiB" in term
     assert _states("job")[10] == ("durable", ["memory", "persistent"])
+    # A step already in memory: no bar, the same answer.
+    rc, out, term = _cli_tty("prefetch", "job", "10")
+    assert rc == 0, term
+    assert "job step 10 is in memory (durable" in out
+    assert "257.2/257.2 KiB" not in term and "\x1b[" not in term, term
 
 
 def test_persist_wait_times_out_with_the_upload_error(

@@ -195,9 +195,40 @@ def _prefetch(client: DaemonClient, ns: str, step: int, args: argparse.Namespace
     worker = threading.Thread(target=hydrate, name="tierckpt-prefetch", daemon=True)
     r.note(f"prefetch {ns} step {step}: starting")
     t0 = time.monotonic()
+    worker.start()
+    if _in_memory(client, ns, step):  # answered at once: no progress bar for it
+        worker.join()
+    else:
+        _progress(client, worker, ns, step, result)
+    if failure:
+        raise failure[0]
+    info = result[0]
+    total = sum(f.length for f in info.files)
+    r.note(
+        f"prefetch {ns} step {step}: {r.size(total)} in memory after {time.monotonic() - t0:.1f}s"
+    )
+    text = f"{ns} step {step} is in memory ({info.state.value}, {r.size(info.bytes)})"
+    r.done(args.json, info.model_dump(mode="json"), text)
+
+
+def _in_memory(client: DaemonClient, ns: str, step: int) -> bool:
+    """Whether this node's memory holds ``ns``/``step`` committed already."""
+    try:
+        return any(s.step == step and s.state != StepState.WRITING for s in client.steps(ns))
+    except NotFoundError:
+        return False
+
+
+def _progress(
+    client: DaemonClient,
+    worker: threading.Thread,
+    ns: str,
+    step: int,
+    result: list[StepInfo],
+) -> None:
+    """A progress bar of ``worker``'s prefetch, from the daemon's status, until it ends."""
     with r.byte_progress() as bar:
         task = bar.add_task(f"prefetch {ns} step {step}", total=None)
-        worker.start()
         while worker.is_alive():
             worker.join(0.2)
             try:
@@ -210,15 +241,6 @@ def _prefetch(client: DaemonClient, ns: str, step: int, args: argparse.Namespace
         if result:
             total = sum(f.length for f in result[0].files)
             bar.update(task, completed=total, total=total)
-    if failure:
-        raise failure[0]
-    info = result[0]
-    total = sum(f.length for f in info.files)
-    r.note(
-        f"prefetch {ns} step {step}: {r.size(total)} in memory after {time.monotonic() - t0:.1f}s"
-    )
-    text = f"{ns} step {step} is in memory ({info.state.value}, {r.size(info.bytes)})"
-    r.done(args.json, info.model_dump(mode="json"), text)
 
 
 def parse_step(text: str) -> int:
