@@ -335,6 +335,23 @@ def test_an_outage_shows_in_status_while_no_upload_is_queued(
     assert cli("ls", "job", node=node).returncode == 0
 
 
+def test_an_endpoint_that_refuses_connections_is_named_in_words(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    """A prefetch while the S3 endpoint is down answered the CRT client's own text ("Client
+    error: Unknown CRT error: CRT error 1047: aws-c-io: ..."): it now says what happened."""
+    node = start_node(s3_timeout=4, s3_max_attempts=1)
+    save("job", 1, seeded_state(1, N))
+    wait_durable("job", {1}, timeout=60)
+    _reboot(node)
+    proxy.close()  # nothing listens on the endpoint's port any more
+    proc = cli("prefetch", "job", "1", node=node)
+    assert proc.returncode == 1, proc.stderr
+    assert "the S3 endpoint refused the connection" in proc.stderr, proc.stderr
+    assert "[AWS_IO_SOCKET_CONNECTION_REFUSED]" in proc.stderr
+    assert "Unknown CRT error" not in proc.stderr
+
+
 def test_a_hung_tier_holds_a_restore_from_memory_up_a_few_seconds_not_its_timeout(
     start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
 ) -> None:

@@ -101,12 +101,33 @@ _CRT_AUTH = (
 )
 
 
+# The CRT client's network errors (``Client error: Unknown CRT error: CRT error 1047: aws-c-io:
+# AWS_IO_SOCKET_CONNECTION_REFUSED, socket connection refused.``), in words; the code is kept.
+_CRT_NETWORK = re.compile(r"\b(AWS_IO_[A-Z_]+)\b")
+_CRT_NETWORK_WORDS = {
+    "AWS_IO_SOCKET_CONNECTION_REFUSED": "the S3 endpoint refused the connection (is it running, "
+    "and is TIERCKPT_S3_ENDPOINT its address?)",
+    "AWS_IO_SOCKET_TIMEOUT": "connecting to the S3 endpoint timed out",
+    "AWS_IO_SOCKET_CLOSED": "the S3 endpoint closed the connection",
+    "AWS_IO_SOCKET_NETWORK_DOWN": "the network to the S3 endpoint is down",
+    "AWS_IO_SOCKET_NO_ROUTE_TO_HOST": "there is no route to the S3 endpoint",
+    "AWS_IO_DNS_INVALID_NAME": "the S3 endpoint's host name does not resolve",
+    "AWS_IO_DNS_QUERY_FAILED": "the S3 endpoint's host name does not resolve",
+    "AWS_IO_TLS_ERROR_NEGOTIATION_FAILURE": "the TLS handshake with the S3 endpoint failed (an "
+    "https:// endpoint that serves plain HTTP, or a certificate this node does not trust)",
+}
+
+
 def crt_error(
     what: str, key: str, where: str, bucket: str, exc: Exception
 ) -> PersistentTierError | NotFoundError:
     """The error for the CRT client's ``exc`` from ``what`` on ``key`` (at ``where``)."""
     msg = str(exc)
     low = msg.lower()
+    network = _CRT_NETWORK.search(msg)
+    if network and network.group(1) in _CRT_NETWORK_WORDS:
+        words = _CRT_NETWORK_WORDS[network.group(1)]
+        return RetryableS3Error(f"{what} {where} failed: {words} [{network.group(1)}]")
     if any(s in low for s in _CRT_NOT_FOUND):
         return NotFoundError(f"object {key!r} not found ({where})")
     if any(s in low for s in _CRT_NO_BUCKET):
