@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import tenacity
+if TYPE_CHECKING:  # tenacity comes with the client and daemon extras, not with the CLI alone
+    import tenacity
 
 
 def log_before_retry(

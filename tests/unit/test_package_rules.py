@@ -78,3 +78,25 @@ def test_the_daemons_tier_wing_imports_nothing_from_its_peers_wing() -> None:
     (tier/restore.py), and ``node.py`` wires the two."""
     imports = _imports(ROOT / "daemon" / "tierckpt_daemon" / "tier", "tierckpt_daemon.tier")
     assert _breaking(imports, ("tierckpt_daemon.peers",)) == []
+
+
+def test_the_cli_runs_with_the_base_dependencies_alone() -> None:
+    """Every install ships `tierckpt` (the daemon's image runs it through `kubectl exec`): with
+    none of the extras' packages importable, `tierckpt --help` still runs (a module-level
+    `import tenacity` on its import path once broke it)."""
+    import subprocess
+    import sys
+
+    extras = [
+        "torch", "numpy", "s3torchconnector", "boto3", "botocore", "tenacity",
+        "fastapi", "uvicorn", "pydantic_settings", "h11",
+    ]  # fmt: skip
+    code = (
+        "import runpy, sys\n"
+        f"for m in {extras!r}: sys.modules[m] = None\n"
+        "sys.argv = ['tierckpt', '--help']\n"
+        "runpy.run_module('tierckpt_client.cli', run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "verify" in proc.stdout
