@@ -105,7 +105,7 @@ def _setting_error(err: Any) -> str:
     loc = [str(x) for x in err["loc"]]
     # A setting read while another is checked (TIERCKPT_S3_ENDPOINT, by TIERCKPT_PERSIST_URL's
     # check) is named by its message: that one is the setting to fix.
-    if own := re.match(r"invalid (TIERCKPT_[A-Z0-9_]+) (.*)", msg, re.S):
+    if own := re.match(r"invalid ((?:TIERCKPT|AWS)_[A-Z0-9_]+) (.*)", msg, re.S):
         return f"invalid setting {own[1]}: {own[2]}"
     if not loc:
         return f"invalid setting: {msg}"

@@ -119,5 +119,42 @@ def test_an_s3_client_that_cannot_be_made_is_a_persistent_tier_error() -> None:
         )
     with pytest.raises(PersistentTierError, match="invalid TIERCKPT_S3_ENDPOINT"):
         StoreSettings.from_env({"TIERCKPT_S3_ENDPOINT": "127.0.0.1:9000"})
-    with pytest.raises(PersistentTierError, match="invalid S3 region 'us east'"):
+    with pytest.raises(PersistentTierError, match="invalid TIERCKPT_S3_REGION 'us east'"):
         StoreSettings.from_env({"TIERCKPT_S3_REGION": "us east"})
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {"TIERCKPT_S3_ENDPOINT": "127.0.0.1:9000"},
+            "invalid setting TIERCKPT_S3_ENDPOINT: '127.0.0.1:9000': it needs the scheme",
+        ),
+        ({"TIERCKPT_S3_TIMEOUT": "0"}, "invalid setting TIERCKPT_S3_TIMEOUT: '0': seconds > 0"),
+        (
+            {"TIERCKPT_S3_MAX_ATTEMPTS": "two"},
+            "invalid setting TIERCKPT_S3_MAX_ATTEMPTS: 'two': a whole number >= 1",
+        ),
+        ({"AWS_REGION": "us east"}, "invalid setting AWS_REGION: 'us east': an S3 region name"),
+    ],
+)
+def test_an_s3_setting_is_refused_under_its_own_name(
+    env: dict[str, str],
+    line: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The persist URL's check reads the S3 settings: a refused one was reported as
+    TIERCKPT_PERSIST_URL, and the timeout's and the attempts' together."""
+    from tierckpt_daemon.__main__ import main
+
+    for name in [n for n in os.environ if n.startswith(("TIERCKPT_", "AWS_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TIERCKPT_SHM_DIR", str(tmp_path / "tier"))
+    monkeypatch.setenv("TIERCKPT_PERSIST_URL", "s3://bucket/prefix")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"tierckpt-daemon: {line}"), err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlparse
 
 from tierckpt_core.errors import PersistentTierError
@@ -34,30 +35,22 @@ class StoreSettings:
         ``AWS_DEFAULT_REGION``), ``TIERCKPT_S3_FORCE_PATH_STYLE``, ``TIERCKPT_S3_TIMEOUT``,
         ``TIERCKPT_S3_MAX_ATTEMPTS`` and ``TIERCKPT_S3_MIN_RATE`` (bytes/s, K/M/G suffixes)."""
         env = os.environ if env is None else env
-        region = (
-            env.get("TIERCKPT_S3_REGION")
-            or env.get("AWS_REGION")
-            or env.get("AWS_DEFAULT_REGION")
-            or cls.region
-        )
+        # Each refusal names its own variable: "invalid TIERCKPT_S3_TIMEOUT '0': ..." (the
+        # daemon reports it under that name, not the persist URL's whose check read it).
+        named = [
+            n for n in ("TIERCKPT_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION") if env.get(n)
+        ]
+        region = env[named[0]] if named else cls.region
         path_style = env.get("TIERCKPT_S3_FORCE_PATH_STYLE", "").strip().lower()
-        try:
-            timeout_s = float(env.get("TIERCKPT_S3_TIMEOUT") or cls.timeout_s)
-            max_attempts = int(env.get("TIERCKPT_S3_MAX_ATTEMPTS") or cls.max_attempts)
-        except ValueError as e:
-            raise PersistentTierError(
-                f"invalid TIERCKPT_S3_TIMEOUT / TIERCKPT_S3_MAX_ATTEMPTS: {e}"
-            ) from e
+        timeout_s = _positive(env, "TIERCKPT_S3_TIMEOUT", float, cls.timeout_s, "seconds > 0")
+        max_attempts = _positive(
+            env, "TIERCKPT_S3_MAX_ATTEMPTS", int, cls.max_attempts, "a whole number >= 1"
+        )
         min_rate = _parse_rate(env.get("TIERCKPT_S3_MIN_RATE"), cls.min_rate)
-        if timeout_s <= 0 or max_attempts < 1:
-            raise PersistentTierError(
-                "TIERCKPT_S3_TIMEOUT must be > 0 and TIERCKPT_S3_MAX_ATTEMPTS >= 1, got "
-                f"{timeout_s} and {max_attempts}"
-            )
         endpoint = env.get("TIERCKPT_S3_ENDPOINT") or None
         if endpoint is not None:
             check_endpoint(endpoint)
-        check_region(region)
+        check_region(region, named[0] if named else None)
         return cls(
             endpoint=endpoint,
             region=region,
@@ -97,8 +90,9 @@ def check_endpoint(endpoint: str) -> None:
         )
 
 
-def check_region(region: str) -> None:
-    """Refuse a region name boto3 would refuse on its first call."""
+def check_region(region: str, name: str | None = None) -> None:
+    """Refuse a region name boto3 would refuse on its first call (``name``: the variable it
+    came from)."""
     try:
         from botocore.utils import validate_region_name
     except ImportError:
@@ -106,10 +100,29 @@ def check_region(region: str) -> None:
     try:
         validate_region_name(region)
     except ValueError:
+        where = name or "TIERCKPT_S3_REGION, else AWS_REGION or AWS_DEFAULT_REGION"
         raise PersistentTierError(
-            f"invalid S3 region {region!r} (TIERCKPT_S3_REGION, else AWS_REGION or "
-            "AWS_DEFAULT_REGION): e.g. 'us-east-1'"
+            f"invalid {where} {region!r}: an S3 region name, e.g. 'us-east-1'"
+            if name
+            else f"invalid S3 region {region!r} ({where}): e.g. 'us-east-1'"
         ) from None
+
+
+_N = TypeVar("_N", int, float)
+
+
+def _positive(env: Mapping[str, str], name: str, kind: type[_N], default: _N, what: str) -> _N:
+    """``env[name]`` as a ``kind`` above zero (``default`` if unset); else an error naming it."""
+    text = env.get(name)
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = kind(0)
+    if value <= 0:
+        raise PersistentTierError(f"invalid {name} {text!r}: {what}")
+    return value
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
