@@ -106,13 +106,13 @@ _CRT_AUTH = (
 _CRT_NETWORK = re.compile(r"\b(AWS_IO_[A-Z_]+)\b")
 _CRT_NETWORK_WORDS = {
     "AWS_IO_SOCKET_CONNECTION_REFUSED": "the S3 endpoint refused the connection (is it running, "
-    "and is TIERCKPT_S3_ENDPOINT its address?)",
+    "at the address TIERCKPT_S3_ENDPOINT gives where it is set?)",
     "AWS_IO_SOCKET_TIMEOUT": "connecting to the S3 endpoint timed out",
     "AWS_IO_SOCKET_CLOSED": "the S3 endpoint closed the connection",
     "AWS_IO_SOCKET_NETWORK_DOWN": "the network to the S3 endpoint is down",
     "AWS_IO_SOCKET_NO_ROUTE_TO_HOST": "there is no route to the S3 endpoint",
     "AWS_IO_DNS_INVALID_NAME": "the S3 endpoint's host name does not resolve",
-    "AWS_IO_DNS_QUERY_FAILED": "the S3 endpoint's host name does not resolve",
+    "AWS_IO_DNS_QUERY_FAILED": "the S3 endpoint's host name could not be resolved",
     "AWS_IO_TLS_ERROR_NEGOTIATION_FAILURE": "the TLS handshake with the S3 endpoint failed (an "
     "https:// endpoint that serves plain HTTP, or a certificate this node does not trust)",
 }
