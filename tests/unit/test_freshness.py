@@ -105,3 +105,9 @@ def test_due_steps_count_commits_for_the_persistent_tier_until_one_is_durable(
     recs[1].persist_pending = recs[2].persist_pending = True
     seeded.seed(recs)
     assert seeded.due_steps() == {"b": 2}
+    # A pending step older than a durable one counts no more once that one is seeded (as live).
+    seeded = Freshness(clock=Clock())
+    recs[0].persist_pending, recs[0].durable_at = True, None
+    recs[1].persist_pending, recs[1].durable_at = False, 903.0
+    seeded.seed(recs)
+    assert seeded.due_steps() == {"b": 1}

@@ -16,7 +16,7 @@ memory (their commit records keep both times); a namespace with none has no seri
 commit.
 
 Cardinality is bounded: at most ``limit`` namespaces are tracked (the most recently active); a
-namespace pushed out loses its two series until its next commit.
+namespace pushed out loses its series until its next commit.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class Freshness:
             if rec.committed_at:
                 due = int(rec.persist_pending)  # still to be uploaded
                 self._set(rec.namespace, committed_at=rec.committed_at, newer_only=True, due=due)
-            if rec.durable_at:
-                self._set(rec.namespace, durable_at=rec.durable_at, newer_only=True)
+            if rec.durable_at:  # in commit order: the steps after it count again
+                self._set(rec.namespace, durable_at=rec.durable_at, newer_only=True, due=None)
 
     def ages(self) -> dict[str, tuple[float | None, float | None]]:
         """Seconds since the last commit and the last durable step, per namespace (None: none
