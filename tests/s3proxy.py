@@ -43,7 +43,8 @@ class Fault:
     body, then reset both sides), ``"truncate"`` (forward, then send the response's headers and
     half its body, then reset), ``"short"`` (forward, then send a well-formed response whose body
     and Content-Length are cut to half: a server that lies), ``"flip"`` (flip one byte of the
-    response body), ``"flip_body"`` (flip one byte of the request body on its way to the server,
+    response body), ``"deny_each"`` (answer a DeleteObjects with 200 and AccessDenied for each
+    key, never forwarding), ``"flip_body"`` (flip one byte of the request body on its way to the server,
     which over plain HTTP with unsigned payloads stores it), ``"delay"`` (wait ``seconds`` before forwarding), ``"stall"`` (stop reading
     and answering, hold the connection).
     """
@@ -238,6 +239,11 @@ class S3FaultProxy:
                         return
                     _read_body(crd, req.headers, None)  # consume it: the connection stays usable
                     continue
+                if kind == "deny_each" and (n := _content_length(req.headers)) is not None:
+                    if expect:
+                        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    client.sendall(_denied_each(_read_exact(crd, n)))
+                    continue
                 if kind == "delay" and fault is not None:
                     time.sleep(fault.seconds)
                 if upstream is None:
@@ -425,6 +431,27 @@ def _read_body(
         _copy(rd, dst, length, limit=length // 2 if cut else None)
     elif _chunked(headers):
         _copy_chunked(rd, dst)
+
+
+def _denied_each(body: bytes) -> bytes:
+    """A DeleteObjects answer that refuses every key (200, an AccessDenied error per key: what S3
+    answers a policy that lacks s3:DeleteObject)."""
+    keys = re.findall(rb"<Key>(.*?)</Key>", body)
+    errors = "".join(
+        f"<Error><Key>{k.decode()}</Key><Code>AccessDenied</Code>"
+        "<Message>Access Denied</Message></Error>"
+        for k in keys
+    )
+    payload = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f'<DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">{errors}</DeleteResult>'
+    ).encode()
+    headers = [
+        ("Content-Type", "application/xml"),
+        ("Content-Length", str(len(payload))),
+        ("x-amz-request-id", "tierckpt-proxy"),
+    ]
+    return _head_bytes("HTTP/1.1 200 OK", headers) + payload
 
 
 def _error_response(status: int) -> bytes:

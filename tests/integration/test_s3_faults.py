@@ -219,20 +219,36 @@ def test_exhausted_retries_show_in_status_and_metrics_and_the_step_stays_in_memo
     assert metrics["tierckpt_due_steps_since_durable"] == 0
 
 
+@pytest.mark.parametrize("denial", ["deny_each", "403"])
 def test_a_policy_without_delete_names_the_action_uploads_need(
-    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy, denial: str
 ) -> None:
-    """Every upload first removes the step's marker: a policy that denies s3:DeleteObject failed
-    every upload with "deleting from s3://... failed", which reads like retention, not uploads."""
+    """An upload first removes the step's marker: a policy that denies s3:DeleteObject (S3
+    answers each key AccessDenied; some servers refuse the whole request) failed every upload
+    with "deleting from s3://... failed", which reads like retention, not uploads. An outage on
+    that first call does not point at the policy."""
     start_node(s3_timeout=5, s3_max_attempts=1)
-    proxy.add("403", op="DeleteObjects")
+    proxy.add(denial, op="DeleteObjects")
     save("job", 1, seeded_state(1, N))
     st = _wait("a failed upload", lambda: (s := _persistent()).failed_uploads and s, 30)
-    assert "job/step 1: upload to s3://" in (st.last_error or ""), st.last_error
-    assert "the S3 policy must allow s3:DeleteObject" in (st.last_error or ""), st.last_error
-    assert "access denied (AccessDenied)" in (st.last_error or ""), st.last_error
+    error = st.last_error or ""
+    assert "job/step 1: upload to s3://" in error, error
+    assert "removing the step's COMMITTED marker first" in error, error
+    assert "so the S3 policy must allow s3:DeleteObject" in error, error
+    assert "AccessDenied" in error, error
     proxy.clear()
-    wait_durable("job", {1})
+    proxy.add("503", op="DeleteObjects")
+    save("job", 2, seeded_state(2, N))
+    st = _wait(
+        "a failed upload of step 2",
+        lambda: "job/step 2" in ((s := _persistent()).last_error or "") and s,
+        30,
+    )
+    error = st.last_error or ""
+    assert "removing the step's COMMITTED marker first" in error, error
+    assert "s3:DeleteObject" not in error, error
+    proxy.clear()
+    wait_durable("job", {1, 2})
 
 
 def test_a_stop_that_waits_for_queued_uploads_says_so(

@@ -216,13 +216,10 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             # A re-upload (a newer attempt) must never leave an old marker over new files.
             try:
                 self.store.delete([marker_key(ns, step)])
-            except PersistentTierError as e:  # the first call of every upload: say why it is made
-                needs = (
-                    ": the S3 policy must allow s3:DeleteObject"
-                    if self.store.url[:5] == "s3://"
-                    else ""
-                )
-                why = f"removing the step's {MARKER} marker first (every upload does{needs})"
+            except PersistentTierError as e:  # the first call of an upload: say why it is made
+                denied = "access denied" in str(e).lower() or "accessdenied" in str(e).lower()
+                needs = ", so the S3 policy must allow s3:DeleteObject" if denied else ""
+                why = f"removing the step's {MARKER} marker first (uploads do{needs})"
                 e.message = f"{why} failed: {e}"
                 e.args = (e.message,)
                 raise
