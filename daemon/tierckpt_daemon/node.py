@@ -106,7 +106,9 @@ class Node:
                     self.drain_timeout_s,
                     queued,
                     st.url,
-                    "" if st.healthy else f"; the tier is unhealthy: {st.last_error}",
+                    f"; the tier is unhealthy: {st.last_error}"
+                    if st.healthy is False and st.last_error
+                    else "",
                 )
             if not self.persister.drain(self.drain_timeout_s):
                 logger.warning(

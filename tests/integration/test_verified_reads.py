@@ -5,6 +5,7 @@ upload refuses bytes that changed in memory since the commit."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import time
@@ -385,3 +386,23 @@ def test_a_step_whose_metadata_was_damaged_in_memory_is_skipped_by_latest(
     row = next(line for line in verify.stdout.splitlines() if " metadata " in line)
     assert "CORRUPT" in row and "not readable" in row
     assert cli("verify", "meta", "1", timeout=120).returncode == 0
+
+
+def test_verify_decodes_the_metadata_as_a_load_does(client_env: DaemonProcess) -> None:
+    """Metadata that the daemon inflates and parses but a load cannot decode (valid JSON, a field
+    of the wrong kind) failed every load of the step while ``tierckpt verify`` passed it."""
+    from tierckpt_core.metadata_blob import pack_metadata, unpack_metadata
+
+    _save("meta", 1)
+    record = Path(next(iter(step_paths("meta", 1).values()))).parent / "MANIFEST.json"
+    doc = json.loads(record.read_text())
+    metadata = unpack_metadata(doc["metadata"], where="the test")
+    metadata["state_dict_metadata"]["w"]["kind"] = "sparse"
+    doc["metadata"] = pack_metadata(metadata)
+    record.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointException, match="unknown kind 'sparse'"):
+        dcp.load(_blank(), storage_reader=TieredStorageReader("meta", step=1), no_dist=True)
+    verify = cli("verify", "meta", "1", timeout=120)
+    assert verify.returncode != 0, verify.stdout
+    row = next(line for line in verify.stdout.splitlines() if " metadata " in line)
+    assert "CORRUPT" in row and "unknown kind 'sparse'" in row, row

@@ -14,7 +14,12 @@ from tierckpt_client.cli import _render as r
 from tierckpt_client.cli import attempts
 from tierckpt_client.cli._tiers import Persistent
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_core.errors import NotFoundError, StepNotFoundError, TierCkptError
+from tierckpt_core.errors import (
+    NotFoundError,
+    PersistentTierError,
+    StepNotFoundError,
+    TierCkptError,
+)
 from tierckpt_core.layout import StepManifest
 from tierckpt_core.protocol import (
     AttemptInfo,
@@ -244,7 +249,7 @@ def _memory_steps(
         return steps, {c.step: c for c in client.candidates(ns, complete=True)}, None
     except NotFoundError:
         return steps, {}, None
-    except TierCkptError as e:
+    except PersistentTierError as e:
         return steps, {}, e
 
 

@@ -196,9 +196,9 @@ def _prefetch(client: DaemonClient, ns: str, step: int, args: argparse.Namespace
     r.note(f"prefetch {ns} step {step}: starting")
     t0 = time.monotonic()
     worker.start()
-    if _in_memory(client, ns, step):  # answered at once: no progress bar for it
-        worker.join()
-    else:
+    if _in_memory(client, ns, step):  # answered at once (unless files of it are still to come)
+        worker.join(QUIET_S)
+    if worker.is_alive():
         _progress(client, worker, ns, step, result)
     if failure:
         raise failure[0]
@@ -211,11 +211,16 @@ def _prefetch(client: DaemonClient, ns: str, step: int, args: argparse.Namespace
     r.done(args.json, info.model_dump(mode="json"), text)
 
 
+QUIET_S = 0.5
+"""How long a prefetch of a step already in memory goes without a progress bar."""
+
+
 def _in_memory(client: DaemonClient, ns: str, step: int) -> bool:
-    """Whether this node's memory holds ``ns``/``step`` committed already."""
+    """Whether this node's memory holds ``ns``/``step`` committed already (False if the daemon
+    does not say: the prefetch's own answer tells)."""
     try:
         return any(s.step == step and s.state != StepState.WRITING for s in client.steps(ns))
-    except NotFoundError:
+    except TierCkptError:
         return False
 
 

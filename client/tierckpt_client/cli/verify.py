@@ -121,7 +121,7 @@ def _verify_memory(
                     out.append(_compare("memory", f.rank, f.name, f.length, got, f.checksum))
             bar.advance(task, f.length)
         try:  # the DCP metadata in its commit record: a load of the step decodes it first
-            client.metadata(ns, step)
+            _decode(client.metadata(ns, step))
         except CheckpointFormatError as e:
             out.append(Result("memory", -1, "metadata", 0, CORRUPT, str(e)))
         except (NotFoundError, UnavailableError) as e:  # kept by other nodes, out of reach now
@@ -129,6 +129,15 @@ def _verify_memory(
         return out
     finally:
         client.unpin(ns, step, pin.pin_id)
+
+
+def _decode(doc: dict[str, object]) -> None:
+    """Decode the step's metadata as a load does (the daemon only inflated and parsed it):
+    CheckpointFormatError if a load could not (a field of the wrong kind, a tensor without its
+    chunks); torch is imported for it (the client's decoder builds DCP's own classes)."""
+    from tierckpt_client.dcp._metadata_codec import decode_metadata
+
+    decode_metadata(doc)
 
 
 def _verify_persistent(

@@ -171,7 +171,9 @@ class Restorer:
         tier_error: PersistentTierError | None = None
         # With steps in memory, a persistent tier that hangs holds "latest" up a few seconds at
         # most, not its own timeout (60 s by default): it may hold a newer step only seldom.
-        wait_s = LISTING_WAIT_S if in_memory or on_peers else None
+        # A listing that must be complete (``tierckpt ls``) waits for the tier's own timeouts: a
+        # large namespace's whole listing may take longer than LISTING_WAIT_S.
+        wait_s = LISTING_WAIT_S if (in_memory or on_peers) and not complete else None
         if self.durable is not None:
             try:
                 if whole:

@@ -337,9 +337,9 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
             rec.learn_checksums(checksums or {})
             rec.replication_pending = replicate and origin is None and self.replicas > 0
             rec.committed_at = time.time()
-            if copy_of is not None:
-                rec.created_at = copy_of.created_at or rec.created_at
-                rec.committed_at = copy_of.committed_at or rec.committed_at
+            if copy_of is not None and copy_of.committed_at:  # (a record from before: none)
+                rec.committed_at = copy_of.committed_at
+                rec.created_at = copy_of.created_at or copy_of.committed_at
             write_manifest(rec, metadata)
             rec.prepared_path().unlink(missing_ok=True)
             rec.state = StepState.COMMITTED
@@ -362,7 +362,7 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
                 "%s/step %d %s: %d files, %d bytes%s%s%s%s",
                 namespace,
                 step,
-                "committed" if copy_of is None else f"copied into memory (committed {_utc(rec)})",
+                _committed(copy_of),
                 len(rec.files),
                 rec.bytes,
                 f", a replica from {origin}" if origin else "",
@@ -438,6 +438,11 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
             )
 
 
-def _utc(rec: StepRecord) -> str:
-    """When the step a copy was taken of was committed, for the log."""
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(rec.committed_at or 0))
+def _committed(copy_of: StepManifest | None) -> str:
+    """What the log says a commit was: a save, or a copy of one (and when that was saved)."""
+    if copy_of is None:
+        return "committed"
+    if not copy_of.committed_at:
+        return "copied into memory"
+    at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(copy_of.committed_at))
+    return f"copied into memory (committed {at})"
