@@ -196,9 +196,10 @@ def _prefetch(client: DaemonClient, ns: str, step: int, args: argparse.Namespace
     r.note(f"prefetch {ns} step {step}: starting")
     t0 = time.monotonic()
     worker.start()
-    if _in_memory(client, ns, step):  # answered at once (unless files of it are still to come)
+    held = _in_memory(client, ns, step)
+    if held:  # answered at once (unless files of it are still to come): no bar for it
         worker.join(QUIET_S)
-    if worker.is_alive():
+    if not held or worker.is_alive():
         _progress(client, worker, ns, step, result)
     if failure:
         raise failure[0]
