@@ -6,7 +6,9 @@ Run on CPU with gloo, next to a running ``tierckpt-daemon``::
         --namespace ds-demo --ckpt /tmp/ds-demo --zero-stage 3 --steps 8 --save-every 4
 
 Run it again with ``--resume``: it loads the tag in ``/tmp/ds-demo/latest`` from tierckpt and
-trains on; the losses are those of a run that never stopped, to the last bit.
+trains on; the losses are those of a run that never stopped, to the last bit. On a node whose
+folder is empty (a replacement node, node-local folders), ``restore_folder`` first writes
+``latest`` and the tag's pointers from tierckpt's newest step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import deepspeed
 import torch
 from torch import nn
 
-from tierckpt_client.integrations.deepspeed import install
+from tierckpt_client.integrations.deepspeed import install, restore_folder
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +56,7 @@ def main() -> None:
 
     start = 0
     if args.resume:
+        restore_folder(args.namespace, args.ckpt)  # an empty folder: `latest` from tierckpt
         path, client = engine.load_checkpoint(args.ckpt)  # the tag in <ckpt>/latest
         assert path is not None, f"no checkpoint in {args.ckpt}"
         start = client["step"]

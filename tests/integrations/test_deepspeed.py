@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,11 +31,18 @@ from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoin
 from tierckpt_client import DaemonClient
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageWriter, _arena
-from tierckpt_client.integrations.deepspeed import join, materialize, read_file, split, tag_step
+from tierckpt_client.integrations.deepspeed import (
+    install,
+    join,
+    materialize,
+    read_file,
+    split,
+    tag_step,
+)
 from tierckpt_core.errors import CheckpointFormatError
 
 from helpers import DaemonProcess, run_loop
-from kit import step_paths
+from kit import step_paths, wait_durable
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_zero.py"
 
@@ -124,6 +132,13 @@ def test_a_replaced_skeleton_is_never_unpickled_with_tensor_checks_off(
     assert not marker.exists()
 
 
+def test_install_refuses_what_is_not_a_deepspeed_engine() -> None:
+    """Given the optimizer (or the model), DeepSpeed's own engine saved every checkpoint with
+    torch.save, none reached tierckpt, and nothing said so."""
+    with pytest.raises(TypeError, match="needs the DeepSpeedEngine that deepspeed.initialize"):
+        install(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), "ds-x")
+
+
 def test_a_tag_without_a_number_is_refused_by_name() -> None:
     assert tag_step("global_step12") == 12
     with pytest.raises(CheckpointFormatError, match="'best'"):
@@ -135,11 +150,14 @@ def test_a_tag_without_a_number_is_refused_by_name() -> None:
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_resumes_with_the_uninterrupted_runs_losses(
     stage: int,
-    daemon: DaemonProcess,
+    make_node: Callable[..., DaemonProcess],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     _shm_op_built: None,
 ) -> None:
+    # With a persistent tier: the tags are persisted by the daemon's policy, as every save (the
+    # engine once asked for memory only, and no tag ever became durable).
+    daemon = make_node(persist_url=f"file://{tmp_path / 'store'}")
     ns = f"ds-zero{stage}"
     env = {**daemon.client_env, "DS_ACCELERATOR": "cpu"}
     ckpt = tmp_path / "ckpt"
@@ -152,8 +170,9 @@ def test_zero_resumes_with_the_uninterrupted_runs_losses(
     assert (ckpt / "latest").read_text() == "global_step6"
     with DaemonClient(ClientConfig.from_env(socket=daemon.socket)) as c:
         assert [s.step for s in c.steps(ns)] == [3, 6]
-    # zero_to_fp32 (DeepSpeed's own) on the files materialize() writes: the whole fp32 model.
     monkeypatch.setenv("TIERCKPT_SOCKET", str(daemon.socket))
+    wait_durable(ns, {3, 6})
+    # zero_to_fp32 (DeepSpeed's own) on the files materialize() writes: the whole fp32 model.
     export = tmp_path / "export"
     written = materialize(ns, "global_step6", export)
     assert all(p.stat().st_size > 1000 for p in written)  # real files, not pointers
@@ -167,7 +186,7 @@ def test_zero_resumes_with_the_uninterrupted_runs_losses(
     (ckpt / "latest").write_text("global_step3")  # as if the run had died after step 4
     resumed = run_loop(
         EXAMPLE,
-        [*common, "--save-every", "3", "--resume"],
+        [*common[:-1], "7", "--save-every", "3", "--resume"],  # on to step 7
         env,
         log_dir=tmp_path / "b",
         timeout=240,
@@ -175,3 +194,17 @@ def test_zero_resumes_with_the_uninterrupted_runs_losses(
     assert resumed.returncodes == [0, 0], resumed
     assert resumed.start == 3, resumed
     assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: full.losses[s] for s in (4, 5, 6)}
+    # A replacement node: its node-local folder is empty. DeepSpeed alone finds no `latest`
+    # there and starts from scratch; restore_folder writes it from tierckpt's newest step.
+    fresh = tmp_path / "fresh"
+    again = run_loop(
+        EXAMPLE,
+        ["--namespace", ns, "--ckpt", str(fresh), "--zero-stage", str(stage), "--steps", "7",
+         "--save-every", "100", "--resume"],
+        env,
+        log_dir=tmp_path / "c",
+        timeout=240,
+    )  # fmt: skip
+    assert again.returncodes == [0, 0], again
+    assert again.start == 6 and (fresh / "latest").read_text() == "global_step6", again
+    assert again.losses[7] == resumed.losses[7], again

@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp.ids import format_checkpoint_id
 from tierckpt_client.integrations._pointers import write_pointer
-from tierckpt_core.errors import CheckpointFormatError
+from tierckpt_core.errors import CheckpointFormatError, NamespaceNotFoundError
 from tierckpt_core.protocol import validate_namespace
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def read_file(namespace: str, step: int, name: str, map_location: Any = None) ->
 class TierckptCheckpointEngine(CheckpointEngine):
     """DeepSpeed's checkpoint engine interface over one tierckpt namespace (see the module)."""
 
-    def __init__(self, namespace: str, config_params: Any = None, *, persist: bool = False):
+    def __init__(self, namespace: str, config_params: Any = None, *, persist: bool | None = None):
         super().__init__(config_params)
         self.name = "TierckptCheckpointEngine"
         self.namespace = validate_namespace(namespace)
@@ -223,16 +223,8 @@ class TierckptCheckpointEngine(CheckpointEngine):
             gathered: list[list[str] | None] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, names)
             names = sorted({n for ns in gathered for n in ns or []})
-        folder = Path(info.save_dir) / info.tag
-        folder.mkdir(parents=True, exist_ok=True)
-        pointer = format_checkpoint_id(self.namespace, step)
-        for name in names:
-            write_pointer(folder / name, pointer)
-        if info.save_latest:  # DeepSpeed writes it again on rank 0: the same tag
-            latest = Path(info.save_dir) / "latest"
-            tmp = latest.with_name(f".latest.{os.getpid()}")
-            tmp.write_text(info.tag)
-            os.replace(tmp, latest)
+        # DeepSpeed writes `latest` again on rank 0: the same tag.
+        _write_folder(self.namespace, step, info.save_dir, info.tag, names, info.save_latest)
         self._tag, self._files = None, {}
         return True
 
@@ -244,11 +236,71 @@ class TierckptCheckpointEngine(CheckpointEngine):
         return False  # each tensor is stored alone: DeepSpeed need not clone views for us
 
 
-def install(engine: Any, namespace: str, *, persist: bool = False) -> TierckptCheckpointEngine:
-    """Make an initialized ``DeepSpeedEngine`` save and load through tierckpt."""
+def _write_folder(
+    namespace: str, step: int, save_dir: str, tag: str, names: list[str], latest: bool
+) -> None:
+    """The pointer at the path of every file of ``tag`` (``names``), and ``latest``."""
+    folder = Path(save_dir) / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    pointer = format_checkpoint_id(namespace, step)
+    for name in names:
+        write_pointer(folder / name, pointer)
+    if latest:
+        path = Path(save_dir) / "latest"
+        tmp = path.with_name(f".latest.{os.getpid()}")
+        tmp.write_text(tag)
+        os.replace(tmp, path)
+
+
+def install(
+    engine: Any, namespace: str, *, persist: bool | None = None
+) -> TierckptCheckpointEngine:
+    """Make an initialized ``DeepSpeedEngine`` save and load through tierckpt. ``persist``:
+    None (the default) leaves it to the daemon's policy (``TIERCKPT_PERSIST_EVERY``), as every
+    other save; True asks for every tag; False keeps the tags in memory (and peers) only."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(
+            "install() needs the DeepSpeedEngine that deepspeed.initialize() returns (its first "
+            f"value), not a {type(engine).__module__}.{type(engine).__qualname__}: checkpoints "
+            "of anything else would be saved by DeepSpeed's own engine, not by tierckpt"
+        )
     ours = TierckptCheckpointEngine(namespace, persist=persist)
     engine.checkpoint_engine = ours
     return ours
+
+
+def restore_folder(namespace: str, save_dir: str | os.PathLike[str]) -> str | None:
+    """Where ``save_dir`` has no ``latest`` (a replacement node's empty node-local folder, or a
+    folder lost with its node), write it and the pointer files of tierckpt's newest step of
+    ``namespace`` (from memory, a peer or the persistent tier, as a load of "latest" picks it),
+    as tag ``global_step<N>``; returns the tag written, or None (the folder had ``latest``, or
+    tierckpt holds no step of ``namespace``: a first start).
+
+    Without it ``engine.load_checkpoint(save_dir)`` finds no ``latest`` there, logs a warning
+    and returns ``(None, None)``: a loop that does not check starts again from scratch. Call it
+    on every rank before ``load_checkpoint``: with torch.distributed initialized the ranks agree
+    on the step (a collective, made whether or not this rank's folder has ``latest``)."""
+    reader = TieredStorageReader(namespace)
+    try:
+        md = reader.read_metadata()
+    except NamespaceNotFoundError:
+        return None
+    step = reader.resolved_step
+    assert step is not None  # read_metadata resolved "latest" or raised
+    if (Path(save_dir) / "latest").exists():
+        return None
+    names = sorted({key.split("/", 1)[0] for key in md.state_dict_metadata})
+    tag = f"global_step{step}"
+    _write_folder(namespace, step, str(save_dir), tag, names, True)
+    logger.warning(
+        "%s: %s had no `latest`: wrote it (%s) and its pointers from tierckpt's newest step",
+        namespace,
+        save_dir,
+        tag,
+    )
+    return tag
 
 
 def materialize(
