@@ -135,7 +135,7 @@ def test_a_replaced_skeleton_is_never_unpickled_with_tensor_checks_off(
 def test_install_refuses_what_is_not_a_deepspeed_engine() -> None:
     """Given the optimizer (or the model), DeepSpeed's own engine saved every checkpoint with
     torch.save, none reached tierckpt, and nothing said so."""
-    with pytest.raises(TypeError, match="needs the DeepSpeedEngine that deepspeed.initialize"):
+    with pytest.raises(TypeError, match=r"needs the DeepSpeedEngine that deepspeed\.initialize"):
         install(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), "ds-x")
 
 
