@@ -131,6 +131,8 @@ def test_an_s3_client_that_cannot_be_made_is_a_persistent_tier_error() -> None:
             "invalid setting TIERCKPT_S3_ENDPOINT: '127.0.0.1:9000': it needs the scheme",
         ),
         ({"TIERCKPT_S3_TIMEOUT": "0"}, "invalid setting TIERCKPT_S3_TIMEOUT: '0': seconds > 0"),
+        ({"TIERCKPT_S3_TIMEOUT": "inf"}, "invalid setting TIERCKPT_S3_TIMEOUT: 'inf': seconds"),
+        ({"TIERCKPT_S3_TIMEOUT": "nan"}, "invalid setting TIERCKPT_S3_TIMEOUT: 'nan': seconds"),
         (
             {"TIERCKPT_S3_MAX_ATTEMPTS": "two"},
             "invalid setting TIERCKPT_S3_MAX_ATTEMPTS: 'two': a whole number >= 1",

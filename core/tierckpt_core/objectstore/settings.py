@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,7 +113,8 @@ _N = TypeVar("_N", int, float)
 
 
 def _positive(env: Mapping[str, str], name: str, kind: type[_N], default: _N, what: str) -> _N:
-    """``env[name]`` as a ``kind`` above zero (``default`` if unset); else an error naming it."""
+    """``env[name]`` as a finite ``kind`` above zero (``default`` if unset); else an error naming
+    it (``nan`` and ``inf`` too: a timeout must end)."""
     text = env.get(name)
     if not text:
         return default
@@ -120,7 +122,7 @@ def _positive(env: Mapping[str, str], name: str, kind: type[_N], default: _N, wh
         value = kind(text)
     except ValueError:
         value = kind(0)
-    if value <= 0:
+    if not 0 < value < math.inf:
         raise PersistentTierError(f"invalid {name} {text!r}: {what}")
     return value
 
