@@ -13,7 +13,11 @@ from chart_kit import ROOT, exported_metrics
 
 DASHBOARD = json.loads((ROOT / "deploy/grafana/tierckpt-dashboard.json").read_text())
 # The series with a namespace label (metrics.py: only these two, to keep cardinality bounded).
-PER_NAMESPACE = {"tierckpt_seconds_since_committed_step", "tierckpt_seconds_since_durable_step"}
+PER_NAMESPACE = {
+    "tierckpt_seconds_since_committed_step",
+    "tierckpt_seconds_since_durable_step",
+    "tierckpt_due_steps_since_durable",
+}
 
 
 def _exprs(node: Any) -> Iterator[str]:
@@ -65,7 +69,7 @@ def test_per_namespace_panels_filter_by_the_namespace_variable() -> None:
     assert ns["type"] == "query" and ns["multi"] and ns["includeAll"]
     assert re.findall(r"\btierckpt_\w+", ns["definition"])[0] in PER_NAMESPACE
     panels = [p for p in _panels() if _metrics(p) & PER_NAMESPACE]
-    assert len(panels) == 2
+    assert len(panels) == 3
     for p in panels:
         for e in _exprs(p["targets"]):
             assert 'namespace=~"$namespace"' in e and 'instance=~"$instance"' in e, e
