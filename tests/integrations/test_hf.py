@@ -40,3 +40,42 @@ def test_resumed_run_reaches_the_weights_of_an_uninterrupted_one(
     assert resumed.returncodes == [0, 0], resumed.lines
     assert resumed.start == 3, resumed.lines
     assert resumed.losses == {s: ref.losses[s] for s in (4, 5, 6)}
+
+
+def test_training_state_refuses_its_parts_in_the_wrong_places() -> None:
+    """The optimizer and the scheduler swapped were accepted (a scheduler has an ``.optimizer``
+    too): the resume then lost the scheduler's position without a word."""
+    import torch
+
+    from tierckpt_client.integrations.hf import TrainingState
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    TrainingState(model, opt, sched)  # the right order
+    for args, what in [
+        ((model, sched, opt), "an optimizer as the optimizer, got StepLR"),
+        ((model, sched), "an optimizer as the optimizer, got StepLR"),
+        ((model, opt, opt), "an LR scheduler as the lr_scheduler, got SGD"),
+        ((model, opt, model), "an LR scheduler as the lr_scheduler, got Linear"),
+        ((opt, opt), "an nn.Module as the model, got SGD"),
+    ]:
+        with pytest.raises(
+            TypeError, match=what.replace("an optimizer", "a torch.optim.Optimizer")
+        ):
+            TrainingState(*args)
+
+
+def test_the_callback_checks_its_arguments_when_it_is_made() -> None:
+    """They went to the Checkpointer only when training began, after the model was built."""
+    from tierckpt_client.integrations.hf import TieredCheckpointCallback
+
+    with pytest.raises(TypeError, match="evry"):
+        TieredCheckpointCallback("ns", evry=2)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        TieredCheckpointCallback("ns", every=0)
+    with pytest.raises(ValueError, match="persist_every"):
+        TieredCheckpointCallback("ns", persist_every=0)
+    with pytest.raises(ValueError, match="my job"):
+        TieredCheckpointCallback("my job")
+    TieredCheckpointCallback("ns", every=2, persist_every=4)

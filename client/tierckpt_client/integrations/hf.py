@@ -23,6 +23,7 @@ Not thread-safe: the Trainer calls the callback from its training loop.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -32,7 +33,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 from transformers import TrainerCallback
 
+from tierckpt_client._save_loop import check_save_options
 from tierckpt_client.checkpointer import Checkpointer, SaveFailedError
+from tierckpt_core.protocol import validate_namespace
 
 __all__ = ["SaveFailedError", "TieredCheckpointCallback", "TrainingState"]
 
@@ -40,11 +43,29 @@ logger = logging.getLogger(__name__)
 
 
 def _unwrap_optimizer(optimizer: Any) -> Optimizer:
-    # accelerate's AcceleratedOptimizer is an Optimizer whose state lives in ``.optimizer``.
-    inner = getattr(optimizer, "optimizer", optimizer)
+    # accelerate's AcceleratedOptimizer is an Optimizer whose state lives in ``.optimizer``. An
+    # LR scheduler has an ``.optimizer`` too: it is refused, not unwrapped (in the optimizer's
+    # place, the scheduler's position was lost on resume, and nothing said so).
+    inner = getattr(optimizer, "optimizer", optimizer) if isinstance(optimizer, Optimizer) else None
     if not isinstance(inner, Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"expected a torch.optim.Optimizer as the optimizer, got {type(optimizer).__name__} "
+            "(TrainingState(model, optimizer, lr_scheduler), in that order)"
+        )
     return inner
+
+
+def _check_scheduler(lr_scheduler: Any) -> Any:
+    """An LR scheduler (torch's, or accelerate's wrapper of one): it has ``step`` and its own
+    ``state_dict``/``load_state_dict``, and is not an optimizer."""
+    if isinstance(lr_scheduler, (Optimizer, nn.Module)) or not all(
+        callable(getattr(lr_scheduler, a, None)) for a in ("step", "state_dict", "load_state_dict")
+    ):
+        raise TypeError(
+            f"expected an LR scheduler as the lr_scheduler, got {type(lr_scheduler).__name__} "
+            "(TrainingState(model, optimizer, lr_scheduler), in that order)"
+        )
+    return lr_scheduler
 
 
 class TrainingState(Stateful):
@@ -59,9 +80,11 @@ class TrainingState(Stateful):
     def __init__(
         self, model: nn.Module, optimizer: Any | None = None, lr_scheduler: Any | None = None
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"expected an nn.Module as the model, got {type(model).__name__}")
         self.model = model
         self.optimizers = [] if optimizer is None else [_unwrap_optimizer(optimizer)]
-        self.lr_scheduler = lr_scheduler
+        self.lr_scheduler = None if lr_scheduler is None else _check_scheduler(lr_scheduler)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
@@ -97,7 +120,16 @@ class TieredCheckpointCallback(TrainerCallback):
     """
 
     def __init__(self, namespace: str, *, every: int = 500, **checkpointer_kwargs: Any) -> None:
-        self.namespace = namespace
+        # The Checkpointer is made when training begins: its arguments are checked here, before
+        # the model and the Trainer are built (a misspelt one failed only at train time).
+        inspect.signature(Checkpointer).bind(namespace, every=every, **checkpointer_kwargs)
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        check_save_options(
+            checkpointer_kwargs.get("persist_every"),
+            checkpointer_kwargs.get("async_mode", "thread"),
+        )
+        self.namespace = validate_namespace(namespace)
         self.every = every
         self._kwargs = checkpointer_kwargs
         self.checkpointer: Checkpointer | None = None
