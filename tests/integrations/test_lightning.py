@@ -4,6 +4,7 @@ ranks on CPU, the example script) saving every step through a real daemon, resum
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -212,6 +213,25 @@ def test_ckpt_paths_resolve_to_ids_or_to_lightnings_own_loading(tmp_path: Path) 
     assert strategy._resolve("tierckpt://other/7") == "tierckpt://other/7"
     assert strategy._resolve(pointer) == "tierckpt://job/5"
     assert strategy._resolve(plain) is None
+
+
+def test_a_pointer_to_another_namespace_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run with a misspelt namespace beside an old folder resumed from the other job's step
+    (its last.ckpt names it) and saved into its own; only Lightning's "Restored all states" was
+    said. An id passed on purpose is not warned about."""
+    from tierckpt_client.integrations.lightning import TieredModelParallelStrategy
+
+    last = tmp_path / "last.ckpt"
+    last.write_text("tierckpt://lt-k2\n")
+    strategy = TieredModelParallelStrategy("lt-typo")
+    with caplog.at_level(logging.WARNING):
+        assert strategy._resolve(last) == "tierckpt://lt-k2"
+        assert strategy._resolve("tierckpt://lt-k2/4") == "tierckpt://lt-k2/4"
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "a step of namespace 'lt-k2'; this run saves into namespace 'lt-typo'" in warning
+    assert "ckpt_path='tierckpt://lt-typo'" in warning
 
 
 def test_a_failed_save_is_raised_at_the_end_of_fit_not_while_another_error_unwinds(

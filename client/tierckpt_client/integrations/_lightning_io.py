@@ -39,7 +39,12 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp.ids import SCHEME, parse_checkpoint_id
-from tierckpt_client.integrations._pointers import pointer_id, read_pointer, write_pointer
+from tierckpt_client.integrations._pointers import (
+    pointer_id,
+    read_pointer,
+    warn_other_namespace,
+    write_pointer,
+)
 from tierckpt_core.errors import StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
@@ -187,6 +192,8 @@ class TieredCheckpointIO(CheckpointIO):
         checkpoint_id = text if text.startswith(SCHEME) else read_pointer(text)
         if checkpoint_id is None:  # a checkpoint written without tierckpt
             return TorchCheckpointIO().load_checkpoint(path, map_location, weights_only)
+        if checkpoint_id != text:
+            warn_other_namespace(self.namespace, text, checkpoint_id)
         namespace, step = parse_checkpoint_id(checkpoint_id)
         reader = TieredStorageReader(namespace, step, config=self.config)
         group, _ = checkpoint_groups(

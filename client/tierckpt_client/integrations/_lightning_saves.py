@@ -40,7 +40,12 @@ from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp.ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
-from tierckpt_client.integrations._pointers import pointer_id, read_pointer, write_pointer
+from tierckpt_client.integrations._pointers import (
+    pointer_id,
+    read_pointer,
+    warn_other_namespace,
+    write_pointer,
+)
 from tierckpt_core.errors import NamespaceNotFoundError, StepNotFoundError, TierCkptError
 from tierckpt_core.protocol import validate_namespace
 
@@ -178,6 +183,8 @@ class _TieredSaves:
         if self.global_rank == 0:
             text = os.fspath(checkpoint_path)
             target = text if text.startswith(SCHEME) else read_pointer(text)
+            if target is not None and target != text:
+                warn_other_namespace(self.namespace, text, target)
         resolved: str | None = self.broadcast(target)
         return resolved
 

@@ -7,12 +7,15 @@ keeps doing so: the file at the path holds ``tierckpt://<namespace>/<step>``, or
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
 from pathlib import Path
 
-from tierckpt_client.dcp.ids import SCHEME, format_checkpoint_id
+from tierckpt_client.dcp.ids import SCHEME, format_checkpoint_id, parse_checkpoint_id
+
+logger = logging.getLogger(__name__)
 
 POINTER_MAX = 4096  # a pointer file is one short line; anything larger is not one of ours
 LAST_PREFIX = "last"  # Lightning's ModelCheckpoint.CHECKPOINT_NAME_LAST
@@ -29,6 +32,23 @@ def read_pointer(path: str | os.PathLike[str]) -> str | None:
     except OSError:
         return None
     return text if text.startswith(SCHEME) and "\n" not in text else None
+
+
+def warn_other_namespace(namespace: str, path: str, checkpoint_id: str) -> None:
+    """Say so when the pointer at ``path`` names a step of another namespace than the one the
+    run saves into (a misspelt namespace beside an old folder: the run resumed from the other
+    job's step, then saved into its own, and only Lightning's "Restored all states" was said)."""
+    named, _ = parse_checkpoint_id(checkpoint_id)
+    if named != namespace:
+        logger.warning(
+            "%s names %s, a step of namespace %r; this run saves into namespace %r: it resumes "
+            "from the other job's step (pass ckpt_path=%r to resume from this job's own)",
+            path,
+            checkpoint_id,
+            named,
+            namespace,
+            format_checkpoint_id(namespace, None),
+        )
 
 
 def pointer_id(namespace: str, path: Path, step: int) -> str:
