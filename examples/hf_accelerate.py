@@ -47,7 +47,13 @@ def main() -> None:
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=a.steps)
+    # accelerate's prepared scheduler steps once per process at each optimizer step: its counts
+    # are in those (else the rate reached 0 half-way on 2 processes, and later steps changed
+    # nothing, which a resume check could not tell from a broken restore).
+    n = accelerator.num_processes
+    sched = get_linear_schedule_with_warmup(
+        opt, num_warmup_steps=2 * n, num_training_steps=a.steps * n
+    )
     model, opt, sched = accelerator.prepare(model, opt, sched)
     batch = (torch.arange(16) % 50).repeat(4, 1)
 

@@ -33,6 +33,9 @@ def test_resumed_run_reaches_the_weights_of_an_uninterrupted_one(
     ref = run_loop(EXAMPLES / script, args, node.client_env, log_dir=tmp_path)
     assert ref.returncodes == [0, 0], ref.lines
     assert ref.start == 0 and sorted(ref.losses) == list(range(1, 7)), ref.lines
+    # Every step changes the weights: else the resume's digests would match whatever it loaded
+    # (accelerate's scheduler once reached a rate of 0 half-way on 2 processes).
+    assert len(set(ref.losses.values())) == 6, ref.losses
     with DaemonClient(ClientConfig.from_env(socket=node.socket)) as c:
         assert sorted(s.step for s in c.steps("hf")) == [3, 6]
         c.delete("hf", 6)
