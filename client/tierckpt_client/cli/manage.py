@@ -195,8 +195,8 @@ def _prefetch(client: DaemonClient, ns: str, step: int, args: argparse.Namespace
     worker = threading.Thread(target=hydrate, name="tierckpt-prefetch", daemon=True)
     r.note(f"prefetch {ns} step {step}: starting")
     t0 = time.monotonic()
+    held = _in_memory(client, ns, step)  # before the hydration starts: it may end at once
     worker.start()
-    held = _in_memory(client, ns, step)
     if held:  # answered at once (unless files of it are still to come): no bar for it
         worker.join(QUIET_S)
     if not held or worker.is_alive():
