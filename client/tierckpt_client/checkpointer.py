@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from tierckpt_client import _gc_pause, _load_plan, _local_load, _stateful
+from tierckpt_client import _fresh, _gc_pause, _load_plan, _local_load, _stateful
 from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
@@ -336,7 +336,7 @@ class Checkpointer:
             # verifies, on every rank together.
             reader.resolve()
         except (NamespaceNotFoundError, StepNotFoundError) as e:
-            logger.info("%s: no step to restore, starting fresh (%s)", self.namespace, e)
+            _fresh.starting_fresh(logger, self.namespace, e, self.config)
             return None
         try:
             self._load(state, reader)

@@ -55,6 +55,29 @@ def test_cadence_restore_and_stateful(client_env: DaemonProcess) -> None:
     assert torch.equal(w2, torch.full((1000,), float(1 + 2 + 3 + 4)))
 
 
+def test_a_misspelt_namespace_starts_fresh_with_a_warning_naming_the_held_one(
+    client_env: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = torch.ones(64)
+    with Checkpointer("llama-pretrain") as ckpt:
+        ckpt.save(3, {"w": w})
+    caplog.set_level(logging.INFO, logger="tierckpt_client")
+    # A resume under a typo starts again from scratch: said as a warning naming the namespace
+    # the daemon holds, not as the INFO of a first run.
+    with Checkpointer("llama-pretrian") as typo:
+        assert typo.restore({"w": torch.zeros(64)}) is None
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, caplog.text
+    assert "'llama-pretrain'" in warned[0].getMessage()
+    assert "misspelt" in warned[0].getMessage()
+    # A new run under a name like no other's is a first start: INFO only.
+    caplog.clear()
+    with Checkpointer("eval-sweep") as other:
+        assert other.restore({"w": torch.zeros(64)}) is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "starting fresh" in caplog.text
+
+
 @pytest.mark.parametrize("async_staging", [False, True])
 def test_thread_saves_run_on_one_long_lived_thread(
     client_env: DaemonProcess, async_staging: bool

@@ -56,6 +56,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from tierckpt_client import _fresh
 from tierckpt_client.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt_client.dcp.ids import format_checkpoint_id
 from tierckpt_client.integrations._pointers import write_pointer
@@ -285,7 +286,8 @@ def restore_folder(namespace: str, save_dir: str | os.PathLike[str]) -> str | No
     reader = TieredStorageReader(namespace)
     try:
         md = reader.read_metadata()
-    except NamespaceNotFoundError:
+    except NamespaceNotFoundError as e:
+        _fresh.starting_fresh(logger, namespace, e, what="no step in tierckpt, a first start")
         return None
     step = reader.resolved_step
     assert step is not None  # read_metadata resolved "latest" or raised

@@ -50,6 +50,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.config.override import derive, override
 from torchtitan.tools.utils import GarbageCollection
 
+from tierckpt_client import _fresh
 from tierckpt_client.checkpointer import SaveFailedError, checkpoint_groups
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
@@ -244,7 +245,13 @@ class TieredCheckpointManager(CheckpointManager):
                     f"--checkpoint.load_step={step}: tierckpt://{self.namespace}/{step} "
                     f"does not exist ({e})"
                 ) from e
-            logger.info("%s: no step in tierckpt; torchtitan's own loading decides", self)
+            _fresh.starting_fresh(
+                logger,
+                self.namespace,
+                e,
+                self.client_config,
+                what="no step in tierckpt; torchtitan's own loading decides",
+            )
             with self._torchtitan_ids():
                 return bool(super()._load(step))
         resolved = probe.resolved_step
