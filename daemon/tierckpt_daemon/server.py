@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import ssl
+import stat
 from pathlib import Path
 
 import uvicorn
@@ -21,7 +22,7 @@ from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node, build_node
 from tierckpt_daemon.peers.handoff import HandoffServer
 from tierckpt_daemon.peers.zerocopy import SendfileH11Protocol
-from tierckpt_daemon.tier.arena import make_dir
+from tierckpt_daemon.tier.arena import check_root, make_dir
 from tierckpt_daemon.tier.tenants import STATE_KEY, caller_of
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,15 @@ def _lock_tier(shm_dir: Path) -> int:
 
 def _bind_unix(path: Path) -> socket.socket:
     path.parent.mkdir(parents=True, exist_ok=True)
+    st = os.stat(path.parent)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        logger.warning(
+            "the socket's directory %s is writable by %s: whoever may write it could replace "
+            "the daemon's socket with one of its own (every trainer of the node would talk to "
+            "that process); use a directory only the daemon's user may write (TIERCKPT_SOCKET)",
+            path.parent,
+            "its group" if not st.st_mode & stat.S_IWOTH else "everyone",
+        )
     with contextlib.suppress(FileNotFoundError):
         path.unlink()  # stale socket of a dead daemon: the tier lock says nobody else serves it
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -179,6 +189,10 @@ def serve(settings: DaemonSettings) -> None:
         raise SettingError(
             f"TIERCKPT_SHM_DIR: cannot create {settings.shm_dir}: {e.strerror or e}"
         ) from None
+    try:
+        check_root(settings.shm_dir)
+    except PermissionError as e:
+        raise SettingError(f"TIERCKPT_SHM_DIR: {e}") from None
     lock_fd = _lock_tier(settings.shm_dir)
     node: Node | None = None
     restore_hook = None

@@ -74,6 +74,7 @@ def _too_long_socket(tmp_path: Path) -> dict[str, str]:
         ("unwritable", "TIERCKPT_SHM_DIR", "cannot create /sys/tierckpt-test"),
         ("long_socket", "TIERCKPT_SOCKET", "a Unix socket's path holds at most 107"),
         ("bare_capacity", "TIERCKPT_CAPACITY", "'40' is 40 bytes, below the 64 MiB"),
+        ("another_users", "TIERCKPT_SHM_DIR", "belongs to uid 2002, not to the daemon (uid 0)"),
     ],
 )
 def test_bad_tier_settings_exit_2_naming_the_setting(
@@ -83,6 +84,8 @@ def test_bad_tier_settings_exit_2_naming_the_setting(
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     tier = str(tmp_path / "tier")
+    (tmp_path / "theirs").mkdir(mode=0o755)
+    os.chown(tmp_path / "theirs", 2002, 0)  # the test runs as root: another user's directory
     env = {
         "log_level": _env(shm_dir=tier, log_level="LOUD"),
         "a_file": _env(shm_dir=str(tmp_path / "file")),
@@ -91,6 +94,7 @@ def test_bad_tier_settings_exit_2_naming_the_setting(
         "unwritable": _env(shm_dir="/sys/tierckpt-test"),
         "long_socket": _too_long_socket(tmp_path),
         "bare_capacity": _env(shm_dir=tier, capacity="40"),
+        "another_users": _env(shm_dir=str(tmp_path / "theirs")),
     }[case]
     proc = _run(env)
     _refused(proc, setting, message)

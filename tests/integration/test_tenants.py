@@ -9,10 +9,12 @@ step this node committed, another uid's steps on a peer never become "latest" no
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -213,6 +215,54 @@ def test_a_namespace_belongs_to_the_uid_that_saved_it(node: DaemonProcess) -> No
     assert _payload(node, "teamB", 1) == "victim-1"  # nothing the attacker did changed it
     assert _as_root(call, sock, "delete", "teamB", 1) == "deleted"
     assert sorted(_as_root(call, sock, "namespaces", "")) == ["teamA", "teamB"]
+
+
+def replace_entries(sock: str, tier: str) -> dict[str, str]:
+    """What a group member tries against the tier directory after a save of its own: each
+    attempt's errno name, or "done". The attack it stands for (a review's): rename its step
+    directory away, put a link to the tier in its place, and seal a socket of its own as the
+    next file, so that the daemon moves it over daemon.sock."""
+    save(sock, "evil", 1, "mine")
+    root = tier
+    ns_dir = os.path.join(root, "ns", "evil")
+    step_dir = os.path.join(ns_dir, os.listdir(ns_dir)[0])
+    with DaemonClient.from_socket(sock) as c:
+        lease = c.lease("evil", 0, 4096)
+
+    def attempt(fn: Callable[[], Any]) -> str:
+        try:
+            fn()
+        except OSError as e:
+            return errno.errorcode[e.errno or 0]
+        return "done"
+
+    def bind_over_socket() -> None:
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.bind(os.path.join(root, "mine.sock"))
+        finally:
+            s.close()
+
+    return {
+        "rename the step directory": attempt(lambda: os.rename(step_dir, step_dir + ".away")),
+        "plant a link in the namespace": attempt(lambda: os.symlink(root, ns_dir + "/x")),
+        "plant a record in the step": attempt(lambda: open(step_dir + "/MANIFEST.x", "x").close()),
+        "remove the leased file": attempt(lambda: os.unlink(lease.path)),
+        "plant a file in the pool": attempt(lambda: open(root + "/pool/x.bin", "x").close()),
+        "remove daemon.sock": attempt(lambda: os.unlink(sock)),
+        "bind a socket in the tier": attempt(bind_over_socket),
+        "write the leased file": attempt(lambda: open(lease.path, "r+b").write(b"ok")),
+    }
+
+
+def test_a_group_member_writes_its_files_but_replaces_nothing_in_the_tier(
+    node: DaemonProcess,
+) -> None:
+    got = as_user(ATTACKER, replace_entries, str(node.socket), str(node.shm_dir))
+    assert got.pop("write the leased file") == "done", got  # what saves need
+    assert got == dict.fromkeys(got, "EACCES"), got
+    with DaemonClient.from_socket(node.socket) as c:  # the daemon and its socket are intact
+        assert c.step("evil", 1).state.value == "committed"
 
 
 def take_lease(sock: str, ns: str, payload: str) -> str:

@@ -1,6 +1,7 @@
 """The tier directory cannot be turned against the host: a member of the daemon's group can write
-there, so the daemon never follows a link it finds, creates what it writes with explicit modes,
-and checks a request before it evicts anything for it (issue 13, defects 1, 3, 5 and 6)."""
+the files there (and an earlier daemon let it create entries), so the daemon never follows a link
+it finds, creates what it writes with explicit modes, and checks a request before it evicts
+anything for it (issue 13, defects 1, 3, 5 and 6)."""
 
 from __future__ import annotations
 
@@ -96,9 +97,35 @@ def test_the_daemon_refuses_a_linked_lock_file_and_makes_its_socket_0660(tmp_pat
         d.start()
         assert stat.S_IMODE(os.lstat(d.socket).st_mode) == 0o660
         for sub in ("pool", "leases", "ns"):
-            assert stat.S_IMODE(os.lstat(shm / sub).st_mode) == 0o770
+            assert stat.S_IMODE(os.lstat(shm / sub).st_mode) == 0o750
     finally:
         d.cleanup()
+
+
+def test_a_tier_an_earlier_daemon_left_group_writable_is_closed_at_start(
+    daemon: DaemonProcess,
+) -> None:
+    """Daemons before 0.1.x made the tier's directories 0770: any trainer of the group could
+    rename its own socket over daemon.sock, or a link over a step directory. A restart takes
+    the group's write permission off every directory, the tier's own with a WARNING."""
+    with DaemonClient.from_socket(daemon.socket) as c:
+        _save(c, "job", 1)
+        _save(c, "job", 2, commit=False)  # an unfinished attempt: its directory too
+    root = daemon.shm_dir
+    dirs = [root, *(p for p in root.rglob("*") if p.is_dir() and not p.is_symlink())]
+    assert len(dirs) >= 6  # the tier, pool, leases, ns, ns/job, a step
+    daemon.stop()
+    for d in dirs:
+        os.chmod(d, 0o770)
+    daemon.start()
+    assert stat.S_IMODE(os.lstat(root).st_mode) == 0o750
+    for p in root.rglob("*"):
+        if p.is_dir() and not p.is_symlink():
+            assert stat.S_IMODE(os.lstat(p).st_mode) == 0o750, p
+    assert "was mode 770: made it 750" in daemon.log()
+    with DaemonClient.from_socket(daemon.socket) as c:
+        assert c.step("job", 1).state.value == "committed"
+        _save(c, "job", 3)  # and saves go on
 
 
 @pytest.mark.daemon_settings(capacity="64M")
@@ -133,3 +160,18 @@ def test_a_deleted_step_stays_deleted_across_a_restart_even_while_pinned(
     with DaemonClient.from_socket(daemon.socket) as c:
         assert c.latest("job").step == 1
         assert [s.step for s in c.steps("job")] == [1]
+
+
+def test_a_seal_moves_only_the_leased_file_never_what_replaced_it(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    victim = _victim(tmp_path)
+    with DaemonClient.from_socket(daemon.socket) as c:
+        lease = c.lease("job", 0, 4096)
+        os.unlink(lease.path)
+        os.symlink(victim / "precious", lease.path)
+        with pytest.raises(StepStateError, match="replaced by something other than a regular"):
+            c.seal("job", 1, "a", 0, [SealFile(lease_id=lease.lease_id, name="r0", length=10)])
+        _save(c, "job", 2)  # the daemon answers on, and saves go on
+    assert (victim / "precious").read_bytes() == b"do not delete or truncate me"
+    assert not any(p.is_symlink() for p in daemon.shm_dir.rglob("*") if p.name == "r0")

@@ -17,6 +17,7 @@ Layout under the tier directory::
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -56,8 +57,11 @@ class Arena:
         self.pool_dir = root / "pool"
         self.lease_dir = root / "leases"
         self.ns_dir = root / "ns"
-        for d in (self.root, self.pool_dir, self.lease_dir, self.ns_dir):
+        make_dir(self.root)
+        check_root(self.root)
+        for d in (self.pool_dir, self.lease_dir, self.ns_dir):
             make_dir(d)
+            own_dir(d)
         self._pool: dict[Path, PoolFile] = {}
         self._sizes: dict[Path, int] = {}  # every file the arena accounts for, pool included
         self._reserved = 0
@@ -88,9 +92,9 @@ class Arena:
         but a regular file (a link planted in the tier directory, say) is removed, never
         followed."""
         st = _lstat(path)
-        if st is None or not stat.S_ISREG(st.st_mode):
+        if st is None or not stat.S_ISREG(st.st_mode) or not _ours(st):
             if st is not None:
-                logger.warning("removing %s from the tier directory: not a regular file", path)
+                logger.warning("removing %s from the tier directory: %s", path, _foreign(st))
                 _remove(path)
             self._sizes.pop(path, None)
             self._pool.pop(path, None)
@@ -112,7 +116,7 @@ class Arena:
     def scan_pool(self) -> None:
         for p in self.pool_dir.iterdir():
             st = _lstat(p)
-            if st is not None and p.suffix == ".bin" and stat.S_ISREG(st.st_mode):
+            if st is not None and p.suffix == ".bin" and stat.S_ISREG(st.st_mode) and _ours(st):
                 self._sizes[p] = st.st_size
                 self._pool[p] = PoolFile(p, st.st_size, time.monotonic())
             else:
@@ -230,11 +234,19 @@ def _write_zeros(fd: int, size: int) -> None:
         off += os.pwrite(fd, view[: min(len(view), size - off)], off)
 
 
-DIR_MODE = 0o770  # the daemon and the node's training processes (its group); nobody else
+# Only the daemon creates, renames or removes entries in the tier directory: its group (the
+# node's trainers) may reach and open the files in it (shard files are 0660), never replace one.
+# A group that could write a directory could rename its own socket over daemon.sock, a link over
+# a step directory the daemon is about to write through, or its own MANIFEST.json over a step's
+# (docs/security.md, "The tier directory").
+DIR_MODE = 0o750
+_GROUP_OR_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 def make_dir(path: Path) -> None:
-    """Create ``path`` (and missing parents) with DIR_MODE whatever the umask; refuse a link."""
+    """Create ``path`` (and missing parents) with DIR_MODE whatever the umask; refuse a link.
+    An existing directory is left as it is (a parent of the tier directory is not the
+    daemon's): :func:`own_dir` makes one of the daemon's its own."""
     st = _lstat(path)
     if st is not None:
         if not stat.S_ISDIR(st.st_mode):
@@ -246,7 +258,71 @@ def make_dir(path: Path) -> None:
         os.mkdir(path, DIR_MODE)
     except FileExistsError:
         return
-    os.chmod(path, DIR_MODE, follow_symlinks=False)
+    own_dir(path)
+
+
+def new_dir(path: Path) -> None:
+    """Create directory ``path``, which must not exist, with DIR_MODE whatever the umask."""
+    os.mkdir(path, DIR_MODE)
+    own_dir(path)
+
+
+def own_dir(path: Path) -> None:
+    """Make the daemon's directory ``path`` DIR_MODE (an earlier daemon made them 0770, a umask
+    may have taken bits off), through a descriptor opened without following a link. Raises
+    NotADirectoryError for a link or anything but a directory, PermissionError for a directory
+    another user owns (planted: never adopted)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotADirectoryError(f"{path} is not a directory (a link?)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not _ours(st):
+            raise PermissionError(f"{path} {_foreign(st)}")
+        if stat.S_IMODE(st.st_mode) != DIR_MODE:
+            os.fchmod(fd, DIR_MODE)
+    finally:
+        os.close(fd)
+
+
+def check_root(root: Path) -> None:
+    """The tier directory must be the daemon's and writable by no one else: whoever could write
+    it could replace the daemon's socket (every trainer of the node would then talk to its
+    process) or its lock. Group or other write permission on a directory the daemon owns is
+    taken off, with a WARNING; one owned by another user fails the start (PermissionError)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not _ours(st):
+            raise PermissionError(
+                f"{root} {_foreign(st)}: another user could replace the daemon's socket there; "
+                f"give it to uid {os.geteuid()} (chown) or use a directory of the daemon's own"
+            )
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & _GROUP_OR_OTHER_WRITE:
+            os.fchmod(fd, mode & ~_GROUP_OR_OTHER_WRITE)
+            logger.warning(
+                "%s was mode %o: made it %o (the group and others may enter it, not create, "
+                "rename or remove entries: a trainer could otherwise replace the daemon's socket)",
+                root,
+                mode,
+                mode & ~_GROUP_OR_OTHER_WRITE,
+            )
+    finally:
+        os.close(fd)
+
+
+def _ours(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid()
+
+
+def _foreign(st: os.stat_result) -> str:
+    if _ours(st) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        return "not a regular file"
+    return f"belongs to uid {st.st_uid}, not to the daemon (uid {os.geteuid()})"
 
 
 def _lstat(path: Path) -> os.stat_result | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -204,8 +205,14 @@ class DurableReads:
         else:
             # pwrite, not a mapping: the file's pages are fresh (no pre-faulting), and tmpfs
             # allocates them about twice as fast on write() as on a page fault per 4 KiB.
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO put where the leased file was would hold this open forever.
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise IntegrityError(
+                        f"{namespace}/step {step}: the file leased for {f.name} in memory was "
+                        "replaced by something other than a regular file"
+                    )
                 got = self.store.get_to_file(key, fd, f.length)
             finally:
                 os.close(fd)

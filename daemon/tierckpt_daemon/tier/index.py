@@ -27,7 +27,7 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.protocol import NamespaceInfo, StepState, validate_namespace, validate_step
-from tierckpt_daemon.tier.arena import DIR_MODE, Arena, make_dir
+from tierckpt_daemon.tier.arena import Arena, make_dir, new_dir, own_dir
 from tierckpt_daemon.tier.eviction import EvictionPolicy, safe_to_evict
 from tierckpt_daemon.tier.records import (
     MANIFEST,
@@ -64,7 +64,11 @@ class StepIndex:
             if not _is_real_dir(ns_dir):  # a link or a file planted in ns/: removed, not followed
                 self.arena.delete(ns_dir)
                 continue
+            if not _made_ours(ns_dir):
+                continue
             for step_dir in sorted(ns_dir.iterdir()):
+                if _is_real_dir(step_dir) and not _made_ours(step_dir):
+                    continue
                 reclaimed += self._rebuild_step(ns_dir.name, step_dir)
             if not any(ns_dir.iterdir()):
                 ns_dir.rmdir()
@@ -174,8 +178,7 @@ class StepIndex:
                 self.reclaim_dir(old.dir)
             step_dir = self.arena.ns_dir / namespace / step_dir_name(step, attempt)
             make_dir(step_dir.parent)
-            os.mkdir(step_dir, DIR_MODE)
-            os.chmod(step_dir, DIR_MODE)
+            new_dir(step_dir)
             rec = StepRecord(namespace=namespace, step=step, attempt=attempt, dir=step_dir)
             self.writing[key] = rec
         return rec
@@ -325,6 +328,18 @@ class StepIndex:
 def _same_tenant(a: str | None, b: str | None) -> bool:
     """Whether steps of owners ``a`` and ``b`` count together (None: from before owners)."""
     return a is None or b is None or a == b
+
+
+def _made_ours(path: Path) -> bool:
+    """:func:`own_dir` at a rebuild: a directory of the daemon's gets DIR_MODE (an earlier
+    daemon's 0770 let its group replace entries); one another user owns is left out, never
+    adopted (it could only have been planted), with an ERROR for the operator."""
+    try:
+        own_dir(path)
+    except PermissionError as e:
+        logger.error("left out of the tier's index: %s (planted? remove it)", e)
+        return False
+    return True
 
 
 def _is_real_dir(path: Path) -> bool:

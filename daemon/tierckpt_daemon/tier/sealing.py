@@ -9,8 +9,11 @@ of them moves; the namespace's first save here claims it for the caller.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from tierckpt_core.errors import LeaseNotFoundError, ProtocolError, StepStateError
@@ -106,6 +109,11 @@ class Sealing:
                     raise ProtocolError(
                         f"{namespace}/step {step}: file {f.name}: block checksums without a checksum"
                     )
+                if not _regular(lease.path):
+                    raise StepStateError(
+                        f"{namespace}/step {step}: the file leased for {f.name} was replaced by "
+                        "something other than a regular file; the save must lease again"
+                    )
                 self.leases.take(lease)
                 path = rec.dir / f.name
                 self.arena.move(lease.path, path)
@@ -147,3 +155,12 @@ def _unknown_lease(
         f"{namespace}/step {step} rank {rank}: lease {lease_id} for file {name} is unknown or "
         "expired, or another user's (was the daemon restarted during the save?)"
     )
+
+
+def _regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself (not a link, socket or FIFO put in its place):
+    a seal moves the leased file into the step, and must never move anything else."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
