@@ -33,7 +33,9 @@ class ClientConfig:
             options come from ``TIERCKPT_S3_*`` and the AWS credential chain.
         verify_reads: check tensors read from this node's memory against the checksums taken
             when they were written (``TIERCKPT_VERIFY_READS``, default on; ``0`` turns it off
-            for tensors; bytes items, which are unpickled, are always checked).
+            for tensors; bytes items, which are unpickled, are always checked, and so are the
+            loads of the Lightning integrations, whose pickled state is a tensor:
+            :meth:`verifying`).
         pin_memory: register the tier files a save of CUDA tensors stages into, and a restore
             into CUDA tensors reads from, as page-locked host memory (``cudaHostRegister``), so
             that the device copies are DMA at the link's speed (``TIERCKPT_PIN_MEMORY``,
@@ -71,6 +73,12 @@ class ClientConfig:
     prelease: bool = True
     async_staging: bool = True
     pause_gc: bool = True
+
+    def verifying(self) -> ClientConfig:
+        """This configuration with ``verify_reads`` on: for a load whose tensor is unpickled
+        (the Lightning integrations keep the checkpoint's other state as ``torch.save`` bytes in
+        a uint8 tensor), which must never read bytes that were not verified."""
+        return self if self.verify_reads else replace(self, verify_reads=True)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> ClientConfig:

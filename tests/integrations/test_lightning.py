@@ -304,3 +304,39 @@ def test_checkpoint_io_refuses_bad_arguments() -> None:
         TieredCheckpointIO("job", async_mode="fork")
     with pytest.raises(ValueError, match="namespace"):
         TieredCheckpointIO("job").save_checkpoint({"global_step": 1}, "tierckpt://other/1")
+
+
+def test_checkpoint_io_never_unpickles_unverified_bytes(
+    client_env: DaemonProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's state besides the tensors is pickled into a uint8 tensor: a load with
+    TIERCKPT_VERIFY_READS=0 (tensors unchecked) still verifies it, so a changed byte fails the
+    load instead of reaching torch.load (weights_only=False runs what a pickle says)."""
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierckpt_client.integrations.lightning import TieredCheckpointIO
+
+    from kit import flip_byte
+
+    saver = TieredCheckpointIO("lt-meta")
+    w = torch.arange(64.0)
+    saver.save_checkpoint(
+        {"global_step": 3, "state_dict": {"w": w}, "note": "n" * 4096}, tmp_path / "a.ckpt"
+    )
+    saver.wait()
+    with DaemonClient() as c:
+        md = c.metadata("lt-meta", 3)
+        (meta,) = [e for e in md["storage_data"] if e["fqn"] == "lightning"]
+        pin = c.pin("lt-meta", 3)
+        path = pin.paths[meta["file"]]
+        c.unpin("lt-meta", 3, pin.pin_id)
+    monkeypatch.setenv("TIERCKPT_VERIFY_READS", "0")
+    loaded = TieredCheckpointIO("lt-meta").load_checkpoint(tmp_path / "a.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], w) and loaded["note"] == "n" * 4096
+
+    flip_byte(path, meta["file_offset"] + meta["length"] // 2)
+    with pytest.raises(CheckpointException) as info:
+        TieredCheckpointIO("lt-meta").load_checkpoint(tmp_path / "a.ckpt", weights_only=False)
+    (error,) = info.value.failures.values()
+    assert f"file {meta['file']} does not match the checksum" in str(error), error

@@ -195,7 +195,8 @@ class TieredCheckpointIO(CheckpointIO):
         if checkpoint_id != text:
             warn_other_namespace(self.namespace, text, checkpoint_id)
         namespace, step = parse_checkpoint_id(checkpoint_id)
-        reader = TieredStorageReader(namespace, step, config=self.config)
+        # Verified whatever TIERCKPT_VERIFY_READS says: _META is unpickled.
+        reader = TieredStorageReader(namespace, step, config=self.config.verifying())
         group, _ = checkpoint_groups(
             None
         )  # a gloo group when the job is distributed (may train on NCCL)

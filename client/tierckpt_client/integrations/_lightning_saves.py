@@ -216,8 +216,9 @@ class _TieredSaves:
         optimizers = self._optimizers_to_load()
         for idx, optim in enumerate(optimizers):
             state[f"optimizer_{idx}"] = get_optimizer_state_dict(model, optim)
+        # Verified whatever TIERCKPT_VERIFY_READS says: _META is unpickled.
         reader = TieredStorageReader(
-            namespace, step, config=self.config, process_group=self._ckpt_group
+            namespace, step, config=self.config.verifying(), process_group=self._ckpt_group
         )
         # The Checkpointer's load plan: an FSDP2 resume on its mesh without DCP's per-tensor
         # planning (anything else is planned by DCP as before).
