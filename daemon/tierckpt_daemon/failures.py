@@ -46,12 +46,18 @@ class ThreadFailures:
         self._lock = threading.Lock()
         self._failed: list[str] = []
 
-    def record(self, thread: str, error: BaseException) -> None:
+    def record(self, thread: str, error: BaseException, *, died: bool = True) -> None:
+        """Count and keep ``thread``'s failure; ``died=False`` for a loop that goes on (the
+        sweeper): still a bug the operator must see."""
         label = thread_label(thread)
         self._counter.labels(thread=label).inc()
+        what = f"{type(error).__name__}: {error}"
+        line = (
+            f"thread {thread} died of {what}" if died else f"{thread} failed ({what}); it goes on"
+        )
         with self._lock:
             if len(self._failed) < MAX_KEPT:
-                self._failed.append(f"thread {thread} died of {type(error).__name__}: {error}")
+                self._failed.append(line)
 
     def failed(self) -> list[str]:
         with self._lock:

@@ -28,7 +28,6 @@ from tierckpt_daemon.api.writes import router as writes_router
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node
 from tierckpt_daemon.peers.server import PeerServer
-from tierckpt_daemon.tier.service import TierService
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_sweeper(service))
+        task = asyncio.create_task(_sweeper(node))
         node.start()
         try:
             yield
@@ -174,10 +173,22 @@ def create_app(node: Node, settings: DaemonSettings) -> FastAPI:
     return app
 
 
-async def _sweeper(service: TierService) -> None:
+async def _sweeper(node: Node) -> None:
+    """Expire leases, pins and stalled saves every SWEEP_INTERVAL_S. It never ends on an error:
+    an OSError is logged, anything else (a bug) is also counted as a background failure
+    (``tierckpt_background_thread_failures_total{thread="sweeper"}``, its alert, and the
+    status's failed threads): a sweep that keeps failing lets the tier fill with expired
+    leases, and a task that died of it would be seen by no one."""
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         try:
-            await asyncio.to_thread(service.sweep)
+            await asyncio.to_thread(node.service.sweep)
         except OSError:
             logger.exception("housekeeping sweep failed; retrying in %.0fs", SWEEP_INTERVAL_S)
+        except Exception as e:
+            logger.exception(
+                "housekeeping sweep failed (a bug: leases, pins and stalled saves may not "
+                "expire); retrying in %.0fs",
+                SWEEP_INTERVAL_S,
+            )
+            node.failures.record("sweeper", e, died=False)
