@@ -98,6 +98,14 @@ class DaemonSettings(BaseSettings):
     keep_last: int = Field(default=2, ge=1, description="committed steps kept per namespace")
     host: str = Field(default="127.0.0.1", description="bind address of the TCP port")
     port: int = Field(default=8474, ge=0, le=65535, description="TCP port (probes); 0 = off")
+    head_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="a connection to the TCP port that has not sent a whole request head this "
+        "long after it opened, or after the last answer, is closed (one that sends a head a "
+        "byte at a time could otherwise hold a connection, a descriptor and memory for good)",
+    )
     lease_ttl_s: float = Field(
         default=900.0, gt=0, description="an unsealed lease or unfinished step expires after this"
     )

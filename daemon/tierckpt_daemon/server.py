@@ -41,11 +41,54 @@ class CallerH11Protocol(SendfileH11Protocol):
     (:mod:`.peers.zerocopy`); on a Unix socket, each request carries its caller
     (:mod:`.tier.tenants`)."""
 
+    head_timeout_s = 10.0  # TIERCKPT_HEAD_TIMEOUT_S: set by serve()
+    _head_deadline: asyncio.TimerHandle | None = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         caller = caller_of(transport.get_extra_info("socket"))
         if caller is not None:
             self.app_state = {**self.app_state, STATE_KEY: caller}
+        else:  # the TCP port: anyone who reaches it, before the token is checked
+            self._await_head()
+
+    # uvicorn bounds an idle kept-alive connection (KEEPALIVE_S) only until the first byte of
+    # the next request, and the wait for the first request not at all: a client sending a head
+    # a byte at a time (or never finishing it) held its connection for good. A request's head
+    # must now be whole within head_timeout_s of the connection's start, or of the first byte
+    # of the next request after an answer.
+    def _await_head(self) -> None:
+        self._head_deadline = self.loop.call_later(self.head_timeout_s, self._head_late)
+
+    def _head_came(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_late(self) -> None:
+        self._head_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        between = self.cycle is None or self.cycle.response_complete
+        if between and self._head_deadline is None and self.app_state.get(STATE_KEY) is None:
+            self._await_head()  # the first bytes of the next request on a kept-alive connection
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:  # a whole request head was parsed
+            self._head_came()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_came()
+        super().connection_lost(exc)
+
+
+def _with_head_timeout(seconds: float) -> type[CallerH11Protocol]:
+    return type("CallerH11Protocol", (CallerH11Protocol,), {"head_timeout_s": seconds})
 
 
 class DaemonStartError(RuntimeError):
@@ -218,7 +261,7 @@ def serve(settings: DaemonSettings) -> None:
             timeout_keep_alive=KEEPALIVE_S,
             lifespan="on",
             # Peers' file bytes by sendfile on plain TCP; local callers' uid on the Unix socket.
-            http=CallerH11Protocol,
+            http=_with_head_timeout(settings.head_timeout_s),
         )
         server = uvicorn.Server(config) if tls is None else _Server(config, tcp, tls)
         if node.ring is not None:

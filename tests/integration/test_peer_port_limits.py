@@ -171,3 +171,33 @@ def test_a_peer_route_on_a_daemon_without_peers_is_refused_unread(path: str) -> 
         s.sendall(_head(path, length=100 * MiB, token=TOKEN))
         status, doc, _ = _answer(s)
     assert status == 403 and "replication is off" in doc["detail"], doc
+
+
+def test_a_request_head_that_never_ends_is_cut_off_a_kept_alive_connection_is_not() -> None:
+    """A client that sends a head a byte at a time, or never finishes it, held its connection
+    (a descriptor, memory) for good, however many it opened. Now the head must be whole within
+    TIERCKPT_HEAD_TIMEOUT_S of the connection's start or of the next request's first byte; an
+    idle kept-alive connection between requests (a peer's pool) still lasts KEEPALIVE_S."""
+    port = free_port()
+    with started(port=port, host="127.0.0.1", head_timeout_s="1") as d:
+        slow = [_connect(d) for _ in range(20)]
+        for s in slow:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # the head, unfinished
+        pooled = _connect(d)
+        get = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        pooled.sendall(get)
+        assert _answer(pooled)[0] == 200
+        silent = _connect(d)  # connected, nothing sent
+        for s in [*slow, silent]:
+            s.settimeout(10)
+            assert s.recv(1) == b"", "the daemon did not close a connection with no whole head"
+            s.close()
+        # 1 s of a head timeout has long passed: the pooled connection is idle, not cut off.
+        pooled.sendall(get[:10])
+        pooled.sendall(get[10:])
+        assert _answer(pooled)[0] == 200
+        # A next request begun and not finished is cut off like a first one.
+        pooled.sendall(get[:10])
+        pooled.settimeout(10)
+        assert pooled.recv(1) == b""
+        pooled.close()
