@@ -290,6 +290,7 @@ class LocalState(BaseModel):
 
     persist: bool | None = None  # what the writer asked for (None: the daemon's policy)
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
+    share_uploaded: bool = False  # a participant's share uploaded; the decider writes the marker
     durable: bool = False  # complete in the persistent tier
     durable_at: float | None = None  # when this node's upload made it durable (wall clock)
     origin: str | None = None  # a replica: the peer (host:port) that committed it

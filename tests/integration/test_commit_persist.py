@@ -5,11 +5,15 @@ without the flag and then again with it (issue 32, item 1). Real daemons on a ri
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from commit_kit import NS, TOKEN, decide, decided_without, latest, prepare, until
+
+from tierckpt_client import DaemonClient
+from tierckpt_core.protocol import CommitRequest
 
 from helpers import DaemonProcess, ring, running
 from kit import seal_bytes
@@ -89,3 +93,34 @@ def test_a_decision_sent_again_with_persist_upgrades_a_step_taken_without_it(
         decide(a, 2, "s2", files, via=b, persist=persist)
     assert latest(b) == 2
     until("b's share in the persistent tier", lambda: _share_up(tier, 2, "r00001.data"), 30)
+
+
+def test_a_participant_learns_that_the_step_became_durable(
+    two: list[DaemonProcess], tier: Path
+) -> None:
+    """Each node uploads its share; the decider writes the step's marker. The participant's
+    record stayed "committed" for good: a rank on that node waiting for the step to become
+    durable (a preemption's save) waited its whole deadline and exited 1, and `tierckpt
+    persist --wait` there failed, with the step durable. Asked about the step, the participant
+    now reads the marker, and a persist request does not upload its share again."""
+    a, b = sorted(two, key=lambda d: d.name or "")
+    assert a.name and b.name
+    data = dict([seal_bytes(a, NS, 3, "s3", 0, 40_000), seal_bytes(b, NS, 3, "s3", 1, 40_000)])
+    req = CommitRequest(
+        files=sorted(data),
+        metadata={"what": "test"},
+        world_size=2,
+        nodes={"r00000.data": a.name, "r00001.data": b.name},
+        persist=True,
+    )
+    with DaemonClient.from_socket(a.socket) as ca:
+        ca.commit(NS, 3, "s3", req)  # a decides: its trainer is rank 0
+        until("step 3 durable in the tier", lambda: _durable(tier, 3), 60)
+        assert ca.step(NS, 3).state.value == "durable"
+    share = tier / NS / "step_000000000003" / "r00001.data"
+    uploaded = share.stat().st_mtime_ns
+    with DaemonClient.from_socket(b.socket) as cb:
+        cb.persist(NS, 3)  # what a preemption's wait asks first
+        until("b to say step 3 is durable", lambda: cb.step(NS, 3).state.value == "durable", 10)
+    time.sleep(0.5)
+    assert share.stat().st_mtime_ns == uploaded  # b's share was not sent again

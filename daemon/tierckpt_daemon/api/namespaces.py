@@ -138,8 +138,16 @@ def peer_sources(namespace: str, step: int, node: NodeDep, owner: Owner) -> Peer
 
 
 @router.post("/{namespace}/steps/{step}/persist")
-def persist(namespace: str, step: int, service: Service, owner: Owner) -> StepInfo:
-    return service.persist_now(namespace, step, owner=owner)
+def persist(namespace: str, step: int, node: NodeDep, owner: Owner) -> StepInfo:
+    _learn_durable(node, namespace, step, owner)
+    return node.service.persist_now(namespace, step, owner=owner)
+
+
+def _learn_durable(node: Node, namespace: str, step: int, owner: str | None) -> None:
+    """A participant's share of a step spanning nodes, uploaded: whether the decider has made
+    the step durable since (tier/share_durable.py). Asked where a caller waits for it."""
+    if node.persister is not None:
+        node.persister.learn_durable(namespace, step, owner)
 
 
 @router.post("/{namespace}/steps/{step}/corruption", status_code=204)
@@ -173,8 +181,9 @@ def wait_replicated(
 
 
 @router.get("/{namespace}/steps/{step}")
-def get_step(namespace: str, step: int, service: Service, owner: Owner) -> StepInfo:
-    return service.get_step(namespace, step, owner=owner)
+def get_step(namespace: str, step: int, node: NodeDep, owner: Owner) -> StepInfo:
+    _learn_durable(node, namespace, step, owner)
+    return node.service.get_step(namespace, step, owner=owner)
 
 
 @router.get("/{namespace}/steps/{step}/metadata")

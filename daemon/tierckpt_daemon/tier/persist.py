@@ -46,6 +46,7 @@ from tierckpt_daemon.tier.background import QueueWorker, background_pool
 from tierckpt_daemon.tier.durable_reads import DurableReads
 from tierckpt_daemon.tier.records import StepRecord, read_manifest
 from tierckpt_daemon.tier.service import TierService
+from tierckpt_daemon.tier.share_durable import learn_durable
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,10 @@ class Persister(QueueWorker[StepRecord], DurableReads):
 
     def persist_requested(self, rec: StepRecord) -> None:
         self.enqueue(rec)
+
+    def learn_durable(self, namespace: str, step: int, owner: str | None) -> None:
+        """A participant's share uploaded: whether the decider made the step durable since."""
+        learn_durable(self.service, self.store, namespace, step, owner)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued upload finished (True) or ``timeout_s`` passed (False)."""

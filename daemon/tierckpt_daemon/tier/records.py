@@ -54,6 +54,10 @@ class StepRecord:
     # decider's decision (what a participant in doubt is told); True once persisted on request.
     persist: bool | None = None
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
+    # A participant of a step spanning nodes: its share is uploaded, the decider writes the
+    # marker (share_durable.py), which was last read at this monotonic time.
+    share_uploaded: bool = False
+    marker_read_at: float = 0.0
     origin: str | None = None  # a replica: the peer (host:port) that committed it
     replicated_to: list[str] = field(default_factory=list)  # peers holding a verified copy
     replication_pending: bool = False  # must not leave memory before it is replicated
@@ -149,6 +153,7 @@ class StepRecord:
                 participants=list(self.participants) or None,
                 persist=self.persist,
                 persist_pending=self.persist_pending,
+                share_uploaded=self.share_uploaded,
                 durable=self.state == StepState.DURABLE,
                 durable_at=self.durable_at,
                 origin=self.origin,
@@ -251,6 +256,7 @@ def record_from_manifest(namespace: str, step_dir: Path, doc: StepManifest) -> S
         world_size=doc.world_size,
         persist=local.persist,
         persist_pending=local.persist_pending,
+        share_uploaded=local.share_uploaded,
         origin=local.origin,
         replicated_to=list(local.replicated_to),
         replication_pending=local.replication_pending,

@@ -411,7 +411,12 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
             )
         with self.lock:
             rec = self.record(namespace, step, owner=owner)
-            queue = rec.state == StepState.COMMITTED and not rec.persist_pending
+            # A participant's share already uploaded: the decider makes the step durable.
+            queue = (
+                rec.state == StepState.COMMITTED
+                and not rec.persist_pending
+                and not rec.share_uploaded
+            )
             if queue:
                 rec.persist = rec.persist_pending = True
                 update_manifest(rec)

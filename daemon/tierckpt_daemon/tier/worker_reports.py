@@ -71,6 +71,7 @@ class WorkerReports:
         makes the step durable there once every share is)."""
         with self.lock:
             rec.persist_pending = False
+            rec.share_uploaded = True
             self.freshness.share_uploaded(rec.namespace)
             self._save_state(rec)
 
