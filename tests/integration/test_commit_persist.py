@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from commit_kit import NS, TOKEN, decide, decided_without, latest, prepare, until
 
@@ -117,6 +118,9 @@ def test_a_participant_learns_that_the_step_became_durable(
         ca.commit(NS, 3, "s3", req)  # a decides: its trainer is rank 0
         until("step 3 durable in the tier", lambda: _durable(tier, 3), 60)
         assert ca.step(NS, 3).state.value == "durable"
+    # The commit across nodes is timed, as one on a node is (the dashboard's latency panel).
+    metrics = httpx.get(f"http://{a.name}/metrics", timeout=10).text
+    assert "tierckpt_commit_seconds_count 1.0" in metrics, metrics
     share = tier / NS / "step_000000000003" / "r00001.data"
     uploaded = share.stat().st_mtime_ns
     with DaemonClient.from_socket(b.socket) as cb:

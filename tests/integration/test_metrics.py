@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
 import platform
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from prometheus_client.parser import text_string_to_metric_families
 
 import tierckpt_daemon
-from tierckpt_client import DaemonClient
+from tierckpt_client import CapacityExceededError, DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
 from tierckpt_daemon.metrics import namespace_label
 
@@ -265,3 +267,26 @@ def test_every_exported_metric_is_in_the_docs_table_and_no_created_series(
     names = {f.name for f in families}
     assert {"process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds"} <= names
     assert "process_*" in documented
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs (root)")
+def test_a_lease_the_tmpfs_cannot_hold_counts_as_a_capacity_rejection(tmp_path: Path) -> None:
+    """A tmpfs smaller than TIERCKPT_CAPACITY refuses a lease with ENOSPC: the save's error
+    says so, and TierckptCapacityRejections must see it as it sees a lease over the budget (the
+    counter stayed 0)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)], check=True)
+    port = free_port()
+    d = DaemonProcess(small / "tier", capacity="64M", port=port, host="127.0.0.1")
+    try:
+        d.start()
+        with (
+            DaemonClient.from_socket(d.socket) as c,
+            pytest.raises(CapacityExceededError, match="the tmpfs is smaller"),
+        ):
+            c.lease("job", 0, 16 << 20)
+        assert _scrape(port)[("tierckpt_capacity_rejections_total", ())] == 1
+    finally:
+        d.stop()
+        subprocess.run(["umount", "-l", str(small)], check=False)

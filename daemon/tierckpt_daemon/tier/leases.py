@@ -181,6 +181,11 @@ class Leases:
             self.arena.reserve(size)
         try:
             self.arena.allocate(path, size, prefault=prefault)
+        except CapacityExceededError:
+            # The tmpfs is smaller than TIERCKPT_CAPACITY (ENOSPC): a refused lease as much as
+            # one over the budget, for TierckptCapacityRejections.
+            self.metrics.capacity_rejections.inc()
+            raise
         finally:
             with self._lock:
                 self.arena.unreserve(size)
