@@ -32,6 +32,7 @@ from tierckpt_daemon.peers.replica_wait import ReplicaWait
 from tierckpt_daemon.peers.replication import Replicator
 from tierckpt_daemon.peers.spanning import SpanningReads
 from tierckpt_daemon.tier.arena import Arena
+from tierckpt_daemon.tier.pending import PENDING_FILE, clear_pending, write_pending
 from tierckpt_daemon.tier.persist import Persister
 from tierckpt_daemon.tier.restore import Restorer
 from tierckpt_daemon.tier.service import TierService
@@ -111,10 +112,15 @@ class Node:
                     else "",
                 )
             if not self.persister.drain(self.drain_timeout_s):
+                pending = [f"{r.namespace}/step {r.step}" for r in self.service.pending_uploads()]
                 logger.warning(
-                    "uploads not finished after %.0fs; they resume when the daemon restarts",
+                    "uploads not finished after %.0fs (%s); they resume when a daemon starts on "
+                    "this tier directory (%s says so: keep the directory)",
                     self.drain_timeout_s,
+                    ", ".join(pending) or "queued",
+                    PENDING_FILE,
                 )
+                write_pending(self.service.arena.root, pending)
             self.persister.stop()
         for closer in (self.handoff, self.fetcher, self.copier, self.client):
             if closer is not None:
@@ -203,6 +209,7 @@ def build_node(settings: DaemonSettings) -> Node:
     service.rebuild()
     persister = None
     if settings.persist_url:
+        clear_pending(settings.shm_dir)  # the rebuilt steps' uploads are queued again
         from tierckpt_core.objectstore import StoreSettings, open_store
 
         rate = parse_size(settings.upload_max_rate) if settings.upload_max_rate else None
