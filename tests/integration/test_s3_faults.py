@@ -92,8 +92,7 @@ def start_node(
             s3_endpoint=proxy.endpoint,
             port=free_port(),
             host="127.0.0.1",
-            keep_last=4,  # every step of a test stays in memory (retention is not tested here)
-            **settings,
+            **{"keep_last": 4, **settings},  # (4: a test's steps stay, unless it says)
         )
 
     return start
@@ -265,7 +264,8 @@ def test_a_stop_that_waits_for_queued_uploads_says_so(
     log = node.log_path.read_text()
     assert "stopping: waiting up to 3s (TIERCKPT_DRAIN_TIMEOUT_S) for 1 queued upload(s)" in log
     assert "the tier is unhealthy: job/step 1: upload to s3://" in log
-    assert "uploads not finished after 3s; they resume when the daemon restarts" in log
+    assert "uploads not finished after 3s (job/step 1); they resume when a daemon starts" in log
+    assert (node.shm_dir / "UPLOADS_PENDING").read_text() == "job/step 1\n"
 
 
 @pytest.mark.slow
@@ -391,3 +391,26 @@ def test_a_hung_tier_holds_a_restore_from_memory_up_a_few_seconds_not_its_timeou
     assert st.healthy is False and "did not answer a listing within" in (st.last_error or "")
     proxy.clear()
     proxy.release()
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_the_saves_keeps_the_newest_due_step_until_it_is_durable(
+    start_node: Callable[..., DaemonProcess], proxy: S3FaultProxy
+) -> None:
+    """With the tier down (or saves faster than uploads), retention dropped every step due for
+    the persistent tier before its upload: after the outage none of them became durable (only
+    later saves did). Now the newest step due stays in memory until it is durable; older due
+    ones go, each said and counted as skipped."""
+    node = start_node(s3_timeout=5, s3_max_attempts=2, keep_last=1)
+    port = node.settings["port"]
+    proxy.add("503")  # every request: the tier is down
+    for step in range(1, 5):
+        save("job", step, seeded_state(step, N))
+    states = step_states("job")
+    assert states == {4: "committed"}, states  # keep_last 1: the newest; it is also due
+    save("job", 5, seeded_state(5, N), persist=False)  # a step not due: 4 stays for its upload
+    assert step_states("job") == {4: "committed", 5: "committed"}
+    metrics = _scrape(port)
+    assert metrics["tierckpt_upload_skips_total"] >= 3  # steps 1-3: said, counted
+    proxy.clear()  # the tier is back: the newest due step becomes durable
+    wait_durable("job", {4})

@@ -37,8 +37,18 @@ class KeepLatestN:
     def after_commit(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
         # Pinned steps are included: the service defers their files until the reader unpins.
         # Steps hydrated for a reader stay until it is done (``StepRecord.hold_until``).
+        # Of the steps waiting for their upload, the one being uploaded and the newest stay until
+        # they are durable: else, with saves faster than uploads (or the tier down for a while),
+        # every step due for the persistent tier left memory before its upload and none became
+        # durable. Older ones still waiting go (each said and counted as skipped): the newest
+        # is the one worth having.
         newest_first = sorted(committed, key=lambda r: r.step, reverse=True)
-        return [r for r in newest_first[self.n :] if not held(r)]
+        newest_due = next((r for r in newest_first if r.persist_pending), None)
+        return [
+            r
+            for r in newest_first[self.n :]
+            if not held(r) and not r.uploading and r is not newest_due
+        ]
 
     def under_pressure(self, committed: Sequence[StepRecord]) -> list[StepRecord]:
         oldest_first = sorted(committed, key=lambda r: r.step)

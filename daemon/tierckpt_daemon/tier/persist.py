@@ -174,6 +174,7 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         super()._run()
 
     def _process(self, rec: StepRecord) -> bool:
+        rec.uploading = True  # (a flag retention reads under the service's lock: set before)
         try:
             self._upload(rec)
         except _SharesMissing as e:  # not a failure: the other nodes are still uploading
@@ -188,6 +189,8 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             )
             self.service.metrics.upload_failures.inc()
             return False
+        finally:
+            rec.uploading = False
         return True
 
     def _skip(self, rec: StepRecord) -> None:

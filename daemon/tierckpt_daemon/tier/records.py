@@ -54,6 +54,7 @@ class StepRecord:
     # decider's decision (what a participant in doubt is told); True once persisted on request.
     persist: bool | None = None
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
+    uploading: bool = False  # its upload is running: retention leaves it (eviction.py)
     # A participant of a step spanning nodes: its share is uploaded, the decider writes the
     # marker (share_durable.py), which was last read at this monotonic time.
     share_uploaded: bool = False
