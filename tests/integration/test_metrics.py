@@ -23,9 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import tierckpt_daemon
 from tierckpt_client import CapacityExceededError, DaemonClient
 from tierckpt_client.dcp import TieredStorageWriter
+from tierckpt_core.protocol import CommitRequest, SealFile
 from tierckpt_daemon.metrics import namespace_label
 
-from helpers import DaemonProcess, free_port, wait_until
+from helpers import DaemonProcess, free_port, started, wait_until
 from kit import save, seeded_state
 
 N = 1 << 14
@@ -290,3 +291,30 @@ def test_a_lease_the_tmpfs_cannot_hold_counts_as_a_capacity_rejection(tmp_path: 
     finally:
         d.stop()
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_damaged_commit_record_found_at_a_restart_is_reported_as_corruption() -> None:
+    """A committed step whose MANIFEST.json was cut short: at a restart its files were dropped
+    with a WARNING and an INFO "reclaimed 1 files of unfinished save", and no alert. Its files
+    cannot be verified without it (so they still go), but it is said as corruption, counted for
+    TierckptVerificationFailures."""
+    port = free_port()
+    with started(port=port, host="127.0.0.1", log_level="INFO") as d:
+        with DaemonClient.from_socket(d.socket) as c:
+            for step in (1, 2):
+                lease = c.lease("job", 0, 4096)
+                with open(lease.path, "r+b") as f:
+                    f.write(b"x" * 4096)
+                c.seal(
+                    "job", step, "a", 0, [SealFile(lease_id=lease.lease_id, name="d", length=4096)]
+                )
+                c.commit("job", step, "a", CommitRequest(files=["d"], metadata={}, world_size=1))
+        (record,) = (d.shm_dir / "ns" / "job").glob("000000000001-*/MANIFEST.json")
+        record.write_bytes(record.read_bytes()[:40])
+        d.restart()
+        assert _scrape(port)[("tierckpt_verification_failures_total", (("tier", "memory"),))] == 1
+        log = d.log_path.read_text()
+        assert "the commit record of this committed step is damaged" in log, log[-3000:]
+        assert "unfinished save" not in log
+        with DaemonClient.from_socket(d.socket) as c:
+            assert [s.step for s in c.steps("job")] == [2]

@@ -50,6 +50,7 @@ class StepIndex:
         self.committed: dict[str, dict[int, StepRecord]] = {}
         self.writing: dict[tuple[str, int, str], StepRecord] = {}
         self.retiring: list[StepRecord] = []  # out of the tables, waiting for readers to unpin
+        self.damaged_records = 0  # committed steps whose commit record a rebuild could not read
 
     # -- rebuild ----------------------------------------------------------------------------
     def rebuild(self) -> list[StepRecord]:
@@ -96,7 +97,21 @@ class StepIndex:
             try:
                 rec = record_from_manifest(namespace, step_dir, read_manifest(manifest))
             except CheckpointFormatError as e:
-                logger.warning("discarding step directory %s: %s", step_dir, e)
+                # A committed step whose record is damaged: its files cannot be verified any
+                # more (the record holds their checksums), so they cannot be served. Said as the
+                # corruption it is, not as an unfinished save.
+                self.damaged_records += 1
+                logger.error(
+                    "%s/%s: the commit record of this committed step is damaged (%s): its files "
+                    "cannot be verified and leave memory; where it is durable or replicated, "
+                    "it is read from there",
+                    namespace,
+                    step_dir.name,
+                    e,
+                )
+                n = self.reclaim_dir(step_dir)
+                logger.info("%d files of %s/%s go to the pool", n, namespace, step_dir.name)
+                return n
             else:
                 for f in rec.files.values():
                     self.arena.track(step_dir / f.name, f.held_bytes)

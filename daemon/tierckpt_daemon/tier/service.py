@@ -142,6 +142,8 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
         with self.lock:
             self.index.rebuild()
             self.freshness.seed(self.index.all_committed())
+            damaged = self.index.damaged_records  # for TierckptVerificationFailures
+            self.metrics.verification_failures.labels(tier="memory").inc(damaged)
 
     # -- leases -----------------------------------------------------------------------------
     def lease(
@@ -412,10 +414,8 @@ class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekee
         with self.lock:
             rec = self.record(namespace, step, owner=owner)
             # A participant's share already uploaded: the decider makes the step durable.
-            queue = (
-                rec.state == StepState.COMMITTED
-                and not rec.persist_pending
-                and not rec.share_uploaded
+            queue = rec.state == StepState.COMMITTED and not (
+                rec.persist_pending or rec.share_uploaded
             )
             if queue:
                 rec.persist = rec.persist_pending = True
