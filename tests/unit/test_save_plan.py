@@ -90,3 +90,22 @@ def test_dtensor_write_items_equal_dcps_and_the_save_loads_back(tmp_path: Path) 
 
 def test_a_state_without_dtensors_is_left_to_dcp() -> None:
     assert _save_plan.with_known_items({"w": torch.zeros(3), "step": 1}) is None
+
+
+def test_a_save_that_cannot_commit_across_nodes_says_whether_a_daemon_is_down() -> None:
+    """A node's daemon down made the save say the daemons "are not peers of each other (set
+    TIERCKPT_PEERS ...)": the operator went looking at a configuration that was right."""
+    from tierckpt_client.dcp._plan_data import LocalPlanData, RankLayout
+
+    up = LocalPlanData(direct=False, daemon="nodeA:/dev/shm/tierckpt/daemon.sock", node="a:8474")
+    down = LocalPlanData(direct=True, daemon="nodeB:/dev/shm/tierckpt/daemon.sock")
+    layout = RankLayout([up, down], daemons=2, rank_nodes=None)
+    assert layout.unpeered
+    why = layout.why_unpeered("job", 7)
+    assert "rank(s) 1 cannot reach their node's daemon (nodeB:" in why, why
+    assert "not peers" not in why
+    alone = LocalPlanData(direct=False, daemon="nodeB:/dev/shm/tierckpt/daemon.sock")
+    unconfigured = RankLayout([up, alone], daemons=2, rank_nodes=None)
+    assert "which are not peers of each other (set TIERCKPT_PEERS" in unconfigured.why_unpeered(
+        "job", 7
+    )

@@ -68,6 +68,23 @@ class RankLayout:
         """Several daemons that are not each other's peers: no commit across them."""
         return self.daemons > 1 and self.rank_nodes is None
 
+    def why_unpeered(self, namespace: str, step: int) -> str:
+        """Why the ranks' daemons cannot commit a save together: some rank cannot reach its
+        daemon (one is down), or the daemons are not each other's peers (a configuration)."""
+        down = [rank for rank, x in enumerate(self.local) if x.direct]
+        if down:
+            daemons = sorted({self.local[rank].daemon for rank in down})
+            return (
+                f"{namespace}/step {step}: rank(s) {', '.join(map(str, down[:8]))} cannot reach "
+                f"their node's daemon ({', '.join(daemons[:4])}), and the trainers have no "
+                "persistent tier (TIERCKPT_PERSIST_URL) to save to instead"
+            )
+        return (
+            f"{namespace}/step {step}: the ranks use {self.daemons} daemons (nodes), which are "
+            "not peers of each other (set TIERCKPT_PEERS, TIERCKPT_NODE_NAME and "
+            "TIERCKPT_PEER_TOKEN on every node's daemon to commit across nodes)"
+        )
+
     @property
     def direct(self) -> bool:
         """The save goes straight to the persistent tier."""

@@ -365,13 +365,7 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
         layout = RankLayout.of(namespace, step, plans)
         self._rank_nodes = layout.rank_nodes
         if layout.unpeered and self._targets.persistent is None:
-            self._targets.degrade(
-                StepStateError(
-                    f"{namespace}/step {step}: the ranks use {layout.daemons} daemons (nodes), "
-                    "which are not peers of each other (set TIERCKPT_PEERS, TIERCKPT_NODE_NAME "
-                    "and TIERCKPT_PEER_TOKEN on every node's daemon to commit across nodes)"
-                )
-            )
+            self._targets.degrade(StepStateError(layout.why_unpeered(namespace, step)))
         data = PlanData(
             attempt_base=attempt_base(), direct=layout.direct, across=layout.rank_nodes is not None
         )
