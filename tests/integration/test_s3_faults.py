@@ -232,8 +232,8 @@ def test_a_policy_without_delete_names_the_action_uploads_need(
     st = _wait("a failed upload", lambda: (s := _persistent()).failed_uploads and s, 30)
     error = st.last_error or ""
     assert "job/step 1: upload to s3://" in error, error
-    assert "removing the step's COMMITTED marker first" in error, error
-    assert "so the S3 policy must allow s3:DeleteObject" in error, error
+    assert "(the upload's first call, removing any earlier COMMITTED marker" in error, error
+    assert "the S3 policy must allow s3:DeleteObject" in error, error
     assert "AccessDenied" in error, error
     proxy.clear()
     proxy.add("503", op="DeleteObjects")
@@ -244,7 +244,8 @@ def test_a_policy_without_delete_names_the_action_uploads_need(
         30,
     )
     error = st.last_error or ""
-    assert "removing the step's COMMITTED marker first" in error, error
+    assert "(the upload's first call, removing any earlier COMMITTED marker" in error, error
+    assert error.index("job/step 2: upload to s3://") < error.index("first call"), error
     assert "s3:DeleteObject" not in error, error
     proxy.clear()
     wait_durable("job", {1, 2})

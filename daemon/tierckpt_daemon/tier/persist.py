@@ -225,10 +225,17 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             try:
                 self.store.delete([marker_key(ns, step)])
             except PersistentTierError as e:  # the first call of an upload: say why it is made
-                denied = "access denied" in str(e).lower() or "accessdenied" in str(e).lower()
-                needs = ", so the S3 policy must allow s3:DeleteObject" if denied else ""
-                why = f"removing the step's {MARKER} marker first (uploads do{needs})"
-                e.message = f"{why} failed: {e}"
+                text = str(e)
+                # A policy's refusal, not credentials that S3 refuses (those fail every call).
+                bad_keys = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
+                denied = "accessdenied" in text.lower().replace(" ", "") and not any(
+                    k in text for k in bad_keys
+                )
+                needs = ": the S3 policy must allow s3:DeleteObject" if denied else ""
+                e.message = (
+                    f"{text} (the upload's first call, removing any earlier {MARKER} marker "
+                    f"of the step{needs})"
+                )
                 e.args = (e.message,)
                 raise
         # Of a step spanning nodes, each node uploads the share its own ranks wrote.
