@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint import async_save, load
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from tierckpt_client import NamespaceNotFoundError, StepNotFoundError
 from tierckpt_client.compat.sagemaker import (
     SageMakerCheckpointConfig,
     SageMakerTieredStorageReader,
@@ -60,11 +61,14 @@ def main() -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state_dict = {"model": model_sd, "optimizer": optim_sd, "step": 0}
     start_step = 0
+    reader = SageMakerTieredStorageReader(checkpoint_config=checkpoint_config)
     try:
-        load(
-            state_dict,
-            storage_reader=SageMakerTieredStorageReader(checkpoint_config=checkpoint_config),
-        )
+        reader.resolve()  # the newest step that verifies, the same on every rank
+    except (NamespaceNotFoundError, StepNotFoundError) as e:  # a first start
+        if rank == 0:
+            print(f"no checkpoint to resume from ({e})", flush=True)
+    else:  # anything else (the tiers unreachable, every step damaged) fails the job, loudly
+        load(state_dict, storage_reader=reader)
         set_state_dict(
             model,
             optimizer,
@@ -72,11 +76,6 @@ def main() -> None:
             optim_state_dict=state_dict["optimizer"],
         )
         start_step = int(state_dict["step"])
-    except BaseException as e:  # DCP raises CheckpointException (a BaseException) on every rank
-        if isinstance(e, KeyboardInterrupt | SystemExit):
-            raise
-        if rank == 0:
-            print(f"no checkpoint to resume from ({type(e).__name__})", flush=True)
     if rank == 0:
         print(f"start {start_step}", flush=True)
 
