@@ -26,6 +26,13 @@ def _share_up(root: Path, step: int, name: str) -> bool:
     return (where / name).is_file() and (where / f"{name}.sum.json").is_file()
 
 
+def _due(d: DaemonProcess) -> float:
+    """``tierckpt_due_steps_since_durable`` of ``d`` for the namespace (its only one)."""
+    text = httpx.get(f"http://{d.name}/metrics", timeout=10).text
+    (line,) = [x for x in text.splitlines() if x.startswith("tierckpt_due_steps_since_durable{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
 def _durable(root: Path, step: int) -> bool:
     return (root / NS / f"step_{step:012d}" / "COMMITTED").is_file()
 
@@ -128,3 +135,21 @@ def test_a_participant_learns_that_the_step_became_durable(
         until("b to say step 3 is durable", lambda: cb.step(NS, 3).state.value == "durable", 10)
     time.sleep(0.5)
     assert share.stat().st_mtime_ns == uploaded  # b's share was not sent again
+
+    # Unasked, b reads the marker of its newest such step at its housekeeping sweep (10 s):
+    # its due count (TierckptNoDurableStep) restarts only once the step is durable.
+    data = dict([seal_bytes(a, NS, 4, "s4", 0, 40_000), seal_bytes(b, NS, 4, "s4", 1, 40_000)])
+    with DaemonClient.from_socket(a.socket) as ca:
+        ca.commit(NS, 4, "s4", req.model_copy(update={"files": sorted(data)}))
+    until("step 4 durable in the tier", lambda: _durable(tier, 4), 60)
+
+    def listed() -> str:
+        with DaemonClient.from_socket(b.socket) as cb:  # a listing does not read markers
+            return next(s.state.value for s in cb.steps(NS) if s.step == 4)
+
+    # Its share is up: still due here, unless a sweep since has read the marker.
+    due = _due(b)
+    assert due == 1 or (due == 0 and listed() == "durable"), due
+
+    until("b to learn that step 4 is durable", lambda: listed() == "durable", 30)
+    assert _due(b) == 0

@@ -28,7 +28,9 @@ def test_a_sweep_that_fails_is_logged_counted_and_tried_again(
             raise KeyError("a bug")  # unexpected: logged and counted
 
     counter = Counter("t_failures_total", "t", ["thread"], registry=CollectorRegistry())
-    node = SimpleNamespace(service=SimpleNamespace(sweep=sweep), failures=ThreadFailures(counter))
+    node = SimpleNamespace(
+        service=SimpleNamespace(sweep=sweep), failures=ThreadFailures(counter), persister=None
+    )
 
     async def run() -> None:
         task = asyncio.create_task(app_module._sweeper(node))  # type: ignore[arg-type]

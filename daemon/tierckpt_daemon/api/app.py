@@ -183,6 +183,8 @@ async def _sweeper(node: Node) -> None:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         try:
             await asyncio.to_thread(node.service.sweep)
+            if node.persister is not None:  # participants of steps spanning nodes
+                await asyncio.to_thread(node.persister.watch_markers)
         except OSError:
             logger.exception("housekeeping sweep failed; retrying in %.0fs", SWEEP_INTERVAL_S)
         except Exception as e:

@@ -59,11 +59,6 @@ class Freshness:
     def durable(self, namespace: str, at: float | None = None) -> None:
         self._set(namespace, durable_at=self.clock() if at is None else at, due=None)
 
-    def share_uploaded(self, namespace: str) -> None:
-        """This node's share of a step spanning nodes is uploaded (the step's decider makes it
-        durable): the due count starts again here too."""
-        self._set(namespace, due=None)
-
     def seed(self, records: Iterable[StepRecord]) -> None:
         """Take the times from the commit records of steps in memory (after a restart)."""
         for rec in sorted(records, key=lambda r: r.committed_at or 0.0):

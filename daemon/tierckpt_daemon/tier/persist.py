@@ -46,7 +46,7 @@ from tierckpt_daemon.tier.background import QueueWorker, background_pool
 from tierckpt_daemon.tier.durable_reads import DurableReads
 from tierckpt_daemon.tier.records import StepRecord, read_manifest
 from tierckpt_daemon.tier.service import TierService
-from tierckpt_daemon.tier.share_durable import learn_durable
+from tierckpt_daemon.tier.share_durable import learn_durable, newest_waiting
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,11 @@ class Persister(QueueWorker[StepRecord], DurableReads):
     def learn_durable(self, namespace: str, step: int, owner: str | None) -> None:
         """A participant's share uploaded: whether the decider made the step durable since."""
         learn_durable(self.service, self.store, namespace, step, owner)
+
+    def watch_markers(self) -> None:
+        """Each namespace's newest share uploaded here: whether its step is durable yet."""
+        for namespace, step, owner in newest_waiting(self.service):
+            learn_durable(self.service, self.store, namespace, step, owner)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued upload finished (True) or ``timeout_s`` passed (False)."""

@@ -10,6 +10,10 @@ Now a participant whose share is uploaded reads the marker when asked about the 
 step's state read, a persist requested), at most once every :data:`CHECK_S`: where the marker
 is there, of this attempt, and the manifest lists this node's share with the checksums it
 uploaded, the step is durable here too (``tierckpt_due_steps_since_durable`` resets).
+Unasked, the daemon reads the marker of each namespace's newest such step every housekeeping
+sweep (:func:`newest_waiting`): the due count of a participant restarts only once the step is
+durable, so ``TierckptNoDurableStep`` fires on it too when the decider never writes the marker
+(its node replaced before its upload finished, say).
 """
 
 from __future__ import annotations
@@ -85,3 +89,14 @@ def learn_durable(
         rec.coordinator,
         extra=step_fields(namespace, step, rec.attempt),
     )
+
+
+def newest_waiting(service: TierService) -> list[tuple[str, int, str | None]]:
+    """Of each namespace, the newest step whose marker this participant waits for."""
+    newest: dict[str, StepRecord] = {}
+    with service.lock:
+        for rec in service.index.all_committed():
+            held = newest.get(rec.namespace)
+            if waits_for_marker(rec, service.node) and (held is None or held.step < rec.step):
+                newest[rec.namespace] = rec
+        return [(r.namespace, r.step, r.owner) for r in newest.values()]

@@ -71,8 +71,7 @@ class WorkerReports:
         makes the step durable there once every share is)."""
         with self.lock:
             rec.persist_pending = False
-            rec.share_uploaded = True
-            self.freshness.share_uploaded(rec.namespace)
+            rec.share_uploaded = True  # still due here until the marker is read: share_durable
             self._save_state(rec)
 
     def cancel_persist(self, rec: StepRecord) -> None:
