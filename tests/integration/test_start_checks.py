@@ -75,6 +75,7 @@ def _too_long_socket(tmp_path: Path) -> dict[str, str]:
         ("long_socket", "TIERCKPT_SOCKET", "a Unix socket's path holds at most 107"),
         ("bare_capacity", "TIERCKPT_CAPACITY", "'40' is 40 bytes, below the 64 MiB"),
         ("another_users", "TIERCKPT_SHM_DIR", "belongs to uid 2002, not to the daemon (uid 0)"),
+        ("shared", "TIERCKPT_SHM_DIR", "is a shared directory (mode 1777"),
     ],
 )
 def test_bad_tier_settings_exit_2_naming_the_setting(
@@ -86,6 +87,8 @@ def test_bad_tier_settings_exit_2_naming_the_setting(
     tier = str(tmp_path / "tier")
     (tmp_path / "theirs").mkdir(mode=0o755)
     os.chown(tmp_path / "theirs", 2002, 0)  # the test runs as root: another user's directory
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o1777)  # as /dev/shm is: never to be made the daemon's
     env = {
         "log_level": _env(shm_dir=tier, log_level="LOUD"),
         "a_file": _env(shm_dir=str(tmp_path / "file")),
@@ -95,6 +98,7 @@ def test_bad_tier_settings_exit_2_naming_the_setting(
         "long_socket": _too_long_socket(tmp_path),
         "bare_capacity": _env(shm_dir=tier, capacity="40"),
         "another_users": _env(shm_dir=str(tmp_path / "theirs")),
+        "shared": _env(shm_dir=str(tmp_path / "shared")),
     }[case]
     proc = _run(env)
     _refused(proc, setting, message)

@@ -292,7 +292,9 @@ def check_root(root: Path) -> None:
     """The tier directory must be the daemon's and writable by no one else: whoever could write
     it could replace the daemon's socket (every trainer of the node would then talk to its
     process) or its lock. Group or other write permission on a directory the daemon owns is
-    taken off, with a WARNING; one owned by another user fails the start (PermissionError)."""
+    taken off, with a WARNING (an earlier daemon made it 0770); one owned by another user, or a
+    shared one (sticky and writable by others: /dev/shm itself, as root), fails the start
+    (PermissionError)."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -302,6 +304,13 @@ def check_root(root: Path) -> None:
                 f"give it to uid {os.geteuid()} (chown) or use a directory of the daemon's own"
             )
         mode = stat.S_IMODE(st.st_mode)
+        if mode & stat.S_ISVTX and mode & _GROUP_OR_OTHER_WRITE:
+            # A shared directory (/dev/shm, /tmp): never the daemon's to change.
+            raise PermissionError(
+                f"{root} is a shared directory (mode {mode:o}: others create entries there) "
+                "where another user could replace the daemon's socket or files; use a "
+                f"directory of the daemon's own inside it (e.g. {root / 'tierckpt'})"
+            )
         if mode & _GROUP_OR_OTHER_WRITE:
             os.fchmod(fd, mode & ~_GROUP_OR_OTHER_WRITE)
             logger.warning(
