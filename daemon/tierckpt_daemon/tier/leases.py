@@ -181,9 +181,7 @@ class Leases:
             self.arena.reserve(size)
         try:
             self.arena.allocate(path, size, prefault=prefault)
-        except CapacityExceededError:
-            # The tmpfs is smaller than TIERCKPT_CAPACITY (ENOSPC): a refused lease as much as
-            # one over the budget, for TierckptCapacityRejections.
+        except CapacityExceededError:  # ENOSPC: the tmpfs is smaller than TIERCKPT_CAPACITY
             self.metrics.capacity_rejections.inc()
             raise
         finally:
