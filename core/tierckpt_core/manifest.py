@@ -292,7 +292,7 @@ class LocalState(BaseModel):
     persist_pending: bool = False  # to be uploaded; must not leave memory before it is durable
     share_uploaded: bool = False  # a participant's share uploaded; the decider writes the marker
     durable: bool = False  # complete in the persistent tier
-    durable_at: float | None = None  # when this node's upload made it durable (wall clock)
+    durable_at: float | None = None  # its upload here, or its marker read, made it durable (wall)
     origin: str | None = None  # a replica: the peer (host:port) that committed it
     replicated_to: list[str] = []  # peers holding a verified copy
     replication_pending: bool = False  # must not leave memory before it is replicated

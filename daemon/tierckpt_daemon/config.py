@@ -103,8 +103,9 @@ class DaemonSettings(BaseSettings):
         gt=0,
         le=3600,
         description="a connection to the TCP port that has not sent a whole request head this "
-        "long after it opened, or after the last answer, is closed (one that sends a head a "
-        "byte at a time could otherwise hold a connection, a descriptor and memory for good)",
+        "long after it opened, or after the first byte of its next request, is closed (one that "
+        "sends a head a byte at a time could otherwise hold a connection, a descriptor and "
+        "memory for good)",
     )
     lease_ttl_s: float = Field(
         default=900.0, gt=0, description="an unsealed lease or unfinished step expires after this"

@@ -86,6 +86,10 @@ class Node:
         for part in (self.persister, self.replicator, self.committer, self.handoff):
             if part is not None:
                 part.start()
+        # UPLOADS_PENDING of a daemon before: gone once nothing waits (else it stays until this
+        # daemon's close rewrites or removes it, so a crash meanwhile still keeps the tier).
+        if self.persister is not None and not self.service.pending_uploads():
+            clear_pending(self.service.arena.root)
 
     def close(self) -> None:
         """Stop every worker and close every part (once; later calls do nothing). Pending
@@ -111,7 +115,13 @@ class Node:
                     if st.healthy is False and st.last_error
                     else "",
                 )
-            if not self.persister.drain(self.drain_timeout_s):
+            root = self.service.arena.root
+            pending = [f"{r.namespace}/step {r.step}" for r in self.service.pending_uploads()]
+            if pending:  # before the drain: a SIGKILL during it (Slurm's KillWait) leaves it too
+                write_pending(root, pending)
+            if self.persister.drain(self.drain_timeout_s):
+                clear_pending(root)
+            else:
                 pending = [f"{r.namespace}/step {r.step}" for r in self.service.pending_uploads()]
                 logger.warning(
                     "uploads not finished after %.0fs (%s); they resume when a daemon starts on "
@@ -120,7 +130,7 @@ class Node:
                     ", ".join(pending) or "queued",
                     PENDING_FILE,
                 )
-                write_pending(self.service.arena.root, pending)
+                write_pending(root, pending)
             self.persister.stop()
         for closer in (self.handoff, self.fetcher, self.copier, self.client):
             if closer is not None:
@@ -209,7 +219,6 @@ def build_node(settings: DaemonSettings) -> Node:
     service.rebuild()
     persister = None
     if settings.persist_url:
-        clear_pending(settings.shm_dir)  # the rebuilt steps' uploads are queued again
         from tierckpt_core.objectstore import StoreSettings, open_store
 
         rate = parse_size(settings.upload_max_rate) if settings.upload_max_rate else None

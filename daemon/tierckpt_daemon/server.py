@@ -240,7 +240,10 @@ def serve(settings: DaemonSettings) -> None:
     node: Node | None = None
     restore_hook = None
     try:
-        node = build_node(settings)
+        try:
+            node = build_node(settings)
+        except PermissionError as e:  # own_dir: a directory of the tier another user owns
+            raise SettingError(f"TIERCKPT_SHM_DIR: {e}") from None
         restore_hook = node.failures.install()
         app = create_app(node, settings)
         try:

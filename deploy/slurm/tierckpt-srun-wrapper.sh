@@ -22,7 +22,7 @@
 # On one node the daemon has no TCP port (TIERCKPT_PORT=0). On several, the job's daemons form a
 # ring, which a save across nodes needs (each rank writes to its own node's daemon, and the
 # daemons commit the step together): unless TIERCKPT_PEERS is set, the wrapper sets
-# TIERCKPT_PORT (default 20000 + SLURM_JOB_ID % 20000, so that jobs sharing a node differ),
+# TIERCKPT_PORT (default 20000 + SLURM_JOB_ID % 12000, so that jobs sharing a node differ),
 # TIERCKPT_HOST=0.0.0.0, TIERCKPT_PEERS (every node of the job as Slurm names it, with the port),
 # each daemon's TIERCKPT_NODE_NAME ($SLURMD_NODENAME:port, whatever the job's environment says),
 # and a TIERCKPT_PEER_TOKEN of its own
@@ -43,7 +43,8 @@ export TIERCKPT_SOCKET="${TIERCKPT_SOCKET:-${TIERCKPT_SHM_DIR}/daemon.sock}"
 nodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
 per_node=(--overlap --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1)
 if (( nodes > 1 )) && [[ -z "${TIERCKPT_PEERS:-}" ]]; then
-  export TIERCKPT_PORT="${TIERCKPT_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+  # Below the kernel's ephemeral range (32768 and up), where an outgoing connection could hold it.
+  export TIERCKPT_PORT="${TIERCKPT_PORT:-$((20000 + SLURM_JOB_ID % 12000))}"
   if [[ "$TIERCKPT_PORT" == 0 ]]; then
     echo "tierckpt-srun-wrapper: $nodes nodes need the daemons' TCP port (TIERCKPT_PORT is 0)" >&2
     exit 2
@@ -52,7 +53,12 @@ if (( nodes > 1 )) && [[ -z "${TIERCKPT_PEERS:-}" ]]; then
   peers=""
   while read -r host; do
     peers+="${peers:+,}$host:$TIERCKPT_PORT"
-  done < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?no SLURM_JOB_NODELIST}")
+  done < <(scontrol show hostnames "${SLURM_JOB_NODELIST:-}")
+  if [[ -z "$peers" ]]; then
+    echo "tierckpt-srun-wrapper: cannot list the job's $nodes nodes" \
+      "(scontrol show hostnames '${SLURM_JOB_NODELIST:-}'); set TIERCKPT_PEERS" >&2
+    exit 2
+  fi
   export TIERCKPT_PEERS="$peers"
   if [[ -z "${TIERCKPT_PEER_TOKEN:-}" && -z "${TIERCKPT_PEER_TOKEN_FILE:-}" ]]; then
     TIERCKPT_PEER_TOKEN="$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')"
@@ -90,6 +96,8 @@ cleanup() {
           exit 3
         fi
         rm -rf -- "$1"' _ "$TIERCKPT_SHM_DIR"; then
+      echo "tierckpt-srun-wrapper: the job's tier $TIERCKPT_SHM_DIR was not removed on every" \
+        "node (see above)" >&2
       if [[ "$rc" == 0 ]]; then
         rc=3
       fi
@@ -139,4 +147,5 @@ if [[ "$ready_rc" != 0 ]]; then
 fi
 echo "tierckpt-srun-wrapper: daemons ready on $nodes node(s), tier $TIERCKPT_SHM_DIR${TIERCKPT_PEERS:+, ring $TIERCKPT_PEERS}" >&2
 
-srun "$@"
+# The trainers need no peer token (a bearer secret of the daemons): not in their environment.
+env -u TIERCKPT_PEER_TOKEN srun "$@"

@@ -179,12 +179,15 @@ async def _sweeper(node: Node) -> None:
     (``tierckpt_background_thread_failures_total{thread="sweeper"}``, its alert, and the
     status's failed threads): a sweep that keeps failing lets the tier fill with expired
     leases, and a task that died of it would be seen by no one."""
+    markers: asyncio.Future[None] | None = None
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
+        # Participants of steps spanning nodes read markers beside the sweep, not in it: with
+        # the tier hung those reads wait for its timeouts, and expiry must go on meanwhile.
+        if node.persister is not None and (markers is None or markers.done()):
+            markers = asyncio.ensure_future(asyncio.to_thread(node.persister.watch_markers))
         try:
             await asyncio.to_thread(node.service.sweep)
-            if node.persister is not None:  # participants of steps spanning nodes
-                await asyncio.to_thread(node.persister.watch_markers)
         except OSError:
             logger.exception("housekeeping sweep failed; retrying in %.0fs", SWEEP_INTERVAL_S)
         except Exception as e:

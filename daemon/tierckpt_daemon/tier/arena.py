@@ -304,7 +304,7 @@ def check_root(root: Path) -> None:
                 f"give it to uid {os.geteuid()} (chown) or use a directory of the daemon's own"
             )
         mode = stat.S_IMODE(st.st_mode)
-        if mode & stat.S_ISVTX and mode & _GROUP_OR_OTHER_WRITE:
+        if mode & stat.S_ISVTX and mode & stat.S_IWOTH:
             # A shared directory (/dev/shm, /tmp): never the daemon's to change.
             raise PermissionError(
                 f"{root} is a shared directory (mode {mode:o}: others create entries there) "

@@ -65,7 +65,8 @@ class Freshness:
             if rec.origin is not None or filled_by_daemon(rec.attempt):
                 continue  # a replica of a peer's step, or one brought back for a reader
             if rec.committed_at:
-                due = int(rec.persist_pending)  # still to be uploaded
+                # Still to be uploaded, or a share up whose step is not known durable here.
+                due = int(rec.persist_pending or rec.share_uploaded)
                 self._set(rec.namespace, committed_at=rec.committed_at, newer_only=True, due=due)
             if rec.durable_at:  # in commit order: the steps after it count again
                 self._set(rec.namespace, durable_at=rec.durable_at, newer_only=True, due=None)

@@ -95,6 +95,7 @@ class StepIndex:
         real = _is_real_dir(step_dir)
         if real and _is_real_file(manifest) and parse_step_dir_name(step_dir.name):
             try:
+                _check_owner(manifest)
                 rec = record_from_manifest(namespace, step_dir, read_manifest(manifest))
             except CheckpointFormatError as e:
                 # A committed step whose record is damaged: its files cannot be verified any
@@ -128,6 +129,7 @@ class StepIndex:
         prepared = step_dir / PREPARED
         if real and _is_real_file(prepared) and parse_step_dir_name(step_dir.name):
             try:
+                _check_owner(prepared)
                 rec = record_from_manifest(namespace, step_dir, read_manifest(prepared))
             except CheckpointFormatError as e:
                 logger.warning("discarding prepared step directory %s: %s", step_dir, e)
@@ -193,6 +195,10 @@ class StepIndex:
                 self.reclaim_dir(old.dir)
             step_dir = self.arena.ns_dir / namespace / step_dir_name(step, attempt)
             make_dir(step_dir.parent)
+            try:
+                own_dir(step_dir.parent)  # one another user planted (when the tier was 0770)
+            except PermissionError as e:
+                raise StepStateError(f"{namespace}: {e}: remove it to save here") from None
             new_dir(step_dir)
             rec = StepRecord(namespace=namespace, step=step, attempt=attempt, dir=step_dir)
             self.writing[key] = rec
@@ -343,6 +349,14 @@ class StepIndex:
 def _same_tenant(a: str | None, b: str | None) -> bool:
     """Whether steps of owners ``a`` and ``b`` count together (None: from before owners)."""
     return a is None or b is None or a == b
+
+
+def _check_owner(record: Path) -> None:
+    """A commit record is the daemon's own file: one another user put there (while the tier was
+    0770) is damage, never adopted (its checksums would vouch for whatever it names)."""
+    uid = os.lstat(record).st_uid
+    if uid != os.geteuid():
+        raise CheckpointFormatError(f"{record.name} belongs to uid {uid}, not to the daemon")
 
 
 def _made_ours(path: Path) -> bool:

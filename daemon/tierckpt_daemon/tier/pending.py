@@ -3,7 +3,9 @@
 The uploads resume when a daemon starts on the same tier directory (committed steps marked
 ``persist_pending`` are queued again). Whoever removes the directory after the daemon stopped (the
 Slurm wrapper's cleanup, an operator) would lose those steps for good: the file tells it to keep
-the directory. A daemon that starts on the directory removes it (the uploads are its own again).
+the directory. A stopping daemon writes it before it drains its uploads (a SIGKILL during the
+drain leaves it too) and removes it when the drain finished; a daemon that starts on the
+directory removes it once no upload waits.
 """
 
 from __future__ import annotations

@@ -104,9 +104,14 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         learn_durable(self.service, self.store, namespace, step, owner)
 
     def watch_markers(self) -> None:
-        """Each namespace's newest share uploaded here: whether its step is durable yet."""
-        for namespace, step, owner in newest_waiting(self.service):
-            learn_durable(self.service, self.store, namespace, step, owner)
+        """Each namespace's newest share uploaded here: whether its step is durable yet (run
+        beside every housekeeping sweep; an unexpected error is logged, and the next sweep's
+        run tries again)."""
+        try:
+            for namespace, step, owner in newest_waiting(self.service):
+                learn_durable(self.service, self.store, namespace, step, owner)
+        except Exception:  # on a task nobody awaits: said here, or never
+            logger.exception("reading the markers of steps whose share this node uploaded failed")
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every queued upload finished (True) or ``timeout_s`` passed (False)."""

@@ -48,7 +48,7 @@ class StepRecord:
     created_at: float = field(default_factory=time.time)
     last_activity: float = field(default_factory=time.monotonic)
     committed_at: float | None = None
-    durable_at: float | None = None  # when this node's upload made it durable (not a hydration)
+    durable_at: float | None = None  # when its upload here, or its marker read, made it durable
     world_size: int | None = None
     # What the writer asked for (None: the daemon's policy); of a step spanning nodes, the
     # decider's decision (what a participant in doubt is told); True once persisted on request.
@@ -59,6 +59,7 @@ class StepRecord:
     # marker (share_durable.py), which was last read at this monotonic time.
     share_uploaded: bool = False
     marker_read_at: float = 0.0
+    marker_reading: bool = False
     origin: str | None = None  # a replica: the peer (host:port) that committed it
     replicated_to: list[str] = field(default_factory=list)  # peers holding a verified copy
     replication_pending: bool = False  # must not leave memory before it is replicated

@@ -55,9 +55,12 @@ def learn_durable(
             if not waits_for_marker(rec, service.node):
                 return
             now = time.monotonic()
-            if now - rec.marker_read_at < CHECK_S:
+            # One read at a time per step, at most once a CHECK_S: with the tier hung, the
+            # waiting ranks' requests must not pile up on reads (each up to its timeouts).
+            if rec.marker_reading or now - rec.marker_read_at < CHECK_S:
                 return
             rec.marker_read_at = now
+            rec.marker_reading = True
             mine = {n: f.checksum for n, f in rec.files.items() if f.node == service.node}
     except NotFoundError:
         return
@@ -68,9 +71,14 @@ def learn_durable(
     except (TierCkptError, OSError) as e:
         logger.info("%s/step %d: cannot read its marker yet: %s", namespace, step, e)
         return
+    finally:
+        with service.lock:
+            rec.marker_reading = False
     theirs = {f.name: f.checksum for f in manifest.files if f.name in mine}
     if manifest.attempt != rec.attempt or theirs != mine:
-        logger.warning(
+        # INFO: a step saved again (a resume) shows the old attempt's marker until the decider
+        # replaces it, and this is asked every second while ranks wait.
+        logger.info(
             "%s/step %d: the persistent tier holds another save of this step (attempt %s, not "
             "%s, or other files for this node's share): this node's copy is not durable",
             namespace,
