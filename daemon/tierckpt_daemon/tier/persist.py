@@ -201,6 +201,7 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             return False
         finally:
             rec.uploading = False
+            self.service.upload_ended(rec)
         return True
 
     def _skip(self, rec: StepRecord) -> None:

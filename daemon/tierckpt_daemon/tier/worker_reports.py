@@ -9,19 +9,24 @@ drop it (``drop_if_retired``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from tierckpt_core.protocol import StepState
+from tierckpt_daemon.metrics import Metrics
 from tierckpt_daemon.tier.freshness import Freshness
 from tierckpt_daemon.tier.index import StepIndex
 from tierckpt_daemon.tier.records import StepRecord, update_manifest
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerReports:
     lock: threading.RLock
     index: StepIndex
     freshness: Freshness
+    metrics: Metrics
 
     def has_step(self, namespace: str, step: int) -> bool:
         """Whether ``namespace``/``step`` is committed in memory here."""
@@ -45,6 +50,24 @@ class WorkerReports:
                 rec.durable_at = time.time()
                 self.freshness.durable(rec.namespace, rec.durable_at)
             self._save_state(rec)
+
+    def upload_ended(self, rec: StepRecord) -> None:
+        """An upload attempt of ``rec`` ended (durable, failed, skipped): retention kept it for
+        it (eviction.KeepLatestN), so it runs again now, not only at the next commit (the last
+        steps of a job would stay in memory beyond TIERCKPT_KEEP_LAST for good)."""
+        with self.lock:
+            retired = self.index.retention(rec.namespace, rec.owner)
+            for victim in retired:
+                self.index.retire(victim)
+                self.metrics.evictions.labels(reason="retention").inc()
+        if retired:
+            logger.info(
+                "%s: step(s) %s leave memory (TIERCKPT_KEEP_LAST), kept until the upload of step "
+                "%d ended",
+                rec.namespace,
+                ", ".join(str(r.step) for r in retired),
+                rec.step,
+            )
 
     def mark_replicated(self, rec: StepRecord, peer: str, checksums: dict[str, str]) -> None:
         """``peer`` now holds a verified copy of ``rec`` (whose files have ``checksums``)."""
