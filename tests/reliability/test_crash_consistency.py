@@ -31,6 +31,7 @@ import collections
 import contextlib
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
@@ -173,6 +174,20 @@ def _load_latest(d: DaemonProcess, url: str, namespace: str) -> int:
     return step
 
 
+def _logged_about(daemons: list[DaemonProcess], left: list[str]) -> str:
+    """What each daemon logged about the save attempts of the step directories in ``left``."""
+    attempts = {m.group(1) for x in left if (m := re.search(r"/\d{12}-(\S+)", x))}
+    out = []
+    for d in daemons:
+        try:
+            lines = d.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        hits = [line for line in lines if any(a in line for a in attempts)]
+        out.append(f"\n--- {d.name}: lines naming {sorted(attempts)} ---\n" + "\n".join(hits[-40:]))
+    return "".join(out)
+
+
 def _run_trials(cluster: tuple[list[DaemonProcess], str], tmp_path: Path, trials: int) -> None:
     daemons, url = cluster
     seed = int(os.environ.get("TIERCKPT_CRASH_SEED") or random.SystemRandom().randrange(1 << 32))
@@ -263,11 +278,11 @@ def _run_trials(cluster: tuple[list[DaemonProcess], str], tmp_path: Path, trials
         deadline = time.monotonic() + LEASE_TTL_S + 30
         left: list[str] = []
         while time.monotonic() < deadline:
-            left = [x for d in daemons for x in leftovers(d)]
+            left = [f"{d.name}: {x}" for d in daemons for x in leftovers(d)]
             if not left:
                 break
             time.sleep(0.5)
-        assert not left, f"not reclaimed: {left}; {context()}"
+        assert not left, f"not reclaimed: {left}; {context()}{_logged_about(daemons, left)}"
         durable = {n: durable_problems(url, n)[0] for n in TOPOLOGIES}
         print(
             f"\ncrash harness: seed {seed}, {trials} trials in {elapsed:.0f}s, {restarts} trainer "

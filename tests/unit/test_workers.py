@@ -142,6 +142,36 @@ def test_a_failing_upload_does_not_hold_up_the_steps_behind_it(tmp_path: Path) -
         persister.stop()
 
 
+def test_a_step_retired_while_its_upload_waits_for_a_retry_leaves_memory_at_the_next_sweep(
+    tmp_path: Path,
+) -> None:
+    """Retention lets an older step due for upload go once a newer one is due; one retired while
+    its upload waited for a retry kept its files in memory until that retry (a backoff of up to
+    two minutes: the crash harness found one 35 s later). The next sweep lets it go now."""
+    svc = TierService(Arena(tmp_path / "tier", 64 * MiB), keep_last=1, lease_ttl_s=60)
+    svc.rebuild()
+    store = FlakyStore(tmp_path / "store", {"step_000000000001/": 1000})
+    persister = Persister(svc, store)
+    persister.retry_base_s = 600.0  # its next try: ten minutes away
+    svc.persistent = True
+    svc.add_listener(persister)
+    persister.start()
+    try:
+        _save(svc, 1)
+        first = svc.index.committed["job"][1]
+        _until(lambda: persister.failing() == 1 and not first.uploading)
+        _save(svc, 2)  # due too, and the newest: step 1 leaves the committed steps
+        assert svc.index.retiring == [first] and first.dir.exists()
+        assert persister.wait_idle(30)  # step 2 uploaded; step 1 waits for its retry
+        assert durable_steps(store, "job") == [2] and first.dir.exists()
+        svc.sweep()
+        _until(lambda: not first.dir.exists() and not svc.index.retiring, timeout=10)
+        skips = svc.metrics.total(svc.metrics.upload_skips)
+        assert skips == 1
+    finally:
+        persister.stop()
+
+
 def test_hydrate_brings_a_durable_step_back_bit_exact(
     tmp_path: Path, persisted: tuple[TierService, Persister, FlakyStore]
 ) -> None:

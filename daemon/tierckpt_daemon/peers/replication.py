@@ -91,6 +91,10 @@ class Replicator(QueueWorker[StepRecord]):
     def persist_requested(self, rec: StepRecord) -> None:
         pass
 
+    def retired(self, rec: StepRecord) -> None:
+        if rec.replication_pending:
+            self.hurry(rec)  # skipped (said, counted), then its files leave memory
+
     def status(self) -> ReplicationStatus:
         m = self.service.metrics
         members, unreachable = self.ring.seen()

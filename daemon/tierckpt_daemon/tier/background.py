@@ -82,6 +82,17 @@ class QueueWorker(Generic[T]):
             heapq.heappush(self._queue, (time.monotonic() + delay_s, next(self._seq), item))
             self._cv.notify_all()
 
+    def hurry(self, item: T) -> None:
+        """Make ``item`` due now (queued for a later retry, or not queued at all); nothing if it
+        is being worked on."""
+        with self._cv:
+            if item is self._current:
+                return
+            self._queue = [e for e in self._queue if e[2] is not item]
+            heapq.heapify(self._queue)
+            heapq.heappush(self._queue, (time.monotonic(), next(self._seq), item))
+            self._cv.notify_all()
+
     def queued(self) -> int:
         """Items waiting or being worked on."""
         with self._cv:

@@ -99,6 +99,10 @@ class Persister(QueueWorker[StepRecord], DurableReads):
     def persist_requested(self, rec: StepRecord) -> None:
         self.enqueue(rec)
 
+    def retired(self, rec: StepRecord) -> None:
+        if rec.persist_pending:
+            self.hurry(rec)  # skipped (said, counted), then its files leave memory
+
     def learn_durable(self, namespace: str, step: int, owner: str | None) -> None:
         """A participant's share uploaded: whether the decider made the step durable since."""
         learn_durable(self.service, self.store, namespace, step, owner)

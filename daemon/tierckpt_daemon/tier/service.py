@@ -83,6 +83,12 @@ class StepListener(Protocol):
         """``rec`` is to be persisted now, whatever the policy said at commit."""
         ...
 
+    def retired(self, rec: StepRecord) -> None:
+        """``rec`` left the committed steps while it still waits for this worker (its upload or
+        replica): the worker's next look at it lets it go, so that look is due now, not after
+        a retry's backoff (up to minutes, its files held in memory meanwhile)."""
+        ...
+
 
 class TierService(Queries, WorkerReports, Ownership, Attempts, Sealing, Housekeeping, Copies):
     def __init__(
