@@ -17,12 +17,14 @@ Layout under the tier directory::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,9 +94,9 @@ class Arena:
         but a regular file (a link planted in the tier directory, say) is removed, never
         followed."""
         st = _lstat(path)
-        if st is None or not stat.S_ISREG(st.st_mode) or not _ours(st):
+        if st is None or not stat.S_ISREG(st.st_mode) or not ours(st):
             if st is not None:
-                logger.warning("removing %s from the tier directory: %s", path, _foreign(st))
+                logger.warning("removing %s from the tier directory: %s", path, foreign(st))
                 _remove(path)
             self._sizes.pop(path, None)
             self._pool.pop(path, None)
@@ -116,7 +118,7 @@ class Arena:
     def scan_pool(self) -> None:
         for p in self.pool_dir.iterdir():
             st = _lstat(p)
-            if st is not None and p.suffix == ".bin" and stat.S_ISREG(st.st_mode) and _ours(st):
+            if st is not None and p.suffix == ".bin" and stat.S_ISREG(st.st_mode) and ours(st):
                 self._sizes[p] = st.st_size
                 self._pool[p] = PoolFile(p, st.st_size, time.monotonic())
             else:
@@ -272,6 +274,16 @@ def own_dir(path: Path) -> None:
     may have taken bits off), through a descriptor opened without following a link. Raises
     NotADirectoryError for a link or anything but a directory, PermissionError for a directory
     another user owns (planted: never adopted)."""
+    with _own_dir_fd(path) as (fd, st):
+        if stat.S_IMODE(st.st_mode) != DIR_MODE:
+            os.fchmod(fd, DIR_MODE)
+
+
+@contextlib.contextmanager
+def _own_dir_fd(path: Path, hint: str = "") -> Iterator[tuple[int, os.stat_result]]:
+    """A descriptor of the daemon's own directory ``path`` (opened without following a link)
+    and its status; NotADirectoryError for a link or anything but a directory, PermissionError
+    (with ``hint``) for one another user owns."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -280,10 +292,9 @@ def own_dir(path: Path) -> None:
         raise
     try:
         st = os.fstat(fd)
-        if not _ours(st):
-            raise PermissionError(f"{path} {_foreign(st)}")
-        if stat.S_IMODE(st.st_mode) != DIR_MODE:
-            os.fchmod(fd, DIR_MODE)
+        if not ours(st):
+            raise PermissionError(f"{path} {foreign(st)}{hint}")
+        yield fd, st
     finally:
         os.close(fd)
 
@@ -295,14 +306,11 @@ def check_root(root: Path) -> None:
     taken off, with a WARNING (an earlier daemon made it 0770); one owned by another user, or a
     shared one (sticky and writable by others: /dev/shm itself, as root), fails the start
     (PermissionError)."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not _ours(st):
-            raise PermissionError(
-                f"{root} {_foreign(st)}: another user could replace the daemon's socket there; "
-                f"give it to uid {os.geteuid()} (chown) or use a directory of the daemon's own"
-            )
+    hint = (
+        ": another user could replace the daemon's socket there; give it to uid "
+        f"{os.geteuid()} (chown) or use a directory of the daemon's own"
+    )
+    with _own_dir_fd(root, hint) as (fd, st):
         mode = stat.S_IMODE(st.st_mode)
         if mode & stat.S_ISVTX and mode & stat.S_IWOTH:
             # A shared directory (/dev/shm, /tmp): never the daemon's to change.
@@ -320,16 +328,16 @@ def check_root(root: Path) -> None:
                 mode,
                 mode & ~_GROUP_OR_OTHER_WRITE,
             )
-    finally:
-        os.close(fd)
 
 
-def _ours(st: os.stat_result) -> bool:
+def ours(st: os.stat_result) -> bool:
+    """Whether a file with status ``st`` is the daemon's (its effective uid's)."""
     return st.st_uid == os.geteuid()
 
 
-def _foreign(st: os.stat_result) -> str:
-    if _ours(st) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+def foreign(st: os.stat_result) -> str:
+    """Why a file with status ``st`` that is not the daemon's own is refused, in words."""
+    if ours(st) or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         return "not a regular file"
     return f"belongs to uid {st.st_uid}, not to the daemon (uid {os.geteuid()})"
 

@@ -27,7 +27,7 @@ from tierckpt_core.errors import (
     StepStateError,
 )
 from tierckpt_core.protocol import NamespaceInfo, StepState, validate_namespace, validate_step
-from tierckpt_daemon.tier.arena import Arena, make_dir, new_dir, own_dir
+from tierckpt_daemon.tier.arena import Arena, foreign, make_dir, new_dir, ours, own_dir
 from tierckpt_daemon.tier.eviction import EvictionPolicy, safe_to_evict
 from tierckpt_daemon.tier.records import (
     MANIFEST,
@@ -354,9 +354,9 @@ def _same_tenant(a: str | None, b: str | None) -> bool:
 def _check_owner(record: Path) -> None:
     """A commit record is the daemon's own file: one another user put there (while the tier was
     0770) is damage, never adopted (its checksums would vouch for whatever it names)."""
-    uid = os.lstat(record).st_uid
-    if uid != os.geteuid():
-        raise CheckpointFormatError(f"{record.name} belongs to uid {uid}, not to the daemon")
+    st = os.lstat(record)
+    if not ours(st):
+        raise CheckpointFormatError(f"{record.name} {foreign(st)}")
 
 
 def _made_ours(path: Path) -> bool:
