@@ -25,6 +25,7 @@ from tierckpt_core.errors import DaemonUnavailableError, ProtocolError, TierCkpt
 from tierckpt_core.http import decode_body
 from tierckpt_core.protocol import (
     AttemptInfo,
+    CandidatesListing,
     CandidatesRead,
     ClusterListing,
     CommitRequest,
@@ -287,6 +288,17 @@ class DaemonClient:
         query = "?complete=true" if complete else ""
         doc = self._request("GET", f"/v1/namespaces/{namespace}/candidates{query}")
         return [StepCandidate.model_validate(x) for x in doc]
+
+    def listing(self, namespace: str) -> CandidatesListing:
+        """Every step of ``namespace`` that any tier holds (as :meth:`candidates` with
+        ``complete``), and the peers that did not answer the daemon's listing (a daemon older
+        than this names none)."""
+        doc = self._request(
+            "GET", f"/v1/namespaces/{namespace}/candidates?complete=true&unanswered=true"
+        )
+        if isinstance(doc, list):
+            return CandidatesListing(candidates=[StepCandidate.model_validate(x) for x in doc])
+        return CandidatesListing.model_validate(doc)
 
     def candidates_read(self, namespace: str, below: int | None = None) -> CandidatesRead:
         """The candidates of a load of "latest" (older than ``below``; of the persistent tier

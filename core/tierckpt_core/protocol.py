@@ -196,6 +196,15 @@ class StepCandidate(BaseModel):
     peers: list[str] = []  # peer daemons that hold a replica
 
 
+class CandidatesListing(BaseModel):
+    """``GET .../candidates?complete=true&unanswered=true`` (``tierckpt ls``): every candidate,
+    and the peers that did not answer the listing (their copies may be missing from it). A
+    daemon older than this answers the plain list."""
+
+    candidates: list[StepCandidate]
+    unanswered: list[str] = []
+
+
 class PeerSources(BaseModel):
     """How a step that is in no memory of this node can be read from its peers: the step's
     manifest (files, block checksums, DCP metadata), which peers hold it (and which of its files;

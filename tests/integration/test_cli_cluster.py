@@ -118,11 +118,18 @@ def test_ls_cluster_lists_each_nodes_steps_and_an_unreachable_peer(
 
     # A peer that accepts connections but does not answer (stopped): unreachable after --timeout.
     assert b.proc is not None
+    plain = cli("ls", "job", node=a)
+    assert plain.returncode == 0 and "did not answer" not in plain.stderr, plain.stderr
     b.proc.send_signal(signal.SIGSTOP)
     try:
         hung = {n["node"]: n for n in _listing(a, "--timeout", "1")["nodes"]}
+        # A plain listing of the namespace says that it may lack the hung peer's copies.
+        plain = cli("ls", "job", node=a)
     finally:
         b.proc.send_signal(signal.SIGCONT)
+    assert plain.returncode == 0, plain.stderr
+    assert f"peers did not answer, their copies are not listed: {b.name} (" in plain.stderr
+    assert [line.split()[0] for line in plain.stdout.splitlines()[1:]] == ["1", "2"]
     assert not hung[b.name]["reachable"] and hung[b.name]["steps"] == []
     assert "in time" in hung[b.name]["error"] or "within 1s" in hung[b.name]["error"]
     assert sorted(s["step"] for s in hung[a.name]["steps"]) == [1, 2]

@@ -172,7 +172,9 @@ def _ls_namespaces(client: DaemonClient, tier: Persistent, args: argparse.Namesp
 
 def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Namespace) -> None:
     unreadable: Exception | None
-    steps, candidates, unreadable = ([], {}, None) if tier.offline else _memory_steps(client, ns)
+    steps, candidates, silent, unreadable = (
+        ([], {}, [], None) if tier.offline else _memory_steps(client, ns)
+    )
     stored: list[int] = []
     if not tier.is_daemons:  # a store the daemon does not use: read it here
         try:
@@ -231,26 +233,32 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
     names = [f"{ns}/{d['step']}" for d in ordered if d["state"] != "writing"]
     notes = [] if r.OPTIONS.no_headers else attempts.ls_notes(ns, ordered)
     r.emit(args.json, ordered, "\n".join([text, *notes]), names=names)
+    if silent:  # the listing may lack their copies
+        r.warn(
+            f"peers did not answer, their copies are not listed: {'; '.join(silent)} "
+            "(tierckpt ls --cluster shows every node)"
+        )
     if unreadable is not None:
         raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
 
 
 def _memory_steps(
     client: DaemonClient, ns: str
-) -> tuple[list[StepInfo], dict[int, StepCandidate], TierCkptError | None]:
-    """The steps this node's daemon holds, the candidates it knows of in every tier, and why
-    it could not list its persistent tier (then the memory tier's answer is shown, and the
-    command fails after it, as ``ls`` does)."""
+) -> tuple[list[StepInfo], dict[int, StepCandidate], list[str], TierCkptError | None]:
+    """The steps this node's daemon holds, the candidates it knows of in every tier, the peers
+    that did not answer its listing, and why it could not list its persistent tier (then the
+    memory tier's answer is shown, and the command fails after it, as ``ls`` does)."""
     try:
         steps = client.steps(ns)
     except NotFoundError:
         steps = []  # nothing in memory; the persistent tier may still hold steps
     try:
-        return steps, {c.step: c for c in client.candidates(ns, complete=True)}, None
+        found = client.listing(ns)
     except NotFoundError:
-        return steps, {}, None
+        return steps, {}, [], None
     except PersistentTierError as e:
-        return steps, {}, e
+        return steps, {}, [], e
+    return steps, {c.step: c for c in found.candidates}, found.unanswered, None
 
 
 def _ls_cluster(client: DaemonClient, args: argparse.Namespace) -> None:

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from tierckpt_core.errors import TierCkptError
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import (
+    CandidatesListing,
     CandidatesRead,
     CorruptionReport,
     HydrateRequest,
@@ -68,7 +69,10 @@ def latest(namespace: str, service: Service, owner: Owner) -> StepInfo:
     return service.latest(namespace, owner=owner)
 
 
-@router.get("/{namespace}/candidates", response_model=list[StepCandidate] | CandidatesRead)
+@router.get(
+    "/{namespace}/candidates",
+    response_model=list[StepCandidate] | CandidatesRead | CandidatesListing,
+)
 def candidates(
     namespace: str,
     node: NodeDep,
@@ -76,15 +80,22 @@ def candidates(
     read: bool = False,
     below: Annotated[int | None, Query(ge=0)] = None,
     complete: bool = False,
+    unanswered: bool = False,
 ) -> Any:
     """Steps "latest" may pick, newest first (every durable step of the persistent tier; with
     ``complete``, a persistent tier that does not answer fails the request rather than leaving
     its steps out: ``tierckpt ls``); with
     ``read``, for a load of "latest": of the persistent tier only its newest durable steps
     (older than ``below``), and the newest candidate's answer to an unpinned ``POST .../reads``
-    where this node holds it (:class:`~tierckpt_core.protocol.CandidatesRead`)."""
+    where this node holds it (:class:`~tierckpt_core.protocol.CandidatesRead`); with
+    ``unanswered``, also the peers that did not answer
+    (:class:`~tierckpt_core.protocol.CandidatesListing`)."""
     if not read:
-        return node.restorer.candidates(namespace, owner=owner, complete=complete)
+        silent: list[str] = []
+        found = node.restorer.candidates(namespace, owner=owner, complete=complete, silent=silent)
+        if unanswered:
+            return CandidatesListing(candidates=found, unanswered=silent)
+        return found
     return candidates_read(node, namespace, owner, below)
 
 

@@ -73,20 +73,24 @@ class PeerFetcher:
     def close(self) -> None:
         self._ask_pool.shutdown(wait=False, cancel_futures=True)
 
-    def peer_steps(self, namespace: str, *, owner: str | None = None) -> dict[int, list[str]]:
+    def peer_steps(
+        self, namespace: str, *, owner: str | None = None, silent: list[str] | None = None
+    ) -> dict[int, list[str]]:
         """Which peers hold which committed steps of ``namespace`` (``owner``'s). The ring
         neighbours are asked first (the nodes after this one hold its replicas, and every
         participant of a step holds its record); every other peer only when no neighbour knows
         the namespace, so that "latest" costs O(replicas) requests, not one per node. Peers are
         asked in parallel, once each; one that does not answer within the peer timeout is
-        skipped with a warning."""
+        skipped with a warning (and added to ``silent``)."""
         try:
             peers = self.ring.successors()
         except PeerUnavailableError as e:
             logger.warning("%s: not asking the peers for steps: %s", namespace, e)
+            if silent is not None:
+                silent.append(f"the ring ({e})")
             return {}
         near = self.ring.neighbours(peers)
-        held = self._ask_steps(namespace, near, owner)
+        held = self._ask_steps(namespace, near, owner, silent)
         rest = [p for p in peers if p not in near]
         if not held and rest:
             logger.info(
@@ -94,24 +98,27 @@ class PeerFetcher:
                 namespace,
                 len(rest),
             )
-            held = self._ask_steps(namespace, rest, owner)
+            held = self._ask_steps(namespace, rest, owner, silent)
         return held
 
     def _ask_steps(
-        self, namespace: str, peers: list[str], owner: str | None
+        self, namespace: str, peers: list[str], owner: str | None, silent: list[str] | None
     ) -> dict[int, list[str]]:
         held: dict[int, list[str]] = {}
-        for peer, steps in self._listings(namespace, peers).items():
+        for peer, steps in self._listings(namespace, peers, silent).items():
             for s in steps:
                 if owned_by(s.owner, owner):
                     held.setdefault(s.step, []).append(peer)
         return held
 
-    def _listings(self, namespace: str, peers: list[str]) -> dict[str, list[PeerStep]]:
+    def _listings(
+        self, namespace: str, peers: list[str], unanswered: list[str] | None = None
+    ) -> dict[str, list[PeerStep]]:
         """Each peer's committed steps of ``namespace``, asked in parallel (in ``peers``'
         order; a peer that does not know it, or does not answer within ``list_wait_s``, left
         out: the caller decides on what answered, and a WARNING names the peers that did
-        not). A peer still silent on an earlier request past that wait is not asked again."""
+        not, also added to ``unanswered``). A peer still silent on an earlier request past that
+        wait is not asked again."""
         now = time.monotonic()
         futures: dict[str, Future[list[PeerStep]]] = {}
         silent: list[str] = []
@@ -139,6 +146,8 @@ class PeerFetcher:
                 continue
             except TierCkptError as e:
                 self.ring.peer_failed(peer, e)
+                if unanswered is not None:
+                    unanswered.append(f"{peer} ({e})")
                 continue
             self.ring.peer_ok(peer)
         if silent:
@@ -153,6 +162,8 @@ class PeerFetcher:
                     peer,
                     PeerUnavailableError(f"no answer to a listing within {self.list_wait_s} s"),
                 )
+            if unanswered is not None:
+                unanswered += [f"{p} (no answer within {self.list_wait_s:.0f} s)" for p in silent]
         return {p: listed[p] for p in peers if p in listed}
 
     def hydrate(

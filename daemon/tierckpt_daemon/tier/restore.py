@@ -40,8 +40,11 @@ METADATA_CACHE_STEPS = 4  # steps whose metadata, fetched from its holders, is k
 class PeerSource(Protocol):
     """Peers' copies; ``owner``: only that identity's steps count (None: anyone's)."""
 
-    def peer_steps(self, namespace: str, *, owner: str | None = None) -> dict[int, list[str]]:
-        """Which peers hold which committed steps (unreachable peers skipped, never waited on)."""
+    def peer_steps(
+        self, namespace: str, *, owner: str | None = None, silent: list[str] | None = None
+    ) -> dict[int, list[str]]:
+        """Which peers hold which committed steps (unreachable peers skipped, never waited on;
+        each added to ``silent``, with why)."""
         ...
 
     def hydrate(
@@ -134,15 +137,23 @@ class Restorer:
         return self.ring.metadata(manifest)
 
     def candidates(
-        self, namespace: str, *, owner: str | None = None, complete: bool = False
+        self,
+        namespace: str,
+        *,
+        owner: str | None = None,
+        complete: bool = False,
+        silent: list[str] | None = None,
     ) -> list[StepCandidate]:
         """Steps ``latest`` may pick, newest first: committed in memory, held by a peer, or
         durable (every durable step: the persistent tier's whole listing, for ``tierckpt ls``);
         of peers' copies, only ``owner``'s (None: anyone's). Unreachable peers are skipped
         (with a warning), never waited for long. A persistent tier that does not answer leaves
         its steps out, unless ``complete``: then its PersistentTierError is raised (a listing
-        must not hide durable steps without saying so)."""
-        return self._candidates(namespace, owner, None, whole=True, complete=complete)[0]
+        must not hide durable steps without saying so). The peers that did not answer are
+        added to ``silent``."""
+        return self._candidates(
+            namespace, owner, None, whole=True, complete=complete, silent=silent
+        )[0]
 
     def newest_candidates(
         self, namespace: str, *, owner: str | None = None, below: int | None = None
@@ -162,9 +173,14 @@ class Restorer:
         *,
         whole: bool,
         complete: bool = False,
+        silent: list[str] | None = None,
     ) -> tuple[list[StepCandidate], int | None]:
         validate_namespace(namespace)
-        on_peers = self.peers.peer_steps(namespace, owner=owner) if self.peers is not None else {}
+        on_peers = (
+            self.peers.peer_steps(namespace, owner=owner, silent=silent)
+            if self.peers is not None
+            else {}
+        )
         in_memory = {r.step: r.state for r in self.service.records(namespace, owner=owner)}
         durable: set[int] = set()
         floor: int | None = None  # the oldest durable step looked up, where older ones may be
