@@ -172,6 +172,41 @@ def test_a_step_retired_while_its_upload_waits_for_a_retry_leaves_memory_at_the_
         persister.stop()
 
 
+def test_steps_retired_at_a_restart_with_their_upload_queued_leave_memory_at_the_sweep(
+    tmp_path: Path,
+) -> None:
+    """A restart with more steps due than retention keeps: the older ones are retired at the
+    rebuild, their uploads queued. Nothing asked the uploader about them (it starts with the
+    committed steps): their files stayed for good. The next sweep lets them go."""
+    root = tmp_path / "tier"
+    before = TierService(Arena(root, 64 * MiB), keep_last=3, lease_ttl_s=60, spares=False)
+    before.rebuild()
+    before.persistent = True
+    for step in (1, 2, 3):
+        _save(before, step)  # due for upload; no uploader runs (the daemon dies)
+    svc = TierService(Arena(root, 64 * MiB), keep_last=1, lease_ttl_s=60, spares=False)
+    svc.rebuild()
+    svc.persistent = True
+    retired = sorted(r.step for r in svc.index.retiring)
+    assert retired == [1, 2], retired  # step 3 is kept: the newest, and due
+    store = FlakyStore(tmp_path / "store", {})
+    persister = Persister(svc, store)
+    svc.add_listener(persister)
+    persister.start()
+    try:
+        assert persister.wait_idle(30)
+        assert durable_steps(store, "job") == [3]
+        svc.sweep()
+        _until(
+            lambda: (
+                not svc.index.retiring and not (root / "ns" / "job" / "000000000001-a1").exists()
+            )
+        )
+        assert svc.metrics.total(svc.metrics.upload_skips) == 2
+    finally:
+        persister.stop()
+
+
 def test_hydrate_brings_a_durable_step_back_bit_exact(
     tmp_path: Path, persisted: tuple[TierService, Persister, FlakyStore]
 ) -> None:
