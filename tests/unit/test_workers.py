@@ -286,6 +286,29 @@ def test_a_commit_is_replicated_to_the_ring_successor_verified(two_nodes: Peers)
     assert rep_a.status().replicated_steps == 1
 
 
+def test_a_step_deleted_while_its_replica_waits_for_a_retry_leaves_memory_at_the_sweep(
+    tmp_path: Path,
+) -> None:
+    """The replicator's side of the same rule as the uploader's: a step whose pushes fail
+    (its successor is not there), deleted meanwhile, went only at its next retry."""
+    with InProcessPeers() as net:
+        peers = Peers(net, tmp_path)
+        try:
+            peers.node("a:1")  # b:1 never comes: every push fails
+            a, rep = peers.nodes["a:1"]
+            rep.retry_base_s = 600.0
+            _save(a, 7)
+            rec = a.index.committed["job"][7]
+            _until(lambda: rep.failing() == 1)
+            a.delete_step("job", 7)
+            assert a.index.retiring == [rec] and rec.dir.exists()
+            a.sweep()
+            _until(lambda: not rec.dir.exists() and not a.index.retiring, timeout=10)
+            assert a.metrics.total(a.metrics.replication_skips) == 1
+        finally:
+            peers.close()
+
+
 def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
     tmp_path: Path, two_nodes: Peers
 ) -> None:
