@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 
 from tierckpt_client import _save_loop, _save_plan
 
@@ -108,4 +109,13 @@ def test_a_save_that_cannot_commit_across_nodes_says_whether_a_daemon_is_down() 
     unconfigured = RankLayout([up, alone], daemons=2, rank_nodes=None)
     assert "which are not peers of each other (set TIERCKPT_PEERS" in unconfigured.why_unpeered(
         "job", 7
+    )
+    # Two nodes' daemons given the same TIERCKPT_NODE_NAME: said as that, not "not peers".
+    twin = LocalPlanData(direct=False, daemon="nodeC:/dev/shm/tierckpt/daemon.sock", node="a:8474")
+    same = RankLayout.of("job", 7, [SavePlan([], storage_data=x) for x in (up, twin)])
+    assert same.unpeered
+    assert same.why_unpeered("job", 7) == (
+        "job/step 7: the daemons nodeA:/dev/shm/tierckpt/daemon.sock, "
+        "nodeC:/dev/shm/tierckpt/daemon.sock all call themselves node a:8474: each node's daemon "
+        "needs its own TIERCKPT_NODE_NAME (its own entry of TIERCKPT_PEERS)"
     )

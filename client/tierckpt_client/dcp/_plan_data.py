@@ -70,7 +70,8 @@ class RankLayout:
 
     def why_unpeered(self, namespace: str, step: int) -> str:
         """Why the ranks' daemons cannot commit a save together: some rank cannot reach its
-        daemon (one is down), or the daemons are not each other's peers (a configuration)."""
+        daemon (one is down), two daemons have the same node name, or the daemons are not each
+        other's peers (a configuration)."""
         down = [rank for rank, x in enumerate(self.local) if x.direct]
         if down:
             daemons = sorted({self.local[rank].daemon for rank in down})
@@ -79,6 +80,17 @@ class RankLayout:
                 f"their node's daemon ({', '.join(daemons[:4])}), and the trainers have no "
                 "persistent tier (TIERCKPT_PERSIST_URL) to save to instead"
             )
+        named: dict[str, set[str]] = {}
+        for x in self.local:
+            if x.node is not None:
+                named.setdefault(x.node, set()).add(x.daemon)
+        for node, daemons in sorted(named.items()):
+            if len(daemons) > 1:
+                return (
+                    f"{namespace}/step {step}: the daemons {', '.join(sorted(daemons)[:4])} all "
+                    f"call themselves node {node}: each node's daemon needs its own "
+                    "TIERCKPT_NODE_NAME (its own entry of TIERCKPT_PEERS)"
+                )
         return (
             f"{namespace}/step {step}: the ranks use {self.daemons} daemons (nodes), which are "
             "not peers of each other (set TIERCKPT_PEERS, TIERCKPT_NODE_NAME and "
