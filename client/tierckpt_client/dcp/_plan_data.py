@@ -84,10 +84,10 @@ class RankLayout:
         for x in self.local:
             if x.node is not None:
                 named.setdefault(x.node, set()).add(x.daemon)
-        for node, daemons in sorted(named.items()):
-            if len(daemons) > 1:
+        for node, holders in sorted(named.items()):
+            if len(holders) > 1:
                 return (
-                    f"{namespace}/step {step}: the daemons {', '.join(sorted(daemons)[:4])} all "
+                    f"{namespace}/step {step}: the daemons {', '.join(sorted(holders)[:4])} all "
                     f"call themselves node {node}: each node's daemon needs its own "
                     "TIERCKPT_NODE_NAME (its own entry of TIERCKPT_PEERS)"
                 )

@@ -35,7 +35,7 @@ How Lightning's paths map to tierckpt steps (the seam, chosen so that ``ModelChe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -55,7 +55,53 @@ __all__ = [
 ]
 
 
-class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import ParallelStrategy as _Strategy
+else:
+    _Strategy = object
+
+
+class _TieredStrategy(_TieredSaves, _Strategy):
+    """Lightning's checkpoint hooks of a strategy, through :class:`_TieredSaves` (ahead of
+    Lightning's own strategy in the MRO: ``super()`` is Lightning's)."""
+
+    _model_key = "state_dict"  # the key of the model in the checkpoint Lightning hands a save
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._tiered_setup_groups()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        self._tiered_save(checkpoint, filepath, self._model_key)
+
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint_id = self._resolve(checkpoint_path)
+        if checkpoint_id is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self._tiered_load(checkpoint_id, weights_only)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if not self._tiered_remove(filepath):
+            super().remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._tiered_exception(exception)
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        try:
+            self._tiered_teardown()
+        finally:
+            super().teardown()
+
+
+class TieredModelParallelStrategy(_TieredStrategy, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallel), checkpointing through
     the node's tierckpt daemon (see the module docstring for how paths map to steps).
 
@@ -93,41 +139,8 @@ class TieredModelParallelStrategy(_TieredSaves, ModelParallelStrategy):
     def __repr__(self) -> str:
         return f"TieredModelParallelStrategy({self.namespace!r})"
 
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._tiered_setup_groups()
 
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
-        self._tiered_save(checkpoint, filepath, "state_dict")
-
-    def load_checkpoint(
-        self, checkpoint_path: _PATH, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        checkpoint_id = self._resolve(checkpoint_path)
-        if checkpoint_id is None:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return self._tiered_load(checkpoint_id, weights_only)
-
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if not self._tiered_remove(filepath):
-            super().remove_checkpoint(filepath)
-
-    def on_exception(self, exception: BaseException) -> None:
-        self._tiered_exception(exception)
-        super().on_exception(exception)
-
-    def teardown(self) -> None:
-        try:
-            self._tiered_teardown()
-        finally:
-            super().teardown()
-
-
-class TieredFSDPStrategy(_TieredSaves, FSDPStrategy):
+class TieredFSDPStrategy(_TieredStrategy, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1; Lightning runs it on GPUs only), checkpointing
     through the node's tierckpt daemon. Arguments as :class:`TieredModelParallelStrategy`, with
     ``FSDPStrategy``'s own in ``**kwargs``; ``state_dict_type`` is ``"sharded"`` (the default
@@ -156,36 +169,3 @@ class TieredFSDPStrategy(_TieredSaves, FSDPStrategy):
 
     def __repr__(self) -> str:
         return f"TieredFSDPStrategy({self.namespace!r})"
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._tiered_setup_groups()
-
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
-        self._tiered_save(checkpoint, filepath, self._model_key)
-
-    def load_checkpoint(
-        self, checkpoint_path: _PATH, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        checkpoint_id = self._resolve(checkpoint_path)
-        if checkpoint_id is None:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return self._tiered_load(checkpoint_id, weights_only)
-
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        if not self._tiered_remove(filepath):
-            super().remove_checkpoint(filepath)
-
-    def on_exception(self, exception: BaseException) -> None:
-        self._tiered_exception(exception)
-        super().on_exception(exception)
-
-    def teardown(self) -> None:
-        try:
-            self._tiered_teardown()
-        finally:
-            super().teardown()
