@@ -27,6 +27,7 @@ from tierckpt_daemon.peers.copier import Copier
 from tierckpt_daemon.peers.fetch import PeerFetcher
 from tierckpt_daemon.peers.membership import Members, Membership, Ring
 from tierckpt_daemon.peers.replication import Replicator
+from tierckpt_daemon.tier import sealing
 from tierckpt_daemon.tier.arena import Arena
 from tierckpt_daemon.tier.persist import Persister
 from tierckpt_daemon.tier.restore import Restorer
@@ -307,6 +308,31 @@ def test_a_step_deleted_while_its_replica_waits_for_a_retry_leaves_memory_at_the
             assert a.metrics.total(a.metrics.replication_skips) == 1
         finally:
             peers.close()
+
+
+def test_a_peer_that_refuses_a_replica_is_named_not_taken_for_down_and_gets_it_once_it_accepts(
+    two_nodes: Peers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that answers and refuses a replica (as a daemon of an older version refused the
+    block checksums of a newer client) was marked unreachable, as if it were down, with its
+    refusal the only hint. It stays a member in good standing now, the WARNING says what it
+    refused and what may be the cause, and the step goes once the peer accepts it."""
+    a, rep_a = two_nodes.nodes["a:1"]
+    b, _ = two_nodes.nodes["b:1"]
+    refusal = "block size 262144 is not 16384 for 100000 bytes"
+    monkeypatch.setattr(sealing, "check_digests", lambda *args: refusal)  # b's seal of the pull
+    rep_a.retry_base_s = 600.0
+    data = _save(a, 7)
+    _until(lambda: rep_a.failing() == 1)
+    assert rep_a.ring.seen()[1] == []  # not unreachable
+    warned = [r.getMessage() for r in caplog.records if "refuses this node's replicas" in r.message]
+    assert len(warned) == 1 and warned[0].startswith("peer b:1 refuses"), warned
+    assert refusal in warned[0] and "tierckpt version" in warned[0]
+    assert f"job/step 7: file r0.data: {refusal}" in (rep_a.status().last_error or "")
+    monkeypatch.undo()  # b upgraded
+    rep_a.hurry(a.index.committed["job"][7])
+    _until(lambda: a.get_step("job", 7).replicated_to == ["b:1"])
+    assert _read(b, 7) == data
 
 
 def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(

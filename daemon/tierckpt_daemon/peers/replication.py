@@ -75,6 +75,7 @@ class Replicator(QueueWorker[StepRecord]):
         self.replicas = ring.replicas
         self._last_error: str | None = None
         self._last_skip: str | None = None  # the reason of the last skip, until a push succeeds
+        self._refusing: set[str] = set()  # peers that refused a push, until one succeeds
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,11 +189,17 @@ class Replicator(QueueWorker[StepRecord]):
                 refused.append(peer)
                 errors.append(f"{peer}: {e}")
                 continue
+            except ProtocolError as e:
+                self._refused_by(peer, e)
+                errors.append(f"{peer}: {e}")
+                continue
             except (TierCkptError, OSError) as e:
                 self.ring.peer_failed(peer, e)
                 errors.append(f"{peer}: {e}")
                 continue
             self.ring.peer_ok(peer)
+            with self._cv:
+                self._refusing.discard(peer)
             have.append(peer)
         if len(have) >= want:
             self.service.end_replication(rec)
@@ -213,6 +220,23 @@ class Replicator(QueueWorker[StepRecord]):
             "retrying (the step stays in memory)",
         )
         return False
+
+    def _refused_by(self, peer: str, e: ProtocolError) -> None:
+        """``peer`` answered, and refused what this node sent it (the records of a step): not
+        an outage (the peer stays a member in good standing), most often a daemon of another
+        tierckpt version. Said once until a push to it succeeds; the step is tried again with
+        the backoff, so it goes once that daemon is upgraded."""
+        with self._cv:
+            first = peer not in self._refusing
+            self._refusing.add(peer)
+        if first:
+            logger.warning(
+                "peer %s refuses this node's replicas (%s); it answers, so it may run a tierckpt "
+                "version that does not know what this one writes: run one version on every "
+                'daemon (docs/operations.md, "Upgrades and restarts"); retrying with backoff',
+                peer,
+                e,
+            )
 
     def share(self, rec: StepRecord) -> list[FileRecord]:
         """What this node replicates of ``rec``: a step of its own, whole; of a step spanning
