@@ -126,6 +126,27 @@ def test_delete(store: FileStore, tmp_path: Path) -> None:
     store.delete([])
 
 
+def test_delete_drops_the_temporary_files_of_writes_a_dead_process_left(
+    store: FileStore, tmp_path: Path
+) -> None:
+    """A daemon killed mid-upload left ``<file>.tierckpt-tmp.<id>`` behind, hidden from every
+    listing and never removed (its step's directory stayed too). Deleting the step's objects
+    now drops those untouched for an hour; a fresher one may be a write in progress: kept."""
+    store.put_bytes("s/step_1/a", b"1")
+    store.put_bytes("s/step_2/a", b"2")
+    step_1, step_2 = (tmp_path / "store" / "s" / f"step_{n}" for n in (1, 2))
+    stale = step_1 / "b.tierckpt-tmp.0123456789ab"
+    stale.write_bytes(b"half a file")
+    hours_ago = os.stat(stale).st_mtime - 2 * 3600
+    os.utime(stale, (hours_ago, hours_ago))
+    fresh = step_2 / "b.tierckpt-tmp.ba9876543210"
+    fresh.write_bytes(b"a write going on")
+    store.delete(["s/step_1/a", "s/step_2/a"])
+    assert not step_1.exists()  # the stale one gone, and its directory with it
+    assert fresh.read_bytes() == b"a write going on"
+    assert store.list("") == []
+
+
 @pytest.mark.parametrize(
     "key", ["", "/abs", "a//b", "a/../b", "..", "./a", "a/", "a\\b", "a\x00b", "x.tierckpt-tmp.1"]
 )

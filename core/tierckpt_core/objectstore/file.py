@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -209,6 +210,7 @@ class FileStore:
 
     def delete(self, keys: builtins.list[str]) -> None:
         paths = [self._path(k) for k in keys]  # validate all before deleting any
+        emptied: set[Path] = set()
         for key, path in zip(keys, paths, strict=True):
             try:
                 path.unlink()
@@ -216,8 +218,12 @@ class FileStore:
                 continue
             except OSError as e:
                 raise self._fail("deleting", key, e) from e
-            # Best effort: drop directories that became empty, up to (not including) the root.
-            parent = path.parent
+            emptied.add(path.parent)
+        # Best effort: drop directories that became empty, up to (not including) the root, once
+        # each (deepest first); with them the temporary files of writes a process did not live
+        # to finish (a daemon killed mid-upload), once nothing has written them for a while.
+        for parent in sorted(emptied, key=lambda p: len(p.parts), reverse=True):
+            _drop_stale_tmps(parent)
             while parent != self.root and self.root in parent.parents:
                 try:
                     parent.rmdir()
@@ -241,6 +247,30 @@ class FileStore:
 
     def close(self) -> None:
         pass
+
+
+STALE_TMP_S = 3600.0
+"""A temporary file of a write untouched this long is left from a process that died writing it
+(a write in progress touches it at every chunk, even at a low upload rate cap)."""
+
+
+def _drop_stale_tmps(directory: Path) -> None:
+    """Remove ``directory``'s temporary files older than :data:`STALE_TMP_S` (best effort)."""
+    cutoff = time.time() - STALE_TMP_S
+    try:
+        with os.scandir(directory) as entries:
+            stale = [
+                e.path
+                for e in entries
+                if TMP_MARKER in e.name
+                and e.is_file(follow_symlinks=False)
+                and e.stat(follow_symlinks=False).st_mtime < cutoff
+            ]
+    except OSError:
+        return
+    for path in stale:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _fsync_dir(path: Path) -> None:
