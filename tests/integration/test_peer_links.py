@@ -9,9 +9,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
-from tierckpt_client import DaemonClient
-from tierckpt_core.errors import TierCkptError
+from tierckpt_client import Checkpointer, DaemonClient
+from tierckpt_core.errors import PeerUnavailableError, TierCkptError
 from tierckpt_core.protocol import CommitRequest
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.peers.membership import Members, Membership
@@ -135,6 +136,26 @@ def test_latest_does_not_wait_for_peers_that_do_not_answer(
             assert took < LIST_TIMEOUT_S + MARGIN_S, f"candidates took {took:.1f} s"
     warned = [line for line in a.log().splitlines() if "did not answer within" in line]
     assert warned and held.address in warned[0] and full.address in warned[0], warned
+
+
+def test_a_restore_that_finds_nothing_while_peers_do_not_answer_is_not_a_fresh_start(
+    cut_off: tuple[DaemonProcess, DaemonProcess, SilentPeer, SilentPeer],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node whose memory holds nothing of the job (replaced, or its share's steps are on
+    others) asks its peers; when some do not answer, its daemon said "no committed step ...
+    nor do its peers hold one", and the trainer took it for a first start: the job trained
+    again from scratch, with an INFO, while the silent peers held its steps (a network blip at
+    a restart). The restore now fails naming them, and nothing is restored."""
+    a, _, held, full = cut_off
+    monkeypatch.setenv("TIERCKPT_SOCKET", str(a.socket))
+    state = {"w": torch.zeros(4)}
+    with Checkpointer("job") as ckpt, pytest.raises(PeerUnavailableError) as err:
+        ckpt.restore(state)
+    text = str(err.value)
+    assert "namespace job: no committed step found" in text, text
+    assert held.address in text and full.address in text and "not a fresh start" in text, text
+    assert torch.equal(state["w"], torch.zeros(4))
 
 
 def test_a_save_whose_participant_is_cut_off_after_prepare_is_acknowledged_in_one_timeout() -> None:

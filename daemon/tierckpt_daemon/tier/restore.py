@@ -17,6 +17,7 @@ from tierckpt_core.errors import (
     CheckpointFormatError,
     NamespaceNotFoundError,
     NotFoundError,
+    PeerUnavailableError,
     PersistentTierError,
     StepNotFoundError,
 )
@@ -35,6 +36,25 @@ from tierckpt_daemon.tier.service import TierService
 logger = logging.getLogger(__name__)
 
 METADATA_CACHE_STEPS = 4  # steps whose metadata, fetched from its holders, is kept in memory
+
+
+def _undecided(namespace: str, partial: list[int], silent: list[str]) -> PeerUnavailableError:
+    """No whole step found, where peers that did not answer may hold one (or the rest of one
+    held here in part): not "nothing to restore", which a trainer takes for a fresh start."""
+    steps = ", ".join(map(str, partial[:4]))
+    if not silent:  # every peer answered: those shares went with their nodes and replicas
+        return PeerUnavailableError(
+            f"namespace {namespace}: step(s) {steps} held in part, their other shares on no "
+            "node (lost with their nodes and their replicas), and no whole step: not starting "
+            f"from scratch on a guess; `tierckpt rm {namespace} STEP` where a part is held lets "
+            "the job start afresh"
+        )
+    held = f"step(s) {steps} held in part" if partial else "no committed step found"
+    return PeerUnavailableError(
+        f"namespace {namespace}: {held}, and {', '.join(silent[:8])} did not answer: which step "
+        "is the newest cannot be told now, so this is not a fresh start; retry once the peers "
+        "answer (a node gone for good leaves TIERCKPT_PEERS)"
+    )
 
 
 class PeerSource(Protocol):
@@ -176,6 +196,7 @@ class Restorer:
         silent: list[str] | None = None,
     ) -> tuple[list[StepCandidate], int | None]:
         validate_namespace(namespace)
+        silent = [] if silent is None else silent
         on_peers = (
             self.peers.peer_steps(namespace, owner=owner, silent=silent)
             if self.peers is not None
@@ -213,16 +234,19 @@ class Restorer:
         if floor is not None:  # older ones come with the next call, in order
             steps = [s for s in steps if s >= floor]
         # "latest" must be whole: skip steps spanning nodes whose lost shares are nowhere.
+        partial: list[int] = []
         while (
             steps
             and steps[0] not in durable
             and self.ring is not None
             and self.ring.lost(namespace, steps[0], owner, on_peers.get(steps[0], []))
         ):
-            steps.pop(0)
+            partial.append(steps.pop(0))
         if not steps:
             if tier_error is not None:
                 raise tier_error
+            if below is None and (partial or silent):
+                raise _undecided(namespace, partial, silent)
             where = " or the persistent tier" if self.durable else ""
             where += ", nor do its peers hold one" if self.peers else ""
             if below is not None:
