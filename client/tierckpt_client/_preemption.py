@@ -20,10 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from tierckpt_client._save_loop import SaveFailedError
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.daemon_client import DaemonClient
-from tierckpt_core.errors import DaemonUnavailableError, PersistentTierError, StepNotFoundError
+from tierckpt_core.errors import (
+    DaemonUnavailableError,
+    NotReplicatedError,
+    PersistentTierError,
+    StepNotFoundError,
+)
 from tierckpt_core.protocol import StepState
 
 logger = logging.getLogger(__name__)
@@ -187,3 +194,15 @@ def memory_only_warning(namespace: str, step: int) -> str:
         "replicas, if any) only, because no persistent tier is configured (TIERCKPT_PERSIST_URL "
         "on the daemon); a restart on this node resumes from it, a lost node loses it"
     )
+
+
+def not_replicated(e: SaveFailedError) -> NotReplicatedError | None:
+    """The error of a save that committed and waited for its replicas in vain, if that is all
+    that failed (DCP wraps the coordinator's error in a CheckpointException)."""
+    cause = e.__cause__
+    if isinstance(cause, CheckpointException):
+        errors = [exc for exc, _ in cause.failures.values()]
+        if errors and all(isinstance(x, NotReplicatedError) for x in errors):
+            return errors[0]  # type: ignore[return-value]
+        return None
+    return cause if isinstance(cause, NotReplicatedError) else None

@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -29,6 +30,7 @@ from tierckpt_client._preemption import (
     Outcome,
     PreemptionWatcher,
     memory_only_warning,
+    not_replicated,
     replicates,
     wait_durable,
 )
@@ -228,6 +230,7 @@ class Checkpointer:
         *,
         persist: bool | None,
         wait: str | None = None,
+        replicated_timeout_s: float = 300.0,
     ) -> None:
         self.wait()
         writer = TieredStorageWriter(
@@ -238,6 +241,7 @@ class Checkpointer:
             on_unavailable=self.on_unavailable,
             async_staging=self.async_staging,
             wait=wait or self.wait_for,
+            replicated_timeout_s=replicated_timeout_s,
             copied_at_stage=_async_staging.forward_buffers(state) if self.async_staging else (),
         )
         if self.async_mode == "thread" and self._own_group:
@@ -389,17 +393,37 @@ class Checkpointer:
         except SaveFailedError:
             logger.exception("%s: the save before the preemption failed", self.namespace)
         code = 0
+        deadline = time.monotonic() + self.preempt_deadline_s  # the save's and its upload's
+        unreplicated = False
         try:
             if self.last_saved_step != step:
                 # Losing this step would hurt: where the daemon replicates, the save counts
                 # once every share has its replicas, not before.
                 wait = "replicated" if replicates(self.config) else "committed"
-                self._start(step, state, persist=True, wait=wait)
-            self.wait()
+                self._start(
+                    step,
+                    state,
+                    persist=True,
+                    wait=wait,
+                    replicated_timeout_s=self.preempt_deadline_s,
+                )
+            try:
+                self.wait()
+            except SaveFailedError as e:
+                missing = not_replicated(e)
+                if missing is None:
+                    raise
+                # Committed: it may still become durable, which is what the deadline is for.
+                logger.warning("%s: %s", self.namespace, missing)
+                unreplicated = True
             outcome = wait_durable(
-                self.namespace, step, self.config, self.preempt_deadline_s, self._flag_group
+                self.namespace,
+                step,
+                self.config,
+                max(0.0, deadline - time.monotonic()),
+                self._flag_group,
             )
-            if outcome is Outcome.FAILED:
+            if outcome is Outcome.FAILED or (outcome is Outcome.MEMORY_ONLY and unreplicated):
                 code = 1
             elif outcome is Outcome.MEMORY_ONLY and self._first_rank():
                 # The save that could be made is made; say once for the job where it is.

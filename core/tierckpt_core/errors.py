@@ -15,8 +15,10 @@ All errors raised by tierckpt derive from :class:`TierCkptError`::
     │   └── LeaseNotFoundError      the lease expired or was never granted
     ├── CapacityExceededError       the memory tier cannot fit the request even after safe eviction
     ├── StepStateError              the step is in the wrong state (commit with missing files, ...)
-    │   └── StagingRaceError        a tensor changed while an asynchronous stage copied it (the
+    │   ├── StagingRaceError        a tensor changed while an asynchronous stage copied it (the
     │                               loop did not wait for ``staging_completion``): that save fails
+    │   └── NotReplicatedError      a save that waits for its replicas: the step is committed,
+    │                               and some share has none (yet)
     ├── CheckpointFormatError       stored metadata or layout is malformed or does not match the load
     │   └── IntegrityError          stored bytes do not match their recorded checksum
     │       └── BlockMismatchError  a block received or copied did not match the checksum taken
@@ -97,6 +99,13 @@ class CapacityExceededError(TierCkptError):
 class StepStateError(TierCkptError):
     code = "step_state"
     http_status = 409
+
+
+class NotReplicatedError(StepStateError):
+    """A save with ``wait="replicated"``: the step is committed (in memory, and wherever else it
+    goes: an upload is not undone), but some share has no replica, or not within the wait."""
+
+    code = "not_replicated"
 
 
 class StagingRaceError(StepStateError):
@@ -198,6 +207,7 @@ ERROR_CODES: dict[str, type[TierCkptError]] = {
         CapacityExceededError,
         StepStateError,
         StagingRaceError,
+        NotReplicatedError,
         CheckpointFormatError,
         ProtocolError,
         NotAMemberError,

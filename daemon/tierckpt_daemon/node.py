@@ -283,7 +283,10 @@ def _add_peers(node: Node, settings: DaemonSettings) -> None:
     )
     spanning = SpanningReads(service, fetcher=node.fetcher, durable=durable)
     node.restorer = Restorer(service, peers=node.fetcher, durable=node.persister, ring=spanning)
-    node.replica_wait = ReplicaWait(service, client, node=name)
+    replicator = node.replicator
+    node.replica_wait = ReplicaWait(
+        service, client, node=name, last_error=lambda: replicator.status().last_error
+    )
 
 
 def _bucket(rate: str | None, settings: DaemonSettings) -> TokenBucket | None:

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from tierckpt_client import Checkpointer, DaemonClient, SaveFailedError
 from tierckpt_client.config import ClientConfig
 from tierckpt_client.dcp import TieredStorageReader
 
-from helpers import DaemonProcess
+from helpers import DaemonProcess, free_port
+from loopback_faults import SilentPeer
 
 
 class _Counter:
@@ -213,6 +215,41 @@ def test_preemption_missing_the_deadline_exits_1(
         assert c.step("slow", 3).state.value == "committed"
     assert "slow: step 3 not durable within the preemption deadline" in caplog.text
     assert "no persistent tier" not in caplog.text
+
+
+def test_a_preemption_whose_replicas_cannot_come_ends_within_its_deadline_durable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, make_node: Callable[..., DaemonProcess]
+) -> None:
+    """The preempted save waits for its replicas (the daemon replicates) and then for the
+    persistent tier. With the ring's other node not answering, the replica wait took its own
+    300 s before the deadline's clock even started, and then failed the save, "not
+    checkpointed", exit 1, while the step was durable (a network-fault trial: 301.7 s for a
+    20 s deadline). The deadline bounds both waits now, and a durable step exits 0."""
+    port = free_port()
+    with SilentPeer() as silent:
+        d = make_node(
+            persist_url=f"file://{tmp_path / 'store'}",
+            port=port,
+            host="127.0.0.1",
+            node_name=f"127.0.0.1:{port}",
+            peers=f"127.0.0.1:{port},{silent.address}",
+            peer_token="preemption-replica-test-token-0123456789",
+            replicas=1,
+            peer_timeout_s=2,
+        )
+        config = ClientConfig.from_env(socket=d.socket)
+        ckpt = Checkpointer("rep", config=config, preempt_deadline_s=6.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit) as exited:
+            ckpt.save(3, {"w": torch.ones(1000)})
+        took = time.monotonic() - t0
+    assert exited.value.code == 0
+    assert took < 6.0 + 10.0, f"the preempted save took {took:.0f} s"
+    with DaemonClient(config) as c:
+        assert c.step("rep", 3).state.value == "durable"
+    assert "rep/step 3 is committed, but not replicated within 6 s" in caplog.text
+    assert "rep: step 3 is durable" in caplog.text
 
 
 def test_resolve_chooses_the_step_of_the_next_load_only(client_env: DaemonProcess) -> None:

@@ -43,6 +43,7 @@ from tierckpt_client.dcp.targets.choice import Targets
 from tierckpt_core.errors import (
     DaemonUnavailableError,
     InvalidNameError,
+    NotReplicatedError,
     StagingRaceError,
     StepStateError,
 )
@@ -448,4 +449,9 @@ class TieredStorageWriter(StorageWriter, AsyncStager):
             raise
         self._files.committed()
         if self.wait == "replicated" and target is self._targets.memory:
-            self._daemon.wait_replicated(namespace, step, self.replicated_timeout_s)
+            try:
+                self._daemon.wait_replicated(namespace, step, self.replicated_timeout_s)
+            except NotReplicatedError:
+                raise
+            except StepStateError as e:  # a daemon older than NotReplicatedError
+                raise NotReplicatedError(str(e)) from None

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
-from tierckpt_core.errors import StepStateError, TierCkptError
+from tierckpt_core.errors import NotReplicatedError, StepStateError, TierCkptError
 from tierckpt_core.protocol import NodeStep, StepInfo
 from tierckpt_daemon.peers.client import PeerClient
 from tierckpt_daemon.tier.records import StepRecord
@@ -30,10 +31,18 @@ MAX_WAIT_S = 3600.0
 
 
 class ReplicaWait:
-    def __init__(self, service: TierService, client: PeerClient, *, node: str) -> None:
+    def __init__(
+        self,
+        service: TierService,
+        client: PeerClient,
+        *,
+        node: str,
+        last_error: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.service = service
         self.client = client
         self.node = node
+        self.last_error = last_error  # the replicator's, for why this node's share waits
 
     def wait(
         self, namespace: str, step: int, timeout_s: float, *, owner: str | None = None
@@ -59,17 +68,18 @@ class ReplicaWait:
             why = {n: w for n, w in theirs.items() if w is not None}
             mine = _short(rec.replication_pending, rec.replicated_to)
             if mine is not None:
-                why[self.node] = mine
+                error = self.last_error() if rec.replication_pending else None
+                why[self.node] = f"{mine} (the replicator's last error: {error})" if error else mine
             failed = {n: w for n, w in why.items() if w.startswith("no replica")}
             if failed:
-                raise StepStateError(
+                raise NotReplicatedError(
                     f"{where} is committed, but not replicated: {_say(failed)} (is another "
                     "daemon of the ring up, and does it take this namespace?)"
                 )
             if not why:
                 return rec.info()
             if time.monotonic() > deadline:
-                raise StepStateError(
+                raise NotReplicatedError(
                     f"{where} is committed, but not replicated within {timeout_s:g} s: {_say(why)}"
                 )
             time.sleep(POLL_S)
