@@ -165,10 +165,15 @@ def test_a_step_retired_while_its_upload_waits_for_a_retry_leaves_memory_at_the_
         assert svc.index.retiring == [first] and first.dir.exists()
         assert persister.wait_idle(30)  # step 2 uploaded; step 1 waits for its retry
         assert durable_steps(store, "job") == [2] and first.dir.exists()
+        assert persister.status().healthy is False  # step 1's failure stands
         svc.sweep()
         _until(lambda: not first.dir.exists() and not svc.index.retiring, timeout=10)
         skips = svc.metrics.total(svc.metrics.upload_skips)
         assert skips == 1
+        # Its failure no longer stands, and the tier took step 2 since: healthy (it stayed
+        # unhealthy until some later upload, the alert firing meanwhile).
+        status = persister.status()
+        assert status.healthy is True and status.last_error is None, status
     finally:
         persister.stop()
 

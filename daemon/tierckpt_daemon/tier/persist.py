@@ -81,6 +81,7 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         self._pool = background_pool(concurrency, "tierckpt-upload", nice)
         self._healthy: bool | None = None
         self._last_error: str | None = None
+        self._uploaded_since_error = False  # an upload succeeded after the last error
         self._hydrating: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
         self._uploading: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
 
@@ -175,6 +176,7 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         with self._cv:
             self._healthy = False
             self._last_error = message
+            self._uploaded_since_error = False
 
     def _died(self, error: BaseException) -> None:
         self._record_error(
@@ -226,6 +228,13 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         )
         self.service.metrics.upload_skips.labels(reason=reason).inc()
         self.service.cancel_persist(rec)
+        with self._cv:
+            # Its failure was what kept the status unhealthy, and the tier took an upload since
+            # (the outage is over): healthy again, not until some later upload (hours away with
+            # a sparse TIERCKPT_PERSIST_EVERY, the alert firing all along).
+            if self._uploaded_since_error and not self.failing(besides=rec):
+                self._healthy = True
+                self._last_error = None
 
     def _upload(self, rec: StepRecord) -> None:
         ns, step = rec.namespace, rec.step
@@ -350,8 +359,9 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         m.uploaded_bytes.inc(nbytes)
         m.uploaded_steps.inc()
         m.upload_seconds.observe(time.monotonic() - t0)
-        if not self.failing(besides=rec):  # else an older step's failure still stands
-            with self._cv:
+        with self._cv:
+            self._uploaded_since_error = True
+            if not self.failing(besides=rec):  # else an older step's failure still stands
                 self._healthy = True
                 self._last_error = None
         dt = time.monotonic() - t0
