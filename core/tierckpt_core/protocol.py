@@ -237,6 +237,8 @@ class PersistentStatus(BaseModel):
     skipped_uploads: int = 0
     hydrations: list[HydrationProgress] = []
     uploads: list[HydrationProgress] = []  # the step being uploaded: bytes of its finished files
+    # Steps spanning nodes whose decider (this node) waits for other nodes' shares: what for.
+    waiting: list[str] = []
 
 
 class ReplicationStatus(BaseModel):

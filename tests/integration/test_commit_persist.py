@@ -153,3 +153,53 @@ def test_a_participant_learns_that_the_step_became_durable(
 
     until("b to learn that step 4 is durable", lambda: listed() == "durable", 30)
     assert _due(b) == 0
+
+
+def test_the_decider_waits_for_a_slow_share_without_sending_its_own_again(tier: Path) -> None:
+    """The decider's upload of a step spanning nodes waits for the other nodes' shares. Each
+    look uploaded its own share again (gigabytes, for as long as another node's upload took),
+    counted as a failing upload, with a backoff up to two minutes: the step became durable up
+    to two minutes after the last share (a network-fault trial: 159 s after an outage ended),
+    and `tierckpt persist --wait` said "still queued". Now its share goes once, it looks again
+    within seconds, and its status says what it waits for."""
+    nodes = ring(2, token=TOKEN, replicas=0, prefix="tierckpt-test", persist_url=f"file://{tier}")
+    a, b = sorted(nodes, key=lambda d: d.name or "")
+    # b's second file waits 10 s for the rate cap (the first chunk of an idle spell goes at once).
+    b.settings["upload_max_rate"] = "4K"
+    with running(nodes):
+        assert a.name and b.name
+        files = dict(
+            [
+                seal_bytes(a, NS, 4, "s4", 0, 40_000),
+                seal_bytes(b, NS, 4, "s4", 1, 40_000),
+                seal_bytes(b, NS, 4, "s4", 2, 40_000),
+            ]
+        )
+        req = CommitRequest(
+            files=sorted(files),
+            metadata={"what": "test"},
+            world_size=3,
+            nodes={"r00000.data": a.name, "r00001.data": b.name, "r00002.data": b.name},
+            persist=True,
+        )
+        with DaemonClient.from_socket(a.socket) as ca:
+            ca.commit(NS, 4, "s4", req)
+            own = tier / NS / "step_000000000004" / "r00000.data"
+            until("a's share in the tier", own.is_file, 30)
+            sent = own.stat().st_mtime_ns
+
+            def waiting() -> list[str]:
+                p = ca.status().persistent
+                assert p is not None
+                return p.waiting
+
+            until("a to say it waits for b's share", lambda: bool(waiting()), 30)
+            assert waiting() == [f"{NS}/step 4: waiting for the shares of {b.name} (2 files)"]
+            assert ca.status().persistent.healthy is not False  # type: ignore[union-attr]
+            until("b's share in the tier", lambda: _share_up(tier, 4, "r00002.data"), 60)
+            shared = time.monotonic()
+            until("step 4 durable", lambda: _durable(tier, 4), 30)
+            assert time.monotonic() - shared < 10.0 + 3.0  # one look (at most 10 s apart)
+            assert own.stat().st_mtime_ns == sent  # a's share went once
+            assert waiting() == []
+            assert ca.step(NS, 4).state.value == "durable"

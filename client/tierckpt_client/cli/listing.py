@@ -59,6 +59,7 @@ def cmd_status(client: DaemonClient, tier: Persistent, args: argparse.Namespace)
             )
             for h in progress
         ]
+        lines += [f"            waiting: {w}" for w in st.persistent.waiting]
     lines += ["", _memory_table([ns.model_dump(mode="json") for ns in st.namespaces])]
     r.emit(args.json, st.model_dump(mode="json"), "\n".join(lines))
 

@@ -146,6 +146,10 @@ def _wait_durable(client: DaemonClient, info: StepInfo, timeout_s: float) -> Ste
                 break
             p = client.status().persistent
             error = p.last_error if p is not None else None
+            # The decider of a step spanning nodes waits for the other nodes' shares: not an
+            # error of its own (the other nodes' statuses say theirs), and not a queue either.
+            shares = [w for w in (p.waiting if p else []) if w.startswith(f"{ns}/step {step}:")]
+            error = shares[0] if shares else error
             done = [u for u in (p.uploads if p else []) if (u.namespace, u.step) == (ns, step)]
             if done:
                 bar.update(

@@ -54,8 +54,9 @@ class QueueWorker(Generic[T]):
     """One niced thread that works through a queue of items in due order, with retries.
 
     Subclasses implement :meth:`_process` (True: done; False or an exception: try the item again
-    after a backoff of ``retry_base_s`` doubling up to ``retry_max_s``). A failing item waits for
-    its retry while the items behind it go ahead. Used by the uploader and the replicator; their
+    after a backoff of ``retry_base_s`` doubling up to ``retry_max_s``; a number: not done, and
+    not failing either, look again in that many seconds). A failing item waits for its retry
+    while the items behind it go ahead. Used by the uploader and the replicator; their
     items are step records, which are compared by identity.
     """
 
@@ -119,7 +120,7 @@ class QueueWorker(Generic[T]):
         if self._thread.is_alive():
             self._thread.join(timeout=5)
 
-    def _process(self, item: T) -> bool:
+    def _process(self, item: T) -> bool | float:
         raise NotImplementedError
 
     def _main(self) -> None:
@@ -154,8 +155,11 @@ class QueueWorker(Generic[T]):
                 done = False
             with self._cv:
                 self._current = None
-                if done:
+                if done is True:
                     self._tries.pop(id(item), None)
+                elif done is not False:  # not done, not failing: waiting on something else
+                    self._tries.pop(id(item), None)
+                    heapq.heappush(self._queue, (time.monotonic() + done, next(self._seq), item))
                 else:
                     tries = self._tries[id(item)] = self._tries.get(id(item), 0) + 1
                     delay = min(self.retry_base_s * 2 ** (tries - 1), self.retry_max_s)

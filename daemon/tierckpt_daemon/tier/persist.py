@@ -57,7 +57,9 @@ class _SharesMissing(TierCkptError):
     """The decider of a step spanning nodes waits for other nodes' shares in the tier."""
 
 
-RETRY_MAX_S = 120.0
+RETRY_MAX_S = 60.0
+SHARES_POLL_S = 2.0  # the decider looks for the other nodes' shares this often at first,
+SHARES_POLL_MAX_S = 10.0  # then less and less often, down to this: a look costs a read per node
 
 
 class Persister(QueueWorker[StepRecord], DurableReads):
@@ -84,6 +86,11 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         self._uploaded_since_error = False  # an upload succeeded after the last error
         self._hydrating: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
         self._uploading: dict[tuple[str, int], list[int]] = {}  # -> [done bytes, total bytes]
+        # (namespace, step, attempt) -> the decider's own share as uploaded, and its checksums,
+        # while it waits for the other nodes' shares; and how long until it looks again.
+        self._own_shares: dict[tuple[str, int, str], tuple[list[FileRecord], dict[str, str]]] = {}
+        self._share_polls: dict[tuple[str, int, str], float] = {}
+        self._waiting: dict[tuple[str, int], str] = {}  # a step -> the shares it waits for
 
     # -- life cycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,6 +140,7 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         failed = m.total(m.upload_failures)
         with self._cv:
             healthy, last_error = self._healthy, self._last_error
+            waiting = [self._waiting[k] for k in sorted(self._waiting)]
             hydrations, uploads = (
                 [
                     HydrationProgress(namespace=ns, step=st, done_bytes=p[0], total_bytes=p[1])
@@ -151,6 +159,7 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             skipped_uploads=m.total(m.upload_skips),
             hydrations=hydrations,
             uploads=uploads,
+            waiting=waiting,
         )
 
     def check_health(self) -> None:
@@ -189,13 +198,18 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         self.check_health()
         super()._run()
 
-    def _process(self, rec: StepRecord) -> bool:
+    def _process(self, rec: StepRecord) -> bool | float:
         rec.uploading = True  # (a flag retention reads under the service's lock: set before)
+        key = (rec.namespace, rec.step, rec.attempt)
+        waiting: str | None = None
         try:
             self._upload(rec)
         except _SharesMissing as e:  # not a failure: the other nodes are still uploading
-            logger.info("%s; checking again in %.0fs", e, self.retry_delay(rec))
-            return False
+            waiting = str(e)
+            wait = min(self._share_polls.get(key, SHARES_POLL_S / 2) * 2, SHARES_POLL_MAX_S)
+            self._share_polls[key] = wait
+            logger.info("%s; looking again in %.0fs", e, wait)
+            return wait
         except (TierCkptError, OSError) as e:
             # Unhealthy first, then counted: a status that shows the failure shows it unhealthy.
             self._record_error(
@@ -207,7 +221,14 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             return False
         finally:
             rec.uploading = False
+            with self._cv:  # what `tierckpt persist --wait` says the step waits for
+                if waiting is None:
+                    self._waiting.pop(key[:2], None)
+                else:
+                    self._waiting[key[:2]] = waiting
             self.service.upload_ended(rec)
+        self._share_polls.pop(key, None)
+        self._own_shares.pop(key, None)
         return True
 
     def _skip(self, rec: StepRecord) -> None:
@@ -244,6 +265,41 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         t0 = time.monotonic()
         metadata = read_manifest(rec.manifest_path()).metadata
         deciding = not rec.spans_nodes or rec.coordinator == self.service.node
+        key = (ns, step, rec.attempt)
+        # The decider's own share, uploaded at an earlier look while other shares were missing:
+        # never uploaded again for each look (gigabytes, every few seconds of a long wait).
+        earlier = self._own_shares.get(key)
+        if earlier is None:
+            uploaded, checksums = self._upload_own(rec, deciding)
+        else:
+            uploaded, checksums = earlier
+        nbytes = sum(f.length for f in uploaded)
+        if rec.spans_nodes:
+            if not deciding:
+                # The decider writes the manifest and the marker once every share is there.
+                self.service.share_persisted(rec)
+                self._uploaded(rec, nbytes, t0, f"its share of {len(uploaded)} files")
+                return
+            self._own_shares[key] = (uploaded, checksums)
+            uploaded = self._collect_shares(rec, uploaded)
+        manifest = rec.manifest(metadata).model_copy(
+            update={"files": uploaded, "coordinator": rec.coordinator}
+        )
+        write_step_commit(self.store, manifest)
+        self._own_shares.pop(key, None)
+        if rec.spans_nodes:
+            delete_sidecars(self.store, ns, step, [f.name for f in uploaded])
+        self.service.mark_durable(rec, checksums, uploaded=True)
+        self._uploaded(rec, nbytes, t0, f"{len(uploaded)} files")
+        self._apply_retention(ns)
+
+    def _upload_own(
+        self, rec: StepRecord, deciding: bool
+    ) -> tuple[list[FileRecord], dict[str, str]]:
+        """Upload the files of ``rec`` this node holds (of a step spanning nodes: its share,
+        with a sidecar each), checked against their commit-time checksums; their records as
+        uploaded, and the checksums."""
+        ns, step = rec.namespace, rec.step
         if deciding:
             # A re-upload (a newer attempt) must never leave an old marker over new files.
             try:
@@ -293,26 +349,11 @@ class Persister(QueueWorker[StepRecord], DurableReads):
                     f"{ns}/step {step}: file {f.name} changed in memory since it was committed "
                     f"(checksum {checksums[f.name]}, committed as {f.checksum}); not persisting it"
                 )
-        nbytes = sum(f.length for f in files)
         uploaded = [f.model_copy(update={"checksum": checksums[f.name]}) for f in files]
         if rec.spans_nodes:
             for f in uploaded:
                 write_sidecar(self.store, ns, step, f)
-            if not deciding:
-                # The decider writes the manifest and the marker once every share is there.
-                self.service.share_persisted(rec)
-                self._uploaded(rec, nbytes, t0, f"its share of {len(files)} files")
-                return
-            uploaded = self._collect_shares(rec, uploaded)
-        manifest = rec.manifest(metadata).model_copy(
-            update={"files": uploaded, "coordinator": rec.coordinator}
-        )
-        write_step_commit(self.store, manifest)
-        if rec.spans_nodes:
-            delete_sidecars(self.store, ns, step, [f.name for f in uploaded])
-        self.service.mark_durable(rec, checksums, uploaded=True)
-        self._uploaded(rec, nbytes, t0, f"{len(uploaded)} files")
-        self._apply_retention(ns)
+        return uploaded, checksums
 
     def _collect_shares(self, rec: StepRecord, own: list[FileRecord]) -> list[FileRecord]:
         """The decider of a step spanning nodes: every other node's uploaded share, checked
