@@ -34,6 +34,17 @@ def test_network_errors_read_in_words_and_stay_retryable() -> None:
 def test_what_is_not_the_network_is_classified_as_before() -> None:
     missing = crt_error("reading", "k", WHERE, "ckpt", Exception("The key does not exist"))
     assert isinstance(missing, NotFoundError)
+    # The CRT's words where no credentials are found at all: said as boto's are, and not
+    # retried (it was a RetryableS3Error, tried five times, its raw words shown).
+    none = crt_error(
+        "checking",
+        "k",
+        WHERE,
+        "ckpt",
+        Exception("Client error: No signing credentials available, see CRT debug logs"),
+    )
+    assert not isinstance(none, RetryableS3Error)
+    assert f"checking {WHERE} failed: no S3 credentials found (set AWS_ACCESS_KEY_ID" in str(none)
     denied = crt_error("reading", "k", WHERE, "ckpt", Exception("Access Denied (403)"))
     assert isinstance(denied, PersistentTierError) and not isinstance(denied, RetryableS3Error)
     assert "access denied" in str(denied)

@@ -81,6 +81,12 @@ def _unusable(endpoint: str | None, region: str, e: Exception) -> PersistentTier
     )
 
 
+NO_CREDENTIALS = (
+    "no S3 credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or attach "
+    "a role)"
+)
+
+
 class RetryableS3Error(PersistentTierUnavailableError):
     """A transient data-path failure (network, throttling, 5xx): retried by tenacity."""
 
@@ -134,6 +140,8 @@ def crt_error(
         return PersistentTierError(
             f"{what} {where} failed: bucket {bucket!r} does not exist ({msg})"
         )
+    if "no signing credentials" in low or "no credentials" in low:  # none found: not transient
+        return PersistentTierError(f"{what} {where} failed: {NO_CREDENTIALS} ({msg})")
     if any(s in low for s in _CRT_AUTH):
         return PersistentTierError(
             f"{what} {where} failed: access denied, check the S3 credentials "
@@ -192,10 +200,7 @@ def boto_error(
             )
         return PersistentTierError(f"{what} {where} failed: {code or status}: {exc}")
     if isinstance(exc, NoCredentialsError):
-        return PersistentTierError(
-            f"{what} {where} failed: no S3 credentials found (set AWS_ACCESS_KEY_ID/"
-            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or attach a role)"
-        )
+        return PersistentTierError(f"{what} {where} failed: {NO_CREDENTIALS}")
     if isinstance(exc, (ReadTimeoutError, ConnectTimeoutError)):
         return PersistentTierError(
             f"{what} {where} timed out: {exc} (TIERCKPT_S3_TIMEOUT={timeout_s:g}s, "
