@@ -13,7 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt_core.errors import NotFoundError, PersistentTierUnavailableError
+from tierckpt_core.errors import (
+    NotFoundError,
+    PeerUnavailableError,
+    PersistentTierUnavailableError,
+)
 from tierckpt_core.integrity import checksum
 from tierckpt_core.layout import durable_steps, read_step_manifest
 from tierckpt_core.metadata_blob import unpack_metadata
@@ -367,6 +371,32 @@ def test_a_lost_node_restores_from_the_peer_and_a_corrupt_replica_is_refused(
         rep2.hydrate("job", 8)
     with pytest.raises(NotFoundError):
         other.get_step("job", 8)
+
+
+def test_files_whose_holders_fail_to_send_them_are_not_said_to_be_held_by_no_peer(
+    tmp_path: Path, two_nodes: Peers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer holds the files, and its copy fails (a lossy link: the transfer timed out): the
+    fetch said "no reachable peer holds r0.data" (StepNotFoundError, the CLI's exit 3), the
+    peer's error dropped. It names the holder and why now, as the outage it is."""
+    a, rep_a = two_nodes.nodes["a:1"]
+    _save(a, 8)
+    assert rep_a.wait_idle(20)
+    fresh = _service(tmp_path / "a-replaced")
+    client = two_nodes.client("a:1")
+    copier = Copier(fresh, client)
+    rep = PeerFetcher(fresh, client, Ring(Membership.parse(MEMBERS), "a:1"), copier)
+
+    def lossy(peer: str, *args: object, **kwargs: object) -> None:
+        raise PeerUnavailableError(f"peer {peer}: reading r0.data timed out after 30 s")
+
+    monkeypatch.setattr(copier, "copy_from", lossy)
+    with pytest.raises(PeerUnavailableError) as err:
+        rep.fetch_files("job", 8, {"r0.data"})
+    assert str(err.value) == (
+        "job/step 8: r0.data could not be fetched from its holders (b:1: peer b:1: reading "
+        "r0.data timed out after 30 s)"
+    )
 
 
 def test_a_range_handed_over_is_the_files_bytes(two_nodes: Peers) -> None:

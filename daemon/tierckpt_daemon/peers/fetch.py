@@ -325,6 +325,7 @@ class PeerFetcher:
         left = set(names)
         moved = 0
         rec: StepRecord | None = None
+        failed: dict[str, Exception] = {}  # the holders whose copy failed, and why
 
         def coverage(peer: str) -> int:
             held = holders[peer]
@@ -340,14 +341,26 @@ class PeerFetcher:
                 rec = self.copier.copy_from(peer, theirs, names=offered)
             except PEER_ERRORS as e:
                 self.ring.peer_failed(peer, e)
+                if not isinstance(e, NotFoundError):  # (one that let it go holds it no more)
+                    failed[peer] = e
                 continue
             got = offered & set(rec.files)
             moved += sum(f.length for f in theirs.files if f.name in got)
             left -= got
         if left:
-            raise StepNotFoundError(
-                f"{namespace}/step {step}: no reachable peer holds {', '.join(sorted(left)[:8])}"
+            missing = ", ".join(sorted(left)[:8])
+            if not failed:
+                raise StepNotFoundError(
+                    f"{namespace}/step {step}: no reachable peer holds {missing}"
+                )
+            # Held by peers whose copy failed: say why, not "no peer holds it".
+            why = "; ".join(f"{p}: {e}" for p, e in sorted(failed.items()))
+            text = (
+                f"{namespace}/step {step}: {missing} could not be fetched from its holders ({why})"
             )
+            if all(isinstance(e, CheckpointFormatError) for e in failed.values()):
+                raise IntegrityError(text)  # every copy found was corrupt
+            raise PeerUnavailableError(text)
         if rec is None:
             rec = self.service.record(namespace, step)
         self.service.metrics.peer_hydrated_bytes.inc(moved)

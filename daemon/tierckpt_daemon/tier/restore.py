@@ -297,7 +297,8 @@ class Restorer:
                     return self.peers.hydrate(namespace, step, wanted, owner=owner)
                 except NotFoundError as e:
                     missing = e
-                except CheckpointFormatError as e:  # every replica failed verification
+                except (CheckpointFormatError, PeerUnavailableError) as e:
+                    # Every replica failed verification, or its holders failed to send it.
                     if self.durable is None:
                         raise
                     logger.warning(
@@ -327,7 +328,7 @@ class Restorer:
         if self.peers is not None:
             try:
                 return self.peers.hydrate(namespace, step, need, owner=owner)
-            except (NotFoundError, CheckpointFormatError) as e:
+            except (NotFoundError, CheckpointFormatError, PeerUnavailableError) as e:
                 if self.durable is None:
                     raise
                 logger.warning("%s: not on the peers (%s); trying the persistent tier", where, e)
