@@ -257,6 +257,7 @@ def _add_peers(node: Node, settings: DaemonSettings) -> None:
         tls=settings.peer_tls,
     )
     ring = Ring(membership, name, replicas=settings.replicas)
+    client.answered = ring.peer_ok
     copier = Copier(
         service,
         client,

@@ -130,6 +130,13 @@ def test_ls_cluster_lists_each_nodes_steps_and_an_unreachable_peer(
     assert plain.returncode == 0, plain.stderr
     assert f"peers did not answer, their copies are not listed: {b.name} (" in plain.stderr
     assert [line.split()[0] for line in plain.stdout.splitlines()[1:]] == ["1", "2"]
+    st = a.status()
+    assert st is not None and st["replication"]["unreachable"] == [b.name]
+    # B answers again: the next call that reaches it clears the mark (it stayed for good where
+    # no push went to B: a status naming a healthy peer UNREACHABLE, or blaming the wrong one).
+    assert {n["node"] for n in _listing(a)["nodes"] if n["reachable"]} == {a.name, b.name}
+    st = a.status()
+    assert st is not None and st["replication"]["unreachable"] == [], st["replication"]
     assert not hung[b.name]["reachable"] and hung[b.name]["steps"] == []
     assert "in time" in hung[b.name]["error"] or "within 1s" in hung[b.name]["error"]
     assert sorted(s["step"] for s in hung[a.name]["steps"]) == [1, 2]

@@ -89,6 +89,9 @@ class PeerClient:
         self.tls = tls
         self._t = Transport(token, members=members, timeout_s=timeout_s, tls=tls, network=network)
         self._ranges = ThreadPoolExecutor(2 * RANGE_STREAMS, thread_name_prefix="tierckpt-range")
+        # Told of every peer that answers a request with success (node.py: the ring's peer_ok):
+        # a peer marked unreachable by one call stays so only until another call succeeds.
+        self.answered: Callable[[str], None] = lambda peer: None
 
     def close(self) -> None:
         self._t.close()
@@ -116,6 +119,8 @@ class PeerClient:
                     extensions=self._t.extensions(),
                     **kwargs,
                 )
+            if resp.status_code < 400:
+                self.answered(peer)
             return decode(peer, method, path, resp.status_code, resp.content)
 
         return self._t.retrying(attempts)(once)
