@@ -178,13 +178,16 @@ def _memory_only(client: DaemonClient, namespace: str, step: int, config: Client
 
 
 def replicates(config: ClientConfig) -> bool:
-    """Whether this rank's daemon replicates committed steps to a peer (a save can wait for
-    its replicas); False when it cannot say (unreachable: the save degrades anyway)."""
+    """Whether a preempted save waits for its replicas: where this rank's daemon replicates
+    committed steps to a peer and has no persistent tier (with one, the deadline is for the
+    upload, and the replicas go on in the background unwaited); False when it cannot say
+    (unreachable: the save degrades anyway)."""
     try:
-        rep = DaemonClient.shared(config).status().replication
+        st = DaemonClient.shared(config).status()
     except DaemonUnavailableError:
         return False
-    return rep is not None and rep.replicas > 0 and len(rep.peers) > 1
+    rep = st.replication
+    return st.persistent is None and rep is not None and rep.replicas > 0 and len(rep.peers) > 1
 
 
 def memory_only_warning(namespace: str, step: int) -> str:

@@ -51,6 +51,8 @@ from tierckpt_core.protocol import validate_namespace
 
 logger = logging.getLogger(__name__)
 
+MAX_REPLICA_WAIT_S = 3600.0  # the longest wait for replicas a daemon takes
+
 # Groups created for checkpointing, keyed by the ranks of the group they serve: created once per
 # process (creating a group is a collective every rank must join), reused by every Checkpointer.
 _GROUPS: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
@@ -397,15 +399,15 @@ class Checkpointer:
         unreplicated = False
         try:
             if self.last_saved_step != step:
-                # Losing this step would hurt: where the daemon replicates, the save counts
-                # once every share has its replicas, not before.
+                # Losing this step would hurt: where the daemon replicates and has no persistent
+                # tier, the save counts once every share has its replicas, not before.
                 wait = "replicated" if replicates(self.config) else "committed"
                 self._start(
                     step,
                     state,
                     persist=True,
                     wait=wait,
-                    replicated_timeout_s=self.preempt_deadline_s,
+                    replicated_timeout_s=min(self.preempt_deadline_s, MAX_REPLICA_WAIT_S),
                 )
             try:
                 self.wait()

@@ -217,18 +217,24 @@ def test_preemption_missing_the_deadline_exits_1(
     assert "no persistent tier" not in caplog.text
 
 
-def test_a_preemption_whose_replicas_cannot_come_ends_within_its_deadline_durable(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, make_node: Callable[..., DaemonProcess]
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent-tier", "memory-only"])
+def test_a_preemption_whose_replicas_cannot_come_ends_within_its_deadline(
+    persistent: bool,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    make_node: Callable[..., DaemonProcess],
 ) -> None:
-    """The preempted save waits for its replicas (the daemon replicates) and then for the
-    persistent tier. With the ring's other node not answering, the replica wait took its own
-    300 s before the deadline's clock even started, and then failed the save, "not
-    checkpointed", exit 1, while the step was durable (a network-fault trial: 301.7 s for a
-    20 s deadline). The deadline bounds both waits now, and a durable step exits 0."""
+    """Where the daemon replicates, a preempted save waited for the step's replicas with the
+    writer's own 300 s, before the deadline's clock even started, then failed "not
+    checkpointed" and exited 1 with the step durable (a network-fault trial: 301.7 s for a
+    20 s deadline; the ring's other node did not answer). With a persistent tier the deadline
+    is the upload's now (the replicas go on unwaited): durable, exit 0. Without one the
+    replicas are the step's only other copy: waited for within the deadline, and their
+    absence is exit 1, said."""
     port = free_port()
+    settings = {"persist_url": f"file://{tmp_path / 'store'}"} if persistent else {}
     with SilentPeer() as silent:
         d = make_node(
-            persist_url=f"file://{tmp_path / 'store'}",
             port=port,
             host="127.0.0.1",
             node_name=f"127.0.0.1:{port}",
@@ -236,6 +242,7 @@ def test_a_preemption_whose_replicas_cannot_come_ends_within_its_deadline_durabl
             peer_token="preemption-replica-test-token-0123456789",
             replicas=1,
             peer_timeout_s=2,
+            **settings,
         )
         config = ClientConfig.from_env(socket=d.socket)
         ckpt = Checkpointer("rep", config=config, preempt_deadline_s=6.0)
@@ -244,12 +251,16 @@ def test_a_preemption_whose_replicas_cannot_come_ends_within_its_deadline_durabl
         with pytest.raises(SystemExit) as exited:
             ckpt.save(3, {"w": torch.ones(1000)})
         took = time.monotonic() - t0
-    assert exited.value.code == 0
     assert took < 6.0 + 10.0, f"the preempted save took {took:.0f} s"
     with DaemonClient(config) as c:
-        assert c.step("rep", 3).state.value == "durable"
-    assert "rep/step 3 is committed, but not replicated within 6 s" in caplog.text
-    assert "rep: step 3 is durable" in caplog.text
+        state = c.step("rep", 3).state.value
+    if persistent:
+        assert exited.value.code == 0 and state == "durable"
+        assert "rep: step 3 is durable" in caplog.text
+        assert "not replicated" not in caplog.text
+    else:
+        assert exited.value.code == 1 and state == "committed"
+        assert "rep/step 3 is committed, but not replicated within 6 s" in caplog.text
 
 
 def test_resolve_chooses_the_step_of_the_next_load_only(client_env: DaemonProcess) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tierckpt_core.errors import (
+    NamespaceNotFoundError,
     NotFoundError,
     PeerUnavailableError,
     PersistentTierUnavailableError,
@@ -22,7 +23,7 @@ from tierckpt_core.integrity import checksum
 from tierckpt_core.layout import durable_steps, read_step_manifest
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.objectstore import FileStore
-from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest
+from tierckpt_core.protocol import CommitRequest, SealFile, SealRequest, StepInfo
 from tierckpt_daemon.api.app import create_app
 from tierckpt_daemon.config import DaemonSettings
 from tierckpt_daemon.node import Node
@@ -228,6 +229,46 @@ def test_hydrate_brings_a_durable_step_back_bit_exact(
     info = other.hydrate("job", 5)
     assert info.step == 5 and info.state.value == "durable"
     assert _read(fresh, 5) == data
+
+
+class _QuietPeers:
+    """A PeerSource whose listing no peer answered: a ring neighbour (``near``) or a peer
+    farther on the ring (asked only where no neighbour knows the namespace)."""
+
+    def __init__(self, near: bool) -> None:
+        self.near = near
+
+    def peer_steps(
+        self,
+        namespace: str,
+        *,
+        owner: str | None = None,
+        silent: list[str] | None = None,
+        near_silent: list[str] | None = None,
+    ) -> dict[int, list[str]]:
+        for out in (silent, near_silent if self.near else None):
+            if out is not None:
+                out.append("c:1 (no answer within 3 s)")
+        return {}
+
+    def hydrate(self, *args: object, **kwargs: object) -> StepInfo:
+        raise AssertionError("not asked")
+
+
+def test_nothing_found_while_a_neighbour_is_silent_is_not_a_first_start(tmp_path: Path) -> None:
+    """The rule behind a restore's "latest" when no step is found: a silent ring neighbour may
+    hold this node's steps (its replicas), so that is no first start (the trainer would train
+    again from scratch); a silent peer farther on the ring, asked because no neighbour knows
+    the namespace (every new job), blocks nothing. A listing is never blocked."""
+    svc = _service(tmp_path / "tier")
+    near = Restorer(svc, peers=_QuietPeers(near=True))
+    with pytest.raises(PeerUnavailableError, match=r"c:1 \(no answer within 3 s\) did not answer"):
+        near.newest_candidates("job")
+    with pytest.raises(NamespaceNotFoundError):
+        near.candidates("job", complete=True)  # (tierckpt ls: it names the silent peers)
+    far = Restorer(svc, peers=_QuietPeers(near=False))
+    with pytest.raises(NamespaceNotFoundError):
+        far.newest_candidates("job")
 
 
 TOKEN = "in-process-peer-token"

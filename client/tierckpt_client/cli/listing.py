@@ -199,6 +199,11 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
     for c in candidates.values():
         if c.step not in held and (c.durable or c.peers):
             docs[(c.step, "")] = _not_in_memory(ns, c)
+    if silent:  # the listing may lack their copies
+        r.warn(
+            f"peers did not answer, their copies are not listed: {'; '.join(silent)} "
+            "(tierckpt ls --cluster shows every node)"
+        )
     if not docs and unreadable is not None:
         raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
     if not docs:
@@ -234,11 +239,6 @@ def _ls_steps(client: DaemonClient, tier: Persistent, ns: str, args: argparse.Na
     names = [f"{ns}/{d['step']}" for d in ordered if d["state"] != "writing"]
     notes = [] if r.OPTIONS.no_headers else attempts.ls_notes(ns, ordered)
     r.emit(args.json, ordered, "\n".join([text, *notes]), names=names)
-    if silent:  # the listing may lack their copies
-        r.warn(
-            f"peers did not answer, their copies are not listed: {'; '.join(silent)} "
-            "(tierckpt ls --cluster shows every node)"
-        )
     if unreadable is not None:
         raise TierCkptError(f"cannot list the persistent tier {tier.url}: {unreadable}") from None
 

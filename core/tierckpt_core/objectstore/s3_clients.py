@@ -140,8 +140,13 @@ def crt_error(
         return PersistentTierError(
             f"{what} {where} failed: bucket {bucket!r} does not exist ({msg})"
         )
-    if "no signing credentials" in low or "no credentials" in low:  # none found: not transient
-        return PersistentTierError(f"{what} {where} failed: {NO_CREDENTIALS} ({msg})")
+    if "no signing credentials" in low or "no credentials" in low:
+        # None configured, or the provider (instance metadata, STS) did not answer: the upload
+        # or read that gets this is retried by its caller, not here five times.
+        return PersistentTierError(
+            f"{what} {where} failed: {NO_CREDENTIALS}, or the credential provider (instance "
+            f"metadata, STS) did not answer ({msg})"
+        )
     if any(s in low for s in _CRT_AUTH):
         return PersistentTierError(
             f"{what} {where} failed: access denied, check the S3 credentials "

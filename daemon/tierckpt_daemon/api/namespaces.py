@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Response
 from starlette.concurrency import run_in_threadpool
 
-from tierckpt_core.errors import TierCkptError
+from tierckpt_core.errors import NotFoundError, TierCkptError
 from tierckpt_core.metadata_blob import unpack_metadata
 from tierckpt_core.protocol import (
     CandidatesListing,
@@ -92,7 +92,14 @@ def candidates(
     (:class:`~tierckpt_core.protocol.CandidatesListing`)."""
     if not read:
         silent: list[str] = []
-        found = node.restorer.candidates(namespace, owner=owner, complete=complete, silent=silent)
+        try:
+            found = node.restorer.candidates(
+                namespace, owner=owner, complete=complete, silent=silent
+            )
+        except NotFoundError:
+            if not (unanswered and silent):
+                raise
+            found = []  # none that answered holds one: said with the peers that did not
         if unanswered:
             return CandidatesListing(candidates=found, unanswered=silent)
         return found

@@ -74,23 +74,32 @@ class PeerFetcher:
         self._ask_pool.shutdown(wait=False, cancel_futures=True)
 
     def peer_steps(
-        self, namespace: str, *, owner: str | None = None, silent: list[str] | None = None
+        self,
+        namespace: str,
+        *,
+        owner: str | None = None,
+        silent: list[str] | None = None,
+        near_silent: list[str] | None = None,
     ) -> dict[int, list[str]]:
         """Which peers hold which committed steps of ``namespace`` (``owner``'s). The ring
         neighbours are asked first (the nodes after this one hold its replicas, and every
         participant of a step holds its record); every other peer only when no neighbour knows
         the namespace, so that "latest" costs O(replicas) requests, not one per node. Peers are
         asked in parallel, once each; one that does not answer within the peer timeout is
-        skipped with a warning (and added to ``silent``)."""
+        skipped with a warning (and added to ``silent``; a ring neighbour, which may hold this
+        node's replicas, to ``near_silent`` too)."""
+        quiet: list[str] = []
         try:
             peers = self.ring.successors()
         except PeerUnavailableError as e:
             logger.warning("%s: not asking the peers for steps: %s", namespace, e)
-            if silent is not None:
-                silent.append(f"the ring ({e})")
-            return {}
-        near = self.ring.neighbours(peers)
-        held = self._ask_steps(namespace, near, owner, silent)
+            quiet.append(f"the ring ({e})")
+            peers = []
+        near = self.ring.neighbours(peers) if peers else []
+        held = self._ask_steps(namespace, near, owner, quiet) if near else {}
+        for out in (silent, near_silent):
+            if out is not None:
+                out += quiet
         rest = [p for p in peers if p not in near]
         if not held and rest:
             logger.info(
@@ -325,7 +334,7 @@ class PeerFetcher:
         left = set(names)
         moved = 0
         rec: StepRecord | None = None
-        failed: dict[str, Exception] = {}  # the holders whose copy failed, and why
+        failed: dict[str, tuple[Exception, set[str]]] = {}  # holders whose copy failed: why, what
 
         def coverage(peer: str) -> int:
             held = holders[peer]
@@ -342,23 +351,25 @@ class PeerFetcher:
             except PEER_ERRORS as e:
                 self.ring.peer_failed(peer, e)
                 if not isinstance(e, NotFoundError):  # (one that let it go holds it no more)
-                    failed[peer] = e
+                    failed[peer] = (e, offered)
                 continue
             got = offered & set(rec.files)
             moved += sum(f.length for f in theirs.files if f.name in got)
             left -= got
+        # Only the holders of what is still missing are to blame (another may have sent theirs).
+        blame = {p: e for p, (e, what) in failed.items() if what & left}
         if left:
             missing = ", ".join(sorted(left)[:8])
-            if not failed:
+            if not blame:
                 raise StepNotFoundError(
                     f"{namespace}/step {step}: no reachable peer holds {missing}"
                 )
             # Held by peers whose copy failed: say why, not "no peer holds it".
-            why = "; ".join(f"{p}: {e}" for p, e in sorted(failed.items()))
+            why = "; ".join(f"{p}: {e}" for p, e in sorted(blame.items()))
             text = (
                 f"{namespace}/step {step}: {missing} could not be fetched from its holders ({why})"
             )
-            if all(isinstance(e, CheckpointFormatError) for e in failed.values()):
+            if all(isinstance(e, CheckpointFormatError) for e in blame.values()):
                 raise IntegrityError(text)  # every copy found was corrupt
             raise PeerUnavailableError(text)
         if rec is None:

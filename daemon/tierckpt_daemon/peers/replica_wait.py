@@ -69,7 +69,9 @@ class ReplicaWait:
             mine = _short(rec.replication_pending, rec.replicated_to)
             if mine is not None:
                 error = self.last_error() if rec.replication_pending else None
-                why[self.node] = f"{mine} (the replicator's last error: {error})" if error else mine
+                if error and error.startswith(f"{where}:"):  # (this step's, not another's)
+                    mine = f"{mine} (its last try: {error[len(where) + 1 :].strip()})"
+                why[self.node] = mine
             failed = {n: w for n, w in why.items() if w.startswith("no replica")}
             if failed:
                 raise NotReplicatedError(

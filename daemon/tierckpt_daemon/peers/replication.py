@@ -27,6 +27,7 @@ import time
 from tierckpt_core.errors import (
     ForbiddenError,
     NamespaceOwnerError,
+    NotAMemberError,
     NotFoundError,
     PeerUnavailableError,
     ProtocolError,
@@ -190,7 +191,10 @@ class Replicator(QueueWorker[StepRecord]):
                 errors.append(f"{peer}: {e}")
                 continue
             except ProtocolError as e:
-                self._refused_by(peer, e)
+                if isinstance(e, NotAMemberError):  # (raised here: the ring changed meanwhile)
+                    self.ring.peer_failed(peer, e)
+                else:
+                    self._refused_by(peer, e)
                 errors.append(f"{peer}: {e}")
                 continue
             except (TierCkptError, OSError) as e:

@@ -25,6 +25,7 @@ from tierckpt_core.errors import (
 )
 from tierckpt_core.layout import (
     MARKER,
+    SIDECAR,
     delete_sidecars,
     file_key,
     marker_key,
@@ -248,7 +249,6 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             extra=step_fields(rec.namespace, rec.step, rec.attempt),
         )
         self.service.metrics.upload_skips.labels(reason=reason).inc()
-        self.service.cancel_persist(rec)
         with self._cv:
             # Its failure was what kept the status unhealthy, and the tier took an upload since
             # (the outage is over): healthy again, not until some later upload (hours away with
@@ -256,6 +256,7 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             if self._uploaded_since_error and not self.failing(besides=rec):
                 self._healthy = True
                 self._last_error = None
+        self.service.cancel_persist(rec)
 
     def _upload(self, rec: StepRecord) -> None:
         ns, step = rec.namespace, rec.step
@@ -281,7 +282,15 @@ class Persister(QueueWorker[StepRecord], DurableReads):
                 self._uploaded(rec, nbytes, t0, f"its share of {len(uploaded)} files")
                 return
             self._own_shares[key] = (uploaded, checksums)
-            uploaded = self._collect_shares(rec, uploaded)
+            everyone = self._collect_shares(rec, uploaded)
+            if earlier is not None and not self._still_there(ns, step, uploaded):
+                # Removed meanwhile (another step's retention took it for an incomplete
+                # upload): sent again, never a marker over files that are not there.
+                logger.info("%s/step %d: this node's share is gone from the tier: again", ns, step)
+                uploaded, checksums = self._upload_own(rec, deciding)
+                self._own_shares[key] = (uploaded, checksums)
+                everyone = self._collect_shares(rec, uploaded)
+            uploaded = everyone
         manifest = rec.manifest(metadata).model_copy(
             update={"files": uploaded, "coordinator": rec.coordinator}
         )
@@ -292,6 +301,15 @@ class Persister(QueueWorker[StepRecord], DurableReads):
         self.service.mark_durable(rec, checksums, uploaded=True)
         self._uploaded(rec, nbytes, t0, f"{len(uploaded)} files")
         self._apply_retention(ns)
+
+    def _still_there(self, namespace: str, step: int, files: list[FileRecord]) -> bool:
+        """Whether every file of ``files`` (with its sidecar) is in the tier's step directory."""
+        keys = {o.key for o in self.store.list(step_prefix(namespace, step))}
+        return all(
+            file_key(namespace, step, f.name) in keys
+            and file_key(namespace, step, f.name + SIDECAR) in keys
+            for f in files
+        )
 
     def _upload_own(
         self, rec: StepRecord, deciding: bool
@@ -446,8 +464,16 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             parsed = parse_step_key(namespace, obj.key)
             if parsed is not None:
                 by_step.setdefault(parsed[0], []).append(obj.key)
+        # Steps this node still uploads (a decider waiting for the other shares) are not left
+        # over: their upload goes on.
+        busy = {r.step for r in self.service.pending_uploads() if r.namespace == namespace}
+        busy |= {k[1] for k in self._own_shares if k[0] == namespace}
         for step, keys in by_step.items():
-            if step < below and not any(k.endswith("/" + MARKER) for k in keys):
+            if (
+                step < below
+                and step not in busy
+                and not any(k.endswith("/" + MARKER) for k in keys)
+            ):
                 self.store.delete(keys)
                 logger.info(
                     "%s/step %d: removed an incomplete upload from %s",

@@ -11,6 +11,7 @@ asked of a ``RingSource`` (:mod:`tierckpt_daemon.peers.spanning`). The daemon's 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from tierckpt_core.errors import (
@@ -38,6 +39,25 @@ logger = logging.getLogger(__name__)
 METADATA_CACHE_STEPS = 4  # steps whose metadata, fetched from its holders, is kept in memory
 
 
+def _durable_else(
+    failed: PeerUnavailableError | None,
+    hydrate: Callable[..., StepInfo],
+    namespace: str,
+    step: int,
+    files: set[str] | None,
+    owner: str | None,
+) -> StepInfo:
+    """The persistent tier's copy; where it has none and the peers that hold the step failed
+    to send it (``failed``), their failure is the answer, not "not found" (a reader takes that
+    for a step that is gone, and restores an older one)."""
+    try:
+        return hydrate(namespace, step, files, owner=owner)
+    except NotFoundError:
+        if failed is None:
+            raise
+        raise failed from None
+
+
 def _undecided(namespace: str, partial: list[int], silent: list[str]) -> PeerUnavailableError:
     """No whole step found, where peers that did not answer may hold one (or the rest of one
     held here in part): not "nothing to restore", which a trainer takes for a fresh start."""
@@ -61,10 +81,15 @@ class PeerSource(Protocol):
     """Peers' copies; ``owner``: only that identity's steps count (None: anyone's)."""
 
     def peer_steps(
-        self, namespace: str, *, owner: str | None = None, silent: list[str] | None = None
+        self,
+        namespace: str,
+        *,
+        owner: str | None = None,
+        silent: list[str] | None = None,
+        near_silent: list[str] | None = None,
     ) -> dict[int, list[str]]:
         """Which peers hold which committed steps (unreachable peers skipped, never waited on;
-        each added to ``silent``, with why)."""
+        each added to ``silent``, with why, and a ring neighbour to ``near_silent`` too)."""
         ...
 
     def hydrate(
@@ -197,8 +222,9 @@ class Restorer:
     ) -> tuple[list[StepCandidate], int | None]:
         validate_namespace(namespace)
         silent = [] if silent is None else silent
+        near_silent: list[str] = []  # ring neighbours, which may hold this node's replicas
         on_peers = (
-            self.peers.peer_steps(namespace, owner=owner, silent=silent)
+            self.peers.peer_steps(namespace, owner=owner, silent=silent, near_silent=near_silent)
             if self.peers is not None
             else {}
         )
@@ -245,7 +271,11 @@ class Restorer:
         if not steps:
             if tier_error is not None:
                 raise tier_error
-            if below is None and (partial or silent):
+            # A load of "latest" (not a listing, which says who did not answer): where the
+            # newest step cannot be told, that is not "nothing to restore", which a trainer
+            # takes for a first start. A peer farther on the ring (asked when no neighbour
+            # knows the namespace: every first start) blocks nothing.
+            if not whole and below is None and (partial or near_silent):
                 raise _undecided(namespace, partial, silent)
             where = " or the persistent tier" if self.durable else ""
             where += ", nor do its peers hold one" if self.peers else ""
@@ -292,6 +322,7 @@ class Restorer:
                     return rec.info()
                 return self._fetch(namespace, step, need, owner)
             wanted = set(files) if files else None
+            failed: PeerUnavailableError | None = None
             if self.peers is not None:
                 try:
                     return self.peers.hydrate(namespace, step, wanted, owner=owner)
@@ -301,6 +332,7 @@ class Restorer:
                     # Every replica failed verification, or its holders failed to send it.
                     if self.durable is None:
                         raise
+                    failed = e if isinstance(e, PeerUnavailableError) else None
                     logger.warning(
                         "%s/step %d: no good replica on the peers (%s); trying the persistent tier",
                         namespace,
@@ -309,7 +341,7 @@ class Restorer:
                     )
             if self.durable is None:
                 raise missing
-            return self.durable.hydrate(namespace, step, wanted, owner=owner)
+            return _durable_else(failed, self.durable.hydrate, namespace, step, wanted, owner)
 
     def _missing(self, rec: StepRecord, files: list[str] | None) -> set[str]:
         if self.ring is not None:
@@ -332,6 +364,8 @@ class Restorer:
                 if self.durable is None:
                     raise
                 logger.warning("%s: not on the peers (%s); trying the persistent tier", where, e)
+                if isinstance(e, PeerUnavailableError):
+                    return _durable_else(e, self.durable.hydrate, namespace, step, need, owner)
         if self.durable is None:
             raise StepNotFoundError(
                 f"{where} are held by other nodes, and this daemon has no peers (TIERCKPT_PEERS) "
