@@ -104,8 +104,9 @@ class Checkpointer:
         handle_signals: install the handlers (only possible from the main thread).
         preempt_deadline_s: how long a preempted save may take to become durable before the
             process exits anyway (with status 1). A daemon with no persistent tier: the save is
-            done once it is committed in memory (exit 0, with one warning). The preemption's
-            save waits for its replicas (``wait="replicated"``) where the daemon replicates.
+            done once it is committed in memory (exit 0, with one warning), and where that
+            daemon replicates, once its replicas are there (``wait="replicated"``, within the
+            deadline; status 1 if they are not).
         async_staging: copy the state into the tier while the loop goes on (default:
             ``config.async_staging``, ``TIERCKPT_ASYNC_STAGING``, on). ``False``: ``save``
             returns once the state is copied.
