@@ -285,11 +285,14 @@ class Persister(QueueWorker[StepRecord], DurableReads):
             everyone = self._collect_shares(rec, uploaded)
             if earlier is not None and not self._still_there(ns, step, uploaded):
                 # Removed meanwhile (another step's retention took it for an incomplete
-                # upload): sent again, never a marker over files that are not there.
+                # upload): sent again (the same bytes, checked against the same checksums, so
+                # the shares collected stand), never a marker over files that are not there.
                 logger.info("%s/step %d: this node's share is gone from the tier: again", ns, step)
-                uploaded, checksums = self._upload_own(rec, deciding)
-                self._own_shares[key] = (uploaded, checksums)
-                everyone = self._collect_shares(rec, uploaded)
+                if self._upload_own(rec, deciding)[1] != checksums:
+                    raise IntegrityError(
+                        f"{ns}/step {step}: this node's share changed in memory since its first "
+                        "upload; not persisting it"
+                    )
             uploaded = everyone
         manifest = rec.manifest(metadata).model_copy(
             update={"files": uploaded, "coordinator": rec.coordinator}
